@@ -1,0 +1,94 @@
+"""The engine folder's graphs on ONNX Runtime: session creation and weight override.
+
+Weight push (refit) uses ONNX Runtime's ``SessionOptions.add_external_initializers``: every
+mapped weight is stored in the graph as *external data*, and a new session over the same
+graph file is given the new tensors in their place. The graph is never re-exported. We do
+NOT use ``add_initializer`` on a session whose graph already carries the weights: with graph
+optimisations on, constant folding through the exporter's transposes can silently keep the
+old values (measured on this machine; see DEVELOPERS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from export.errors import RefitError
+
+MANIFEST = "manifest.json"
+FORMAT = "refit-engine/1"
+
+_TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
+
+
+def read_manifest(engine_dir: str | Path) -> dict:
+    engine_dir = Path(engine_dir)
+    f = engine_dir / MANIFEST
+    if not engine_dir.is_dir():
+        raise RefitError(f"engine folder {engine_dir} does not exist")
+    if not f.exists():
+        raise RefitError(f"{engine_dir} is not a Refit engine folder: no {MANIFEST} (run `refit export` first)")
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise RefitError(f"{f} is corrupt: {e}") from None
+    if m.get("format") != FORMAT:
+        raise RefitError(f"{f} has format {m.get('format')!r}, this Refit reads {FORMAT!r}")
+    return m
+
+
+def session_options(threads: int | None = None, opt_level: str = "all"):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    so.graph_optimization_level = levels[opt_level]
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+def default_providers(device: str = "cpu") -> list[str]:
+    """Execution providers in preference order; CUDA/TensorRT only when asked for and present."""
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    wanted = ["TensorrtExecutionProvider", "CUDAExecutionProvider"] if device == "tensorrt" else ["CUDAExecutionProvider"]
+    chosen = [p for p in wanted if p in have]
+    if not chosen:
+        raise RefitError(f"onnxruntime has no {' or '.join(wanted)} here (available: {', '.join(have)}); "
+                         "install refit[gpu] on a CUDA machine or use --device cpu")
+    return chosen + ["CPUExecutionProvider"]
+
+
+def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None = None,
+                 threads: int | None = None, providers: list[str] | None = None, opt_level: str = "all"):
+    """An ``InferenceSession`` over ``graph_path``; ``weights`` replace its external initializers.
+
+    Returns (session, keepalive): keep ``keepalive`` referenced for the session's lifetime,
+    ONNX Runtime reads the supplied buffers in place.
+    """
+    import onnxruntime as ort
+
+    so = session_options(threads, opt_level)
+    keep = []
+    if weights:
+        names = list(weights)
+        keep = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
+        so.add_external_initializers(names, keep)
+    try:
+        sess = ort.InferenceSession(str(graph_path), so, providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - corrupt/missing graph files become one line
+        raise RefitError(f"cannot load engine graph {graph_path}: {str(e).splitlines()[0][:300]}") from None
+    return sess, keep

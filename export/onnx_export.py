@@ -1,0 +1,287 @@
+"""HF checkpoint folder -> ONNX engine folder (graphs with KV cache, refittable weights, manifest).
+
+Choice of exporter (written down, as DEVELOPERS.md asks): ``torch.onnx.export(dynamo=True)``
+(torch.export + onnxscript) with the small wrappers in :mod:`export.wrappers`. It works on the
+transformers 5.x line that users are on; optimum's exporter pins transformers < 4.58. Its
+default optimisations rename, pre-transpose and merge weights, so the exporter traces a
+fingerprinted copy of the model and builds the HF -> engine weight map by content
+(:mod:`export.weight_map`); the real weights are then written through that map.
+
+Steps (each cached, Polygraphy-style): load + validate -> trace graphs -> map weights ->
+write graphs with external weight data -> parity gate -> manifest -> atomic rename.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from export.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
+from export.errors import RefitError
+from export.graph import FORMAT, MANIFEST
+from export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
+                               fingerprint_, tensor_bytes)
+from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
+OPSET = 18
+EXPORTER_VERSION = "1"  # bump when the graph layout changes, so cached engines are rebuilt
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How to export. Every field is part of the cache key."""
+
+    backend: str = "onnx"  # "onnx" | "tensorrt" (TensorRT engines are built from the ONNX graphs)
+    dtype: str = "fp32"  # "fp32" | "fp16" | "bf16": weights and activations of the engine
+    max_batch: int = 64  # largest batch the engine accepts (TensorRT profile max)
+    max_len: int = 512  # largest prompt + response length the engine accepts
+    parity_tol: float | None = None  # max |logprob diff| allowed; default by dtype (fp32: 1e-4)
+
+
+PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
+
+
+def _kv_names(prefix: str, n_layers: int) -> list[str]:
+    return [f"{prefix}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def graph_specs(model, info: ModelInfo) -> list[dict]:
+    """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
+    D = torch.export.Dim
+    batch, seq, past, total, enc = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq")
+    L, H, Dh, B = info.n_layers, info.n_kv_heads, info.head_dim, 2
+    kv = lambda n: [torch.zeros(B, H, n, Dh, dtype=model.dtype) for _ in range(2 * L)]  # noqa: E731
+    if info.kind == "decoder":
+        ids = torch.full((B, 3), 5, dtype=torch.long)
+        return [dict(
+            name="decoder", module=DecoderWithPast(model),
+            args=(ids, torch.ones(B, 7, dtype=torch.long), torch.arange(4, 7).expand(B, 3).contiguous(), *kv(4)),
+            inputs=["input_ids", "attention_mask", "position_ids", *_kv_names("past", L)],
+            outputs=["logits", *_kv_names("present", L)],
+            dynamic={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total},
+                     "position_ids": {0: batch, 1: seq}, "past": tuple({0: batch, 2: past} for _ in range(2 * L))},
+        )]
+    ids = torch.full((B, 5), 5, dtype=torch.long)
+    return [
+        dict(name="encoder", module=Seq2SeqEncoder(model), args=(ids, torch.ones(B, 5, dtype=torch.long)),
+             inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
+             dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}}),
+        dict(name="decoder", module=Seq2SeqDecoderWithPast(model),
+             args=(torch.full((B, 2), 5, dtype=torch.long), torch.ones(B, 5, dtype=torch.long), *kv(5), *kv(3)),
+             inputs=["decoder_input_ids", "encoder_attention_mask", *_kv_names("cross", L), *_kv_names("past", L)],
+             outputs=["logits", *_kv_names("present", L)],
+             dynamic={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: enc},
+                      "flat": tuple([{0: batch, 2: enc}] * (2 * L) + [{0: batch, 2: past}] * (2 * L))}),
+    ]
+
+
+def _trace(spec: dict):
+    """torch.onnx.export of one wrapper; returns the ONNX ModelProto (weights inline)."""
+    import warnings
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
+            dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False,
+        )
+    return prog.model_proto
+
+
+def _initializer_arrays(proto) -> dict:
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+
+
+def _write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Put the real weights into ``proto`` and save it with every mapped weight as external data."""
+    import onnx
+
+    data_name = path.name + ".data"
+    offset = 0
+    with open(path.parent / data_name, "wb") as f:
+        for init in proto.graph.initializer:
+            t = weights.get(init.name)
+            if t is None:
+                continue  # a graph constant (shape, scalar, rotary frequencies): stays inline
+            raw = tensor_bytes(t)
+            pad = (-offset) % 64  # 64-byte alignment lets runtimes map tensors in place
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(raw)
+            del init.dims[:]
+            init.dims.extend(t.shape)
+            init.data_type = ONNX_DTYPE[t.dtype]
+            init.ClearField("raw_data")
+            for fld in ("float_data", "int32_data", "int64_data", "double_data"):
+                init.ClearField(fld)
+            del init.external_data[:]
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = init.external_data.add()
+                entry.key, entry.value = k, v
+            init.data_location = onnx.TensorProto.EXTERNAL
+            offset += len(raw)
+    onnx.save_model(proto, str(path))
+
+
+def _sha256_files(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_hash(model_dir: Path) -> str:
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    return _sha256_files(files)
+
+
+def cache_key(model_dir: Path, opts: ExportOptions) -> str:
+    blob = json.dumps({"w": weights_hash(model_dir), "o": asdict(opts), "v": EXPORTER_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxruntime
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__}
+
+
+def _check_out_dir(out_dir: Path, key: str) -> bool:
+    """True when ``out_dir`` already holds this exact export; error if it holds something else."""
+    if not out_dir.exists():
+        return False
+    if not out_dir.is_dir():
+        raise RefitError(f"output {out_dir} exists and is not a folder")
+    m = out_dir / MANIFEST
+    if not m.exists():
+        if any(out_dir.iterdir()):
+            raise RefitError(f"output folder {out_dir} holds something else (no {MANIFEST}); refusing to overwrite it")
+        return False
+    try:
+        return json.loads(m.read_text()).get("cache_key") == key
+    except json.JSONDecodeError:
+        return False
+
+
+def _atomic_replace(tmp: Path, out_dir: Path) -> None:
+    """Swap ``tmp`` into place; an old engine folder is removed only after the new one is in."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions = ExportOptions(),
+                log=print) -> Path:
+    """Export ``model_dir`` to the engine folder ``out_dir`` (reused when weights and options match)."""
+    from export.parity import parity_gate
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    info = model_info(model_dir)
+    tok = load_tokenizer(model_dir, info)
+    if opts.dtype not in DTYPES:
+        raise RefitError(f"unknown dtype {opts.dtype!r}; choose fp32, fp16 or bf16")
+    key = cache_key(model_dir, opts)
+    if _check_out_dir(out_dir, key):
+        log(f"refit export: {out_dir} is up to date (same weights and options), reused")
+        return out_dir
+    t0 = time.perf_counter()
+    dtype = DTYPES[opts.dtype]
+    model = load_model(model_dir, info, dtype=dtype)
+    params, tied = canonical_params(model)
+    shadow = copy.deepcopy(model)
+    fingerprint_(shadow)
+    fp_params, _ = canonical_params(shadow)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        specs = graph_specs(shadow, info)
+        protos = {s["name"]: _trace(s) for s in specs}
+        wmap = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()}, dtype)
+        check_one_to_one(wmap)
+        real = engine_weights(params, wmap, dtype)
+        graphs = {}
+        for s in specs:
+            path = tmp / f"{s['name']}.onnx"
+            _write_graph(protos[s["name"]], real.get(s["name"], {}), path)
+            graphs[s["name"]] = {
+                "file": path.name, "data": path.name + ".data", "inputs": s["inputs"], "outputs": s["outputs"],
+                "sha256": _sha256_files([path]), "weights_sha256": _sha256_files([tmp / (path.name + ".data")]),
+            }
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        shutil.copy(model_dir / "config.json", tmp / "config.json")
+        export_s = time.perf_counter() - t0
+        manifest = _manifest(info, opts, key, graphs, wmap, tied, model_dir, export_s)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
+        manifest["parity"] = parity_gate(model, tmp, manifest, tok, tol)
+        manifest["export_seconds"] = round(time.perf_counter() - t0, 3)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _atomic_replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    p = manifest["parity"]
+    log(f"refit export: wrote {out_dir} in {manifest['export_seconds']:.1f} s; parity max|dlogit|="
+        f"{p['max_abs_logit_diff']:.2e} max|dlogprob|={p['max_abs_logprob_diff']:.2e} (tol {tol:g})")
+    return out_dir
+
+
+def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict, wmap: dict, tied: dict,
+              model_dir: Path, export_s: float) -> dict:
+    from export.profiles import dynamic_dims, shape_profiles
+
+    return {
+        "format": FORMAT,
+        "backend": "onnx",
+        "model_type": info.model_type,
+        "architecture": info.architecture,
+        "kind": info.kind,
+        "dtype": opts.dtype,
+        "opset": OPSET,
+        "source_model": str(model_dir.resolve()),
+        "padding": {
+            "prompt_side": info.padding_side,
+            "position_ids": "cumsum(attention_mask)-1, 1 on padding" if info.kind == "decoder" else "relative (T5)",
+            "response_side": "right",
+            "rule": "decoder-only: left-padded prompts; encoder-decoder: encoder padded on its native side",
+        },
+        "special_ids": {"pad": info.pad_id, "eos": info.eos_id, "decoder_start": info.decoder_start_id},
+        "dims": {"vocab_size": info.vocab_size, "n_layers": info.n_layers, "n_kv_heads": info.n_kv_heads,
+                 "head_dim": info.head_dim, "max_positions": info.max_positions,
+                 "max_batch": opts.max_batch, "max_len": opts.max_len},
+        "graphs": graphs,
+        "dynamic_dims": dynamic_dims(info),
+        "profiles": shape_profiles(info, opts.max_batch, opts.max_len),
+        "weight_map": wmap,
+        "tied": tied,
+        "hashes": {"hf_weights_sha256": weights_hash(model_dir),
+                   "graphs_sha256": {g: v["sha256"] for g, v in graphs.items()},
+                   "engine_weights_sha256": {g: v["weights_sha256"] for g, v in graphs.items()}},
+        "cache_key": key,
+        "options": asdict(opts),
+        "versions": _versions(),
+        "trace_seconds": round(export_s, 3),
+    }

@@ -1,0 +1,62 @@
+"""Shape profiles and named dynamic dimensions of the engine graphs.
+
+Two profiles per decoder graph, as TensorRT needs them (one optimization profile each) and
+as the manifest records them: ``prefill`` (the whole prompt, empty cache) and ``decode`` (one
+new token per row, a cache of 1..max_len-1). The encoder has one profile.
+Each entry is ``{input: {"min": [...], "opt": [...], "max": [...]}}``.
+"""
+
+from __future__ import annotations
+
+from export.checkpoint import ModelInfo
+
+
+def dynamic_dims(info: ModelInfo) -> dict[str, str]:
+    """Every named dynamic dimension and what it means."""
+    dims = {"batch": "rows in the batch (prompts x samples)", "seq": "new tokens in this call",
+            "past": "tokens already in the KV cache"}
+    if info.kind == "decoder":
+        dims["total"] = "past + seq: attention_mask length"
+    else:
+        dims["enc_seq"] = "encoder input length"
+    return dims
+
+
+def _kv(info: ModelInfo, prefix: str, b: int, n: int) -> dict[str, list[int]]:
+    return {f"{prefix}.{i}.{k}": [b, info.n_kv_heads, n, info.head_dim]
+            for i in range(info.n_layers) for k in ("key", "value")}
+
+
+def _profile(mins: dict, opts: dict, maxs: dict) -> dict:
+    return {name: {"min": mins[name], "opt": opts[name], "max": maxs[name]} for name in mins}
+
+
+def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> dict[str, dict]:
+    """{graph: {profile_name: {input: {min, opt, max}}}}."""
+    ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
+    if info.kind == "decoder":
+        def shapes(b, s, p):
+            d = {"input_ids": [b, s], "attention_mask": [b, p + s], "position_ids": [b, s]}
+            d.update(_kv(info, "past", b, p))
+            return d
+        return {"decoder": {
+            "prefill": _profile(shapes(1, 1, 0), shapes(ob, ol, 0), shapes(max_batch, max_len, 0)),
+            "decode": _profile(shapes(1, 1, 1), shapes(ob, 1, ol), shapes(max_batch, 1, max_len - 1)),
+        }}
+
+    def enc(b, s):
+        return {"input_ids": [b, s], "attention_mask": [b, s]}
+
+    def dec(b, s, e, p):
+        d = {"decoder_input_ids": [b, s], "encoder_attention_mask": [b, e]}
+        d.update(_kv(info, "cross", b, e))
+        d.update(_kv(info, "past", b, p))
+        return d
+
+    return {
+        "encoder": {"encode": _profile(enc(1, 1), enc(ob, ol), enc(max_batch, max_len))},
+        "decoder": {
+            "prefill": _profile(dec(1, 1, 1, 0), dec(ob, 1, ol, 0), dec(max_batch, max_len, max_len, 0)),
+            "decode": _profile(dec(1, 1, 1, 1), dec(ob, 1, ol, ol), dec(max_batch, 1, max_len, max_len - 1)),
+        },
+    }
