@@ -1,0 +1,57 @@
+"""``refit``: one console command, one subcommand per job.
+
+Each subcommand lives in the module that owns the job and exposes ``main(argv) -> int``; this
+file only dispatches (imports are lazy so ``refit export --help`` never imports the learner,
+and nothing imports ``tensorrt`` unless asked). A :class:`export.errors.RefitError` becomes one
+line on stderr and exit status 2; nothing half-written is left behind by the jobs themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "build-model": ("export.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
+    "export": ("export.cli", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
+    "generate": ("rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
+    "bench": ("learner.bench_cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
+    "ppo": ("learner.ppo_cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
+    "distill": ("learner.distill_cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
+    "demo": ("learner.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: refit <command> [options]", "", "Refit: RLHF and distillation with generation on exported engines.",
+             "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'refit <command> --help' for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    from export.errors import RefitError
+
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except RefitError as e:
+        print(f"refit {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"refit {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
