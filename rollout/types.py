@@ -1,0 +1,160 @@
+"""Typed records at the rollout boundary: what generation is asked for, and what it returns.
+
+Padding rule (stated once; the source of truth is :mod:`export.padding`):
+
+- ``prompt_ids`` / ``prompt_mask`` (B, Tp): decoder-only prompts are LEFT-padded, with
+  positions counted over real tokens only; encoder-decoder (T5) prompts are the encoder input,
+  padded on the model's native side (RIGHT for T5 -- forcing left there is the TRL
+  negative-KL bug, see shared/seeds/trl-pr-t5-negative-kl.txt).
+- ``response_ids`` / ``response_mask`` (B, Tr): RIGHT-padded with the pad id; the mask is 1 up
+  to AND INCLUDING the first stop token (EOS or ``SamplingParams.stop_ids``), then 0. A row that
+  never stops is all ones. Every per-token float field is 0.0 where the mask is 0.
+
+Three log-prob sources are kept apart by name (STYLE.md): the engine's ``rollout_logprobs``
+(this file), the learner's ``old_logprobs`` and ``ref_logprobs`` (computed in PyTorch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from export.padding import check_left_padded, check_right_padded
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode. Processing order follows HF: temperature, then top-k, then top-p."""
+
+    max_new_tokens: int = 32  # response length cap (Tr <= max_new_tokens)
+    temperature: float = 1.0  # logits / temperature before any truncation; > 0
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p (top token always kept); 1 = off
+    greedy: bool = False  # argmax of the logits; rollout_logprobs are then 0.0 (a point mass)
+    stop_ids: tuple[int, ...] = ()  # extra stop token ids besides the model's EOS
+    n: int = 1  # samples per prompt; rows are prompt-major
+    seed: int | None = None  # torch.Generator seed; None = nondeterministic
+    return_topk: int = 0  # k > 0: also return the top-k plain log-probs/ids per generated position
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+        problems = [
+            (self.max_new_tokens < 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (not self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
+            (self.top_k < 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.n < 1, f"n (samples per prompt) must be >= 1, got {self.n}"),
+            (self.return_topk < 0, f"return_topk must be >= 0, got {self.return_topk}"),
+            (any(s < 0 for s in self.stop_ids), f"stop_ids must be token ids >= 0, got {self.stop_ids}"),
+        ]
+        for bad, msg in problems:
+            if bad:
+                raise ValueError(msg)
+
+    @property
+    def truncates(self) -> bool:
+        """True when the sampled distribution differs from plain softmax(logits / temperature)."""
+        return self.greedy or self.top_k > 0 or self.top_p < 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """One generate() call's output: B = len(prompts) * n rows, all torch CPU tensors."""
+
+    prompt_ids: torch.Tensor  # (B, Tp) int64, padded per the rule above (left / native encoder side)
+    prompt_mask: torch.Tensor  # (B, Tp) int64, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (B, Tr) int64, right-padded with pad_id
+    response_mask: torch.Tensor  # (B, Tr) float32, 1 up to and including the first stop token
+    rollout_logprobs: torch.Tensor  # (B, Tr) float32, log-prob under the distribution sampled from
+    #   (logits/temperature -> top-k -> top-p, renormalised); 0.0 when greedy
+    rollout_plain_logprobs: torch.Tensor  # (B, Tr) float32, log_softmax(logits/temperature), no truncation
+    prompt_index: torch.Tensor  # (B,) int64, row -> prompt; prompt-major (p0 s0..s(n-1), p1 s0, ...)
+    weights_version: int  # engine weights_version the batch was generated with
+    sampling: SamplingParams  # the params used
+    is_seq2seq: bool  # True: prompt_ids are the encoder input (T5)
+    topk_logprobs: torch.Tensor | None = None  # (B, Tr, k) float32, top-k plain log-probs, k = return_topk
+    topk_ids: torch.Tensor | None = None  # (B, Tr, k) int64, their token ids (pad_id where masked)
+    pad_id: int = 0  # the pad token of response_ids / prompt_ids
+    eos_id: int | None = None  # model EOS; with sampling.stop_ids the stop set that check() verifies
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def stop_set(self) -> set[int]:
+        return set(self.sampling.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
+
+    def check(self) -> "RolloutBatch":
+        """Raise ValueError (one line) unless shapes, dtypes and the padding rule hold; return self."""
+        b, tp = self.prompt_ids.shape
+        tr = self.response_ids.shape[1]
+        specs = [("prompt_ids", (b, tp), torch.int64), ("prompt_mask", (b, tp), torch.int64),
+                 ("response_ids", (b, tr), torch.int64), ("response_mask", (b, tr), torch.float32),
+                 ("rollout_logprobs", (b, tr), torch.float32), ("rollout_plain_logprobs", (b, tr), torch.float32),
+                 ("prompt_index", (b,), torch.int64)]
+        k = self.sampling.return_topk
+        if k:
+            specs += [("topk_logprobs", (b, tr, k), torch.float32), ("topk_ids", (b, tr, k), torch.int64)]
+        for name, shape, dtype in specs:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"RolloutBatch.{name}: expected {shape} {dtype}, got {got}")
+        if self.is_seq2seq:
+            check_right_padded(self.prompt_mask)
+            if (self.prompt_mask.sum(-1) == 0).any():
+                raise ValueError("a row has no real tokens (empty prompt)")
+        else:
+            check_left_padded(self.prompt_mask)
+        self._check_response()
+        return self
+
+    def _check_response(self) -> None:
+        m = self.response_mask
+        if not ((m == 0) | (m == 1)).all():
+            raise ValueError("response_mask must be 0/1")
+        check_right_padded(m)
+        off = m == 0
+        if (self.response_ids[off] != self.pad_id).any():
+            raise ValueError("response_ids must hold pad_id where response_mask is 0")
+        for name in ("rollout_logprobs", "rollout_plain_logprobs"):
+            if (getattr(self, name)[off] != 0).any():
+                raise ValueError(f"{name} must be 0.0 where response_mask is 0")
+        if (self.rollout_plain_logprobs > 1e-5).any() or (self.rollout_logprobs > 1e-5).any():
+            raise ValueError("log-probs must be <= 0")
+        stops = self.stop_set()
+        if not stops:
+            return
+        is_stop = torch.zeros_like(off)
+        for s in stops:
+            is_stop |= self.response_ids == s
+        lengths = m.sum(-1).long()
+        inside = is_stop & (m == 1)
+        last = torch.zeros_like(off)
+        rows = torch.nonzero(lengths > 0).flatten()
+        last[rows, lengths[rows] - 1] = True
+        if (inside & ~last).any():
+            raise ValueError("response_mask continues past a stop token")
+        short = lengths < m.shape[1]
+        if (short & ~(inside & last).any(-1)).any():
+            raise ValueError("a response ends (mask 0) without a stop token")
+
+    def rows(self, idx) -> "RolloutBatch":
+        """A batch of the selected rows (index list, slice or bool mask); padding columns kept."""
+        idx = torch.as_tensor(idx) if not isinstance(idx, slice) else idx
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return replace(self, **{f: pick(getattr(self, f)) for f in _ROW_FIELDS})
+
+
+_ROW_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs",
+               "rollout_plain_logprobs", "prompt_index", "topk_logprobs", "topk_ids")
+
+
+@dataclass
+class ScoreResult:
+    """Engine.score() output: the plain policy's view of given responses (teacher / reference)."""
+
+    logprobs: torch.Tensor  # (B, Tr) float32, log_softmax(logits/temperature) at each response token; 0 where masked
+    topk_logprobs: torch.Tensor | None = field(default=None)  # (B, Tr, k) float32, top-k of the same distribution
+    topk_ids: torch.Tensor | None = field(default=None)  # (B, Tr, k) int64, their token ids
