@@ -1,0 +1,82 @@
+"""Rollout/learner mismatch: measure it every step, name its likely cause, explain negative KL.
+
+Three causes are told apart by where the disagreement between the engine's untruncated
+log-probs (``rollout_plain_logprobs``) and the learner's (``old_logprobs``) sits:
+
+- padding: rows whose prompt carries padding disagree much more than rows that do not
+  (left padding forced on T5's encoder, positions not taken from the mask; the TRL seed bug);
+- precision: every row disagrees a little (fp16/bf16 on one side, fp32 on the other);
+- weights: large disagreement everywhere (a stale or wrong weight push).
+
+Truncated sampling (top-k/top-p) is not a mismatch of the two models: it makes the sampled
+distribution differ from the policy, which biases k1 computed from the sampler's log-probs.
+Its size is ``truncation_gap`` = mean(rollout_logprobs - rollout_plain_logprobs) >= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner import losses as L
+
+PRECISION_LIMIT = 0.05  # mean |diff| below this with every row affected: rounding, not wrong inputs
+
+
+def mismatch_stats(batch, old_logprobs: torch.Tensor) -> dict[str, float]:
+    """Engine vs learner figures for one rollout batch (floats, for metrics.jsonl)."""
+    mask = batch.response_mask
+    base = L.logprob_mismatch_stats(batch.rollout_plain_logprobs, old_logprobs, mask)
+    diff = (batch.rollout_plain_logprobs - old_logprobs).abs() * mask
+    padded = (batch.prompt_mask == 0).any(-1)
+    row_mean = diff.sum(-1) / mask.sum(-1).clamp(min=1)
+    stats = {f"mismatch/{k}": float(v) for k, v in base.items()}
+    stats["mismatch/truncation_gap"] = float(L.masked_mean(batch.rollout_logprobs - batch.rollout_plain_logprobs,
+                                                           mask)) if not batch.sampling.greedy else float("nan")
+    stats["mismatch/padded_rows_mean_abs_diff"] = float(row_mean[padded].mean()) if padded.any() else 0.0
+    stats["mismatch/unpadded_rows_mean_abs_diff"] = float(row_mean[~padded].mean()) if (~padded).any() else 0.0
+    stats["mismatch/rows_affected_frac"] = float((row_mean > 1e-4).float().mean())
+    return stats
+
+
+def name_mismatch(stats: dict[str, float], tol: float = 1e-3) -> str | None:
+    """'padding' | 'precision' | 'weights' | None (agreement within ``tol``)."""
+    if stats["mismatch/max_abs_diff"] <= tol:
+        return None
+    padded, unpadded = stats["mismatch/padded_rows_mean_abs_diff"], stats["mismatch/unpadded_rows_mean_abs_diff"]
+    if padded > 10 * max(unpadded, 1e-6):
+        return "padding"
+    if stats["mismatch/mean_abs_diff"] < PRECISION_LIMIT:
+        return "precision"
+    return "weights"
+
+
+_CAUSES = {
+    "padding": "engine and learner disagree on padded rows only: the padding side or position ids differ "
+               "(never force left padding on an encoder; decoder positions must come from the attention mask)",
+    "precision": "engine and learner disagree a little on every row: they run at different precisions "
+                 "(fp16/bf16 vs fp32); export and learn at the same dtype or enable mismatch_correction=tis",
+    "weights": "engine and learner disagree everywhere: the engine holds other weights than the learner "
+               "(stale or failed weight push)",
+}
+
+
+def describe(cause: str | None) -> str:
+    return _CAUSES.get(cause or "", "engine and learner agree")
+
+
+def explain_negative_kl(k1_mean: float, exact_kl_mean: float | None, stats: dict[str, float], truncates: bool) -> str:
+    """Why the k1 estimate went below zero, most likely cause first (one line)."""
+    reasons = []
+    cause = name_mismatch(stats)
+    if cause is not None:
+        reasons.append(describe(cause))
+    if truncates:
+        reasons.append(f"samples come from a top-k/top-p truncated distribution (truncation gap "
+                       f"{stats.get('mismatch/truncation_gap', float('nan')):.3g} nats/token), so the mean of "
+                       "log pi - log ref over them is not KL(pi||ref); use kl_estimator=exact or k3, or tis")
+    if exact_kl_mean is not None and exact_kl_mean < 1e-3 and not reasons:
+        reasons.append(f"policy is still close to the reference (exact KL {exact_kl_mean:.2e}): k1 is an unbiased "
+                       "but noisy estimate whose batch mean can dip below zero")
+    if not reasons:
+        reasons.append("sampling noise of the k1 estimator; compare with kl/exact")
+    return f"k1 KL estimate {k1_mean:.3e} < 0: " + "; ".join(reasons)

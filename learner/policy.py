@@ -1,0 +1,64 @@
+"""The learner's PyTorch side of the log-prob contract: recompute what the engine sampled with.
+
+``response_forward`` rebuilds the exact inputs the engine saw for a :class:`RolloutBatch`:
+decoder-only prompts left-padded with positions from the attention mask, then the response;
+encoder-decoder prompts as the encoder input on its native padding side (right for T5) and the
+decoder fed ``[decoder_start] + response[:-1]``. Logits are divided by the same temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from export.padding import position_ids_from_mask
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per position from the last hidden state (zero-initialised: V=0 at start)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.summary = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.summary.weight)
+        torch.nn.init.zeros_(self.summary.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        return self.summary(h.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+def hidden_size(model) -> int:
+    c = model.config
+    return getattr(c, "n_embd", None) or getattr(c, "hidden_size", None) or c.d_model
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # (B, Tr, V) float32, already divided by temperature
+    values: torch.Tensor | None  # (B, Tr) value of the state before each response token
+
+
+def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                     is_seq2seq: bool, temperature: float = 1.0, value_head: ValueHead | None = None,
+                     ) -> ForwardOut:
+    """Logits (and values) at every response position, with the engine's padding and positions."""
+    dev = next(model.parameters()).device
+    prompt_ids, prompt_mask, response_ids = prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev)
+    want_hidden = value_head is not None
+    tr = response_ids.shape[1]
+    if is_seq2seq:
+        start = torch.full_like(response_ids[:, :1], model.config.decoder_start_token_id)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                    decoder_input_ids=torch.cat([start, response_ids[:, :-1]], 1), output_hidden_states=want_hidden)
+        logits, hidden = out.logits, (out.decoder_hidden_states[-1] if want_hidden else None)
+    else:
+        tp = prompt_ids.shape[1]
+        ids = torch.cat([prompt_ids, response_ids], 1)
+        mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                    output_hidden_states=want_hidden)
+        logits = out.logits[:, tp - 1: tp - 1 + tr]
+        hidden = out.hidden_states[-1][:, tp - 1: tp - 1 + tr] if want_hidden else None
+    values = value_head(hidden) if (value_head is not None and hidden is not None) else None
+    return ForwardOut(logits=logits.float() / temperature, values=values)

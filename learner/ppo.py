@@ -1,0 +1,151 @@
+"""One PPO-KL iteration on a rollout batch: experience (learner side) and the clipped update.
+
+The log-prob contract (see ../shared/seeds/trl-pr-t5-negative-kl.txt):
+- ``old_logprobs`` and ``ref_logprobs`` are both computed HERE, by the learner, on the same
+  padded inputs and at the same temperature, with no top-k/top-p truncation. KL between them
+  is therefore exactly 0 when policy == reference, whatever the sampler did.
+- The engine's ``rollout_logprobs`` (the distribution actually sampled from) and
+  ``rollout_plain_logprobs`` (its untruncated policy) are used only to measure the mismatch
+  and, if asked, to correct for it (truncated importance sampling or sequence masking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from learner import losses as L
+from learner.policy import ValueHead, response_forward
+
+
+@dataclass
+class Experience:
+    """Learner-side tensors for one rollout batch, all (B, Tr) unless noted, CPU."""
+
+    prompt_ids: torch.Tensor  # (B, Tp) as in RolloutBatch
+    prompt_mask: torch.Tensor  # (B, Tp)
+    response_ids: torch.Tensor  # (B, Tr)
+    mask: torch.Tensor  # (B, Tr) float: response_mask, times the seq_mask correction if used
+    old_logprobs: torch.Tensor  # learner log-probs before the update
+    ref_logprobs: torch.Tensor  # frozen reference log-probs
+    values: torch.Tensor  # value head before the update
+    advantages: torch.Tensor  # whitened GAE advantages
+    returns: torch.Tensor  # GAE returns (value targets)
+    is_weights: torch.Tensor | None  # truncated importance weights (tis) or None
+
+
+@torch.no_grad()
+def learner_view(model, value_head: ValueHead | None, batch, temperature: float, chunk: int = 16):
+    """Log-probs (B, Tr), values (B, Tr) and entropy (B, Tr) of ``model`` on a RolloutBatch."""
+    lps, vals, ents = [], [], []
+    for i in range(0, batch.num_rows, chunk):
+        s = slice(i, i + chunk)
+        out = response_forward(model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
+                               batch.is_seq2seq, temperature, value_head)
+        lps.append(L.logprobs_from_logits(out.logits, batch.response_ids[s].to(out.logits.device)).cpu())
+        ents.append(L.entropy_from_logits(out.logits).cpu())
+        if out.values is not None:
+            vals.append(out.values.float().cpu())
+    return torch.cat(lps), (torch.cat(vals) if vals else None), torch.cat(ents)
+
+
+@torch.no_grad()
+def exact_kl(model, ref_model, batch, temperature: float, chunk: int = 16) -> torch.Tensor:
+    """Per-token KL(pi || ref) over the full vocabulary (B, Tr); >= 0 by construction."""
+    out = []
+    for i in range(0, batch.num_rows, chunk):
+        s = slice(i, i + chunk)
+        args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
+        lp, lr = response_forward(model, *args).logits, response_forward(ref_model, *args).logits
+        out.append(L.exact_kl_from_logits(lp, lr).cpu())
+    return torch.cat(out)
+
+
+def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """TRL/Ziegler reward shaping: -kl_coef * KL on every token, the score added on the last real one.
+
+    scores (B,), kl (B, Tr), mask (B, Tr) -> rewards (B, Tr); 0 on padding.
+    """
+    rewards = -kl_coef * kl * mask
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(-1) > 0)
+    return rewards
+
+
+def make_advantages(rewards, values, mask, gamma: float, lam: float, whiten_rewards: bool):
+    if whiten_rewards:
+        rewards = L.masked_whiten(rewards, mask, shift_mean=False) * mask
+    adv, returns = L.compute_gae(rewards, values, mask, gamma, lam)
+    return L.masked_whiten(adv, mask) * mask, returns
+
+
+@dataclass
+class UpdateSettings:
+    """The PPO update's knobs (a view of PPOConfig, so losses never see a config object)."""
+
+    num_ppo_epochs: int
+    num_mini_batches: int
+    gradient_accumulation_steps: int
+    cliprange: float
+    cliprange_value: float
+    vf_coef: float
+    entropy_coef: float
+    max_grad_norm: float
+    temperature: float
+    kl_coef: float = 0.0  # used only when kl_in_loss
+    kl_in_loss: bool = False  # GRPO-style: k3 KL to the reference as a loss term
+    autocast_bf16: bool = False
+
+
+def _micro_loss(model, value_head, ref_lp, exp: Experience, idx, n_tokens, s: UpdateSettings):
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if s.autocast_bf16 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = response_forward(model, exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx],
+                               _is_s2s(model), s.temperature, value_head)
+    dev = out.logits.device
+    g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
+    mask = g(exp.mask)
+    logprobs = L.logprobs_from_logits(out.logits, g(exp.response_ids))
+    pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
+                                   is_weights=g(exp.is_weights), num_tokens=n_tokens)
+    vf, vstats = L.ppo_value_loss(out.values.float(), g(exp.values), g(exp.returns), mask, s.cliprange_value,
+                                  num_tokens=n_tokens)
+    ent = L.token_mean(L.entropy_from_logits(out.logits), mask, n_tokens)
+    loss = pg + s.vf_coef * vf - s.entropy_coef * ent
+    if s.kl_in_loss:
+        kl = L.token_mean(L.kl_k3(logprobs, g(ref_lp)), mask, n_tokens)
+        loss = loss + s.kl_coef * kl
+    return loss, {**pstats, **vstats, "entropy": ent.detach()}
+
+
+def _is_s2s(model) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
+               generator: torch.Generator) -> dict[str, float]:
+    """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
+    micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing)."""
+    b = exp.response_ids.shape[0]
+    mb_size = b // s.num_mini_batches
+    micro = mb_size // s.gradient_accumulation_steps
+    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
+    acc: dict[str, list[float]] = {}
+    for _ in range(s.num_ppo_epochs):
+        perm = torch.randperm(b, generator=generator)
+        for m in range(s.num_mini_batches):
+            mb = perm[m * mb_size:(m + 1) * mb_size]
+            n_tokens = exp.mask[mb].sum().clamp(min=1.0)
+            optimizer.zero_grad(set_to_none=True)
+            for k in range(s.gradient_accumulation_steps):
+                idx = mb[k * micro:(k + 1) * micro]
+                loss, stats = _micro_loss(model, value_head, exp.ref_logprobs, exp, idx, n_tokens, s)
+                loss.backward()
+                for key, v in stats.items():
+                    acc.setdefault(key, []).append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
+            acc.setdefault("grad_norm", []).append(float(grad_norm))
+            optimizer.step()
+            scheduler.step()
+    return {k: sum(v) / len(v) for k, v in acc.items()}
