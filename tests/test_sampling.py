@@ -1,0 +1,155 @@
+"""rollout.sampling and rollout.types: pure torch, no engine.
+
+Four ways, as STYLE.md asks: hand-built cases, reference identities (HF's logits warpers,
+plain log_softmax), fast vs slow (the exponential race draws from softmax), and the record
+checker rejecting every broken padding rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.sampling import (chosen_logprobs, make_generator, plain_logprobs, process_logits, sample, sample_step,
+                              top_k_filter, top_p_filter)
+from rollout.types import RolloutBatch, SamplingParams
+
+
+def _logits(b=4, v=50, seed=0):
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+def test_plain_when_no_truncation():
+    x = _logits()
+    assert torch.allclose(process_logits(x, SamplingParams()), torch.log_softmax(x, -1), atol=1e-6)
+    t = SamplingParams(temperature=0.7)
+    assert torch.allclose(process_logits(x, t), torch.log_softmax(x / 0.7, -1), atol=1e-6)
+    assert torch.allclose(plain_logprobs(x, 0.7), torch.log_softmax(x / 0.7, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 5, 49])
+def test_top_k_matches_hf(k):
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    x = _logits()
+    ours = top_k_filter(x, k)
+    ref = TopKLogitsWarper(k)(None, x.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert (torch.isfinite(ours).sum(-1) == k).all()
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_matches_hf(p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    x = _logits()
+    ours = top_p_filter(x, p)
+    ref = TopPLogitsWarper(p)(None, x.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    kept = torch.isfinite(ours)
+    probs = x.softmax(-1)
+    assert kept.gather(-1, x.argmax(-1, keepdim=True)).all(), "the top token is always kept"
+    mass = (probs * kept).sum(-1)
+    assert (mass >= p - 1e-6).all() or p <= probs.max(-1).values.min()
+    # smallest such set: dropping the least likely kept token falls below p
+    smallest_kept = probs.masked_fill(~kept, 2.0).min(-1).values
+    assert ((mass - smallest_kept < p) | (kept.sum(-1) == 1)).all()
+
+
+def test_hand_built_top_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    lp = process_logits(probs.log(), SamplingParams(top_p=0.8))
+    assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
+    assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.5 / 0.8, 0.3 / 0.8]))
+    lp = process_logits(probs.log(), SamplingParams(top_p=0.81))
+    assert torch.isfinite(lp).tolist() == [[True, True, True, False]]
+    lp = process_logits(probs.log(), SamplingParams(top_p=0.01))
+    assert torch.isfinite(lp).tolist() == [[True, False, False, False]]
+
+
+def test_truncated_logprob_not_below_plain_and_samples_inside_top_k():
+    x = _logits(b=8, v=100)
+    params = SamplingParams(top_k=7, temperature=1.3, seed=0)
+    gen = make_generator(0)
+    topset = torch.topk(x, 7, -1).indices
+    for _ in range(50):
+        ids, proc, plain, _ = sample_step(x, params, gen)
+        assert (proc >= plain - 1e-6).all()
+        assert (topset == ids[:, None]).any(-1).all()
+
+
+def test_greedy_is_point_mass():
+    x = _logits()
+    lp = process_logits(x, SamplingParams(greedy=True))
+    ids = sample(lp, make_generator(0), greedy=True)
+    assert torch.equal(ids, x.argmax(-1))
+    proc, plain = chosen_logprobs(x, lp, ids, 1.0)
+    assert torch.equal(proc, torch.zeros(4))
+    assert torch.allclose(plain, torch.log_softmax(x, -1).max(-1).values)
+
+
+def test_seeded_sampling_reproducible():
+    lp = torch.log_softmax(_logits(), -1)
+    a = [sample(lp, make_generator(5)) for _ in range(2)]
+    b = torch.stack([sample(lp, g) for g in [make_generator(6)] for _ in range(10)])
+    c = torch.stack([sample(lp, g) for g in [make_generator(5)] for _ in range(10)])
+    assert torch.equal(a[0], a[1])
+    assert not torch.equal(b, c)
+
+
+def test_exponential_race_draws_from_softmax():
+    """Fast (exponential race) equals slow (the probabilities themselves) in distribution."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    lp = probs.log().expand(20000, -1).contiguous()
+    ids = sample(lp, make_generator(0))
+    freq = torch.bincount(ids, minlength=5).float() / ids.numel()
+    assert torch.allclose(freq, probs, atol=0.015)
+    masked = lp.clone()
+    masked[:, 0] = float("-inf")
+    assert (sample(masked, make_generator(1)) != 0).all(), "-inf tokens are never drawn"
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=0), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(n=0),
+                                 dict(max_new_tokens=0), dict(return_topk=-2), dict(stop_ids=(-1,))])
+def test_sampling_params_validation(bad):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**bad)
+    assert "\n" not in str(e.value)
+
+
+def _batch(**over):
+    resp = torch.tensor([[5, 1, 0], [6, 7, 8]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    lp = -torch.rand(2, 3) * mask
+    fields = dict(prompt_ids=torch.tensor([[0, 4], [3, 4]]), prompt_mask=torch.tensor([[0, 1], [1, 1]]),
+                  response_ids=resp, response_mask=mask, rollout_logprobs=lp, rollout_plain_logprobs=lp.clone(),
+                  prompt_index=torch.tensor([0, 1]), weights_version=0, sampling=SamplingParams(), is_seq2seq=False,
+                  pad_id=0, eos_id=1)
+    fields.update(over)
+    return RolloutBatch(**fields)
+
+
+def test_rollout_batch_check_accepts_and_rejects():
+    _batch().check()
+    bad = [
+        dict(prompt_mask=torch.tensor([[1, 0], [1, 1]])),  # right-padded decoder prompt
+        dict(response_mask=torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])),  # hole in the mask
+        dict(response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])),  # mask runs past EOS
+        dict(response_mask=torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), response_ids=torch.tensor([[5, 0, 0], [6, 7, 8]])),
+        dict(prompt_ids=torch.tensor([[0, 4], [3, 4]], dtype=torch.int32)),  # dtype
+        dict(rollout_logprobs=torch.zeros(2, 4)),  # shape
+    ]
+    for over in bad:
+        with pytest.raises(ValueError):
+            _batch(**over).check()
+    seq2seq = _batch(is_seq2seq=True, prompt_mask=torch.tensor([[1, 0], [1, 1]]))
+    seq2seq.check()  # T5: encoder input right-padded
+    with pytest.raises(ValueError):
+        _batch(is_seq2seq=True).check()
+
+
+def test_rollout_batch_rows():
+    b = _batch()
+    one = b.rows([1])
+    assert one.num_rows == 1 and torch.equal(one.response_ids, b.response_ids[1:])
+    one.check()
