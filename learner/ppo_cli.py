@@ -1,0 +1,31 @@
+"""``refit ppo --config FILE.yaml [--field value ...] [--resume]``: the PPO-KL cycle."""
+
+from __future__ import annotations
+
+import json
+
+from learner.config import PPOConfig, parse_config
+from learner.metrics import read_metrics
+
+
+def summary(run_dir) -> dict:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return {}
+    first, last = rows[0], rows[-1]
+    return {"run_dir": str(run_dir), "steps": last["step"], "reward_start": first["reward/mean"],
+            "reward_end": last["reward/mean"], "min_exact_kl": min(r["kl/exact"] for r in rows),
+            "max_probe_diff": max((r.get("probe/max_abs_logprob_diff") or 0.0) for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from learner.cycle import run_ppo
+
+    cfg, resume = parse_config(PPOConfig, argv, "refit ppo")
+    if not cfg.model_dir:
+        from export.errors import RefitError
+
+        raise RefitError("model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
+    run_dir = run_ppo(cfg, resume=resume)
+    print(json.dumps(summary(run_dir)))
+    return 0
