@@ -93,8 +93,10 @@ class ModelSpec:
     @classmethod
     def from_manifest(cls, m: dict) -> "ModelSpec":
         s, d = m["special_ids"], m["dims"]
+        limits = [x for x in (d.get("max_len"), d.get("max_positions")) if x]  # learned positions cap it too
         return cls(kind=m["kind"], pad_id=s["pad"], eos_id=s["eos"], decoder_start_id=s.get("decoder_start"),
-                   prompt_side=m["padding"]["prompt_side"], vocab_size=d["vocab_size"], max_len=d.get("max_len"))
+                   prompt_side=m["padding"]["prompt_side"], vocab_size=d["vocab_size"],
+                   max_len=min(limits) if limits else None)
 
     @classmethod
     def from_config(cls, cfg, max_len: int | None = None) -> "ModelSpec":
@@ -211,8 +213,12 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
     if not isinstance(sampling, SamplingParams):
         raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     check_prompts(prompts, spec.max_len, sampling.max_new_tokens, spec.vocab_size)
+    if sampling.return_topk > spec.vocab_size or sampling.top_k > spec.vocab_size:
+        raise RefitError(f"top_k/return_topk ({sampling.top_k}/{sampling.return_topk}) exceed the vocabulary "
+                         f"({spec.vocab_size})")
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: inference tensors would break the learner's autograd later
+    with torch.no_grad():
         out = decode_loop(new_state(), ids, mask, sampling, spec)
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,
                          sampling=sampling, is_seq2seq=spec.kind == "seq2seq", pad_id=spec.pad_id,
@@ -228,8 +234,8 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
     Only (B, chunk_size, V) logits exist at a time; log-probs are of the plain policy
     log_softmax(logits / temperature), 0.0 where ``response_mask`` is 0.
     """
-    if temperature <= 0 or chunk_size < 1 or topk < 0:
-        raise RefitError(f"score: need temperature > 0, chunk_size >= 1, topk >= 0 "
+    if temperature <= 0 or chunk_size < 1 or not 0 <= topk <= spec.vocab_size:
+        raise RefitError(f"score: need temperature > 0, chunk_size >= 1, 0 <= topk <= {spec.vocab_size} "
                          f"(got {temperature}, {chunk_size}, {topk})")
     resp, rmask = response_ids.long(), response_mask.float()
     b, tr = resp.shape
@@ -237,7 +243,7 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
         raise RefitError(f"score: shapes disagree: prompt {tuple(prompt_ids.shape)}/{tuple(prompt_mask.shape)}, "
                          f"response {tuple(resp.shape)}/{tuple(rmask.shape)}")
     lps, tk_lp, tk_ids = [], [], []
-    with torch.inference_mode():
+    with torch.no_grad():
         state = new_state()
         logits = state.prefill(prompt_ids.long(), prompt_mask.long())[:, None]  # (B, 1, V) -> token 0
         pos = 0

@@ -204,6 +204,15 @@ def test_registry_and_protocol(engines, engine_dirs):
         register_backend("bad", "no-colon")
 
 
+def test_batch_tensors_work_with_autograd(engines, prompts):
+    """Generation runs under no_grad, not inference_mode: the learner multiplies these into its graph."""
+    _, ort = engines["tiny-gpt2"]
+    batch = ort.generate(prompts, SamplingParams(max_new_tokens=3, seed=0))
+    w = torch.ones_like(batch.rollout_logprobs, requires_grad=True)
+    ((w * batch.response_mask) * batch.rollout_logprobs).sum().backward()
+    assert w.grad is not None
+
+
 def test_check_version(engines, prompts):
     _, ort = engines["tiny-gpt2"]
     batch = ort.generate(prompts[:1], SamplingParams(max_new_tokens=2))
