@@ -120,11 +120,13 @@ def parse_config(cls, argv: list[str] | None, prog: str):
         if unknown:
             raise RefitError(f"config file {path}: unknown fields {unknown}")
         parser.set_defaults(**values)
-    cfg, extra = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    # -> (cfg, namespace of the non-dataclass flags, remaining strings)
+    outs = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    cfg, extra = outs[0], outs[-1]
     if extra:
         raise RefitError(f"unknown arguments: {' '.join(extra)}")
-    ns = parser.parse_known_args(rest)[0]
-    return cfg, bool(getattr(ns, "resume", False))
+    resume = any(getattr(o, "resume", False) for o in outs[1:-1])
+    return cfg, resume
 
 
 def save_config(cfg, path: Path) -> str:

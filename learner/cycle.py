@@ -104,10 +104,23 @@ class Run:
     probe: object = None
 
 
+def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, log=print) -> Path:
+    """Reuse ``engine_dir`` if it was exported from these exact weights and is large enough, else export."""
+    from export.graph import MANIFEST, read_manifest
+    from export.onnx_export import ExportOptions, export_onnx, weights_hash
+
+    if (engine_dir / MANIFEST).exists():
+        m = read_manifest(engine_dir)
+        same = m["hashes"]["hf_weights_sha256"] == weights_hash(model_dir)
+        if same and m["dims"]["max_batch"] >= rows and m["dims"]["max_len"] >= max_len:
+            log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
+            return engine_dir
+    return export_onnx(model_dir, engine_dir, ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128)),
+                       log=log)
+
+
 def setup(cfg: PPOConfig, resume: bool, log=print) -> Run:
     from transformers import get_scheduler
-
-    from export.onnx_export import ExportOptions, export_onnx
 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,9 +136,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print) -> Run:
         engine = create_engine("torch", cfg.model_dir, max_len=max_len)
     else:
         engine_dir = Path(cfg.engine_dir) if cfg.engine_dir else run_dir / "engine"
-        rows = cfg.batch_size * cfg.num_generations
-        export_onnx(cfg.model_dir, engine_dir, ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128)),
-                    log=log)
+        ensure_engine(Path(cfg.model_dir), engine_dir, cfg.batch_size * cfg.num_generations, max_len, log)
         engine = create_engine(cfg.backend, engine_dir, threads=cfg.engine_threads or None)
     policy = load_model(cfg.model_dir, info).to(device)
     ref = load_model(cfg.model_dir, info).to(device).requires_grad_(False)

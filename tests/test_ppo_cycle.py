@@ -1,0 +1,170 @@
+"""The PPO-KL cycle: KL at step 0, mismatch naming, micro-batches, probe, resume, NaN, demo."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from export.errors import RefitError
+from learner.config import PPOConfig
+from learner.cycle import experience, probe_check, run_ppo, setup, train_step
+from learner.metrics import read_metrics
+from learner.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
+from learner.ppo import UpdateSettings, learner_view, ppo_update
+from rollout.types import SamplingParams
+
+
+def _cfg(model_dirs, engine_dirs, arch, out, **kw):
+    base = dict(model_dir=str(model_dirs[arch]), engine_dir=str(engine_dirs[arch]), output_dir=str(out),
+                steps=2, batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
+                save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
+                num_prompts=32, learning_rate=1e-3)
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs, tmp_path, arch):
+    """policy == reference: k1, k2, k3 and exact KL are 0 within 1e-6 though sampling used top-k and top-p."""
+    run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8), resume=False, log=lambda *_: None)
+    prompts = run.prompt_ids[:8]
+    rollout = run.engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=5, top_p=0.8, seed=3))
+    assert (rollout.rollout_logprobs - rollout.rollout_plain_logprobs)[rollout.response_mask.bool()].max() > 0
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    for k in ("k1", "k2", "k3", "exact"):
+        assert abs(stats[f"kl/{k}"]) <= 1e-6, (k, stats[f"kl/{k}"])
+    assert stats["mismatch/max_abs_diff"] < 1e-4
+
+
+def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, monkeypatch):
+    """Left-padded prompts whose positions ignore the padding (arange instead of the mask's count)."""
+    import learner.policy
+
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
+    prompts = [run.tok(p).input_ids for p in ["1+2=", "sort 98765 = ", "12+34=", "sort 1234567 = "]]
+    rollout = run.engine.generate(prompts, SamplingParams(max_new_tokens=5, seed=0))
+    assert (rollout.prompt_mask == 0).any() and (rollout.prompt_mask == 1).all(-1).any()
+    right = learner_view(run.policy, None, rollout, 1.0)[0]
+    assert name_mismatch(mismatch_stats(rollout, right)) is None
+    monkeypatch.setattr(learner.policy, "position_ids_from_mask",
+                        lambda m: torch.arange(m.shape[1]).expand(m.shape[0], -1))
+    wrong = learner_view(run.policy, None, rollout, 1.0)[0]
+    stats = mismatch_stats(rollout, wrong)
+    assert name_mismatch(stats) == "padding", stats
+    assert "padding" in explain_negative_kl(-0.01, 0.01, stats, truncates=False)
+
+
+def test_planted_precision_mismatch_is_named(model_dirs, engine_dirs, tmp_path):
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-llama", tmp_path), resume=False, log=lambda *_: None)
+    rollout = run.engine.generate(run.prompt_ids[:6], SamplingParams(max_new_tokens=5, seed=0))
+    lp16 = learner_view(copy.deepcopy(run.policy).to(torch.bfloat16), None, rollout, 1.0)[0]
+    stats = mismatch_stats(rollout, lp16)
+    assert name_mismatch(stats) == "precision", stats
+    msg = explain_negative_kl(-0.01, 0.0, stats, truncates=True)
+    assert "precision" in msg and "truncated" in msg
+
+
+def test_microbatch_split_gives_same_update(model_dirs, engine_dirs, tmp_path):
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, batch_size=8), resume=False, log=lambda *_: None)
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=5, seed=1))
+    scores = torch.linspace(-1, 1, rollout.num_rows)
+    exp, _ = experience(run, rollout, scores)
+    results = []
+    for accum in (1, 4):
+        policy, vh = copy.deepcopy(run.policy), copy.deepcopy(run.value_head)
+        opt = torch.optim.SGD(list(policy.parameters()) + list(vh.parameters()), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        s = UpdateSettings(1, 1, accum, 0.2, 0.2, 0.1, 0.01, 1e9, 1.0)
+        ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0))
+        results.append(torch.cat([p.detach().flatten() for p in list(policy.parameters()) + list(vh.parameters())]))
+    moved = (results[0] - torch.cat([p.detach().flatten() for p in list(run.policy.parameters())
+                                     + list(run.value_head.parameters())])).abs().max()
+    assert moved > 1e-4
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)
+
+
+def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
+    push = run.engine.update_weights
+
+    def corrupt(named):
+        bad = dict(named)
+        k = next(n for n in bad if "mlp.c_fc.weight" in n)
+        bad[k] = bad[k] + 0.5 * torch.randn(bad[k].shape, generator=torch.Generator().manual_seed(0))
+        push(bad)
+
+    run.engine.update_weights = corrupt
+    with pytest.raises(RefitError, match="parity probe failed"):
+        train_step(run, 1, log=lambda *_: None)
+    run.engine.update_weights = push
+    push({n: p for n, p in run.policy.named_parameters()})
+    assert probe_check(run) < 1e-4
+
+
+def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):
+    full = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / "full", steps=4), log=lambda *_: None)
+    part = tmp_path / "part"
+    run_ppo(_cfg(model_dirs, engine_dirs, "tiny-gpt2", part, steps=4, max_steps_this_run=2), log=lambda *_: None)
+    assert [r["step"] for r in read_metrics(part)] == [1, 2]
+    run_ppo(_cfg(model_dirs, engine_dirs, "tiny-gpt2", part, steps=4), resume=True, log=lambda *_: None)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    skip = ("time/", "tokens_per_s", "engine/weights_version")
+    for ra, rb in zip(a[2:], b[2:]):
+        for k, v in ra.items():
+            if not k.startswith(skip) and v is not None:
+                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
+    state = json.loads((part / "checkpoints" / "step_000004" / "state.json").read_text())
+    assert state["step"] == 4 and "engine_weights_version" in state and "data_position" in state
+
+
+def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engine_dirs, tmp_path):
+    cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, steps=3, save_steps=1)
+    run = setup(cfg, resume=False, log=lambda *_: None)
+    run.reward_fn = lambda p, r: [float("nan")] * len(r)
+    with pytest.raises(RefitError, match="non-finite loss at step 1"):
+        train_step(run, 1, log=lambda *_: None)
+
+
+def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
+    out = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-t5", tmp_path, steps=3, kl_estimator="exact",
+                       reward="learner.tasks:exact_match_reward", top_k=20, save_steps=1), log=lambda *_: None)
+    rows = read_metrics(out)
+    assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6
+    assert all(r["kl/exact"] >= 0 for r in rows)
+    assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows)
+    for key in ("kl/k1", "kl/k2", "kl/k3", "ppo/clipfrac", "ppo/approx_kl", "ppo/vf_loss", "policy/entropy",
+                "value/explained_variance", "mismatch/token_mult_prob_error", "time/rollout", "time/score",
+                "time/update", "time/weight_push", "tokens_per_s"):
+        assert key in rows[-1], key
+
+
+def test_config_yaml_and_flags(tmp_path):
+    from learner.config import parse_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model_dir: m\nsteps: 7\nkl_coef: 0.2\n")
+    cfg, resume = parse_config(PPOConfig, ["--config", str(f), "--steps", "9", "--resume"], "refit ppo")
+    assert (cfg.model_dir, cfg.steps, cfg.kl_coef, resume) == ("m", 9, 0.2, True)
+    f.write_text("model_dir: m\nnot_a_field: 1\n")
+    with pytest.raises(RefitError, match="unknown fields"):
+        parse_config(PPOConfig, ["--config", str(f)], "refit ppo")
+    with pytest.raises(RefitError, match="save_steps must be a multiple"):
+        PPOConfig(save_steps=3, sync_every=2)
+
+
+def test_demo_end_to_end_short(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "demo", "-o", str(tmp_path / "demo"), "--steps", "3",
+                        "--sft-steps", "20", "--batch-size", "8", "--num-generations", "2", "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["min_exact_kl"] >= 0
+    run = tmp_path / "demo" / "ppo"
+    assert (run / "metrics.jsonl").exists() and (run / "curves.png").exists() and (run / "config.yaml").exists()
+    assert any((run / "tb").iterdir()) and (run / "checkpoints" / "step_000003" / "policy" / "config.json").exists()
