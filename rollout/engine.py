@@ -131,14 +131,20 @@ def check_version(batch: RolloutBatch, expected_version: int) -> None:
 
 
 def resolve_names(named: dict[str, torch.Tensor], canonical: set[str], tied: dict[str, str]) -> dict[str, torch.Tensor]:
-    """HF state_dict names -> canonical names (tied aliases folded in); unknown names raise RefitError."""
+    """HF state_dict names -> canonical names (tied aliases folded in).
+
+    Unknown names, and a tied alias given next to its canonical name with other values, raise
+    RefitError: every backend must see the same single tensor.
+    """
     out: dict[str, torch.Tensor] = {}
     unknown = []
     for name, t in named.items():
         canon = tied.get(name, name)
         if canon not in canonical:
             unknown.append(name)
-        elif name == canon or canon not in named:  # the canonical name wins when both are given
+        elif canon in out and not (out[canon] is t or torch.equal(out[canon], t)):
+            raise RefitError(f"update_weights: {name} and {canon} are one tied tensor but were given different values")
+        else:
             out[canon] = t
     if unknown:
         raise RefitError(f"update_weights: {len(unknown)} names are not engine weights, e.g. {unknown[:3]}")

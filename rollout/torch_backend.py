@@ -15,7 +15,7 @@ import torch
 
 from export.errors import RefitError
 from export.padding import position_ids_from_mask
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 
@@ -90,9 +90,10 @@ def _load(source, dtype):
 class TorchEngine:
     """Reference engine over an HF model (an ``nn.Module``, an HF folder, or an engine folder's source)."""
 
-    def __init__(self, source, max_len: int | None = None, dtype: torch.dtype | None = None, threads: int | None = None):
+    def __init__(self, source, max_len: int | None = None, dtype: torch.dtype | None = None,
+                 threads: int | None = None):
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.model, engine_max_len = _load(source, dtype)
         self.spec = ModelSpec.from_config(self.model.config, max_len=max_len or engine_max_len)
         self._version = 0
@@ -117,10 +118,10 @@ class TorchEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF state_dict tensors (canonical or tied alias names) into the model; version += 1."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        unknown = [n for n in named_tensors if n not in params]
-        if unknown:
-            raise RefitError(f"update_weights: {len(unknown)} names are not model parameters, e.g. {unknown[:3]}")
+        from export.weight_map import canonical_params
+
+        params, tied = canonical_params(self.model)
+        named_tensors = resolve_names(named_tensors, set(params), tied)
         for name, t in named_tensors.items():
             if tuple(t.shape) != tuple(params[name].shape):
                 raise RefitError(f"update_weights: {name} has shape {tuple(t.shape)}, "

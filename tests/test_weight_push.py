@@ -137,8 +137,10 @@ def test_bad_push_leaves_engine_unchanged(engine_dirs, model_dirs, prompts):
     batch = _probe(ref, prompts)
     before = _score(ort, batch)
     w = dict(ref.model.named_parameters())["transformer.h.0.attn.c_attn.weight"]
+    emb = dict(ref.model.named_parameters())["transformer.wte.weight"]
     bad = [{"transformer.h.0.attn.c_attn.weight": _noisy(w, 1), "no.such.weight": torch.zeros(3)},
-           {"transformer.h.0.attn.c_attn.weight": torch.zeros(w.shape[0] + 1, w.shape[1])}]
+           {"transformer.h.0.attn.c_attn.weight": torch.zeros(w.shape[0] + 1, w.shape[1])},
+           {"transformer.wte.weight": _noisy(emb, 1), "lm_head.weight": _noisy(emb, 2)}]  # tied, two values
     for named in bad:
         for eng in (ort, ref):
             with pytest.raises(RefitError) as e:
