@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch and engine threads")
     p.add_argument("--seed", type=int, default=0, help="seed for everything")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--policy-only", action="store_true",
+                   help="only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
     return p
 
 
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     t0 = time.perf_counter()
     policy = build_policy(out, a.sft_steps, a.max_operand, a.seed)
+    if a.policy_only:
+        print(policy)
+        return 0
     cfg = PPOConfig(model_dir=str(policy), output_dir=str(out / "ppo"), backend=a.backend, seed=a.seed,
                     steps=a.steps, batch_size=a.batch_size, num_generations=a.num_generations,
                     max_operand=a.max_operand, learning_rate=3e-4, num_ppo_epochs=2, num_mini_batches=2,

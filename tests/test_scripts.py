@@ -1,0 +1,47 @@
+"""Smoke-run the shell drivers with tiny settings (they are thin wrappers over `refit`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script, *args, timeout=600):
+    env = {**os.environ, "REFIT": f"{sys.executable} -m learner.cli", "SFT_STEPS": "10",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(["bash", str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh"])
+def test_help(script):
+    r = _run(script, "--help")
+    assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
+
+
+def test_export_script_default(tmp_path):
+    r = _run("export.sh", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    for role in ("policy", "teacher"):
+        m = json.loads((tmp_path / "engines" / role / "manifest.json").read_text())
+        assert m["parity"]["max_abs_logprob_diff"] < 1e-4
+
+
+def test_train_ppo_script_default(tmp_path):
+    r = _run("train_ppo.sh", "-o", str(tmp_path), "--steps", "2", "--", "--batch_size", "4", "--num_generations", "2",
+             "--progress", "false", "--save_steps", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["min_exact_kl"] >= 0
+
+
+def test_unknown_argument_is_one_line():
+    r = _run("train_ppo.sh", "--bogus")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
