@@ -1,0 +1,243 @@
+"""Engine folder (ONNX graphs + manifest) -> refittable TensorRT engines, one ``<graph>.plan`` each.
+
+The Polygraphy chain ``EngineFromNetwork(NetworkFromOnnxPath(...))`` written out with the
+TensorRT 10 Python API, plus what refit needs:
+
+1. parse ``<graph>.onnx`` with ``trt.OnnxParser.parse_from_file`` (the path lets the parser find
+   the external ``*.onnx.data`` weights next to it);
+2. one ``IOptimizationProfile`` per manifest profile, in manifest order (``prefill``, ``decode``;
+   ``encode`` for the T5 encoder), ``set_shape(input, min, opt, max)`` for every input;
+3. ``BuilderFlag.REFIT`` (not ``REFIT_IDENTICAL``/``STRIP_PLAN``: those assume the refit weights
+   equal the build weights, and RLHF pushes different ones every step); precision from the
+   manifest dtype: ``FP16``/``BF16`` flags on TensorRT 10's weakly typed networks, TF32 off for
+   fp32 so greedy tokens match ONNX Runtime; a strongly typed network where the precision flags
+   are gone (TensorRT 11), the graph's own dtypes then decide;
+4. ``build_serialized_network``, plan written atomically (temp file + ``os.replace``);
+5. the plan is deserialized and ``trt.Refitter.get_all_weights()`` must list every engine weight
+   of the weight map: a weight TensorRT constant-folded away would stay stale after a refit.
+
+TensorRT's ONNX parser names refittable weights after the ONNX initializers
+(``INetworkDefinition.setWeightsName``, see the TensorRT guide "Refitting an Engine"), so the
+manifest's engine names are the refit names (:func:`trt_weight_name`).
+
+``tensorrt`` is imported only inside these functions: the package imports without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from export.errors import RefitError
+from export.graph import MANIFEST, read_manifest
+
+INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
+
+
+def tensorrt_unavailable_reason() -> str | None:
+    """None when TensorRT and a CUDA device are usable here, else why not (one line)."""
+    try:
+        import tensorrt  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising OSError
+        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        return f"TensorRT is not installed here: {INSTALL_HINT} (import tensorrt: {first})"
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return f"TensorRT needs an NVIDIA GPU and no CUDA device is visible here: {INSTALL_HINT}"
+    return None
+
+
+def require_tensorrt():
+    """The ``tensorrt`` module, or :class:`RefitError` in one line when it (or a GPU) is absent."""
+    reason = tensorrt_unavailable_reason()
+    if reason is not None:
+        raise RefitError(reason)
+    import tensorrt as trt
+
+    return trt
+
+
+# --------------------------------------------------------------------------- weight names
+
+def trt_weight_name(onnx_initializer: str) -> str:
+    """The refit name TensorRT gives an ONNX initializer: the same name (the parser sets it)."""
+    return onnx_initializer
+
+
+def refit_targets(manifest: dict, graph: str) -> dict[str, list[tuple[str, str]]]:
+    """{hf_name: [(trt_weight_name, transform)]} for one graph, from the manifest's weight map."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for hf_name, targets in manifest["weight_map"].items():
+        for t in targets:
+            if t["graph"] == graph:
+                out.setdefault(hf_name, []).append((trt_weight_name(t["engine"]), t["transform"]))
+    return out
+
+
+def mapped_trt_names(manifest: dict, graph: str) -> list[str]:
+    """Every TensorRT weight name of ``graph`` that the weight map feeds (what a refit writes)."""
+    return sorted({n for ts in refit_targets(manifest, graph).values() for n, _ in ts})
+
+
+# ------------------------------------------------------------------------------------ build
+
+def _atomic_write(path: Path, data) -> None:
+    """Write ``data`` (bytes, or TensorRT's ``IHostMemory`` buffer) to ``path`` via a temp file + rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _device() -> dict:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"name": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+
+
+def _precision(trt, config, dtype: str, strongly_typed: bool) -> str:
+    """Set the builder's precision for the manifest dtype; returns what was chosen, for the manifest."""
+    if strongly_typed:
+        return "strongly-typed (graph dtypes)"
+    if dtype == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+        return "weak+FP16"
+    if dtype == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
+        return "weak+BF16"
+    config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: TF32 matmuls would break token parity
+    return "weak+FP32 (TF32 off)"
+
+
+def _parse(trt, builder, logger, onnx_path: Path, strongly_typed: bool):
+    flags = 0
+    if strongly_typed:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # the path locates the external *.onnx.data
+        errs = "; ".join(str(parser.get_error(i)).replace("\n", " ") for i in range(parser.num_errors))
+        raise RefitError(f"TensorRT's ONNX parser rejected {onnx_path.name}: {errs[:400]}")
+    return network, parser  # the parser owns the weights: keep it alive until the build is done
+
+
+def build_plan(trt, logger, onnx_path: Path, manifest: dict, graph: str, workspace_gb: float,
+               strongly_typed: bool | None = None) -> tuple[object, list[str], str]:
+    """Serialized refittable engine for one graph (``IHostMemory``); (plan, profile names in order, precision)."""
+    if strongly_typed is None:  # TensorRT 11 dropped the precision flags: the graph's dtypes decide
+        strongly_typed = not hasattr(trt.BuilderFlag, "FP16")
+    builder = trt.Builder(logger)
+    network, parser = _parse(trt, builder, logger, onnx_path, strongly_typed)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
+    config.set_flag(trt.BuilderFlag.REFIT)
+    precision = _precision(trt, config, manifest["dtype"], strongly_typed)
+    names = list(manifest["profiles"][graph])
+    for pname in names:
+        profile = builder.create_optimization_profile()
+        for inp, s in manifest["profiles"][graph][pname].items():
+            profile.set_shape(inp, s["min"], s["opt"], s["max"])
+        if config.add_optimization_profile(profile) < 0:
+            raise RefitError(f"TensorRT rejected shape profile {graph}/{pname} (see the log above)")
+    plan = builder.build_serialized_network(network, config)
+    del parser
+    if plan is None:
+        raise RefitError(f"TensorRT failed to build {graph} from {onnx_path.name} (see the TensorRT log above)")
+    return plan, names, precision
+
+
+def inspect_plan(trt, logger, plan, manifest: dict, graph: str) -> dict:
+    """Deserialize ``plan``; check its I/O and profiles; list refittable and not-refittable weights."""
+    engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+    if engine is None:
+        raise RefitError(f"TensorRT could not deserialize the {graph} plan it just built")
+    io = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = [n for n in io if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+    spec = manifest["graphs"][graph]
+    if set(inputs) != set(spec["inputs"]) or set(io) - set(inputs) != set(spec["outputs"]):
+        raise RefitError(f"TensorRT {graph} engine I/O {io} differs from the manifest's")
+    if engine.num_optimization_profiles != len(manifest["profiles"][graph]):
+        raise RefitError(f"TensorRT {graph} engine has {engine.num_optimization_profiles} profiles, "
+                         f"manifest {len(manifest['profiles'][graph])}")
+    refittable = sorted(trt.Refitter(engine, logger).get_all_weights())
+    have = set(refittable)
+    folded = [n for n in mapped_trt_names(manifest, graph) if n not in have]
+    return {"refittable_weights": refittable, "not_refittable": folded}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _up_to_date(engine_dir: Path, manifest: dict, trt_version: str, device: dict) -> bool:
+    recs = manifest.get("tensorrt") or {}
+    if set(recs) != set(manifest["graphs"]):
+        return False
+    for g, rec in recs.items():
+        if not (engine_dir / rec["plan"]).is_file() or rec.get("trt_version") != trt_version:
+            return False
+        if rec.get("device", {}).get("compute_capability") != device["compute_capability"]:
+            return False  # plans are specific to the GPU architecture they were built on
+        if rec.get("graph_sha256") != manifest["graphs"][g].get("sha256") or rec.get("not_refittable"):
+            return False
+    return True
+
+
+def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, strict: bool = True,
+                  force: bool = False) -> dict:
+    """Build ``<graph>.plan`` for every graph of ``engine_dir``; record them in the manifest.
+
+    Adds ``manifest["tensorrt"] = {graph: {plan, profiles, trt_version, refittable_weights, ...}}``.
+    With ``strict`` (default) a mapped weight that TensorRT made non-refittable is an error and
+    nothing is written; otherwise it is listed under ``not_refittable`` (and refit refuses it).
+    Plans already built for this graph, TensorRT version and GPU architecture are reused.
+    """
+    trt = require_tensorrt()
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    device = _device()
+    if not force and _up_to_date(engine_dir, manifest, trt.__version__, device):
+        log(f"refit export: TensorRT engines in {engine_dir} are up to date, reused")
+        return manifest["tensorrt"]
+    logger = trt.Logger(trt.Logger.WARNING)
+    records, tmp_plans = {}, []
+    try:
+        for graph, spec in manifest["graphs"].items():
+            t0 = time.perf_counter()
+            plan, names, precision = build_plan(trt, logger, engine_dir / spec["file"], manifest, graph, workspace_gb)
+            info = inspect_plan(trt, logger, plan, manifest, graph)
+            if info["not_refittable"] and strict:
+                raise RefitError(
+                    f"TensorRT constant-folded {len(info['not_refittable'])} mapped weights of {graph} away, so refit "
+                    f"would leave them stale: {info['not_refittable'][:5]}")
+            tmp = engine_dir / f".{graph}.plan.building-{os.getpid()}"  # renamed into place once all are built
+            tmp_plans.append((tmp, engine_dir / f"{graph}.plan"))
+            with open(tmp, "wb") as f:
+                f.write(plan)
+            size = tmp.stat().st_size
+            del plan
+            records[graph] = {"plan": f"{graph}.plan", "profiles": names, "trt_version": trt.__version__,
+                              "precision": precision, "device": device, "graph_sha256": _sha256(engine_dir / spec["file"]),
+                              "plan_bytes": size, "build_seconds": round(time.perf_counter() - t0, 3), **info}
+            log(f"refit export: TensorRT {graph}: {size / 2**20:.1f} MiB plan, profiles {names}, {precision}, "
+                f"{len(info['refittable_weights'])} refittable weights, built in {records[graph]['build_seconds']:.1f} s")
+        for tmp, final in tmp_plans:
+            os.replace(tmp, final)
+        tmp_plans = []
+        manifest["tensorrt"] = records
+        _atomic_write(engine_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    finally:
+        for tmp, _ in tmp_plans:
+            tmp.unlink(missing_ok=True)
+    return records
