@@ -238,7 +238,8 @@ class _TrtSeq2SeqState:
 class TrtEngine:
     """Engine over an engine folder's TensorRT plans (``refit export --backend tensorrt``)."""
 
-    def __init__(self, engine_dir, device: str = "cuda", log_level: str = "WARNING"):
+    def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING"):
+        """``threads`` is accepted for a constructor shared with the other backends and unused (GPU work)."""
         from export.tensorrt_build import require_tensorrt
 
         trt = require_tensorrt()

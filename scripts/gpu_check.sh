@@ -55,6 +55,7 @@ bench="skipped(no-time)"
 if [[ $left -gt 30 ]] && "$PY" -m learner.cli bench generate --help >"$logs/bench_help.txt" 2>&1; then
   args=()
   grep -q -- '--max-new-tokens' "$logs/bench_help.txt" && args+=(--max-new-tokens 16)
+  grep -qE -- '(^|[ ,])--new-tokens' "$logs/bench_help.txt" && args+=(--new-tokens 16)
   grep -q -- '--batch-sizes' "$logs/bench_help.txt" && args+=(--batch-sizes 1,8)
   grep -q -- '--repeats' "$logs/bench_help.txt" && args+=(--repeats 3)
   grep -q -- '--warmup' "$logs/bench_help.txt" && args+=(--warmup 1)
