@@ -53,6 +53,9 @@ def session_options(threads: int | None = None, opt_level: str = "all"):
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    # No busy-waiting workers between runs: the engine shares its cores with the sampling step
+    # and with the PyTorch learner, which spinning ORT threads would slow down.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     return so
 

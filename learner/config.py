@@ -30,7 +30,8 @@ class PPOConfig:
     model_dir: str = _f("", "policy HF checkpoint folder (also the frozen reference)")
     output_dir: str = _f("runs/ppo", "run folder: metrics.jsonl, TensorBoard events, plots, checkpoints, engine")
     engine_dir: str = _f("", "policy engine folder (default: OUTPUT_DIR/engine; exported or reused)")
-    backend: str = _f("onnxruntime", "rollout engine backend", choices=["onnxruntime", "torch", "tensorrt"])
+    backend: str = _f("onnxruntime", "rollout engine backend ('hf': transformers generate(), the baseline)",
+                      choices=["onnxruntime", "torch", "tensorrt", "hf"])
     reward: str = _f("exact_match", "'exact_match', 'module:function' or an HF sequence-classification folder")
     task: str = _f("addition", "embedded prompt set when no prompts_file is given", choices=["addition", "sort"])
     prompts_file: str = _f("", "text file, one prompt per line (overrides task)")

@@ -132,8 +132,8 @@ def setup(cfg: PPOConfig, resume: bool, log=print) -> Run:
     if any(len(p) == 0 for p in prompt_ids):
         raise RefitError("a prompt tokenizes to nothing (empty prompt)")
     max_len = max(len(p) for p in prompt_ids) + cfg.response_length + 8
-    if cfg.backend == "torch":
-        engine = create_engine("torch", cfg.model_dir, max_len=max_len)
+    if cfg.backend in ("torch", "hf"):  # PyTorch engines run from the HF folder, nothing to export
+        engine = create_engine(cfg.backend, cfg.model_dir, max_len=max_len)
     else:
         engine_dir = Path(cfg.engine_dir) if cfg.engine_dir else run_dir / "engine"
         ensure_engine(Path(cfg.model_dir), engine_dir, cfg.batch_size * cfg.num_generations, max_len, log)

@@ -1,0 +1,209 @@
+"""Generation latency and weight-push benchmarks (``refit bench generate`` / ``refit bench refit``).
+
+``bench_generate`` runs, in one process, the same model and prompts through HF ``generate()``
+(KV cache, sampling, the baseline users run today) and through Refit's engines, for each batch
+size: warm-up, then ``repeats`` timed runs; it reports the median of time to first token
+(prefill + first sample), per-token decode latency p50/p95 (the steps after the first),
+tokens/s over the whole call, and the peak resident memory growth during the runs.
+HF runs with ``min_new_tokens = new_tokens``; Refit's engines stop a row only at EOS, which a
+random-weight 50257-way model samples with probability ~2e-5 per token, and tokens/s counts the
+decode steps actually run, so the work compared is the same.
+The last stdout line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class PeakRSS:
+    """Peak resident set size of this process (MB, ``mb``) while the context is open, sampled at 200 Hz.
+
+    Absolute, not a delta: every backend's model/engine is loaded before the first run, so later
+    rows read the process peak so far; compare rows of one backend across batch sizes."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._watch, daemon=True)
+        self._t.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._rss())
+        self.mb = self.peak / 2**20
+
+
+class _StepTimer:
+    """Wraps an engine's per-batch step state to timestamp every decode step."""
+
+    def __init__(self, state, stamps: list[float]):
+        self.state, self.stamps = state, stamps
+
+    def prefill(self, ids, mask):
+        out = self.state.prefill(ids, mask)
+        self.stamps.append(time.perf_counter())
+        return out
+
+    def extend(self, ids, mask):
+        out = self.state.extend(ids, mask)
+        self.stamps.append(time.perf_counter())
+        return out
+
+
+def _timed(engine, stamps):
+    orig = engine._new_state
+    engine._new_state = lambda: _StepTimer(orig(), stamps)
+    return orig
+
+
+def _summarise(t_calls: list[float], step_times: list[list[float]], rows: int, new_tokens: int, mem: float) -> dict:
+    ttft = [s[0] - t0 for s, t0 in step_times]
+    gaps: list[float] = []
+    for s, _ in step_times:
+        gaps += list(np.diff(s))
+    return {
+        "ttft_ms": 1e3 * statistics.median(ttft),
+        "decode_ms_p50": 1e3 * float(np.percentile(gaps, 50)) if gaps else float("nan"),
+        "decode_ms_p95": 1e3 * float(np.percentile(gaps, 95)) if gaps else float("nan"),
+        "tokens_per_s": rows * new_tokens / statistics.median(t_calls),
+        "call_s": statistics.median(t_calls),
+        "peak_rss_mb": round(mem, 1),
+    }
+
+
+def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    from rollout.types import SamplingParams
+
+    stamps: list[float] = []
+    orig = _timed(engine, stamps)
+    calls, steps, ran = [], [], []
+    try:
+        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))  # warm-up
+        with PeakRSS() as mem:
+            for r in range(repeats):
+                stamps.clear()
+                t0 = time.perf_counter()
+                out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=r))
+                calls.append(time.perf_counter() - t0)
+                steps.append((np.array(stamps), t0))
+                ran.append(out.response_ids.shape[1])
+    finally:
+        engine._new_state = orig
+    return _summarise(calls, steps, len(prompts), min(ran), mem.mb)
+
+
+def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int) -> dict:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from export.padding import pad_batch
+
+    ids, mask = pad_batch(prompts, pad_id, "left")
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    kw = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, pad_token_id=pad_id, logits_processor=LogitsProcessorList([Stamp()]))
+    with torch.no_grad():
+        model.generate(ids, **kw)  # warm-up
+        calls, steps = [], []
+        with PeakRSS() as mem:
+            for r in range(repeats):
+                torch.manual_seed(r)
+                stamps.clear()
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                calls.append(time.perf_counter() - t0)
+                steps.append((np.array(stamps), t0))
+    return _summarise(calls, steps, len(prompts), new_tokens, mem.mb)
+
+
+def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
+                   new_tokens: int, repeats: int, threads: int, log=print) -> dict:
+    from export.checkpoint import load_model, model_info
+    from rollout.engine import create_engine
+
+    torch.set_num_threads(threads)
+    info = model_info(model_dir)
+    rng = np.random.default_rng(0)
+    lo = 4  # skip the special ids (pad, eos, bos, unk)
+    all_prompts = rng.integers(lo, info.vocab_size, size=(max(batch_sizes), prompt_len)).tolist()
+    results = []
+    hf = load_model(model_dir, info, attn="sdpa")
+    engines = {}
+    for b in backends:
+        engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
+    for bs in batch_sizes:
+        prompts = all_prompts[:bs]
+        r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id)
+        results.append({"backend": "hf_generate", "batch": bs, **r})
+        log(f"batch {bs:>3} hf_generate   {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
+            f"decode p50 {r['decode_ms_p50']:6.1f} ms")
+        for name, eng in engines.items():
+            r = run_engine(eng, prompts, new_tokens, repeats)
+            results.append({"backend": name, "batch": bs, **r})
+            log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
+                f"decode p50 {r['decode_ms_p50']:6.1f} ms")
+    for e in engines.values():
+        e.close()
+    base = {r["batch"]: r["tokens_per_s"] for r in results if r["backend"] == "hf_generate"}
+    speedup = {b: {str(r["batch"]): round(r["tokens_per_s"] / base[r["batch"]], 3)
+                   for r in results if r["backend"] == b} for b in backends}
+    return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "threads": threads, "repeats": repeats, "results": results, "speedup_vs_hf_generate": speedup}
+
+
+def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, work_dir: Path, log=print) -> dict:
+    """Median ``update_weights`` time (all weights, perturbed) against one full re-export of the same model."""
+    import shutil
+
+    from export.checkpoint import load_model
+    from export.onnx_export import ExportOptions, export_onnx
+    from export.weight_map import canonical_params
+    from rollout.engine import create_engine
+
+    torch.set_num_threads(threads)
+    model = load_model(model_dir)
+    params, _ = canonical_params(model)
+    eng = create_engine("onnxruntime", engine_dir, threads=threads)
+    times = []
+    for r in range(repeats):
+        new = {n: p.detach() + (1e-3 * (r + 1)) for n, p in params.items()}
+        t0 = time.perf_counter()
+        eng.update_weights(new)
+        times.append(time.perf_counter() - t0)
+        log(f"update_weights #{r + 1}: {times[-1]:.3f} s")
+    eng.close()
+    out = work_dir / "reexport"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    export_onnx(model_dir, out, ExportOptions(), log=log)
+    reexport = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    upd = statistics.median(times)
+    return {"bench": "refit", "model": str(model_dir), "update_weights_s": round(upd, 4),
+            "update_weights_all_s": [round(t, 4) for t in times], "reexport_s": round(reexport, 3),
+            "ratio_reexport_over_update": round(reexport / upd, 1)}

@@ -1,0 +1,52 @@
+"""``HFGenerateEngine``: rollouts from transformers' ``generate()``, what TRL-style trainers run today.
+
+It exists as the baseline of ``refit bench ppo`` (same learner, rollouts from ``generate()``)
+and implements the Engine protocol so the cycle can run on it unchanged. Log-probs come from
+``generate``'s own per-step raw logits (``output_logits``), processed by the same functions as
+every Refit backend. Scoring and weight updates go through the PyTorch reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.engine import ModelSpec, check_prompts, pad_prompts
+from rollout.sampling import chosen_logprobs, process_logits, topk_logprobs
+from rollout.torch_backend import TorchEngine
+from rollout.types import RolloutBatch, SamplingParams
+
+
+class HFGenerateEngine(TorchEngine):
+    """Generation with ``model.generate`` (KV cache, HF sampling); score/update as the torch reference."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
+        spec: ModelSpec = self.spec
+        check_prompts(prompts, spec.max_len, sampling.max_new_tokens, spec.vocab_size)
+        ids, mask, index = pad_prompts(prompts, sampling.n, spec)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        kw = dict(do_sample=not sampling.greedy, max_new_tokens=sampling.max_new_tokens,
+                  temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
+                  pad_token_id=spec.pad_id, eos_token_id=sorted({spec.eos_id, *sampling.stop_ids}),
+                  output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
+        resp = out.sequences if spec.kind == "seq2seq" else out.sequences[:, ids.shape[1]:]
+        if spec.kind == "seq2seq":
+            resp = resp[:, 1:]  # drop decoder_start
+        logits = torch.stack(out.logits, 1).float()  # (B, Tr, V) raw
+        proc, plain = chosen_logprobs(logits, process_logits(logits, sampling), resp, sampling.temperature)
+        stops = torch.tensor(sorted({spec.eos_id, *sampling.stop_ids}))
+        is_stop = torch.isin(resp, stops)
+        before = torch.cumsum(is_stop.long(), 1) - is_stop.long()  # stops strictly before each position
+        rmask = (before == 0).float()
+        resp = torch.where(rmask.bool(), resp, spec.pad_id)
+        top = topk_logprobs(logits, sampling.return_topk, sampling.temperature) if sampling.return_topk else None
+        batch = RolloutBatch(
+            prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=rmask,
+            rollout_logprobs=proc * rmask, rollout_plain_logprobs=plain * rmask, prompt_index=index,
+            weights_version=self._version, sampling=sampling, is_seq2seq=spec.kind == "seq2seq",
+            topk_logprobs=None if top is None else top[0] * rmask[..., None],
+            topk_ids=None if top is None else torch.where(rmask.bool()[..., None], top[1], spec.pad_id),
+            pad_id=spec.pad_id, eos_id=spec.eos_id)
+        return batch.check()
