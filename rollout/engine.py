@@ -18,7 +18,8 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from export.errors import RefitError
-from export.padding import DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, pad_batch
+from export.padding import (DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, check_left_padded, check_right_padded,
+                            pad_batch)
 from rollout.sampling import make_generator, sample_step
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
@@ -232,6 +233,18 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
     return batch.check()
 
 
+def _check_score_padding(spec: ModelSpec, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """score() inputs must follow the padding rule (types.py); one RefitError line otherwise."""
+    try:
+        (check_left_padded if spec.prompt_side == "left" else check_right_padded)(prompt_mask)
+        if (prompt_mask.sum(-1) == 0).any():
+            raise ValueError("a prompt row has no real tokens")
+        check_right_padded(response_mask)
+    except ValueError as e:
+        raise RefitError(f"score: {e} (the padding rule: {spec.prompt_side}-padded prompts, "
+                         "right-padded responses)") from None
+
+
 def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: torch.Tensor,
               prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
               temperature: float = 1.0, topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
@@ -248,6 +261,11 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
     if prompt_ids.shape[0] != b or rmask.shape != resp.shape or prompt_mask.shape != prompt_ids.shape:
         raise RefitError(f"score: shapes disagree: prompt {tuple(prompt_ids.shape)}/{tuple(prompt_mask.shape)}, "
                          f"response {tuple(resp.shape)}/{tuple(rmask.shape)}")
+    _check_score_padding(spec, prompt_mask, rmask)
+    if tr == 0:
+        empty = torch.zeros(b, 0)
+        return ScoreResult(logprobs=empty, topk_logprobs=torch.zeros(b, 0, topk) if topk else None,
+                           topk_ids=torch.zeros(b, 0, topk, dtype=torch.int64) if topk else None)
     lps, tk_lp, tk_ids = [], [], []
     with torch.no_grad():
         state = new_state()

@@ -23,6 +23,16 @@ TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
 TOL = 1e-4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is faster, and immune to a busy machine's oversubscription
+    (measured: these tests' calls took 40 s with 2 OpenMP threads on 2 shared cores, 6 s with 1)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def engines(engine_dirs):
     """{arch: (torch reference engine, onnxruntime engine)} on the session's engine folders."""
@@ -189,6 +199,22 @@ def test_bad_input_is_one_line_refit_error(engines, prompts, backend):
             eng.generate(bad, p)
         assert needle in str(e.value) and "\n" not in str(e.value)
     eng.generate([[5] * 120], p)  # exactly max_len (128) is fine
+
+
+def test_score_rejects_bad_padding(engines, prompts):
+    _, ort = engines["tiny-gpt2"]
+    batch = ort.generate(prompts, SamplingParams(max_new_tokens=4, seed=0))
+    args = [batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask]
+    holey = batch.response_mask.clone()
+    holey[0, 0] = 0.0  # padding before a real response token
+    assert batch.prompt_mask[:, 0].eq(0).any(), "some prompt is left-padded"
+    for i, bad in ((1, batch.prompt_mask.flip(-1)), (3, holey)):
+        wrong = list(args)
+        wrong[i] = bad
+        with pytest.raises(RefitError, match="padding rule"):
+            ort.score(*wrong)
+    empty = ort.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids[:, :0], batch.response_mask[:, :0])
+    assert empty.logprobs.shape == (len(prompts), 0)
 
 
 def test_registry_and_protocol(engines, engine_dirs):
