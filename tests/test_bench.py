@@ -1,0 +1,53 @@
+"""Benchmarks: smoke-run each with tiny settings (numbers are for the bench scripts, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from rollout.engine import create_engine, register_backend
+from rollout.types import SamplingParams
+
+
+def _bench(tmp_path, *args):
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", *args, "--geometry", "tiny-gpt2",
+                        "--work-dir", str(tmp_path), "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_bench_generate_json(tmp_path):
+    out = _bench(tmp_path, "generate", "--batch-sizes", "1,2", "--new-tokens", "4", "--prompt-len", "8")
+    backends = {(r["backend"], r["batch"]) for r in out["results"]}
+    assert backends == {(b, n) for b in ("hf_generate", "torch", "onnxruntime") for n in (1, 2)}
+    for r in out["results"]:
+        assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["decode_ms_p95"] >= r["decode_ms_p50"] > 0
+    assert set(out["speedup_vs_hf_generate"]["onnxruntime"]) == {"1", "2"}
+
+
+def test_bench_refit_json(tmp_path):
+    out = _bench(tmp_path, "refit")
+    assert out["update_weights_s"] > 0 and out["reexport_s"] > 0 and out["ratio_reexport_over_update"] > 0
+
+
+def test_bench_ppo_json(tmp_path):
+    out = _bench(tmp_path, "ppo", "--batch-size", "4", "--response-length", "4")
+    assert out["speedup"] > 0 and set(out["phases_s"]) == {"onnxruntime", "hf"}
+    assert set(out["phases_s"]["hf"]) >= {"time/rollout", "time/score", "time/update", "time/weight_push"}
+
+
+def test_hf_generate_backend_matches_reference(model_dirs, tokenizer):
+    register_backend("hf", "rollout.hf_backend:HFGenerateEngine")
+    for arch in ("tiny-gpt2", "tiny-t5"):
+        hf, ref = create_engine("hf", model_dirs[arch]), create_engine("torch", model_dirs[arch])
+        prompts = [tokenizer(p).input_ids for p in ["1+2=", "sort 9871 = ", "hello"]]
+        a = hf.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+        b = ref.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+        assert torch.equal(a.response_ids, b.response_ids)
+        torch.testing.assert_close(a.rollout_plain_logprobs, b.rollout_plain_logprobs, atol=1e-5, rtol=0)
+        s = hf.generate(prompts, SamplingParams(max_new_tokens=6, top_k=5, seed=0, n=2))
+        sc = ref.score(s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
+        torch.testing.assert_close(sc.logprobs, s.rollout_plain_logprobs, atol=1e-5, rtol=0)
