@@ -57,6 +57,7 @@ if [[ $left -gt 30 ]] && "$PY" -m learner.cli bench generate --help >"$logs/benc
   grep -q -- '--max-new-tokens' "$logs/bench_help.txt" && args+=(--max-new-tokens 16)
   grep -qE -- '(^|[ ,])--new-tokens' "$logs/bench_help.txt" && args+=(--new-tokens 16)
   grep -q -- '--batch-sizes' "$logs/bench_help.txt" && args+=(--batch-sizes 1,8)
+  grep -q -- '--prompt-len' "$logs/bench_help.txt" && args+=(--prompt-len 32)
   grep -q -- '--repeats' "$logs/bench_help.txt" && args+=(--repeats 3)
   grep -q -- '--warmup' "$logs/bench_help.txt" && args+=(--warmup 1)
   # shellcheck disable=SC2206
