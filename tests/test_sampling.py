@@ -135,7 +135,8 @@ def test_rollout_batch_check_accepts_and_rejects():
         dict(prompt_mask=torch.tensor([[1, 0], [1, 1]])),  # right-padded decoder prompt
         dict(response_mask=torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])),  # hole in the mask
         dict(response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])),  # mask runs past EOS
-        dict(response_mask=torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), response_ids=torch.tensor([[5, 0, 0], [6, 7, 8]])),
+        dict(response_mask=torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]),  # ends without a stop token
+             response_ids=torch.tensor([[5, 0, 0], [6, 7, 8]])),
         dict(prompt_ids=torch.tensor([[0, 4], [3, 4]], dtype=torch.int32)),  # dtype
         dict(rollout_logprobs=torch.zeros(2, 4)),  # shape
     ]
