@@ -19,6 +19,11 @@ def _model_and_engine(a, log=print) -> tuple[Path, Path]:
         build_model(a.geometry, model)
     engine = Path(a.engine) if a.engine else work / f"{model.name}-engine"
     export_onnx(model, engine, ExportOptions(max_batch=64, max_len=256), log=log)
+    if "tensorrt" in getattr(a, "backends", "").split(","):
+        from export.tensorrt_build import build_engines, require_tensorrt
+
+        require_tensorrt()  # one line where TensorRT is absent
+        build_engines(engine, log=log)
     return model, engine
 
 
