@@ -98,7 +98,7 @@ class UpdateSettings:
     autocast_bf16: bool = False
 
 
-def _micro_loss(model, value_head, ref_lp, exp: Experience, idx, n_tokens, s: UpdateSettings):
+def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings):
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if s.autocast_bf16 else torch.autocast("cpu", enabled=False)
     with ctx:
         out = response_forward(model, exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx],
@@ -114,7 +114,7 @@ def _micro_loss(model, value_head, ref_lp, exp: Experience, idx, n_tokens, s: Up
     ent = L.token_mean(L.entropy_from_logits(out.logits), mask, n_tokens)
     loss = pg + s.vf_coef * vf - s.entropy_coef * ent
     if s.kl_in_loss:
-        kl = L.token_mean(L.kl_k3(logprobs, g(ref_lp)), mask, n_tokens)
+        kl = L.token_mean(L.kl_k3(logprobs, g(exp.ref_logprobs)), mask, n_tokens)
         loss = loss + s.kl_coef * kl
     return loss, {**pstats, **vstats, "entropy": ent.detach()}
 
@@ -140,7 +140,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
             optimizer.zero_grad(set_to_none=True)
             for k in range(s.gradient_accumulation_steps):
                 idx = mb[k * micro:(k + 1) * micro]
-                loss, stats = _micro_loss(model, value_head, exp.ref_logprobs, exp, idx, n_tokens, s)
+                loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
                 loss.backward()
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(float(v))

@@ -168,3 +168,23 @@ def test_demo_end_to_end_short(tmp_path):
     run = tmp_path / "demo" / "ppo"
     assert (run / "metrics.jsonl").exists() and (run / "curves.png").exists() and (run / "config.yaml").exists()
     assert any((run / "tb").iterdir()) and (run / "checkpoints" / "step_000003" / "policy" / "config.json").exists()
+
+
+def test_kl_in_loss_tis_and_adaptive_kl(model_dirs, engine_dirs, tmp_path):
+    out = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-llama", tmp_path, steps=2, kl_penalty="loss",
+                       mismatch_correction="tis", tis_cap=1.5, top_k=8, adap_kl_ctrl=True, target=0.1, horizon=100,
+                       kl_coef=0.1), log=lambda *_: None)
+    rows = read_metrics(out)
+    assert "ppo/is_weights_mean" in rows[0] and 0 < rows[0]["ppo/is_weights_mean"] <= 1.5
+    assert rows[0]["kl/coef"] != 0.1  # the controller moved it after step 1
+    assert rows[0]["mismatch/truncation_gap"] > 0  # top-k sampling: sampled log-probs above the plain ones
+
+
+def test_seq_mask_correction_drops_mismatched_rows(model_dirs, engine_dirs, tmp_path):
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, mismatch_correction="seq_mask",
+                     seq_mask_threshold=1e-3), resume=False, log=lambda *_: None)
+    rollout = run.engine.generate(run.prompt_ids[:4], SamplingParams(max_new_tokens=4, seed=0))
+    rollout.rollout_plain_logprobs[0] -= 0.5 * rollout.response_mask[0]  # plant a mismatch on row 0
+    exp, stats = experience(run, rollout, torch.zeros(4))
+    assert stats["mismatch/seq_masked_frac"] == 0.25
+    assert exp.mask[0].sum() == 0 and exp.mask[1:].sum() == rollout.response_mask[1:].sum()
