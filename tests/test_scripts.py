@@ -20,7 +20,7 @@ def _run(script, *args, timeout=600):
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh"])
+@pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -45,3 +45,10 @@ def test_train_ppo_script_default(tmp_path):
 def test_unknown_argument_is_one_line():
     r = _run("train_ppo.sh", "--bogus")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_latency_script_tiny(tmp_path):
+    r = _run("bench_latency.sh", "--batch-sizes", "1", "--", "--geometry", "tiny-gpt2", "--work-dir", str(tmp_path),
+             "--new-tokens", "3", "--prompt-len", "4", "--repeats", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "speedup_vs_hf_generate" in json.loads(r.stdout.strip().splitlines()[-1])
