@@ -78,6 +78,10 @@ class PPOConfig:
     keep_checkpoints: int = _f(2, "checkpoints kept on disk")
     max_steps_this_run: int = _f(0, "stop after this many steps in this process (0 = no limit); for tests")
     engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
+    rollout_workers: int = _f(1, "rollout engines: N > 1 runs N copies of the engine as Ray actors (RayEnginePool; "
+                                 "pip install 'refit[dist]'); the tokens do not depend on N")
+    ray_address: str = _f("", "Ray cluster for the rollout workers ('auto', 'HOST:6379'; default $RAY_ADDRESS); "
+                              "empty: a local Ray instance on this machine")
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
     bf16: bool = _f(True, "bf16 autocast for the learner forward on CUDA (ignored on CPU)")
     tensorboard: bool = _f(True, "write TensorBoard events")
@@ -93,6 +97,7 @@ class PPOConfig:
             (self.save_steps % self.sync_every != 0, "save_steps must be a multiple of sync_every (a checkpoint "
                                                      "must match the weights the engine holds)"),
             (self.steps < 1, "steps must be >= 1"),
+            (self.rollout_workers < 1, "rollout_workers must be >= 1"),
         ]
         for bad, msg in checks:
             if bad:

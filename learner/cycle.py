@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,11 +25,11 @@ from export.weight_map import canonical_params
 from learner import losses as L
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import PPOConfig, save_config
+from learner.distributed import DistContext, init_from_env
 from learner.metrics import MetricsLog, plot_metrics
 from learner.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
 from learner.policy import ValueHead, hidden_size
-from learner.ppo import (Experience, UpdateSettings, exact_kl, learner_view, make_advantages, per_token_rewards,
-                         ppo_update)
+from learner.ppo import Experience, UpdateSettings, exact_kl, learner_view, make_advantages, per_token_rewards
 from learner.rewards import load_reward
 from rollout.engine import check_version, create_engine
 from rollout.types import SamplingParams
@@ -102,6 +102,7 @@ class Run:
     start_step: int = 0
     expected_version: int = 0
     probe: object = None
+    dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
 def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, log=print) -> Path:
@@ -119,25 +120,37 @@ def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, lo
                        log=log)
 
 
-def setup(cfg: PPOConfig, resume: bool, log=print) -> Run:
+def make_engine(cfg: PPOConfig, path, run_dir: Path, **kw):
+    """One engine, or with ``rollout_workers > 1`` a RayEnginePool of that many (same Engine protocol)."""
+    if cfg.rollout_workers > 1:  # [scale-out]
+        from rollout.ray_pool import RayEnginePool
+
+        return RayEnginePool(cfg.backend, path, workers=cfg.rollout_workers, ray_address=cfg.ray_address,
+                             last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
+    return create_engine(cfg.backend, path, **kw)
+
+
+def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
     from transformers import get_scheduler
 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     info = model_info(cfg.model_dir)
     tok = load_tokenizer(cfg.model_dir, info)
-    device = pick_device(cfg.device)
+    dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
+    device = dist.device or pick_device(cfg.device)
     prompts = load_prompts(cfg)
     prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
         raise RefitError("a prompt tokenizes to nothing (empty prompt)")
     max_len = max(len(p) for p in prompt_ids) + cfg.response_length + 8
-    if cfg.backend in ("torch", "hf"):  # PyTorch engines run from the HF folder, nothing to export
-        engine = create_engine(cfg.backend, cfg.model_dir, max_len=max_len)
-    else:
+    engine = None  # [dist] ranks > 0 hold no engine
+    if dist.is_main and cfg.backend in ("torch", "hf"):  # PyTorch engines run from the HF folder, nothing to export
+        engine = make_engine(cfg, cfg.model_dir, run_dir, max_len=max_len)
+    elif dist.is_main:
         engine_dir = Path(cfg.engine_dir) if cfg.engine_dir else run_dir / "engine"
         ensure_engine(Path(cfg.model_dir), engine_dir, cfg.batch_size * cfg.num_generations, max_len, log)
-        engine = create_engine(cfg.backend, engine_dir, threads=cfg.engine_threads or None)
+        engine = make_engine(cfg, engine_dir, run_dir, threads=cfg.engine_threads or None)
     policy = load_model(cfg.model_dir, info).to(device)
     ref = load_model(cfg.model_dir, info).to(device).requires_grad_(False)
     value_head = ValueHead(hidden_size(policy)).to(device)
@@ -147,15 +160,19 @@ def setup(cfg: PPOConfig, resume: bool, log=print) -> Run:
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=total)
     run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, prompts, prompt_ids,
-              load_reward(cfg.reward), cfg.kl_coef)
+              load_reward(cfg.reward), cfg.kl_coef, dist=dist)
     if resume:
         ck = latest_checkpoint(run_dir)
         if ck is None:
             raise RefitError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
         state = load_checkpoint(ck, policy, value_head, optimizer, scheduler)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
-        engine.update_weights(canonical_params(policy)[0])
-        log(f"refit ppo: resumed from {ck} (step {run.start_step}, engine weights pushed)")
+        if engine is not None:
+            engine.update_weights(canonical_params(policy)[0])
+            log(f"refit ppo: resumed from {ck} (step {run.start_step}, engine weights pushed)")
+    dist.wrap(policy, value_head)  # [dist] DDP (a no-op for one process)
+    if engine is None:
+        return run
     run.expected_version = engine.weights_version
     probe_rows = list(range(min(cfg.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
@@ -206,8 +223,22 @@ def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dic
     return exp, stats
 
 
+def update_settings(run: Run) -> UpdateSettings:
+    cfg = run.cfg
+    return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.gradient_accumulation_steps,
+                          cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.max_grad_norm,
+                          cfg.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+                          autocast_bf16=cfg.bf16 and next(run.policy.parameters()).is_cuda)
+
+
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     cfg = run.cfg
+    update_gen = torch.Generator().manual_seed(cfg.seed * 1_000_033 + step)  # minibatch order, same on every rank
+    if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
+        exp, run.kl_coef = run.dist.share_experience(None, run.kl_coef)
+        run.dist.ppo_update(run.policy, run.value_head, run.optimizer, run.scheduler, exp, update_settings(run),
+                            update_gen)
+        return {}
     timings = {}
     t0 = time.perf_counter()
     idx = step_prompt_indices(len(run.prompts), cfg.batch_size, step, cfg.seed)
@@ -223,12 +254,9 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     exp, stats = experience(run, rollout, scores)
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    settings = UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.gradient_accumulation_steps,
-                              cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.max_grad_norm,
-                              cfg.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
-                              autocast_bf16=cfg.bf16 and next(run.policy.parameters()).is_cuda)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_033 + step)
-    upd = ppo_update(run.policy, run.value_head, run.optimizer, run.scheduler, exp, settings, gen)
+    exp, _ = run.dist.share_experience(exp, run.kl_coef)  # [dist] to ranks > 0 (no-op for one process)
+    upd = run.dist.ppo_update(run.policy, run.value_head, run.optimizer, run.scheduler, exp, update_settings(run),
+                              update_gen)  # [dist] plain ppo_update for one process
     bad = [k for k, v in upd.items() if v != v or v in (float("inf"), float("-inf"))]
     if bad:
         raise RefitError(f"non-finite loss at step {step} ({', '.join(bad)}); nothing from this step was saved, "
@@ -259,19 +287,24 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, log=print) -> Path:
     """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, engine/)."""
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log("refit ppo: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
-    run = setup(cfg, resume, log)
-    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=run.start_step if resume else None)
+    dist = init_from_env(cfg.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
+    main = dist.is_main  # [dist] rank 0 alone writes config, metrics, checkpoints and plots
+    if main:
+        log("refit ppo: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
+    run = setup(cfg, resume, log, dist=dist)
+    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=run.start_step if resume else None) if main else None
     last = cfg.steps if not cfg.max_steps_this_run else min(cfg.steps, run.start_step + cfg.max_steps_this_run)
     steps = range(run.start_step + 1, last + 1)
     bar = None
-    if cfg.progress:
+    if cfg.progress and main:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=run.start_step, desc="ppo", dynamic_ncols=True)
     try:
         for step in steps:
             m = train_step(run, step, log)
+            if not main:  # [dist]
+                continue
             metrics.log(step, m)
             if step % cfg.save_steps == 0 or step == cfg.steps:
                 save_checkpoint(run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
@@ -283,8 +316,11 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, log=print) -> Path:
     finally:
         if bar is not None:
             bar.close()
-        metrics.close()
-        run.engine.close()
-    if cfg.plots:
+        if metrics is not None:
+            metrics.close()
+        if run.engine is not None:
+            run.engine.close()
+        dist.close()  # [dist] waits for every rank, leaves the process group
+    if cfg.plots and main:
         plot_metrics(run_dir, PLOT_PANELS)
     return run_dir

@@ -1,0 +1,216 @@
+"""The PPO learner on K processes: ``torchrun --nproc-per-node K -m learner.cli ppo ...`` (DDP).
+
+    rank 0 : rollouts on the engine (or a RayEnginePool), rewards, learner/reference log-probs,
+             advantages -> broadcast the Experience -> its slice of the update -> weight push,
+             parity probe, metrics, checkpoints (atomic, written once)
+    rank r : receive the Experience -> its slice of the update
+
+The update is the same as one process's :func:`learner.ppo.ppo_update` on the global batch:
+
+- Every rank draws the SAME minibatch permutation (one generator seed per step), and rank r
+  takes the r-th contiguous slice of each global minibatch. The minibatches are therefore those
+  of a single process whatever K is, so a run resumed with another K (checkpoints hold the full,
+  rank-independent state) continues the same trajectory up to float reduction order.
+- Loss normalisation: each micro-batch loss is a token sum divided by the GLOBAL minibatch token
+  count (``all_reduce`` of the per-rank counts), as in the one-process update. DDP then AVERAGES
+  gradients over the K ranks, which would divide the global gradient by K; the loss is multiplied
+  by ``world_size`` before ``backward`` to compensate, so the synced gradient is the sum over all
+  tokens / global token count -- the one-process gradient. Gradient clipping and the optimizer
+  step then see identical gradients on every rank (parameters stay in sync without broadcasts).
+- Logged update stats are reduced across ranks: the loss terms (partial sums over the global
+  token count) are summed, ``ratio_max`` is a max, the rest (fractions, KL estimates) averaged.
+
+gloo on CPU, NCCL on GPU (rank r on ``cuda:LOCAL_RANK``). With WORLD_SIZE unset or 1 nothing here
+does anything: :class:`DistContext` () is the single-process context and ``ppo_update`` is the
+plain one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from export.errors import RefitError
+from learner.ppo import Experience, UpdateSettings, _micro_loss, ppo_update
+
+SUM_STATS = ("pg_loss", "vf_loss", "entropy")  # token sums over the global count: add the ranks' parts
+MAX_STATS = ("ratio_max",)
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+class _DDP(DistributedDataParallel):
+    """DDP that forwards unknown attributes (``config``, ``generation_config``) to the wrapped model."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+@dataclass
+class DistContext:
+    """Where this process stands in the job; the default is the single-process context."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""  # "gloo" | "nccl"; "" for a single process
+    device: torch.device | None = None  # this rank's learner device (None: the config decides)
+    policy_ddp: torch.nn.Module | None = None  # DDP wrappers used by the update only
+    value_ddp: torch.nn.Module | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, policy: torch.nn.Module, value_head: torch.nn.Module) -> None:
+        """DDP-wrap the policy and value head (syncs rank 0's parameters to all ranks)."""
+        if not self.enabled:
+            return
+        ids = [self.local_rank] if self.backend == "nccl" else None
+        # no buffer sync in forward: rank 0 runs forward passes (experience, probe) alone on the raw
+        # modules, and the models' buffers (rotary tables, masks) are constants anyway. torch >= 2.13
+        # names it forward_sync_buffers (broadcast_buffers is deprecated there).
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        kw = {"device_ids": ids, "find_unused_parameters": False, no_sync: False}
+        self.policy_ddp, self.value_ddp = _DDP(policy, **kw), _DDP(value_head, **kw)
+
+    def share_experience(self, exp: Experience | None, kl_coef: float) -> tuple[Experience, float]:
+        """Rank 0's Experience and KL coefficient on every rank (no-op for a single process)."""
+        if not self.enabled:
+            return exp, kl_coef
+        box = [exp, kl_coef] if self.is_main else [None, None]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
+        return box[0], box[1]
+
+    def ppo_update(self, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
+                   generator: torch.Generator) -> dict[str, float]:
+        """:func:`learner.ppo.ppo_update` (one process) or its DDP form over this rank's slices."""
+        if not self.enabled:
+            return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator)
+        if self.policy_ddp is None:
+            raise RefitError("DistContext.ppo_update: call wrap(policy, value_head) first")
+        return ddp_ppo_update(self, optimizer, scheduler, exp, s, generator)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce a CPU tensor (moved through the device under NCCL); returns a CPU tensor."""
+        if not self.enabled:
+            return t
+        x = t.to(self.device) if self.backend == "nccl" else t.clone()
+        dist.all_reduce(x, op=op)
+        return x.cpu()
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Wait for every rank (unless an exception is on its way out), then leave the process group.
+
+        After a failure on rank 0 the other ranks wait in a broadcast; torchrun ends them when
+        rank 0 exits non-zero, so no barrier is attempted then.
+        """
+        if self.enabled and dist.is_initialized():
+            if sys.exc_info()[0] is None:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def init_from_env(device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
+    """The context of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (env:// rendezvous).
+
+    NCCL when the learner runs on CUDA (``device`` "cuda", or "auto" with a GPU), gloo otherwise.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    try:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    except KeyError:
+        raise RefitError("WORLD_SIZE > 1 but RANK is not set: launch with torchrun --nproc-per-node K") from None
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(local)
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend,
+                       device=torch.device("cuda", local) if cuda else torch.device("cpu"))
+
+
+def _no_sync(ctx: DistContext, sync: bool):
+    """DDP's no_sync on both wrappers for all but the last micro-batch of a minibatch."""
+    stack = contextlib.ExitStack()
+    if not sync:
+        stack.enter_context(ctx.policy_ddp.no_sync())
+        stack.enter_context(ctx.value_ddp.no_sync())
+    return stack
+
+
+def ddp_ppo_update(ctx: DistContext, optimizer, scheduler, exp: Experience, s: UpdateSettings,
+                   generator: torch.Generator) -> dict[str, float]:
+    """``ppo_update`` with rank r doing rows ``[r*L, (r+1)*L)`` of every global minibatch (L = minibatch / K).
+
+    ``exp`` is the full batch on every rank; only this rank's rows go through the model.
+    """
+    k, r = ctx.world_size, ctx.rank
+    b = exp.response_ids.shape[0]
+    mb_size = b // s.num_mini_batches
+    if mb_size % (k * s.gradient_accumulation_steps):
+        raise RefitError(f"minibatch size {mb_size} (batch {b} / num_mini_batches {s.num_mini_batches}) must be "
+                         f"divisible by world_size {k} x gradient_accumulation_steps {s.gradient_accumulation_steps}")
+    local = mb_size // k
+    micro = local // s.gradient_accumulation_steps
+    model, value_head = ctx.policy_ddp, ctx.value_ddp
+    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
+    acc: dict[str, list[float]] = {}
+    for _ in range(s.num_ppo_epochs):
+        perm = torch.randperm(b, generator=generator)  # the same on every rank
+        for m in range(s.num_mini_batches):
+            mine = perm[m * mb_size:(m + 1) * mb_size][r * local:(r + 1) * local]
+            n_tokens = ctx.all_reduce(exp.mask[mine].sum()).clamp(min=1.0)  # global minibatch token count
+            optimizer.zero_grad(set_to_none=True)
+            for a in range(s.gradient_accumulation_steps):
+                idx = mine[a * micro:(a + 1) * micro]
+                with _no_sync(ctx, sync=a == s.gradient_accumulation_steps - 1):
+                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
+                    (loss * k).backward()  # DDP averages over k ranks; * k makes it the global sum
+                for key, v in stats.items():
+                    acc.setdefault(key, []).append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
+            acc.setdefault("grad_norm", []).append(float(grad_norm))
+            optimizer.step()
+            scheduler.step()
+    return reduce_stats(ctx, {key: sum(v) / len(v) for key, v in acc.items()})
+
+
+def reduce_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
+    """Per-rank update stats -> job stats: SUM_STATS added, MAX_STATS maxed, the rest averaged."""
+    if not ctx.enabled:
+        return stats
+    keys = sorted(stats)
+    vals = torch.tensor([stats[key] for key in keys], dtype=torch.float64)
+    total = ctx.all_reduce(vals, dist.ReduceOp.SUM)
+    top = ctx.all_reduce(vals, dist.ReduceOp.MAX)
+    out = {}
+    for i, key in enumerate(keys):
+        out[key] = float(top[i]) if key in MAX_STATS else float(total[i]) / (1 if key in SUM_STATS else ctx.world_size)
+    return out
+
+
+__all__ = ["DistContext", "ddp_ppo_update", "init_from_env", "reduce_stats"]
