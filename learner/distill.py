@@ -44,7 +44,7 @@ import torch
 
 from export.checkpoint import load_model, load_tokenizer, model_info
 from export.errors import RefitError
-from export.padding import pad_batch
+from export.padding import check_left_padded, check_right_padded, pad_batch
 from export.weight_map import canonical_params
 from learner import distill_losses as D
 from learner import losses as L
@@ -80,6 +80,21 @@ class DistillBatch:
     def num_rows(self) -> int:
         return int(self.prompt_ids.shape[0])
 
+    def check(self) -> "DistillBatch":
+        """Raise ValueError (one line) unless shapes and the padding rule hold; return self."""
+        b, tr = self.response_ids.shape
+        if self.prompt_mask.shape != self.prompt_ids.shape or self.prompt_ids.shape[0] != b \
+                or self.response_mask.shape != (b, tr):
+            raise ValueError(f"DistillBatch: prompt {tuple(self.prompt_ids.shape)}/{tuple(self.prompt_mask.shape)} "
+                             f"and response {(b, tr)}/{tuple(self.response_mask.shape)} disagree")
+        (check_right_padded if self.is_seq2seq else check_left_padded)(self.prompt_mask)
+        check_right_padded(self.response_mask)
+        for name in ("teacher_topk_logprobs", "teacher_topk_ids", "teacher_logits"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape[:2]) != (b, tr):
+                raise ValueError(f"DistillBatch.{name}: expected leading dims {(b, tr)}, got {tuple(t.shape)}")
+        return self
+
 
 class CountingEngine:
     """An Engine (composition) that counts ``generate`` and ``score`` calls: the teacher-pass counter."""
@@ -95,15 +110,8 @@ class CountingEngine:
         self.score_calls += 1
         return self.inner.score(*args, **kw)
 
-    def update_weights(self, named):
-        self.inner.update_weights(named)
-
-    @property
-    def weights_version(self) -> int:
-        return self.inner.weights_version
-
-    def close(self) -> None:
-        self.inner.close()
+    def __getattr__(self, name):  # update_weights, weights_version, close: the inner engine's own
+        return getattr(self.inner, name)
 
 
 @dataclass
@@ -375,7 +383,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     b, gen_stats = make_batch(run, step)
     t1 = time.perf_counter()
-    torch_passes = teacher_targets(run, b)
+    torch_passes = teacher_targets(run, b.check())
     t2 = time.perf_counter()
     stats = update(run, b)
     t3 = time.perf_counter()

@@ -145,6 +145,21 @@ def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer
     assert rc == 2 and len(err) == 1 and "384" in err[0] and "400" in err[0], err
 
 
+def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
+    run = setup(_cfg(model_dirs, engine_dirs, tmp_path, lmbda=0.0), resume=False, **QUIET)
+    push = run.student_engine.update_weights
+
+    def corrupt(named):
+        bad = dict(named)
+        k = next(n for n in bad if "mlp.c_fc.weight" in n)
+        bad[k] = bad[k] + 0.5 * torch.randn(bad[k].shape, generator=torch.Generator().manual_seed(0))
+        push(bad)
+
+    run.student_engine.update_weights = corrupt
+    with pytest.raises(RefitError, match="parity probe failed"):
+        train_step(run, 1)
+
+
 def test_config_refuses_incoherent_modes():
     with pytest.raises(RefitError, match="loss=ce is sequence-level KD"):
         DistillConfig(loss="ce", seq_kd=False)
