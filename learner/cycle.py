@@ -105,19 +105,34 @@ class Run:
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
-def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, log=print) -> Path:
-    """Reuse ``engine_dir`` if it was exported from these exact weights and is large enough, else export."""
+def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, log=print,
+                  backend: str = "onnxruntime") -> Path:
+    """Reuse ``engine_dir`` if it was exported from these exact weights and is large enough, else export.
+
+    For ``backend="tensorrt"`` the refittable TensorRT plans are built (or reused) on top of the ONNX
+    graphs; where TensorRT is absent this fails at once, in one line, before any export.
+    """
     from export.graph import MANIFEST, read_manifest
     from export.onnx_export import ExportOptions, export_onnx, weights_hash
 
+    if backend == "tensorrt":
+        from export.tensorrt_build import require_tensorrt
+
+        require_tensorrt()
+    reuse = False
     if (engine_dir / MANIFEST).exists():
         m = read_manifest(engine_dir)
         same = m["hashes"]["hf_weights_sha256"] == weights_hash(model_dir)
-        if same and m["dims"]["max_batch"] >= rows and m["dims"]["max_len"] >= max_len:
-            log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
-            return engine_dir
-    return export_onnx(model_dir, engine_dir, ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128)),
-                       log=log)
+        reuse = same and m["dims"]["max_batch"] >= rows and m["dims"]["max_len"] >= max_len
+    if reuse:
+        log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
+    else:
+        export_onnx(model_dir, engine_dir, ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128)), log=log)
+    if backend == "tensorrt":
+        from export.tensorrt_build import build_engines
+
+        build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
+    return engine_dir
 
 
 def make_engine(cfg: PPOConfig, path, run_dir: Path, **kw):
@@ -149,7 +164,8 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         engine = make_engine(cfg, cfg.model_dir, run_dir, max_len=max_len)
     elif dist.is_main:
         engine_dir = Path(cfg.engine_dir) if cfg.engine_dir else run_dir / "engine"
-        ensure_engine(Path(cfg.model_dir), engine_dir, cfg.batch_size * cfg.num_generations, max_len, log)
+        ensure_engine(Path(cfg.model_dir), engine_dir, cfg.batch_size * cfg.num_generations, max_len, log,
+                      backend=cfg.backend)
         engine = make_engine(cfg, engine_dir, run_dir, threads=cfg.engine_threads or None)
     policy = load_model(cfg.model_dir, info).to(device)
     ref = load_model(cfg.model_dir, info).to(device).requires_grad_(False)

@@ -200,7 +200,7 @@ def _engine(cfg: DistillConfig, model_dir: str, engine_dir: str, name: str, rows
     if cfg.backend == "torch":
         return create_engine("torch", model_dir, max_len=max_len)
     path = Path(engine_dir) if engine_dir else Path(cfg.output_dir) / f"{name}_engine"
-    ensure_engine(Path(model_dir), path, rows, max_len, log)
+    ensure_engine(Path(model_dir), path, rows, max_len, log, backend=cfg.backend)
     return create_engine(cfg.backend, path, threads=cfg.engine_threads or None)
 
 

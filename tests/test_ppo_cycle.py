@@ -188,3 +188,18 @@ def test_seq_mask_correction_drops_mismatched_rows(model_dirs, engine_dirs, tmp_
     exp, stats = experience(run, rollout, torch.zeros(4))
     assert stats["mismatch/seq_masked_frac"] == 0.25
     assert exp.mask[0].sum() == 0 and exp.mask[1:].sum() == rollout.response_mask[1:].sum()
+
+
+def test_tensorrt_backend_fails_at_once_without_tensorrt(model_dirs, tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import tensorrt  # noqa: F401
+
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), output_dir=str(tmp_path / "run"), backend="tensorrt",
+                    progress=False)
+    with pytest.raises(RefitError, match="TensorRT is not installed"):
+        setup(cfg, resume=False, log=lambda *_: None)
+    assert not (tmp_path / "run" / "engine").exists()
