@@ -34,7 +34,7 @@ from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEnco
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
 OPSET = 18
-EXPORTER_VERSION = "1"  # bump when the graph layout changes, so cached engines are rebuilt
+EXPORTER_VERSION = "2"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,21 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
 def graph_specs(model, info: ModelInfo) -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
     D = torch.export.Dim
-    batch, seq, past, total, enc = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq")
+    batch, seq, past, total, enc, keep = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq"), D("keep")
     L, H, Dh, B = info.n_layers, info.n_kv_heads, info.head_dim, 2
     kv = lambda n: [torch.zeros(B, H, n, Dh, dtype=model.dtype) for _ in range(2 * L)]  # noqa: E731
     if info.kind == "decoder":
         ids = torch.full((B, 3), 5, dtype=torch.long)
         return [dict(
             name="decoder", module=DecoderWithPast(model),
-            args=(ids, torch.ones(B, 7, dtype=torch.long), torch.arange(4, 7).expand(B, 3).contiguous(), *kv(4)),
-            inputs=["input_ids", "attention_mask", "position_ids", *_kv_names("past", L)],
+            # logits_index: 2 of the 3 positions (not 1: torch.export specialises size-1 dims)
+            args=(ids, torch.ones(B, 7, dtype=torch.long), torch.arange(4, 7).expand(B, 3).contiguous(),
+                  torch.tensor([0, 2]), *kv(4)),
+            inputs=["input_ids", "attention_mask", "position_ids", "logits_index", *_kv_names("past", L)],
             outputs=["logits", *_kv_names("present", L)],
             dynamic={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total},
-                     "position_ids": {0: batch, 1: seq}, "past": tuple({0: batch, 2: past} for _ in range(2 * L))},
+                     "position_ids": {0: batch, 1: seq}, "logits_index": {0: keep},
+                     "past": tuple({0: batch, 2: past} for _ in range(2 * L))},
         )]
     ids = torch.full((B, 5), 5, dtype=torch.long)
     return [

@@ -42,8 +42,9 @@ def engine_greedy_logits(engine_dir: Path, manifest: dict, ids: np.ndarray, mask
     dt, b = _np_dtype(manifest), ids.shape[0]
     past = _empty_past(manifest, b, dt)
     steps, fed = [], []
-    if manifest["kind"] == "decoder":
-        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+    if manifest["kind"] == "decoder":  # logits of the last prompt position only, as the engines ask for
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+                 "logits_index": np.array([ids.shape[1] - 1], np.int64)}
     else:
         enc = sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
         cross = dict(zip(manifest["graphs"]["encoder"]["outputs"][1:], enc[1:]))
@@ -60,7 +61,8 @@ def engine_greedy_logits(engine_dir: Path, manifest: dict, ids: np.ndarray, mask
         past = {n.replace("present", "past"): v for n, v in outs.items() if n.startswith("present")}
         if manifest["kind"] == "decoder":
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], 1)
-            feeds = {"input_ids": nxt, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)[:, -1:]}
+            feeds = {"input_ids": nxt, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)[:, -1:],
+                     "logits_index": np.zeros(1, np.int64)}
         else:
             feeds["decoder_input_ids"] = nxt
     return np.stack(steps, 1), np.concatenate(fed, 1)

@@ -17,6 +17,7 @@ def dynamic_dims(info: ModelInfo) -> dict[str, str]:
             "past": "tokens already in the KV cache"}
     if info.kind == "decoder":
         dims["total"] = "past + seq: attention_mask length"
+        dims["keep"] = "positions of the new tokens whose logits are returned (logits_index length, <= seq)"
     else:
         dims["enc_seq"] = "encoder input length"
     return dims
@@ -35,13 +36,14 @@ def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> dict[str, d
     """{graph: {profile_name: {input: {min, opt, max}}}}."""
     ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
     if info.kind == "decoder":
-        def shapes(b, s, p):
-            d = {"input_ids": [b, s], "attention_mask": [b, p + s], "position_ids": [b, s]}
+        def shapes(b, s, p, k):
+            d = {"input_ids": [b, s], "attention_mask": [b, p + s], "position_ids": [b, s], "logits_index": [k]}
             d.update(_kv(info, "past", b, p))
             return d
+        # prefill normally keeps 1 position (the last), a full-prompt score up to max_len; decode keeps [0]
         return {"decoder": {
-            "prefill": _profile(shapes(1, 1, 0), shapes(ob, ol, 0), shapes(max_batch, max_len, 0)),
-            "decode": _profile(shapes(1, 1, 1), shapes(ob, 1, ol), shapes(max_batch, 1, max_len - 1)),
+            "prefill": _profile(shapes(1, 1, 0, 1), shapes(ob, ol, 0, 1), shapes(max_batch, max_len, 0, max_len)),
+            "decode": _profile(shapes(1, 1, 1, 1), shapes(ob, 1, ol, 1), shapes(max_batch, 1, max_len - 1, 1)),
         }}
 
     def enc(b, s):

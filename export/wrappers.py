@@ -7,6 +7,10 @@ build the cache object inside the traced region and return ``present.{i}.*`` (B,
 Padding and positions are explicit inputs, never inferred in the graph:
 - decoder-only: ``attention_mask`` (B, P+T) covers past and new tokens (left padding), and
   ``position_ids`` (B, T) come from the mask (:func:`export.padding.position_ids_from_mask`).
+  ``logits_index`` (K,) int64 picks the positions (along T) whose logits are computed, HF's
+  ``logits_to_keep`` as a 1-D tensor: prefill asks for the last prompt position only (the
+  (B, T, V) lm_head of a whole prompt costs as much as ~T decode steps), decode for [0], and
+  ``score()`` for every position of its chunk.
 - encoder-decoder: the encoder gets ``input_ids``/``attention_mask`` (B, S) padded on the
   model's native side (right for T5); it also returns the decoder's cross-attention K/V
   (``cross.{i}.key``/``value``, (B, H, S, D)) so the decoder never recomputes them.
@@ -32,17 +36,17 @@ def _flatten(cache: DynamicCache) -> list[torch.Tensor]:
 
 
 class DecoderWithPast(torch.nn.Module):
-    """(input_ids, attention_mask, position_ids, *past) -> (logits, *present)."""
+    """(input_ids, attention_mask, position_ids, logits_index, *past) -> (logits (B, K, V), *present)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids, attention_mask, position_ids, logits_index, *past):
         cache = _fill(DynamicCache(config=self.model.config), past)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True,
+            past_key_values=cache, use_cache=True, logits_to_keep=logits_index,
         )
         return (out.logits, *_flatten(out.past_key_values))
 

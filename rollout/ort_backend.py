@@ -104,8 +104,8 @@ class _OrtDecoderState:
         self.outputs = eng.manifest["graphs"]["decoder"]["outputs"]
         self.mask = self.past = None
 
-    def _run(self, ids: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-        host = {"input_ids": ids, "attention_mask": self.mask, "position_ids": pos}
+    def _run(self, ids: np.ndarray, pos: np.ndarray, keep: np.ndarray) -> torch.Tensor:
+        host = {"input_ids": ids, "attention_mask": self.mask, "position_ids": pos, "logits_index": keep}
         outs = run_bound(self.sess, self.eng.device, host, self.past, self.outputs)
         self.past = {n.replace("present", "past", 1): v for n, v in outs.items() if n != "logits"}
         return _logits(outs["logits"])
@@ -113,11 +113,13 @@ class _OrtDecoderState:
     def prefill(self, ids, mask):
         self.mask = mask.numpy().astype(np.int64)
         self.past = self.eng.empty_kv("past", ids.shape[0], 0)
-        return self._run(ids.numpy(), position_ids_from_mask(self.mask))[:, -1].float()
+        last = np.array([ids.shape[1] - 1], np.int64)  # left padding: every row's last token is there
+        return self._run(ids.numpy(), position_ids_from_mask(self.mask), last)[:, -1].float()
 
     def extend(self, ids, mask):
         self.mask = np.concatenate([self.mask, mask.numpy().astype(np.int64)], 1)
-        return self._run(ids.numpy(), position_ids_from_mask(self.mask)[:, -ids.shape[1]:]).float()
+        c = ids.shape[1]
+        return self._run(ids.numpy(), position_ids_from_mask(self.mask)[:, -c:], np.arange(c, dtype=np.int64)).float()
 
 
 class _OrtSeq2SeqState:

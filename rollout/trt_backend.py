@@ -178,29 +178,32 @@ class _TrtDecoderState:
         self.eng, self.g = eng, eng.graphs["decoder"]
         self.mask = self.past = None
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        outs = self.g.run({"input_ids": ids, "attention_mask": self.mask, "position_ids": pos, **self.past})
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        outs = self.g.run({"input_ids": ids, "attention_mask": self.mask, "position_ids": pos, "logits_index": keep,
+                           **self.past})
         self.past = _present_to_past(outs)
-        return outs["logits"].float().cpu()  # (B, T, V); the copy synchronises the stream
+        return outs["logits"].float().cpu()  # (B, K, V); the copy synchronises the stream
 
     def prefill(self, ids, mask):
         with _on(self.g.stream):
             self.mask = mask.to(self.g.device, torch.int64)
             self.past = self.eng.empty_kv(ids.shape[0])
-            return self._run(ids, position_ids_from_mask(self.mask))[:, -1]
+            last = torch.tensor([ids.shape[1] - 1], dtype=torch.int64)  # left padding: the last prompt position
+            return self._run(ids, position_ids_from_mask(self.mask), last)[:, -1]
 
     def extend(self, ids, mask):
         with _on(self.g.stream):
             if ids.shape[1] > 1 and not self._fits_chunk(ids.shape):
                 return torch.cat([self.extend(ids[:, i:i + 1], mask[:, i:i + 1]) for i in range(ids.shape[1])], 1)
             self.mask = torch.cat([self.mask, mask.to(self.g.device, torch.int64)], 1)
-            return self._run(ids, position_ids_from_mask(self.mask)[:, -ids.shape[1]:])
+            c = ids.shape[1]
+            return self._run(ids, position_ids_from_mask(self.mask)[:, -c:], torch.arange(c))
 
     def _fits_chunk(self, shape) -> bool:
         b, c = shape
         past = self.mask.shape[1]
         kv = next(iter(self.past.values())).shape
-        shapes = {"input_ids": (b, c), "position_ids": (b, c), "attention_mask": (b, past + c),
+        shapes = {"input_ids": (b, c), "position_ids": (b, c), "attention_mask": (b, past + c), "logits_index": (c,),
                   **{n: (kv[0], kv[1], past, kv[3]) for n in self.past}}
         return self.g.fits(shapes)
 
@@ -261,7 +264,9 @@ class TrtEngine:
                        for g, rec in self.manifest["tensorrt"].items()}
         self._runtime = runtime
         self.weights = read_held_weights(self.engine_dir, self.manifest)  # {graph: {trt_name: tensor}}
-        self.max_batch = min(p[n]["max"][0] for g in self.graphs.values() for p in g.profiles for n in p)
+        # axis 0 is the batch on every input of rank >= 2 (logits_index (K,) has none)
+        self.max_batch = min(p[n]["max"][0] for g in self.graphs.values() for p in g.profiles for n in p
+                             if len(p[n]["max"]) > 1)
         self._version = 0
 
     def _check_plans(self) -> None:
