@@ -20,7 +20,7 @@ import torch
 from export.errors import RefitError
 from export.padding import (DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, check_left_padded, check_right_padded,
                             pad_batch)
-from rollout.sampling import make_generator, sample_step
+from rollout.sampling import StepBuffers, make_generator, one_thread, sample_step
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
@@ -182,13 +182,16 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     b = ids.shape[0]
     stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     gen = make_generator(params.seed)
+    scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
     alive = torch.ones(b, dtype=torch.bool)
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
     # 1. prefill: the whole prompt through the model, logits for the first response token
     logits = state.prefill(ids, mask)
     for step in range(params.max_new_tokens):
-        # 2. sample (one (B, V) draw per step for every row, so the random stream is row-state free)
-        tok, proc, plain, top = sample_step(logits, params, gen)
+        # 2. sample (one draw per row per step, so the random stream is row-state free); the (B, V)
+        #    host work runs on one thread, see rollout.sampling.one_thread
+        with one_thread():
+            tok, proc, plain, top = sample_step(logits, params, gen, scratch)
         # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
         tok = torch.where(alive, tok, spec.pad_id)
         keep = alive.float()

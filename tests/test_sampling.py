@@ -1,17 +1,20 @@
 """rollout.sampling and rollout.types: pure torch, no engine.
 
 Four ways, as STYLE.md asks: hand-built cases, reference identities (HF's logits warpers,
-plain log_softmax), fast vs slow (the exponential race draws from softmax), and the record
-checker rejecting every broken padding rule.
+plain log_softmax), fast vs slow (the inverse-CDF draw follows softmax; the one-pass untruncated
+step equals log_softmax; reused scratch buffers change nothing), and the record checker
+rejecting every broken padding rule.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from rollout.sampling import (chosen_logprobs, make_generator, plain_logprobs, process_logits, sample, sample_step,
-                              top_k_filter, top_p_filter)
+from rollout.sampling import (StepBuffers, _inverse_cdf, chosen_logprobs, make_generator, one_thread, plain_logprobs,
+                              process_logits, sample, sample_step, top_k_filter, top_p_filter)
 from rollout.types import RolloutBatch, SamplingParams
 
 
@@ -97,8 +100,8 @@ def test_seeded_sampling_reproducible():
     assert not torch.equal(b, c)
 
 
-def test_exponential_race_draws_from_softmax():
-    """Fast (exponential race) equals slow (the probabilities themselves) in distribution."""
+def test_inverse_cdf_draws_from_softmax():
+    """Fast (one uniform per row against the CDF) equals slow (the probabilities themselves) in distribution."""
     probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
     lp = probs.log().expand(20000, -1).contiguous()
     ids = sample(lp, make_generator(0))
@@ -106,7 +109,48 @@ def test_exponential_race_draws_from_softmax():
     assert torch.allclose(freq, probs, atol=0.015)
     masked = lp.clone()
     masked[:, 0] = float("-inf")
-    assert (sample(masked, make_generator(1)) != 0).all(), "-inf tokens are never drawn"
+    masked[:, -1] = float("-inf")  # the last column too: a draw at the top of the CDF must not land there
+    drawn = sample(masked, make_generator(1))
+    assert ((drawn != 0) & (drawn != 4)).all(), "-inf tokens are never drawn"
+
+
+def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary():
+    """50k tokens of weight 5e-8 behind one of weight 1: each owns a CDF step of its own weight (a
+    float32 CDF, spaced 1.2e-7 there, would give half of them none), and together they are drawn
+    at their 2.5e-3 rate."""
+    lp = torch.full((50_001,), math.log(5e-8))
+    lp[0] = 0.0
+    gen, buffers = make_generator(0), StepBuffers()
+    tail = 0
+    for _ in range(16):
+        ids, _, _ = _inverse_cdf(lp.expand(250, -1).contiguous(), gen, buffers)
+        tail += int((ids != 0).sum())
+    steps = buffers.get("cdf", torch.Size([250, 50_001]), torch.float64)[0].diff()
+    torch.testing.assert_close(steps, torch.full_like(steps, 5e-8), rtol=1e-5, atol=0)
+    assert 3 <= tail <= 25, f"{tail} tail draws in 4000, ~10 expected"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, return_topk=3),
+                                    SamplingParams(greedy=True, return_topk=2), SamplingParams(top_k=9, top_p=0.9)])
+def test_sample_step_equals_log_softmax_reference(params):
+    """The one-pass step (log Z from the CDF, top-k of the scores) matches plain log_softmax; reused
+    scratch buffers and one intra-op thread give the same tokens as fresh ones."""
+    x = _logits(b=6, v=300)
+    ids, proc, plain, top = sample_step(x, params, make_generator(3))
+    ref = torch.log_softmax(x / params.temperature, -1)
+    torch.testing.assert_close(plain, ref.gather(-1, ids[:, None]).squeeze(-1), atol=1e-6, rtol=0)
+    if not params.truncates:
+        assert torch.equal(proc, plain)
+    if params.return_topk:
+        want = ref.topk(params.return_topk, -1)
+        torch.testing.assert_close(top[0], want.values, atol=1e-6, rtol=0)
+        assert torch.equal(top[1], want.indices)
+    buffers, gen = StepBuffers(), make_generator(3)
+    with one_thread():
+        again = [sample_step(x, params, gen, buffers)[0] for _ in range(3)]
+    fresh = make_generator(3)
+    assert all(torch.equal(a, sample_step(x, params, fresh)[0]) for a in again)
+    assert torch.equal(again[0], ids)
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=0), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(n=0),
