@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from export.errors import RefitError
-from learner.ppo import Experience, UpdateSettings, _micro_loss, ppo_update
+from learner.ppo import Experience, UpdateSettings, ppo_update
 
 SUM_STATS = ("pg_loss", "vf_loss", "entropy")  # token sums over the global count: add the ranks' parts
 MAX_STATS = ("ratio_max",)
@@ -107,6 +107,14 @@ class DistContext:
             raise RefitError("DistContext.ppo_update: call wrap(policy, value_head) first")
         return ddp_ppo_update(self, optimizer, scheduler, exp, s, generator)
 
+    def no_sync(self, sync: bool):
+        """DDP's no_sync on both wrappers unless ``sync`` (the last micro-batch of a minibatch)."""
+        stack = contextlib.ExitStack()
+        if not sync:
+            stack.enter_context(self.policy_ddp.no_sync())
+            stack.enter_context(self.value_ddp.no_sync())
+        return stack
+
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce a CPU tensor (moved through the device under NCCL); returns a CPU tensor."""
         if not self.enabled:
@@ -153,50 +161,14 @@ def init_from_env(device: str = "auto", timeout_s: float = 1800.0) -> DistContex
                        device=torch.device("cuda", local) if cuda else torch.device("cpu"))
 
 
-def _no_sync(ctx: DistContext, sync: bool):
-    """DDP's no_sync on both wrappers for all but the last micro-batch of a minibatch."""
-    stack = contextlib.ExitStack()
-    if not sync:
-        stack.enter_context(ctx.policy_ddp.no_sync())
-        stack.enter_context(ctx.value_ddp.no_sync())
-    return stack
-
-
 def ddp_ppo_update(ctx: DistContext, optimizer, scheduler, exp: Experience, s: UpdateSettings,
                    generator: torch.Generator) -> dict[str, float]:
-    """``ppo_update`` with rank r doing rows ``[r*L, (r+1)*L)`` of every global minibatch (L = minibatch / K).
+    """``ppo_update`` over this rank's slice of every global minibatch, stats reduced across ranks.
 
     ``exp`` is the full batch on every rank; only this rank's rows go through the model.
     """
-    k, r = ctx.world_size, ctx.rank
-    b = exp.response_ids.shape[0]
-    mb_size = b // s.num_mini_batches
-    if mb_size % (k * s.gradient_accumulation_steps):
-        raise RefitError(f"minibatch size {mb_size} (batch {b} / num_mini_batches {s.num_mini_batches}) must be "
-                         f"divisible by world_size {k} x gradient_accumulation_steps {s.gradient_accumulation_steps}")
-    local = mb_size // k
-    micro = local // s.gradient_accumulation_steps
-    model, value_head = ctx.policy_ddp, ctx.value_ddp
-    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
-    acc: dict[str, list[float]] = {}
-    for _ in range(s.num_ppo_epochs):
-        perm = torch.randperm(b, generator=generator)  # the same on every rank
-        for m in range(s.num_mini_batches):
-            mine = perm[m * mb_size:(m + 1) * mb_size][r * local:(r + 1) * local]
-            n_tokens = ctx.all_reduce(exp.mask[mine].sum()).clamp(min=1.0)  # global minibatch token count
-            optimizer.zero_grad(set_to_none=True)
-            for a in range(s.gradient_accumulation_steps):
-                idx = mine[a * micro:(a + 1) * micro]
-                with _no_sync(ctx, sync=a == s.gradient_accumulation_steps - 1):
-                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
-                    (loss * k).backward()  # DDP averages over k ranks; * k makes it the global sum
-                for key, v in stats.items():
-                    acc.setdefault(key, []).append(float(v))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
-            acc.setdefault("grad_norm", []).append(float(grad_norm))
-            optimizer.step()
-            scheduler.step()
-    return reduce_stats(ctx, {key: sum(v) / len(v) for key, v in acc.items()})
+    stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx)
+    return reduce_stats(ctx, stats)
 
 
 def reduce_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:

@@ -11,10 +11,12 @@ The log-prob contract (see ../shared/seeds/trl-pr-t5-negative-kl.txt):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from export.errors import RefitError
 from learner import losses as L
 from learner.policy import ValueHead, response_forward
 
@@ -124,28 +126,43 @@ def _is_s2s(model) -> bool:
 
 
 def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-               generator: torch.Generator) -> dict[str, float]:
+               generator: torch.Generator, shard=None) -> dict[str, float]:
     """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
-    micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing)."""
+    micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing).
+
+    ``shard`` (a :class:`learner.distributed.DistContext` with world_size K > 1): this process is rank r of
+    K data-parallel learners; it takes rows ``[r*L, (r+1)*L)`` of every minibatch (L = minibatch / K; the
+    permutation is the same on every rank), the token count is all-reduced, the loss is scaled by K
+    because DDP averages gradients, and gradient sync runs on the last micro-batch only. ``model`` and
+    ``value_head`` are then the DDP wrappers. Stats are this rank's; the caller reduces them.
+    """
+    k, r = (shard.world_size, shard.rank) if shard is not None else (1, 0)
     b = exp.response_ids.shape[0]
     mb_size = b // s.num_mini_batches
-    micro = mb_size // s.gradient_accumulation_steps
+    if mb_size % (k * s.gradient_accumulation_steps):
+        raise RefitError(f"minibatch size {mb_size} (batch {b} / num_mini_batches {s.num_mini_batches}) must be "
+                         f"divisible by world_size {k} x gradient_accumulation_steps {s.gradient_accumulation_steps}")
+    local = mb_size // k
+    micro = local // s.gradient_accumulation_steps
     params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
     acc: dict[str, list[float]] = {}
     for _ in range(s.num_ppo_epochs):
-        perm = torch.randperm(b, generator=generator)
+        perm = torch.randperm(b, generator=generator)  # the same on every rank
         for m in range(s.num_mini_batches):
-            mb = perm[m * mb_size:(m + 1) * mb_size]
-            n_tokens = exp.mask[mb].sum().clamp(min=1.0)
+            mine = perm[m * mb_size:(m + 1) * mb_size][r * local:(r + 1) * local]
+            n_tokens = exp.mask[mine].sum()
+            n_tokens = (shard.all_reduce(n_tokens) if shard is not None else n_tokens).clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
-            for k in range(s.gradient_accumulation_steps):
-                idx = mb[k * micro:(k + 1) * micro]
-                loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
-                loss.backward()
+            for a in range(s.gradient_accumulation_steps):
+                idx = mine[a * micro:(a + 1) * micro]
+                last = a == s.gradient_accumulation_steps - 1
+                with (shard.no_sync(last) if shard is not None else contextlib.nullcontext()):
+                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
+                    (loss * k).backward()
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
             acc.setdefault("grad_norm", []).append(float(grad_norm))
             optimizer.step()
             scheduler.step()
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+    return {key: sum(v) / len(v) for key, v in acc.items()}
