@@ -44,7 +44,7 @@ def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=pri
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="refit demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("-o", "--out", default="runs/demo", help="run folder (default: runs/demo)")
-    p.add_argument("--steps", type=int, default=40, help="PPO iterations")
+    p.add_argument("--steps", type=int, default=80, help="PPO iterations")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per iteration")
     p.add_argument("--num-generations", type=int, default=4, help="samples per prompt")
     p.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps before PPO")
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = run_ppo(cfg, log=print)
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(f"refit demo: reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} over {s['steps']} PPO steps, "
-          f"min exact KL {s['min_exact_kl']:.2e} (>= 0), run folder {run_dir.resolve()}")
+    k = next(key for key in s if key.startswith("reward_first"))
+    print(f"refit demo: reward {s[k]:.3f} (mean of the first {k[12:-5]} steps) -> "
+          f"{s[k.replace('first', 'last')]:.3f} (last {k[12:-5]}) over {s['steps']} PPO steps; "
+          f"min exact KL {s['min_exact_kl']:.2e} (>= 0); run folder {run_dir.resolve()}")
     print(json.dumps(s))
     return 0

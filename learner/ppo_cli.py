@@ -13,8 +13,12 @@ def summary(run_dir) -> dict:
     if not rows:
         return {}
     first, last = rows[0], rows[-1]
+    k = max(1, min(5, len(rows) // 4))
     return {"run_dir": str(run_dir), "steps": last["step"], "reward_start": first["reward/mean"],
-            "reward_end": last["reward/mean"], "min_exact_kl": min(r["kl/exact"] for r in rows),
+            "reward_end": last["reward/mean"],
+            f"reward_first{k}_mean": sum(r["reward/mean"] for r in rows[:k]) / k,
+            f"reward_last{k}_mean": sum(r["reward/mean"] for r in rows[-k:]) / k,
+            "min_exact_kl": min(r["kl/exact"] for r in rows),
             "max_probe_diff": max((r.get("probe/max_abs_logprob_diff") or 0.0) for r in rows)}
 
 
