@@ -129,7 +129,7 @@ def _inverse_cdf(scores: torch.Tensor, generator: torch.Generator,
     """
     m = scores.amax(-1, keepdim=True)  # (B, 1)
     w = torch.sub(scores, m, out=buffers.get("w", scores.shape, torch.float32)).exp_()  # (B, V) in (0, 1]
-    cdf = torch.cumsum(w, -1, dtype=torch.float64, out=buffers.get("cdf", scores.shape, torch.float64))
+    cdf = buffers.get("cdf", scores.shape, torch.float64).copy_(w).cumsum_(-1)  # cumsum(dtype=) allocates a copy
     total = cdf[:, -1:]  # (B, 1) = sum exp(scores - m)
     u = torch.rand(scores.shape[0], 1, generator=generator, dtype=torch.float64)
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
