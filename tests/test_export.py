@@ -64,6 +64,22 @@ def test_weight_map_complete_and_one_to_one(engine_dirs, model_dirs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_no_weight_feeds_a_transpose(engine_dirs, arch):
+    """Tied lm_heads are Gemm(transB=1) on the stored weight (gemm_for_transposed_weights), so ONNX
+    Runtime folds no transposed copy of a weight when a session opens (every weight push)."""
+    import onnx
+
+    m = read_manifest(engine_dirs[arch])
+    for spec in m["graphs"].values():
+        g = onnx.load(str(engine_dirs[arch] / spec["file"]), load_external_data=False).graph
+        weights = {t.name for t in g.initializer}
+        assert not [n.name for n in g.node if n.op_type == "Transpose" and n.input[0] in weights]
+    if arch != "tiny-llama":  # GPT-2 and T5 tie the lm_head to the embedding
+        dec = onnx.load(str(engine_dirs[arch] / "decoder.onnx"), load_external_data=False).graph
+        assert any(n.op_type == "Gemm" and n.output[0].endswith("_gemm_y") for n in dec.node)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_replacing_weights_through_map_reproduces_torch(engine_dirs, model_dirs, tokenizer, arch):
     """New weights (every tensor perturbed) pushed through the map give PyTorch's output for them."""
     eng = engine_dirs[arch]
