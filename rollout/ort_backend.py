@@ -1,16 +1,18 @@
 """``OrtEngine``: generation and scoring on an engine folder with ONNX Runtime.
 
 Weights. The engine holds every mapped weight as a torch tensor ``{graph: {engine_name: t}}``
-and always hands them to ONNX Runtime with ``add_external_initializers``
-(:func:`export.graph.open_session`); the ``.onnx.data`` files are read once, at start-up,
-through the graph's external-data records. Reading the engine's own files (rather than loading
-the source HF model and mapping it with ``engine_weights``) keeps the folder self-contained
-(the source model need not be on the rollout machine), costs no PyTorch model in memory, and
-starts from exactly the bytes the parity gate checked.
+(the held set) and always hands them to ONNX Runtime with ``add_external_initializers``
+(:func:`export.graph.open_session`), which copies them into the session as it opens; the
+``.onnx.data`` files are read once, at start-up, through the graph's external-data records.
+Reading the engine's own files (rather than loading the source HF model and mapping it with
+``engine_weights``) keeps the folder self-contained (the source model need not be on the
+rollout machine), costs no PyTorch model in memory, and starts from exactly the bytes the
+parity gate checked.
 
 Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_map``
-(transpose included, tied aliases folded), replaces them in the held set and opens new
-sessions over the same graph files -- only for the graphs a pushed weight feeds. The other
+(transpose included, tied aliases folded), closes the sessions of the graphs a pushed weight
+feeds and opens new ones over the same graph files straight from the mapped tensors, then
+copies those into the held set in place (the snapshot a later partial push needs). The other
 route, turning every initializer into a graph input bound per run, was measured and dropped:
 see ``WEIGHT_PUSH_ROUTE`` below for the numbers.
 
@@ -31,6 +33,7 @@ from export.graph import open_session, read_manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import engine_weights
 from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
+from rollout.sampling import one_thread
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 WEIGHT_PUSH_ROUTE = """
@@ -149,10 +152,15 @@ class _OrtSeq2SeqState:
 
 
 class OrtEngine:
-    """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider."""
+    """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
-    def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all"):
-        from export.graph import default_providers
+    ``keep_heap`` (default on) calls :func:`export.graph.keep_freed_memory` once for the process,
+    so each weight push's new session reuses the memory of the one it replaces.
+    """
+
+    def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
+                 keep_heap: bool = True):
+        from export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir)
@@ -162,24 +170,28 @@ class OrtEngine:
         if self.manifest["dtype"] not in _TORCH_DTYPE:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
                              f"{self.manifest['dtype']} (use the tensorrt backend or re-export)")
+        if keep_heap:
+            keep_freed_memory()
         self.device = device
         self._providers = default_providers(device)
         self._threads, self._opt_level = threads, opt_level
         self._dtype = _TORCH_DTYPE[self.manifest["dtype"]]
-        self.weights = read_engine_weights(self.engine_dir, self.manifest)
-        self.sessions, self._keep = {}, {}
-        self._open(list(self.manifest["graphs"]))
+        self.weights = read_engine_weights(self.engine_dir, self.manifest)  # the held set: our own buffers
+        self.sessions = self._open({g: {} for g in self.manifest["graphs"]})
         self._version = 0
 
-    def _open(self, graphs: list[str]) -> None:
-        """(Re)open the sessions of ``graphs`` over their files with the held weights; swap in only on success."""
+    def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
+        """{graph: session} over each graph file: ``new[graph]`` weights, the held ones for the rest.
+
+        ONNX Runtime copies every supplied buffer while the session opens (export.graph.open_session),
+        so ``new`` may be the learner's own tensors: nothing refers to them once this returns.
+        """
         fresh = {}
-        for g in graphs:
-            arrays = {n: t.numpy() for n, t in self.weights[g].items()}
+        for g, override in new.items():
+            arrays = {n: (override.get(n, t)).numpy() for n, t in self.weights[g].items()}
             fresh[g] = open_session(self.engine_dir / self.manifest["graphs"][g]["file"], arrays,
-                                    self._threads, self._providers, self._opt_level)
-        for g, (sess, keep) in fresh.items():
-            self.sessions[g], self._keep[g] = sess, keep
+                                    self._threads, self._providers, self._opt_level)[0]
+        return fresh
 
     def empty_kv(self, prefix: str, batch: int, length: int) -> dict:
         """Zero-length (or zero) K/V OrtValues ``{prefix.i.key|value: (B, H_kv, length, D)}`` on the device."""
@@ -207,28 +219,42 @@ class OrtEngine:
                          temperature, topk, chunk_size)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1."""
+        """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1.
+
+        1. map and check (transpose/tied folded in; views of the learner's tensors where the layout
+           allows); a bad push raises here and changes nothing,
+        2. close the touched sessions, then open new ones straight from the mapped tensors (ONNX
+           Runtime copies them in); closing first lets the new session reuse the old one's memory
+           (no page faults, see keep_freed_memory) and halves the peak; should the open fail, the
+           sessions are reopened from the held set, unchanged, and the error raised,
+        3. copy the mapped tensors into the held set, in place, for later partial pushes.
+        """
         wmap = self.manifest["weight_map"]
         named = resolve_names(named_tensors, set(wmap), self.manifest.get("tied", {}))
         mapped = engine_weights(named, wmap, self._dtype)
-        sources = {t.untyped_storage().data_ptr() for t in named.values()}
-        staged = {g: dict(w) for g, w in self.weights.items()}
         for g, new in mapped.items():
             for name, t in new.items():
-                old = staged[g].get(name)
+                old = self.weights[g].get(name)
                 if old is None or old.shape != t.shape:
                     raise RefitError(f"update_weights: engine weight {g}:{name} expects "
                                      f"{None if old is None else tuple(old.shape)}, got {tuple(t.shape)}")
-                # own the bytes: ORT reads them in place, and the learner's tensors change under it
-                staged[g][name] = t.clone() if t.untyped_storage().data_ptr() in sources else t
-        previous = self.weights
-        self.weights = staged
+        for g in mapped:
+            del self.sessions[g]
         try:
-            self._open(sorted(mapped))
+            self.sessions.update(self._open(mapped))
         except Exception:
-            self.weights = previous
+            self.sessions.update(self._open({g: {} for g in mapped}))
             raise
+        sources = {t.untyped_storage().data_ptr() for t in named.values()}
+        with one_thread():  # 148 memcpys: a second OpenMP thread only adds wake-ups (see one_thread)
+            for g, new in mapped.items():
+                held = self.weights[g]
+                for name, t in new.items():
+                    if t.untyped_storage().data_ptr() in sources:
+                        held[name].copy_(t)  # the learner's memory: snapshot it into our buffer
+                    else:
+                        held[name] = t  # already a fresh tensor of ours (a transposed copy)
         self._version += 1
 
     def close(self) -> None:
-        self.sessions, self._keep, self.weights = {}, {}, {}
+        self.sessions, self.weights = {}, {}

@@ -173,3 +173,27 @@ def test_pushed_tensors_are_owned_by_the_engine(engine_dirs, model_dirs, prompts
     other = "transformer.ln_f.bias"  # a later push reopens the graph from the held weights
     ort.update_weights({other: dict(ref.model.named_parameters())[other].detach().clone()})
     torch.testing.assert_close(_score(ort, batch), pushed, atol=1e-6, rtol=0)
+
+
+def test_failed_session_open_restores_the_engine(engine_dirs, model_dirs, prompts, monkeypatch):
+    """update_weights closes the old session before opening the new one; if that open fails the held
+    weights are reopened, the version stays and the output is the pre-push one."""
+    import rollout.ort_backend as ob
+
+    ort, ref = _pair("tiny-gpt2", engine_dirs, model_dirs)
+    batch = _probe(ref, prompts)
+    before = _score(ort, batch)
+    real, calls = ob.open_session, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RefitError("cannot load engine graph (planted)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ob, "open_session", flaky)
+    name = "transformer.h.0.mlp.c_fc.weight"
+    with pytest.raises(RefitError, match="planted"):
+        ort.update_weights({name: _noisy(dict(ref.model.named_parameters())[name], 8)})
+    assert len(calls) == 2 and ort.weights_version == 0
+    torch.testing.assert_close(_score(ort, batch), before, atol=0, rtol=0)
