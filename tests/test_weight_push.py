@@ -23,14 +23,7 @@ TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine's oversubscription
-    (measured: these tests' calls took 40 s with 2 OpenMP threads on 2 shared cores, 6 s with 1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
