@@ -33,9 +33,6 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
               work: Path, repeats: int = 2, log=print) -> dict:
     from learner.config import PPOConfig
     from learner.cycle import setup, train_step
-    from rollout.engine import register_backend
-
-    register_backend("hf", "rollout.hf_backend:HFGenerateEngine")
     torch.set_num_threads(threads)
     prompts = _prompts_file(work, 4 * batch_size, 32)
     phases = {}

@@ -50,6 +50,7 @@ _BACKENDS: dict[str, str] = {
     "torch": "rollout.torch_backend:TorchEngine",
     "onnxruntime": "rollout.ort_backend:OrtEngine",
     "tensorrt": "rollout.trt_backend:TrtEngine",
+    "hf": "rollout.hf_backend:HFGenerateEngine",  # transformers generate(): the baseline in benchmarks
 }
 
 

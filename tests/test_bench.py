@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rollout.engine import create_engine, register_backend
+from rollout.engine import create_engine
 from rollout.types import SamplingParams
 
 
@@ -40,7 +40,6 @@ def test_bench_ppo_json(tmp_path):
 
 
 def test_hf_generate_backend_matches_reference(model_dirs, tokenizer):
-    register_backend("hf", "rollout.hf_backend:HFGenerateEngine")
     for arch in ("tiny-gpt2", "tiny-t5"):
         hf, ref = create_engine("hf", model_dirs[arch]), create_engine("torch", model_dirs[arch])
         prompts = [tokenizer(p).input_ids for p in ["1+2=", "sort 9871 = ", "hello"]]
