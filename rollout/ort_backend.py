@@ -37,21 +37,31 @@ from rollout.sampling import one_thread
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 WEIGHT_PUSH_ROUTE = """
-Measured 2026-12-02 on this repo's dev box (2 CPU cores shared with other jobs, so +-30% noise),
-ORT 1.32 CPU, fp32, GPT-2-small geometry (124M params), prompt 32, greedy, median of 3:
+Measured 2026-12-02 on this repo's dev box (2 CPU cores shared with other jobs, so +-30% noise;
+load average 1-1.5 for the numbers below), ORT 1.32 CPU, fp32, GPT-2-small geometry (124M
+params), prompt 32, medians; `refit bench refit` / `refit bench generate` and /tmp A/B scripts:
 
                        A: new session +                 B: weights as graph inputs,
                        add_external_initializers (kept) bound per run via IO binding
-  push (all weights)   1.9 - 4.7 s                      ~1 ms (zero-copy OrtValues; no clone)
-  decode, batch 1      34 ms/token                      41 ms/token
-  decode, batch 8      86 - 91 ms/token                 104 - 145 ms/token
-  (tiny-gpt2: push 44 ms vs 0.2 ms, decode 1.15 vs 1.10 ms/token -- no difference at that size)
+  push (all weights)   0.21-0.33 s (first push of a     ~1 ms (zero-copy OrtValues)
+                       process 0.3-1.1 s); re-export
+                       24 s, i.e. 1/86 of it
+  decode, batch 1      18 ms/token                      ~17% fewer tokens/s
+  decode, batch 8      26 ms/token                      ~32% fewer tokens/s
+  decode, batch 32     55 ms/step                       ~12% fewer tokens/s
+  (B's decode measured as A without MLAS weight pre-packing, which B loses along with
+  constant folding; the first measurement of B, before these changes, gave 15-60%.)
 
-Kept A. B gives up ORT's constant folding and MatMul weight pre-packing, costing 15-60% per
-token; A's push is paid once per PPO iteration and is repaid after ~60-150 decode steps, fewer
-than one rollout batch of 128-token responses. B would also need a different graph artefact
-(initializers turned into inputs) and, to be safe, its own copy of the learner's tensors; in A
-that copy took 0.3-1.8 s and the session open 0.6-0.9 s of the push (same box, same noise).
+Kept A. Its push was 0.7-4.9 s and is now ~0.25 s: the time was page faults, not copying.
+ONNX Runtime copies every supplied initializer into the session and pre-packs the MatMul
+weights, ~1 GB of fresh allocations per open that glibc served from new mmaps (~1.5 us per
+4 KB page); now export.graph.keep_freed_memory keeps freed blocks for reuse, update_weights
+closes the old session before opening the new one (so the new one reuses its memory, 0
+faults from the second push on), the engine's snapshot of the pushed tensors is an in-place
+copy into its held buffers (35 ms) instead of a clone into new pages (0.45 s), and the
+exporter no longer leaves a Transpose on the tied lm_head for ORT to fold into a 154 MB copy
+at every open (Gemm transB, export.onnx_export.gemm_for_transposed_weights). A's push is
+repaid after ~25-80 decode steps of B's slower tokens, less than one rollout batch.
 """
 _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
