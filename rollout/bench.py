@@ -8,7 +8,8 @@ tokens/s over the whole call, and the peak resident memory growth during the run
 HF runs with ``min_new_tokens = new_tokens``; Refit's engines stop a row only at EOS, which a
 random-weight 50257-way model samples with probability ~2e-5 per token, and tokens/s counts the
 decode steps actually run, so the work compared is the same.
-The last stdout line is one JSON document.
+The last stdout line is one JSON document; it carries the load averages at the start and end
+(``load_avg``), since the CPU is shared.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _timed(engine, stamps):
     orig = engine._new_state
     engine._new_state = lambda: _StepTimer(orig(), stamps)
     return orig
+
+
+def _load(before: tuple[float, float, float]) -> dict:
+    """1/5/15-minute load averages at the start and end: the CPU is shared, so numbers need them."""
+    return {"start": [round(x, 2) for x in before], "end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _summarise(t_calls: list[float], step_times: list[list[float]], rows: int, new_tokens: int, mem: float) -> dict:
@@ -147,6 +153,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     from rollout.engine import create_engine
 
     torch.set_num_threads(threads)
+    load_before = os.getloadavg()
     info = model_info(model_dir)
     rng = np.random.default_rng(0)
     lo = 4  # skip the special ids (pad, eos, bos, unk)
@@ -173,7 +180,9 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     speedup = {b: {str(r["batch"]): round(r["tokens_per_s"] / base[r["batch"]], 3)
                    for r in results if r["backend"] == b} for b in backends}
     return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "threads": threads, "repeats": repeats, "results": results, "speedup_vs_hf_generate": speedup}
+            "threads": threads, "repeats": repeats, "results": results, "speedup_vs_hf_generate": speedup,
+            "load_avg": _load(load_before)}
+
 
 
 def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, work_dir: Path, log=print) -> dict:
@@ -186,6 +195,7 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
     from rollout.engine import create_engine
 
     torch.set_num_threads(threads)
+    load_before = os.getloadavg()
     model = load_model(model_dir)
     params, _ = canonical_params(model)
     eng = create_engine("onnxruntime", engine_dir, threads=threads)
@@ -206,4 +216,4 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
     upd = statistics.median(times)
     return {"bench": "refit", "model": str(model_dir), "update_weights_s": round(upd, 4),
             "update_weights_all_s": [round(t, 4) for t in times], "reexport_s": round(reexport, 3),
-            "ratio_reexport_over_update": round(reexport / upd, 1)}
+            "ratio_reexport_over_update": round(reexport / upd, 1), "load_avg": _load(load_before)}
