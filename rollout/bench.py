@@ -31,7 +31,7 @@ class PeakRSS:
     rows read the process peak so far; compare rows of one backend across batch sizes."""
 
     def __enter__(self):
-        self.base = self.peak = self._rss()
+        self.peak = self._rss()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._watch, daemon=True)
         self._t.start()
