@@ -29,7 +29,7 @@ from learner.distributed import DistContext, init_from_env
 from learner.metrics import MetricsLog, plot_metrics
 from learner.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
 from learner.policy import ValueHead, hidden_size
-from learner.ppo import Experience, UpdateSettings, exact_kl, learner_view, make_advantages, per_token_rewards
+from learner.ppo import Experience, UpdateSettings, learner_view, make_advantages, per_token_rewards, score_batch
 from learner.rewards import load_reward
 from rollout.engine import check_version, create_engine
 from rollout.types import SamplingParams
@@ -212,9 +212,8 @@ def probe_check(run: Run) -> float:
 def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages."""
     cfg, t = run.cfg, run.cfg.temperature
-    old_lp, values, entropy = learner_view(run.policy, run.value_head, rollout, t)
-    ref_lp = learner_view(run.ref, None, rollout, t)[0]
-    kl_exact = exact_kl(run.policy, run.ref, rollout, t)
+    sc = score_batch(run.policy, run.value_head, run.ref, rollout, t)  # one policy + one reference forward
+    old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
     mask = rollout.response_mask.clone()
     stats = mismatch_stats(rollout, old_lp)
     is_weights = None

@@ -15,7 +15,7 @@ from learner.config import PPOConfig
 from learner.cycle import experience, probe_check, run_ppo, setup, train_step
 from learner.metrics import read_metrics
 from learner.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
-from learner.ppo import UpdateSettings, learner_view, ppo_update
+from learner.ppo import UpdateSettings, exact_kl, learner_view, ppo_update, score_batch
 from rollout.types import SamplingParams
 
 
@@ -39,6 +39,26 @@ def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs
     for k in ("k1", "k2", "k3", "exact"):
         assert abs(stats[f"kl/{k}"]) <= 1e-6, (k, stats[f"kl/{k}"])
     assert stats["mismatch/max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_path, arch):
+    """score_batch (one policy + one reference forward) == learner_view x2 + exact_kl (four forwards)."""
+    run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8), resume=False, log=lambda *_: None)
+    with torch.no_grad():  # policy != reference, value head != 0, so nothing below is trivially 0
+        for p in run.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        run.value_head.summary.weight.normal_()
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2))
+    sc = score_batch(run.policy, run.value_head, run.ref, rollout, 0.7, chunk=5)
+    lp, values, ent = learner_view(run.policy, run.value_head, rollout, 0.7)
+    ref = learner_view(run.ref, None, rollout, 0.7)[0]
+    kl = exact_kl(run.policy, run.ref, rollout, 0.7)
+    m = rollout.response_mask.bool()
+    assert kl[m].mean() > 1e-4 and values.abs().max() > 0
+    for got, want in ((sc.logprobs, lp), (sc.values, values), (sc.entropy, ent), (sc.ref_logprobs, ref),
+                      (sc.exact_kl, kl)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, monkeypatch):
