@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 
-def _model_and_engine(a, log=print) -> tuple[Path, Path]:
+def _model_and_engine(a, log=print, max_len: int = 256) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
     from export.models import build_model
     from export.onnx_export import ExportOptions, export_onnx
@@ -18,7 +18,7 @@ def _model_and_engine(a, log=print) -> tuple[Path, Path]:
         log(f"building the {a.geometry} geometry locally in {model}")
         build_model(a.geometry, model)
     engine = Path(a.engine) if a.engine else work / f"{model.name}-engine"
-    export_onnx(model, engine, ExportOptions(max_batch=64, max_len=256), log=log)
+    export_onnx(model, engine, ExportOptions(max_batch=64, max_len=max_len), log=log)
     if "tensorrt" in getattr(a, "backends", "").split(","):
         from export.tensorrt_build import build_engines, require_tensorrt
 
@@ -47,8 +47,8 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
             s.add_argument("--new-tokens", type=int, default=64, help="generated tokens per row")
         if name == "ppo":
-            s.add_argument("--batch-size", type=int, default=32, help="rows per PPO iteration")
-            s.add_argument("--response-length", type=int, default=64, help="generated tokens per row")
+            s.add_argument("--batch-size", type=int, default=8, help="rows per PPO iteration")
+            s.add_argument("--response-length", type=int, default=192, help="generated tokens per row")
             s.add_argument("--backend", default="onnxruntime", help="engine backend compared with HF generate()")
     return p
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from learner.bench_ppo import bench_ppo
 
-        model, engine = _model_and_engine(a)
+        model, engine = _model_and_engine(a, max_len=max(256, 128 + a.response_length))  # prompts ~60 tokens
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, a.threads, Path(a.work_dir),
                         repeats=a.repeats)
     print(json.dumps(out))

@@ -1,11 +1,16 @@
 """``refit bench ppo``: one PPO iteration with engine rollouts against the same learner with HF ``generate()``.
 
-Both runs use one config (same model, prompts, batch, response length, PPO settings); each
-backend runs a warm-up iteration, then ``repeats`` timed ones, and the median wall time per
-phase is reported (rollout, score, update, weight push). Default model: the ``small-gpt2``
-geometry (4 layers x 128, local tokenizer), a workload where generation dominates, as in the
-published systems; with a 124M policy on 2 CPU cores the learner's backward pass dominates
-instead, and the ratio shrinks accordingly (pass ``--geometry gpt2-small`` to see it).
+Both runs use one config (same model, prompts, batch, response length, PPO settings, a weight
+push and parity probe every step); each backend runs a warm-up iteration, then ``repeats`` timed
+ones, and the median wall time per phase is reported (rollout, score, update, weight push).
+
+Default workload: the ``small-gpt2`` geometry (4 layers x 128, local tokenizer), 8 rows, 192 new
+tokens: long responses from a small batch, so that generation is the largest phase of the HF
+baseline, as in the published systems (there 80-90% of a step). On 2 CPU cores that share is
+about 65%: the learner's forward/backward passes are compute-bound on the CPU, whereas on a
+GPU they are the cheap part. The ratio therefore falls as the batch grows (more learner tokens
+per decode step) and with the model size (``--geometry gpt2-small``: the 124M backward pass
+dominates); the JSON carries the per-phase times so the reason is visible in every run.
 """
 
 from __future__ import annotations
