@@ -82,6 +82,9 @@ class PPOConfig:
                                  "pip install 'refit[dist]'); the tokens do not depend on N")
     ray_address: str = _f("", "Ray cluster for the rollout workers ('auto', 'HOST:6379'; default $RAY_ADDRESS); "
                               "empty: a local Ray instance on this machine")
+    rollout_worker_cpus: float = _f(1.0, "Ray CPUs reserved by each rollout worker (its engine's threads)")
+    rollout_worker_gpus: float = _f(-1.0, "Ray GPUs reserved by each rollout worker; -1: 1 for the tensorrt "
+                                          "backend, else 0")
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
     bf16: bool = _f(True, "bf16 autocast for the learner forward on CUDA (ignored on CPU)")
     tensorboard: bool = _f(True, "write TensorBoard events")
@@ -98,6 +101,7 @@ class PPOConfig:
                                                      "must match the weights the engine holds)"),
             (self.steps < 1, "steps must be >= 1"),
             (self.rollout_workers < 1, "rollout_workers must be >= 1"),
+            (self.rollout_worker_cpus <= 0, "rollout_worker_cpus must be > 0"),
         ]
         for bad, msg in checks:
             if bad:
@@ -206,6 +210,14 @@ class DistillConfig:
     max_steps_this_run: int = _f(0, "stop after this many steps in this process (0 = no limit); for tests")
     teacher_sft_steps: int = _f(200, "embedded default only: SFT steps that make the local teacher")
     engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
+    rollout_workers: int = _f(1, "engines per model: N > 1 runs N teacher and N student engines as Ray actors "
+                                 "(RayEnginePool; pip install 'refit[dist]'); the tokens do not depend on N")
+    ray_address: str = _f("", "Ray cluster for the rollout workers ('auto', 'HOST:6379'; default $RAY_ADDRESS); "
+                              "empty: a local Ray instance on this machine")
+    rollout_worker_cpus: float = _f(0.5, "Ray CPUs reserved by each engine actor (a teacher and a student actor "
+                                         "share one CPU by default)")
+    rollout_worker_gpus: float = _f(-1.0, "Ray GPUs reserved by each engine actor; -1: 0.5 for the tensorrt "
+                                          "backend, else 0")
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
     tensorboard: bool = _f(True, "write TensorBoard events")
     plots: bool = _f(True, "write PNG plots at the end")
@@ -233,6 +245,8 @@ class DistillConfig:
              "batch_size must be divisible by gradient_accumulation_steps"),
             (self.steps < 1 or self.eval_size < 1, "steps and eval_size must be >= 1"),
             (self.temperature <= 0 or self.loss_temperature <= 0, "temperatures must be > 0"),
+            (self.rollout_workers < 1, "rollout_workers must be >= 1"),
+            (self.rollout_worker_cpus <= 0, "rollout_worker_cpus must be > 0"),
         ]
         for bad, msg in checks:
             if bad:

@@ -135,12 +135,21 @@ def ensure_engine(model_dir: Path, engine_dir: Path, rows: int, max_len: int, lo
     return engine_dir
 
 
-def make_engine(cfg: PPOConfig, path, run_dir: Path, **kw):
-    """One engine, or with ``rollout_workers > 1`` a RayEnginePool of that many (same Engine protocol)."""
+def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw):
+    """One engine, or with ``rollout_workers > 1`` a RayEnginePool of that many (same Engine protocol).
+
+    ``cfg`` is a PPOConfig or DistillConfig. Each Ray actor reserves ``rollout_worker_cpus`` CPUs and
+    ``rollout_worker_gpus`` GPUs; the GPU default (-1) is ``gpu_share`` of a GPU for the tensorrt backend
+    (its engine needs one), none otherwise (Ray hides the GPUs from an actor that reserved none).
+    """
     if cfg.rollout_workers > 1:  # [scale-out]
         from rollout.ray_pool import RayEnginePool
 
+        gpus = cfg.rollout_worker_gpus
+        if gpus < 0:
+            gpus = gpu_share if cfg.backend == "tensorrt" else 0.0
         return RayEnginePool(cfg.backend, path, workers=cfg.rollout_workers, ray_address=cfg.ray_address,
+                             cpus_per_worker=cfg.rollout_worker_cpus, gpus_per_worker=gpus,
                              last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
     return create_engine(cfg.backend, path, **kw)
 

@@ -34,10 +34,11 @@ by at most ``sync_every - 1`` updates. Every random choice of step s is derived 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,11 +51,12 @@ from learner import distill_losses as D
 from learner import losses as L
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import FULL_VOCAB_LOSSES, DistillConfig, save_config
-from learner.cycle import ensure_engine, pick_device, step_prompt_indices
+from learner.cycle import ensure_engine, make_engine, pick_device, step_prompt_indices
+from learner.distributed import DistContext, init_from_env, reduce_stats
 from learner.metrics import MetricsLog, plot_metrics, read_metrics
 from learner.policy import response_forward
 from learner.ppo import learner_view
-from rollout.engine import check_version, create_engine
+from rollout.engine import check_version
 from rollout.types import SamplingParams
 
 PLOT_PANELS = {"loss": ["loss"], "held-out KL to teacher": ["eval/kl_to_teacher"], "accuracy": ["eval/accuracy"],
@@ -146,6 +148,7 @@ class Run:
     start_step: int = 0
     expected_version: int = 0
     probe: object = None
+    dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
 # ----------------------------------------------------------------------------- data and checks
@@ -197,11 +200,13 @@ def check_teacher_student(teacher_dir: str, student_dir: str):
 
 
 def _engine(cfg: DistillConfig, model_dir: str, engine_dir: str, name: str, rows: int, max_len: int, log):
+    """The teacher's or the student's engine; with ``rollout_workers > 1`` a RayEnginePool of that many."""
+    run_dir = Path(cfg.output_dir)
     if cfg.backend == "torch":
-        return create_engine("torch", model_dir, max_len=max_len)
-    path = Path(engine_dir) if engine_dir else Path(cfg.output_dir) / f"{name}_engine"
+        return make_engine(cfg, model_dir, run_dir, gpu_share=0.5, max_len=max_len)
+    path = Path(engine_dir) if engine_dir else run_dir / f"{name}_engine"
     ensure_engine(Path(model_dir), path, rows, max_len, log, backend=cfg.backend)
-    return create_engine(cfg.backend, path, threads=cfg.engine_threads or None)
+    return make_engine(cfg, path, run_dir, gpu_share=0.5, threads=cfg.engine_threads or None)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -217,7 +222,9 @@ def _eval_set(cfg: DistillConfig, tok, teacher_engine, teacher_model, held, seq2
     return EvalSet(list(held), ids, batch, logits)
 
 
-def setup(cfg: DistillConfig, resume: bool, log=print) -> Run:
+def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
+    """Engines, models, optimizer, eval set and probe. Ranks > 0 of a torchrun job hold only the student
+    and its optimizer: rank 0 makes every batch (engines, teacher) and shares it."""
     from transformers import get_scheduler
 
     run_dir = Path(cfg.output_dir)
@@ -231,21 +238,32 @@ def setup(cfg: DistillConfig, resume: bool, log=print) -> Run:
     eval_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.max_new_tokens + 8
     rows = max(cfg.batch_size, cfg.eval_size, cfg.probe_size)
-    device = pick_device(cfg.device)
+    dist = dist or DistContext()
+    device = dist.device or pick_device(cfg.device)
+    seq2seq = s_info.kind == "seq2seq"
+    if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
+        student = load_model(cfg.student_model_dir, s_info).to(device)
+        optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
+        run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
+                  None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
+        if resume:
+            ck = latest_checkpoint(run_dir)
+            if ck is None:
+                raise RefitError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+            run.start_step = load_checkpoint(ck, student, None, optimizer, scheduler)["step"]
+        dist.wrap(student)
+        return run
     teacher_engine = CountingEngine(_engine(cfg, cfg.teacher_model_dir, cfg.teacher_engine_dir, "teacher", rows,
                                             max_len, log))
     student_engine = _engine(cfg, cfg.student_model_dir, cfg.student_engine_dir, "student", rows, max_len, log)
     teacher_model = load_model(cfg.teacher_model_dir, t_info).to(device).requires_grad_(False)
-    seq2seq = s_info.kind == "seq2seq"
     eval_set = _eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = load_model(cfg.student_model_dir, s_info).to(device)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.steps)
+    optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
     run = Run(cfg, run_dir, tok, student, teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine,
               teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
-              s_info.padding_side)
+              s_info.padding_side, dist=dist)
     if resume:
         ck = latest_checkpoint(run_dir)
         if ck is None:
@@ -253,10 +271,17 @@ def setup(cfg: DistillConfig, resume: bool, log=print) -> Run:
         run.start_step = load_checkpoint(ck, student, None, optimizer, scheduler)["step"]
         student_engine.update_weights(canonical_params(student)[0])
         log(f"refit distill: resumed from {ck} (step {run.start_step}, student engine weights pushed)")
+    dist.wrap(student)  # [dist] DDP (a no-op for one process)
     run.expected_version = student_engine.weights_version
     probe_rows = prompt_ids[:min(cfg.probe_size, len(prompt_ids))]
     run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True))
     return run
+
+
+def _optimizer(cfg: DistillConfig, student, get_scheduler):
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return optimizer, get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                    num_training_steps=cfg.steps)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -331,35 +356,54 @@ def distill_loss(loss: str, logits: torch.Tensor, b: DistillBatch, rows: slice, 
     return fn(logits, t, m, temperature, num_tokens=n_tokens)
 
 
+LOSS_STATS = ("jsd", "forward_kl", "reverse_kl", "teacher_token_ce", "topk_kl")  # token sums / global count
+
+
 def update(run: Run, b: DistillBatch) -> dict[str, float]:
-    """Step 3: one optimizer step over ``gradient_accumulation_steps`` micro-batches (token mean of the batch)."""
-    cfg = run.cfg
-    n_tokens = b.response_mask.sum().clamp(min=1.0)
-    micro = b.num_rows // cfg.gradient_accumulation_steps
+    """Step 3: one optimizer step over ``gradient_accumulation_steps`` micro-batches (token mean of the batch).
+
+    Under torchrun (K ranks, every rank holding the whole batch ``b``) rank r runs rows
+    ``[r*B/K, (r+1)*B/K)``: losses are normalised by the batch's token count as in one process, and
+    multiplied by K before ``backward`` because DDP averages gradients; so the synced gradient, the
+    clipping and the optimizer step are those of one process. Loss-like stats (token sums) are added
+    over micro-batches and ranks, the others (accuracies, tail masses) averaged.
+    """
+    cfg, ctx = run.cfg, run.dist
+    k, ga = ctx.world_size, cfg.gradient_accumulation_steps
+    if b.num_rows % (k * ga):
+        raise RefitError(f"batch of {b.num_rows} rows must be divisible by world_size {k} x "
+                         f"gradient_accumulation_steps {ga}")
+    local = b.num_rows // k
+    micro = local // ga
+    model = ctx.policy_ddp if ctx.enabled else run.student
+    n_tokens = b.response_mask.sum().clamp(min=1.0)  # the whole batch's: every rank holds it
     # the student stays in eval mode: no dropout, as TRL's disable_dropout=True (and the engine has none)
     run.optimizer.zero_grad(set_to_none=True)
     total, acc = 0.0, {}
-    for start in range(0, b.num_rows, micro):
-        rows = slice(start, start + micro)
-        logits = response_forward(run.student, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
-                                  b.is_seq2seq).logits
-        loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)
-        loss.backward()
+    for a in range(ga):
+        rows = slice(ctx.rank * local + a * micro, ctx.rank * local + (a + 1) * micro)
+        with ctx.no_sync(a == ga - 1) if ctx.enabled else contextlib.nullcontext():
+            logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
+                                      b.is_seq2seq).logits
+            loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)
+            (loss * k).backward()
         total += float(loss.detach())
         if b.teacher_topk_logprobs is not None and cfg.loss != "topk_kl":  # free diagnostic from the same pass
             stats["teacher_topk_kl"] = D.topk_kl_loss(logits.detach(), b.teacher_topk_logprobs[rows],
                                                       b.teacher_topk_ids[rows], b.response_mask[rows],
                                                       cfg.temperature)[0]
-        for k, v in stats.items():
-            acc.setdefault(k, []).append(float(v))
+        for key, v in stats.items():
+            acc.setdefault(key, []).append(float(v))
+    stats = {f"distill/{key}": sum(v) if key in LOSS_STATS else sum(v) / len(v) for key, v in acc.items()}
+    stats = reduce_stats(ctx, {"loss": total, **stats}, sums=("loss", *(f"distill/{x}" for x in LOSS_STATS)))
     grad_norm = torch.nn.utils.clip_grad_norm_(run.student.parameters(), cfg.max_grad_norm)
+    total = stats["loss"]  # the same on every rank, so every rank stops together
     if total != total or total in (float("inf"), float("-inf")) or not torch.isfinite(grad_norm):
         raise RefitError(f"non-finite loss or gradient ({total}, grad norm {float(grad_norm)}); nothing from this "
                          f"step was saved, last checkpoint: {latest_checkpoint(run.run_dir)}")
     run.optimizer.step()
     run.scheduler.step()
-    return {"loss": total, "grad_norm": float(grad_norm), "lr": run.scheduler.get_last_lr()[0],
-            **{f"distill/{k}": sum(v) / len(v) for k, v in acc.items()}}
+    return {**stats, "grad_norm": float(grad_norm), "lr": run.scheduler.get_last_lr()[0]}
 
 
 def probe_check(run: Run) -> float:
@@ -379,13 +423,16 @@ def probe_check(run: Run) -> float:
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One batch, one teacher pass, one update, and the weight push when due; returns the step's metrics."""
     cfg = run.cfg
+    if not run.dist.is_main:  # [dist] ranks > 0: rank 0's batch, this rank's rows of the update, no metrics
+        update(run, run.dist.share(None))
+        return {}
     g0, s0 = run.teacher.generate_calls, run.teacher.score_calls
     t0 = time.perf_counter()
     b, gen_stats = make_batch(run, step)
     t1 = time.perf_counter()
     torch_passes = teacher_targets(run, b.check())
     t2 = time.perf_counter()
-    stats = update(run, b)
+    stats = update(run, run.dist.share(b))  # [dist] the batch to ranks > 0 (no-op for one process)
     t3 = time.perf_counter()
     if step % cfg.sync_every == 0 or step == cfg.steps:
         run.student_engine.update_weights(canonical_params(run.student)[0])
@@ -440,24 +487,33 @@ def teacher_accuracy(run: Run) -> float:
 
 
 def run_distill(cfg: DistillConfig, resume: bool = False, log=print) -> Path:
-    """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, summary.json)."""
+    """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, summary.json).
+
+    Under ``torchrun --nproc-per-node K`` rank 0 drives the engines and the teacher, evaluates, pushes
+    weights and writes metrics, checkpoints, plots and the summary; every rank runs its rows of each update.
+    """
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log("refit distill: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
+    dist = init_from_env(cfg.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
+    main = dist.is_main
+    if main:
+        log("refit distill: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
     t_start = time.perf_counter()
-    run = setup(cfg, resume, log)
-    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=run.start_step if resume else None)
-    if not resume:
+    run = setup(cfg, resume, log, dist=dist)
+    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=run.start_step if resume else None) if main else None
+    if main and not resume:
         metrics.log(0, {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)})
     last = cfg.steps if not cfg.max_steps_this_run else min(cfg.steps, run.start_step + cfg.max_steps_this_run)
     bar = None
-    if cfg.progress:
+    if cfg.progress and main:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=run.start_step, desc="distill", dynamic_ncols=True)
     try:
         for step in range(run.start_step + 1, last + 1):
             m = train_step(run, step)
+            if not main:  # [dist]
+                continue
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 m.update(evaluate(run))
             metrics.log(step, m)
@@ -472,9 +528,15 @@ def run_distill(cfg: DistillConfig, resume: bool = False, log=print) -> Path:
     finally:
         if bar is not None:
             bar.close()
-        metrics.close()
-        run.teacher.close()
-        run.student_engine.close()
+        if metrics is not None:
+            metrics.close()
+        # the student's engine first: with rollout_workers > 1 the teacher's pool (made first) owns Ray
+        for engine in (run.student_engine, run.teacher):
+            if engine is not None:
+                engine.close()
+        dist.close()  # [dist] waits for every rank, leaves the process group
+    if not main:
+        return run_dir
     if cfg.plots:
         plot_metrics(run_dir, PLOT_PANELS)
     s = summary(run_dir)

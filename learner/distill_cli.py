@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -97,12 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     if known.build_models:
         print(json.dumps(build_all(Path(known.build_models), cfg)))
         return 0
+    rank = int(os.environ.get("RANK", "0"))  # [dist] under torchrun only rank 0 prints
     if not cfg.teacher_model_dir and not cfg.student_model_dir:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from export.errors import RefitError
+
+            raise RefitError("under torchrun pass --teacher_model_dir and --student_model_dir (build the embedded "
+                             "pair once first: refit distill --build-models DIR)")
         models = Path(cfg.output_dir) / "models"  # the --build-models layout, so a batch can reuse it
         cfg = dataclasses.replace(cfg, **build_models(models, cfg),
                                   teacher_engine_dir=cfg.teacher_engine_dir or str(models / "teacher_engine"),
                                   student_engine_dir=cfg.student_engine_dir or str(models / "student_engine"))
     run_dir = run_distill(cfg, resume=resume)
+    if rank != 0:
+        return 0
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
     s.update({"loss": cfg.loss, "lmbda": cfg.lmbda, "seq_kd": cfg.seq_kd, "beta": cfg.beta})

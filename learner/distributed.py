@@ -1,4 +1,8 @@
-"""The PPO learner on K processes: ``torchrun --nproc-per-node K -m learner.cli ppo ...`` (DDP).
+"""The learner on K processes: ``torchrun --nproc-per-node K -m learner.cli ppo|distill ...`` (DDP).
+
+PPO is described below; distillation (:mod:`learner.distill`) follows the same rules: rank 0 makes
+the batch (engines, teacher targets) and shares it, rank r runs its contiguous slice of rows, the
+loss is normalised by the global token count and multiplied by K before ``backward``.
 
     rank 0 : rollouts on the engine (or a RayEnginePool), rewards, learner/reference log-probs,
              advantages -> broadcast the Experience -> its slice of the update -> weight push,
@@ -78,8 +82,8 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, policy: torch.nn.Module, value_head: torch.nn.Module) -> None:
-        """DDP-wrap the policy and value head (syncs rank 0's parameters to all ranks)."""
+    def wrap(self, policy: torch.nn.Module, value_head: torch.nn.Module | None = None) -> None:
+        """DDP-wrap the policy (and the value head, if any); syncs rank 0's parameters to all ranks."""
         if not self.enabled:
             return
         ids = [self.local_rank] if self.backend == "nccl" else None
@@ -88,15 +92,20 @@ class DistContext:
         # names it forward_sync_buffers (broadcast_buffers is deprecated there).
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
         kw = {"device_ids": ids, "find_unused_parameters": False, no_sync: False}
-        self.policy_ddp, self.value_ddp = _DDP(policy, **kw), _DDP(value_head, **kw)
+        self.policy_ddp = _DDP(policy, **kw)
+        self.value_ddp = _DDP(value_head, **kw) if value_head is not None else None
+
+    def share(self, obj):
+        """Rank 0's ``obj`` (any picklable object: tensors travel on the CPU) on every rank; no-op for one process."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
+        return box[0]
 
     def share_experience(self, exp: Experience | None, kl_coef: float) -> tuple[Experience, float]:
         """Rank 0's Experience and KL coefficient on every rank (no-op for a single process)."""
-        if not self.enabled:
-            return exp, kl_coef
-        box = [exp, kl_coef] if self.is_main else [None, None]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
-        return box[0], box[1]
+        return tuple(self.share((exp, kl_coef)))
 
     def ppo_update(self, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
                    generator: torch.Generator) -> dict[str, float]:
@@ -111,8 +120,9 @@ class DistContext:
         """DDP's no_sync on both wrappers unless ``sync`` (the last micro-batch of a minibatch)."""
         stack = contextlib.ExitStack()
         if not sync:
-            stack.enter_context(self.policy_ddp.no_sync())
-            stack.enter_context(self.value_ddp.no_sync())
+            for m in (self.policy_ddp, self.value_ddp):
+                if m is not None:
+                    stack.enter_context(m.no_sync())
         return stack
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -171,8 +181,8 @@ def ddp_ppo_update(ctx: DistContext, optimizer, scheduler, exp: Experience, s: U
     return reduce_stats(ctx, stats)
 
 
-def reduce_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
-    """Per-rank update stats -> job stats: SUM_STATS added, MAX_STATS maxed, the rest averaged."""
+def reduce_stats(ctx: DistContext, stats: dict[str, float], sums=SUM_STATS, maxes=MAX_STATS) -> dict[str, float]:
+    """Per-rank update stats -> job stats: ``sums`` added, ``maxes`` maxed, the rest averaged."""
     if not ctx.enabled:
         return stats
     keys = sorted(stats)
@@ -181,7 +191,7 @@ def reduce_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
     top = ctx.all_reduce(vals, dist.ReduceOp.MAX)
     out = {}
     for i, key in enumerate(keys):
-        out[key] = float(top[i]) if key in MAX_STATS else float(total[i]) / (1 if key in SUM_STATS else ctx.world_size)
+        out[key] = float(top[i]) if key in maxes else float(total[i]) / (1 if key in sums else ctx.world_size)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from learner.config import PPOConfig, parse_config
 from learner.metrics import read_metrics
@@ -31,5 +32,6 @@ def main(argv: list[str] | None = None) -> int:
 
         raise RefitError("model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
     run_dir = run_ppo(cfg, resume=resume)
-    print(json.dumps(summary(run_dir)))
+    if int(os.environ.get("RANK", "0")) == 0:  # [dist] under torchrun one summary line, from rank 0
+        print(json.dumps(summary(run_dir)))
     return 0

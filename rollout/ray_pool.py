@@ -187,7 +187,8 @@ class RayEnginePool:
 
     def __init__(self, backend: str, path, workers: int = 2, chunk: int = DEFAULT_CHUNK, ray_address: str = "",
                  cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
-                 last_checkpoint: Callable[[], Any] | None = None, log: Callable[[str], None] = print, **engine_kw):
+                 last_checkpoint: Callable[[], Any] | None = None, log: Callable[[str], None] = print,
+                 start_timeout_s: float = 300.0, **engine_kw):
         if workers < 1 or chunk < 1:
             raise RefitError(f"RayEnginePool: need workers >= 1 and chunk >= 1 (got {workers}, {chunk})")
         from rollout import engine as _engine
@@ -204,11 +205,47 @@ class RayEnginePool:
         self._owns_ray = ensure_ray(ray_address, max(os.cpu_count() or 1, math.ceil(workers * cpus_per_worker)))
         import ray
 
-        self._ray = ray
+        self._ray, self._start_timeout_s = ray, start_timeout_s
         self._version = 0
         self._last_push = None  # (ObjectRef of the named tensors, version) of the last successful push
+        self._workers = []
+        self._check_resources(workers, cpus_per_worker, gpus_per_worker)
         self._workers = [self._spawn(i) for i in range(workers)]
-        self._max_len, self._vocab = ray.get([w.ready.remote() for w in self._workers])[0]
+        self._max_len, self._vocab = self._wait_ready(list(range(workers)))
+
+    def _check_resources(self, workers: int, cpus: float, gpus: float) -> None:
+        """Fail at once, in one line, when the whole cluster could never hold the actors (Ray would wait forever)."""
+        total = self._ray.cluster_resources()
+        for kind, each in (("CPU", cpus), ("GPU", gpus)):
+            if workers * each > total.get(kind, 0.0) + 1e-9:
+                raise RefitError(f"RayEnginePool: {workers} workers x {each:g} {kind} = {workers * each:g} {kind}s, but "
+                                 f"the Ray cluster has {total.get(kind, 0.0):g} in all; use fewer workers, smaller "
+                                 f"rollout_worker_{kind.lower()}s, or a larger cluster (ray_address)")
+
+    def _wait_ready(self, which: list[int]) -> tuple[int | None, int | None]:
+        """Wait for workers ``which`` to hold their engines; a clear error when Ray cannot place them in time."""
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return self._get_all([self._workers[i].ready.remote() for i in which], self._start_timeout_s)[0]
+        except GetTimeoutError:
+            free = self._ray.available_resources()
+            raise RefitError(f"rollout workers {which} did not start within {self._start_timeout_s:g} s: Ray has "
+                             f"{free.get('CPU', 0.0):g} CPUs / {free.get('GPU', 0.0):g} GPUs free and each worker "
+                             f"asks {self._options['num_cpus']:g} / {self._options['num_gpus']:g} (other actors "
+                             f"hold the rest?)") from None
+
+    def _get_all(self, refs, timeout: float | None = None):
+        """ray.get, with an engine's own error (RefitError, ValueError) re-raised as itself."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            return self._ray.get(refs, timeout=timeout)
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     # --- actors
 
@@ -223,7 +260,7 @@ class RayEnginePool:
         except Exception:  # already gone
             pass
         self._workers[i] = self._spawn(i)
-        self._ray.get(self._workers[i].ready.remote())
+        self._wait_ready([i])
         if self._last_push is not None:
             ref, version = self._last_push
             self._ray.get(self._workers[i].load_weights.remote(ref, version))
@@ -231,18 +268,6 @@ class RayEnginePool:
     def _where_checkpoint(self) -> str:
         ck = self._last_checkpoint() if self._last_checkpoint is not None else None
         return f"last checkpoint: {ck} (resume from it with --resume)" if ck else "no checkpoint known to the pool"
-
-    def _get(self, ref):
-        """ray.get, with an engine's own error (RefitError, ValueError) re-raised as itself."""
-        from ray.exceptions import RayTaskError
-
-        try:
-            return self._ray.get(ref)
-        except RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
 
     def _run(self, what: str, calls: dict[int, Callable[[Any], Any]]) -> dict[int, Any]:
         """Submit ``calls[i](actor_i)`` for all i at once, gather; a dead actor: restart, retry once."""
@@ -252,7 +277,7 @@ class RayEnginePool:
         out, failed = {}, []
         for i, ref in refs.items():
             try:
-                out[i] = self._get(ref)
+                out[i] = self._get_all(ref)
             except RayActorError as e:
                 failed.append((i, e))
         for i, first in failed:
@@ -260,7 +285,7 @@ class RayEnginePool:
                       f"restarting it and retrying its shard once")
             try:
                 self._restart(i)
-                out[i] = self._get(calls[i](self._workers[i]))
+                out[i] = self._get_all(calls[i](self._workers[i]))
             except RayActorError as second:
                 raise RefitError(f"rollout worker {i} failed twice in a row during {what} "
                                  f"({type(first).__name__}, then {type(second).__name__}); giving up. "

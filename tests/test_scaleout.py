@@ -323,3 +323,136 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     for a, b in zip(want, got):
         for key in ("reward/mean", "kl/exact", "ppo/pg_loss", "ppo/vf_loss", "ppo/grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+# ----------------------------------------------------------------------------- distillation: Ray engines, DDP
+
+
+def _distill_cfg(model_dirs, engine_dirs, out, **kw):
+    from learner.config import DistillConfig
+
+    base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
+                teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
+                output_dir=str(out), steps=2, batch_size=4, eval_size=4, num_prompts=32, max_new_tokens=4,
+                teacher_topk=4, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
+                lmbda=1.0, loss="topk_kl", progress=False, tensorboard=False, plots=False, device="cpu")
+    base.update(kw)
+    return DistillConfig(**base)
+
+
+def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engine_dirs, tmp_path):
+    """rollout_workers=2: teacher and student engines are 2-actor pools; the student generates (lmbda=1), the
+    teacher pool scores top-k, the push reaches both student actors, and the step equals one local engine's."""
+    from learner.distill import setup, train_step
+
+    def one_step(workers):
+        cfg = _distill_cfg(model_dirs, engine_dirs, tmp_path / f"w{workers}", rollout_workers=workers,
+                           rollout_worker_cpus=0.125)
+        run = setup(cfg, resume=False, log=lambda *_: None)
+        try:
+            m = train_step(run, 1)
+            versions = run.student_engine.worker_versions() if workers > 1 else [run.student_engine.weights_version]
+            kinds = (type(run.teacher.inner).__name__, type(run.student_engine).__name__)
+            return m, versions, kinds
+        finally:
+            run.student_engine.close()
+            run.teacher.close()
+
+    m2, versions, kinds = one_step(2)
+    assert kinds == ("RayEnginePool", "RayEnginePool") and versions == [1, 1]
+    assert m2["student/generated"] == 1 and m2["teacher/engine_score"] == 1
+    assert m2["probe/max_abs_logprob_diff"] <= 1e-3
+    m1, _, _ = one_step(1)
+    for key in ("loss", "distill/topk_kl", "grad_norm", "response/length"):
+        assert abs(m1[key] - m2[key]) <= 1e-5 * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
+
+
+def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
+    from rollout.ray_pool import RayEnginePool
+
+    with pytest.raises(RefitError, match="Ray cluster has 2 in all") as e:
+        RayEnginePool("onnxruntime", engine_dirs["tiny-gpt2"], workers=3, cpus_per_worker=1.0, log=lambda *_: None)
+    assert "\n" not in str(e.value)
+
+
+def _distill_batch(model_dir):
+    """8 rows (unequal prompt and response lengths) with random full-vocabulary teacher logits."""
+    from export.checkpoint import load_model
+    from learner.distill import DistillBatch
+
+    g = torch.Generator().manual_seed(2)
+    b, tp, tr = 8, 5, 4
+    plen, rlen = [5, 2, 3, 1, 4, 5, 2, 3], [4, 1, 2, 4, 3, 1, 4, 2]
+    pmask = torch.tensor([[0] * (tp - n) + [1] * n for n in plen])
+    pids = torch.randint(3, 60, (b, tp), generator=g) * pmask
+    mask = torch.tensor([[1.0] * n + [0.0] * (tr - n) for n in rlen])
+    rids = (torch.randint(3, 60, (b, tr), generator=g) * mask).long()
+    v = load_model(model_dir).config.vocab_size
+    batch = DistillBatch(pids, pmask, rids, mask, "dataset", False)
+    batch.teacher_logits = 3 * torch.randn(b, tr, v, generator=g)
+    return batch
+
+
+def _distill_learner(model_dir, out, dist):
+    from export.checkpoint import load_model
+    from learner.distill import Run
+
+    cfg = _distill_cfg({"tiny-llama": model_dir, "tiny-gpt2": model_dir}, {"tiny-llama": "", "tiny-gpt2": ""}, out,
+                       batch_size=8, gradient_accumulation_steps=2, loss="jsd", lmbda=0.0, beta=0.3)
+    torch.manual_seed(0)
+    student = load_model(model_dir)
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    dist.wrap(student)
+    return Run(cfg, out, None, student, None, None, None, opt, sched, [], [], None, False, 0, "left", dist=dist)
+
+
+def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from learner.distill import update
+    from learner.distributed import init_from_env
+
+    ctx = init_from_env("cpu")
+    run = _distill_learner(model_dir, out_path, ctx)
+    b = ctx.share(torch.load(batch_path, weights_only=False) if ctx.is_main else None)
+    stats = update(run, b)
+    torch.save({"params": {k: v.detach().clone() for k, v in run.student.named_parameters()}, "stats": stats},
+               f"{out_path}.{rank}")
+    ctx.close()
+
+
+def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
+    """2 gloo ranks (a slice of rows each, 2 micro-batches each) == learner.distill.update on the whole batch."""
+    import torch.multiprocessing as mp
+
+    from learner.distill import update
+    from learner.distributed import DistContext
+
+    model_dir = str(model_dirs["tiny-gpt2"])
+    batch = _distill_batch(model_dir)
+    torch.save(batch, tmp_path / "batch.pt")
+    run = _distill_learner(model_dir, tmp_path, DistContext())
+    start = {k: v.detach().clone() for k, v in run.student.named_parameters()}
+    want_stats = update(run, batch)
+    want = dict(run.student.named_parameters())
+    assert max(float((want[k].detach() - v).abs().max()) for k, v in start.items()) > 1e-3  # the update did something
+
+    procs = mp.start_processes(_distill_rank, args=(2, _free_port(), model_dir, str(tmp_path / "batch.pt"),
+                                                    str(tmp_path / "out")), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    try:
+        while not procs.join(timeout=1):
+            assert time.monotonic() < deadline, "DDP ranks did not finish in time"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    for r in range(2):
+        out = torch.load(tmp_path / f"out.{r}", weights_only=False)
+        for k, v in want.items():
+            torch.testing.assert_close(out["params"][k], v.detach(), **TOL, msg=k)
+        for key in ("loss", "distill/jsd", "grad_norm"):
+            assert abs(out["stats"][key] - want_stats[key]) <= 1e-5, (key, out["stats"][key], want_stats[key])
+    assert abs(want_stats["loss"] - want_stats["distill/jsd"]) <= 1e-6  # loss-like stats are sums, like the loss
