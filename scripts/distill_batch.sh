@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # Distil one teacher into one student under several configs; write results.json + results.md to --out.
-# Usage: bash scripts/distill_batch.sh [--steps N] [--out DIR] [--configs "NAME ..."] [--models DIR] [-- FLAGS...]
+# Usage: bash scripts/distill_batch.sh [--steps N] [--out DIR] [--configs "NAME ..."] [--models DIR]
+#                                      [--workers N] [--ray-address ADDR] [--nproc K] [-- FLAGS...]
 #   default set: supervised_kd seq_kd_ce gkd_lmbda0 gkd_lmbda0.5 gkd_lmbda1 (same prompts, teacher, student)
 #   --models DIR: reuse DIR/{teacher,student}[_engine] (as `refit distill --build-models DIR` writes them, or a
 #   default run's OUTPUT_DIR/models) instead of building; FLAGS after -- go to every `refit distill` call
 #   (and to the one-time build), e.g. -- --teacher_sft_steps 50
+#   --workers N         engines per model as Ray actors (N teacher + N student engines; default 1: in-process);
+#                       N > 1 needs pip install 'refit[dist]'; every Ray node must see the engine folders
+#                       (--models DIR, or OUT/models) at the same path
+#   --ray-address ADDR  an existing Ray cluster (`ray start --head` on one node, `ray start --address HEAD:6379`
+#                       on the others; 'auto' from a node of it); default $RAY_ADDRESS, else each run starts
+#                       and stops a local Ray instance of its own
+#   --nproc K           learner processes: K > 1 runs each config under `torchrun --nproc-per-node K` (DDP, gloo
+#                       on CPU, NCCL on GPU; batch_size divisible by K x gradient_accumulation_steps); more
+#                       nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500"
 #
 # A thin driver over `python -m learner.cli distill`: the embedded teacher (SFT, 4x128) and student (2x64)
 # and their engines are built ONCE (`refit distill --build-models DIR`), then each config runs in its own
-# process and folder (OUT/NAME, log OUT/NAME.log); the table is read from each run's last stdout line.
+# process and folder (OUT/NAME, stdout OUT/NAME.log, stderr OUT/NAME.err); the table is read from each
+# run's last stdout line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 
 declare -A FLAGS=(
   [supervised_kd]="--lmbda 0 --loss topk_kl"              # dataset completions, teacher engine top-k, forward KL
@@ -26,6 +37,8 @@ OUT="runs/distill_batch"
 MODELS=""
 STEPS=()
 EXTRA=()
+SCALE=()  # --rollout_workers / --ray_address for every run
+NPROC=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -33,6 +46,9 @@ while [[ $# -gt 0 ]]; do
     --out) OUT="$2"; shift 2 ;;
     --configs) CONFIGS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
+    --workers) SCALE+=(--rollout_workers "$2"); shift 2 ;;
+    --ray-address) SCALE+=(--ray_address "$2"); shift 2 ;;
+    --nproc) NPROC="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "distill_batch.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -41,9 +57,17 @@ for name in $CONFIGS; do
   [[ -n "${FLAGS[$name]+x}" ]] || { echo "distill_batch.sh: unknown config $name; known: ${!FLAGS[*]}" >&2; exit 2; }
 done
 
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "distill_batch.sh: --nproc must be a positive integer, got $NPROC" >&2; exit 2; }
+
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
+distill=("$PY" -m learner.cli distill)
+if [[ "$NPROC" -gt 1 ]]; then  # DDP learner: rank 0 drives the engines, writes metrics and checkpoints
+  # shellcheck disable=SC2206  # TORCHRUN and TORCHRUN_ARGS are word lists
+  distill=(${TORCHRUN:-"$PY" -m torch.distributed.run} --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:---standalone}
+           -m learner.cli distill)
+fi
 
 if [[ -z "$MODELS" ]]; then
   MODELS="$OUT/models"
@@ -60,8 +84,9 @@ done
 for name in $CONFIGS; do
   echo "== $name: ${FLAGS[$name]}"
   # shellcheck disable=SC2086  # FLAGS values are word lists on purpose
-  "$PY" -m learner.cli distill -o "$OUT/$name" "${model_flags[@]}" ${FLAGS[$name]} "${STEPS[@]}" --progress false \
-    "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 || { echo "run $name failed:" >&2; tail -n 20 "$OUT/$name.log" >&2; exit 1; }
+  "${distill[@]}" -o "$OUT/$name" "${model_flags[@]}" ${FLAGS[$name]} "${STEPS[@]}" "${SCALE[@]}" --progress false \
+    "${EXTRA[@]}" > "$OUT/$name.log" 2> "$OUT/$name.err" \
+    || { echo "run $name failed:" >&2; tail -n 20 "$OUT/$name.err" >&2; exit 1; }
   tail -n 2 "$OUT/$name.log" | head -n 1
 done
 

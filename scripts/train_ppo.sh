@@ -13,9 +13,9 @@
 #                       pip install 'refit[dist]', and every Ray node must see OUT/engine at the same path
 #   --ray-address ADDR  an existing Ray cluster (`ray start --head` on one node, `ray start --address HEAD:6379`
 #                       on the others; 'auto' from a node of it); default $RAY_ADDRESS, else a local Ray instance
-#   --nproc K           learner processes: K > 1 runs `torchrun --nproc-per-node K -m learner.cli ppo` (DDP,
-#                       gloo on CPU, NCCL on GPU); more nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R
-#                       --rdzv-backend c10d --rdzv-endpoint HOST:29500" on each node
+#   --nproc K           learner processes: K > 1 runs `torchrun --nproc-per-node K --standalone -m learner.cli
+#                       ppo` (DDP, gloo on CPU, NCCL on GPU); more nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R
+#                       --rdzv-backend c10d --rdzv-endpoint HOST:29500" on each node (replaces --standalone)
 # With no arguments it runs on the embedded default: nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,8 @@ args=(--model_dir "$model" --engine_dir "$out/engine" --output_dir "$out/run" --
 ppo=($REFIT ppo)
 if [[ "$nproc" -gt 1 ]]; then  # DDP learner: rank 0 drives the rollouts, writes metrics and checkpoints
   # shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of flags
-  ppo=(${TORCHRUN:-torchrun} --nproc-per-node "$nproc" ${TORCHRUN_ARGS:-} -m learner.cli ppo)
+  ppo=(${TORCHRUN:-python -m torch.distributed.run} --nproc-per-node "$nproc" ${TORCHRUN_ARGS:---standalone}
+       -m learner.cli ppo)
 fi
 summary=$("${ppo[@]}" "${args[@]}" "${extra[@]}" | tail -n 1)
 echo "== summary"

@@ -20,7 +20,8 @@ def _run(script, *args, timeout=600):
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh"])
+@pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh",
+                                    "distill_batch.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -52,3 +53,44 @@ def test_bench_latency_script_tiny(tmp_path):
              "--new-tokens", "3", "--prompt-len", "4", "--repeats", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "speedup_vs_hf_generate" in json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _recording_python(tmp_path) -> Path:
+    """A stand-in for python/refit/torchrun that appends its arguments to CALLS and prints a summary line;
+    ``-`` (a heredoc script) still runs on the real interpreter."""
+    stub = tmp_path / "stub"
+    stub.write_text(f"""#!/usr/bin/env bash
+if [[ "${{1:-}}" == "-" ]]; then exec {sys.executable} "$@"; fi
+echo "$*" >> {tmp_path / 'CALLS'}
+echo '{{"run_dir": "x", "steps": 1, "loss": "jsd", "lmbda": 0, "seq_kd": false}}'
+""")
+    stub.chmod(0o755)
+    return stub
+
+
+def test_scale_flags_pass_through(tmp_path):
+    """--workers / --ray-address / --nproc reach `refit ppo` and `refit distill` (under torchrun when K > 1)."""
+    stub = _recording_python(tmp_path)
+    models = tmp_path / "models"
+    for name in ("teacher", "student"):
+        (models / name).mkdir(parents=True)
+        (models / name / "config.json").write_text("{}")
+    env = {**os.environ, "PYTHON": str(stub), "TORCHRUN": f"{stub} TORCHRUN", "REFIT": str(stub)}
+    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--configs", "gkd_lmbda1", "--models", str(models),
+                        "--out", str(tmp_path / "d"), "--workers", "3", "--ray-address", "HOST:6379", "--nproc", "2"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", "scripts/train_ppo.sh", "--model", str(models / "student"), "-o", str(tmp_path / "p"),
+                        "--workers", "2", "--ray-address", "auto", "--nproc", "2"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    calls = (tmp_path / "CALLS").read_text().splitlines()
+    distill = next(c for c in calls if "learner.cli distill" in c)
+    assert distill.startswith("TORCHRUN --nproc-per-node 2 --standalone -m learner.cli distill")
+    assert "--rollout_workers 3" in distill and "--ray_address HOST:6379" in distill
+    ppo = next(c for c in calls if "learner.cli ppo" in c)
+    assert ppo.startswith("TORCHRUN --nproc-per-node 2 --standalone -m learner.cli ppo")
+    assert "--rollout_workers 2" in ppo and "--ray_address auto" in ppo
+    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--nproc", "two"], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
