@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="which", required=True)
     for name, help_ in (("generate", "generation latency: HF generate() vs Refit engines"),
                         ("refit", "update_weights vs a full re-export"),
-                        ("ppo", "one PPO iteration with engine rollouts vs HF generate() rollouts")):
+                        ("ppo", "one PPO iteration with engine rollouts vs HF generate() rollouts"),
+                        ("workers", "a demo-sized PPO iteration with 1 vs N Ray rollout workers")):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--model", default="", help="HF checkpoint folder (default: build --geometry locally)")
         s.add_argument("--geometry", default="small-gpt2" if name == "ppo" else "gpt2-small",
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--batch-sizes", default="1,8,32", help="comma list of batch sizes")
             s.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
             s.add_argument("--new-tokens", type=int, default=64, help="generated tokens per row")
+        if name == "workers":
+            s.add_argument("--workers", type=int, default=2, help="rollout workers compared with one engine")
+            s.add_argument("--steps", type=int, default=8, help="PPO steps per run (the first 2 are not timed)")
         if name == "ppo":
             s.add_argument("--batch-size", type=int, default=8, help="rows per PPO iteration")
             s.add_argument("--response-length", type=int, default=192, help="generated tokens per row")
@@ -66,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(a)
         out = bench_refit(model, engine, a.repeats, a.threads, Path(a.work_dir))
+    elif a.which == "workers":
+        from learner.bench_workers import bench_workers
+
+        out = bench_workers(Path(a.work_dir) / "workers", a.workers, a.steps, a.threads)
     else:
         from learner.bench_ppo import bench_ppo
 
