@@ -10,7 +10,8 @@
 # Also runs `refit bench refit` (update_weights vs re-export) when REFIT_BENCH_PUSH=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REFIT="${REFIT:-python -m learner.cli}"
+PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
+REFIT="${REFIT:-$PY -m learner.cli}"
 args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in

@@ -59,7 +59,7 @@ done
 
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "distill_batch.sh: --nproc must be a positive integer, got $NPROC" >&2; exit 2; }
 
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 distill=("$PY" -m learner.cli distill)

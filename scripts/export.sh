@@ -9,7 +9,8 @@
 # With no arguments it runs on the embedded default: nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REFIT="${REFIT:-python -m learner.cli}"
+PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
+REFIT="${REFIT:-$PY -m learner.cli}"
 policy="" teacher="" out="runs/export" dtype="fp32" backend="onnx"
 while [[ $# -gt 0 ]]; do
   case "$1" in

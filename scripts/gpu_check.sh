@@ -10,8 +10,7 @@ cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 if [[ $# -gt 0 ]]; then echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2; fi
 
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi; fi
+PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 budget="${GPU_CHECK_BUDGET_S:-470}"
 test_timeout="${GPU_CHECK_TEST_TIMEOUT_S:-270}"

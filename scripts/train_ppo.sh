@@ -19,7 +19,8 @@
 # With no arguments it runs on the embedded default: nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REFIT="${REFIT:-python -m learner.cli}"
+PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
+REFIT="${REFIT:-$PY -m learner.cli}"
 model="" config="" out="runs/train_ppo" steps=20 backend="onnxruntime" workers="" ray_address="" nproc=1 extra=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -49,7 +50,7 @@ args=(--model_dir "$model" --engine_dir "$out/engine" --output_dir "$out/run" --
 ppo=($REFIT ppo)
 if [[ "$nproc" -gt 1 ]]; then  # DDP learner: rank 0 drives the rollouts, writes metrics and checkpoints
   # shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of flags
-  ppo=(${TORCHRUN:-python -m torch.distributed.run} --nproc-per-node "$nproc" ${TORCHRUN_ARGS:---standalone}
+  ppo=(${TORCHRUN:-$PY -m torch.distributed.run} --nproc-per-node "$nproc" ${TORCHRUN_ARGS:---standalone}
        -m learner.cli ppo)
 fi
 summary=$("${ppo[@]}" "${args[@]}" "${extra[@]}" | tail -n 1)

@@ -188,7 +188,9 @@ def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_pa
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    """The scripts run on this interpreter (``python3`` on PATH may be another one, without torch)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "PYTHON": sys.executable}
 
 
 @pytest.fixture(scope="module")

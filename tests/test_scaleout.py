@@ -7,7 +7,6 @@ torch.multiprocessing against one process running learner.ppo.ppo_update on the 
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import time
@@ -173,18 +172,16 @@ def test_bad_prompt_is_named_by_the_callers_index(pools):
         two.generate(PROMPTS[:2] + [[5] * 200], SAMPLING)
 
 
-def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path, monkeypatch):
+def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
     """train_step through a RayEnginePool: rollouts, weight push, parity probe on the pool's score()."""
-    import rollout.ray_pool
     from learner.config import PPOConfig
     from learner.cycle import setup, train_step
 
-    monkeypatch.setattr(rollout.ray_pool, "RayEnginePool",
-                        functools.partial(rollout.ray_pool.RayEnginePool, cpus_per_worker=0.25))
     cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, num_mini_batches=2,
                     num_ppo_epochs=1, response_length=4, save_steps=1, probe_size=4, progress=False,
-                    tensorboard=False, plots=False, max_operand=9, num_prompts=16, rollout_workers=2)
+                    tensorboard=False, plots=False, max_operand=9, num_prompts=16, rollout_workers=2,
+                    rollout_worker_cpus=0.25)
     run = setup(cfg, resume=False, log=lambda *_: None)
     try:
         assert type(run.engine).__name__ == "RayEnginePool" and run.engine.workers == 2
@@ -212,17 +209,24 @@ def _learner(model_dir):
     return policy, vh, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def _fixed_experience(model_dir):
-    """8 rows, left-padded prompts, responses of unequal length (ranks see unequal token counts)."""
-    from learner.ppo import Experience, learner_view
-
-    g = torch.Generator().manual_seed(1)
+def _fixed_rows(g: torch.Generator):
+    """8 rows: left-padded prompts (B, 5) and responses of unequal length (B, 4), so ranks see unequal
+    token counts. Returns prompt ids, prompt mask, response ids, response mask (float)."""
     b, tp, tr = 8, 5, 4
     plen, rlen = [5, 2, 3, 1, 4, 5, 2, 3], [4, 1, 2, 4, 3, 1, 4, 2]
     pmask = torch.tensor([[0] * (tp - n) + [1] * n for n in plen])
     pids = torch.randint(3, 60, (b, tp), generator=g) * pmask
     mask = torch.tensor([[1.0] * n + [0.0] * (tr - n) for n in rlen])
-    rids = (torch.randint(3, 60, (b, tr), generator=g) * mask).long()
+    return pids, pmask, (torch.randint(3, 60, (b, tr), generator=g) * mask).long(), mask
+
+
+def _fixed_experience(model_dir):
+    """An Experience on :func:`_fixed_rows` with the learner's own log-probs and values."""
+    from learner.ppo import Experience, learner_view
+
+    g = torch.Generator().manual_seed(1)
+    pids, pmask, rids, mask = _fixed_rows(g)
+    b, tr = rids.shape
     batch = SimpleNamespace(num_rows=b, prompt_ids=pids, prompt_mask=pmask, response_ids=rids, is_seq2seq=False)
     policy, vh, _, _ = _learner(model_dir)
     old, values, _ = learner_view(policy, vh, batch, 1.0)
@@ -256,10 +260,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_two_ranks_update_like_one_process(model_dirs, tmp_path):
-    """2 gloo ranks (each a slice of every minibatch, accumulation, 2 epochs) == ppo_update on the global batch."""
+def _spawn_ranks(fn, model_dir, in_path, out_path, world: int = 2, timeout_s: float = 180):
+    """Run ``fn(rank, world, port, model_dir, in_path, out_path)`` on ``world`` spawned gloo ranks; wait."""
     import torch.multiprocessing as mp
 
+    procs = mp.start_processes(fn, args=(world, _free_port(), model_dir, str(in_path), str(out_path)), nprocs=world,
+                               join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not procs.join(timeout=1):
+            assert time.monotonic() < deadline, "DDP ranks did not finish in time"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def test_ddp_two_ranks_update_like_one_process(model_dirs, tmp_path):
+    """2 gloo ranks (each a slice of every minibatch, accumulation, 2 epochs) == ppo_update on the global batch."""
     from learner.ppo import UpdateSettings, ppo_update
 
     model_dir = str(model_dirs["tiny-gpt2"])
@@ -270,16 +288,7 @@ def test_ddp_two_ranks_update_like_one_process(model_dirs, tmp_path):
                             torch.Generator().manual_seed(7))
     want = {k: v.detach() for k, v in [*policy.named_parameters(), *vh.named_parameters()]}
 
-    procs = mp.start_processes(_ddp_rank, args=(2, _free_port(), model_dir, str(tmp_path / "exp.pt"),
-                                                str(tmp_path / "out")), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not procs.join(timeout=1):
-            assert time.monotonic() < deadline, "DDP ranks did not finish in time"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
+    _spawn_ranks(_ddp_rank, model_dir, tmp_path / "exp.pt", tmp_path / "out")
     outs = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
     start = dict(_learner(model_dir)[0].named_parameters())
     moved = max(float((want[k] - p.detach()).abs().max()) for k, p in start.items())
@@ -376,17 +385,13 @@ def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
 
 
 def _distill_batch(model_dir):
-    """8 rows (unequal prompt and response lengths) with random full-vocabulary teacher logits."""
+    """:func:`_fixed_rows` with random full-vocabulary teacher logits."""
     from export.checkpoint import load_model
     from learner.distill import DistillBatch
 
     g = torch.Generator().manual_seed(2)
-    b, tp, tr = 8, 5, 4
-    plen, rlen = [5, 2, 3, 1, 4, 5, 2, 3], [4, 1, 2, 4, 3, 1, 4, 2]
-    pmask = torch.tensor([[0] * (tp - n) + [1] * n for n in plen])
-    pids = torch.randint(3, 60, (b, tp), generator=g) * pmask
-    mask = torch.tensor([[1.0] * n + [0.0] * (tr - n) for n in rlen])
-    rids = (torch.randint(3, 60, (b, tr), generator=g) * mask).long()
+    pids, pmask, rids, mask = _fixed_rows(g)
+    b, tr = rids.shape
     v = load_model(model_dir).config.vocab_size
     batch = DistillBatch(pids, pmask, rids, mask, "dataset", False)
     batch.teacher_logits = 3 * torch.randn(b, tr, v, generator=g)
@@ -425,8 +430,6 @@ def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
 
 def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
     """2 gloo ranks (a slice of rows each, 2 micro-batches each) == learner.distill.update on the whole batch."""
-    import torch.multiprocessing as mp
-
     from learner.distill import update
     from learner.distributed import DistContext
 
@@ -439,16 +442,7 @@ def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
     want = dict(run.student.named_parameters())
     assert max(float((want[k].detach() - v).abs().max()) for k, v in start.items()) > 1e-3  # the update did something
 
-    procs = mp.start_processes(_distill_rank, args=(2, _free_port(), model_dir, str(tmp_path / "batch.pt"),
-                                                    str(tmp_path / "out")), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not procs.join(timeout=1):
-            assert time.monotonic() < deadline, "DDP ranks did not finish in time"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
+    _spawn_ranks(_distill_rank, model_dir, tmp_path / "batch.pt", tmp_path / "out")
     for r in range(2):
         out = torch.load(tmp_path / f"out.{r}", weights_only=False)
         for k, v in want.items():
