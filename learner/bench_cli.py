@@ -35,13 +35,14 @@ def parser() -> argparse.ArgumentParser:
                         ("ppo", "one PPO iteration with engine rollouts vs HF generate() rollouts"),
                         ("workers", "a demo-sized PPO iteration with 1 vs N Ray rollout workers")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--model", default="", help="HF checkpoint folder (default: build --geometry locally)")
-        s.add_argument("--geometry", default="small-gpt2" if name == "ppo" else "gpt2-small",
-                       help="local geometry to build when --model is not given")
-        s.add_argument("--engine", default="", help="engine folder (default: exported into --work-dir)")
         s.add_argument("--work-dir", default="runs/bench", help="where built models and engines are cached")
         s.add_argument("--threads", type=int, default=2, help="intra-op threads for torch and the engines")
-        s.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+        if name != "workers":  # bench workers always runs the embedded demo's policy and settings
+            s.add_argument("--model", default="", help="HF checkpoint folder (default: build --geometry locally)")
+            s.add_argument("--geometry", default="small-gpt2" if name == "ppo" else "gpt2-small",
+                           help="local geometry to build when --model is not given")
+            s.add_argument("--engine", default="", help="engine folder (default: exported into --work-dir)")
+            s.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
         if name == "generate":
             s.add_argument("--backends", default="torch,onnxruntime", help="comma list of Refit backends")
             s.add_argument("--batch-sizes", default="1,8,32", help="comma list of batch sizes")

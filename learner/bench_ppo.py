@@ -36,26 +36,40 @@ def _prompts_file(work: Path, n: int, length: int) -> Path:
 
 def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response_length: int, threads: int,
               work: Path, repeats: int = 2, log=print) -> dict:
+    """Both runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
+    a change in the machine's load during the benchmark falls on both alike; one warm-up iteration each."""
     from learner.config import PPOConfig
     from learner.cycle import setup, train_step
     torch.set_num_threads(threads)
     prompts = _prompts_file(work, 4 * batch_size, 32)
-    phases = {}
-    for name in (backend, "hf"):
+    names = (backend, "hf")
+    runs = {}
+    for name in names:
         cfg = PPOConfig(model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
-                        backend=name, prompts_file=str(prompts), reward="learner.bench_ppo:length_reward", steps=repeats + 1, batch_size=batch_size,
-                        num_generations=1, response_length=response_length, num_ppo_epochs=1, num_mini_batches=1,
-                        engine_threads=threads, progress=False, tensorboard=False, plots=False, save_steps=1000)
-        run = setup(cfg, resume=False, log=lambda *_: None)
-        rows = [train_step(run, s, log=lambda *_: None) for s in range(1, repeats + 2)][1:]
-        run.engine.close()
-        phases[name] = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+                        backend=name, prompts_file=str(prompts), reward="learner.bench_ppo:length_reward",
+                        steps=repeats + 1, batch_size=batch_size, num_generations=1, response_length=response_length,
+                        num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
+                        tensorboard=False, plots=False, save_steps=1000)
+        runs[name] = setup(cfg, resume=False, log=lambda *_: None)
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    try:
+        for step in range(1, repeats + 2):
+            for name in names:
+                rows[name].append(train_step(runs[name], step, log=lambda *_: None))
+    finally:
+        for run in runs.values():
+            run.engine.close()
+    phases = {}
+    for name in names:
+        timed = rows[name][1:]  # the first iteration is the warm-up
+        phases[name] = {k: statistics.median(r[k] for r in timed) for k in PHASES}
         log(f"{name:<12} " + "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in phases[name].items()))
-    speedup = phases["hf"]["time/step"] / phases[backend]["time/step"]
+    paired = [h["time/step"] / e["time/step"] for e, h in zip(rows[backend][1:], rows["hf"][1:])]
     return {"bench": "ppo", "model": str(model), "backend": backend, "batch_size": batch_size,
             "response_length": response_length, "threads": threads, "repeats": repeats,
             "phases_s": phases, "rollout_speedup": round(phases["hf"]["time/rollout"] / phases[backend]["time/rollout"], 3),
-            "speedup": round(speedup, 3)}
+            "speedup": round(phases["hf"]["time/step"] / phases[backend]["time/step"], 3),
+            "speedup_per_iteration": [round(x, 3) for x in paired]}
 
 
 def length_reward(prompts: list[str], responses: list[str]) -> list[float]:

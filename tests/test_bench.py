@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from rollout.engine import create_engine
@@ -36,6 +37,7 @@ def test_bench_refit_json(tmp_path):
 def test_bench_ppo_json(tmp_path):
     out = _bench(tmp_path, "ppo", "--batch-size", "4", "--response-length", "4")
     assert out["speedup"] > 0 and set(out["phases_s"]) == {"onnxruntime", "hf"}
+    assert len(out["speedup_per_iteration"]) == out["repeats"] and min(out["speedup_per_iteration"]) > 0
     assert set(out["phases_s"]["hf"]) >= {"time/rollout", "time/score", "time/update", "time/weight_push"}
 
 
@@ -50,3 +52,15 @@ def test_hf_generate_backend_matches_reference(model_dirs, tokenizer):
         s = hf.generate(prompts, SamplingParams(max_new_tokens=6, top_k=5, seed=0, n=2))
         sc = ref.score(s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
         torch.testing.assert_close(sc.logprobs, s.rollout_plain_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_bench_workers_json(tmp_path):
+    """A demo-sized PPO iteration with 1 and 2 Ray rollout workers (Ray starts and stops a local instance)."""
+    pytest.importorskip("ray", reason="bench workers needs Ray: pip install 'refit[dist]'")
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", "workers", "--steps", "3", "--work-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["phases_s"]) == {"1", "2"} and out["timed_steps"] == 1
+    assert out["step_ratio_1_over_n"] > 0 and out["phases_s"]["2"]["time/rollout"] > 0
