@@ -126,6 +126,7 @@ def parse_config(cls, argv: list[str] | None, prog: str):
             raise RefitError(f"config file {path} does not exist")
         values = yaml.safe_load(path.read_text()) or {}
         names = {f.name for f in dataclasses.fields(cls)}
+        values = _flatten_sections(values, names)
         unknown = sorted(set(values) - names)
         if unknown:
             raise RefitError(f"config file {path}: unknown fields {unknown}")
@@ -137,6 +138,24 @@ def parse_config(cls, argv: list[str] | None, prog: str):
         raise RefitError(f"unknown arguments: {' '.join(extra)}")
     resume = any(getattr(o, "resume", False) for o in outs[1:-1])
     return cfg, resume
+
+
+def _flatten_sections(values: dict, names: set[str]) -> dict:
+    """``rollout: {workers: 2, ray_address: auto}`` -> ``rollout_workers: 2, ray_address: auto``.
+
+    A YAML mapping under a key that is not a field is a section: each ``key: value`` in it becomes the
+    field ``SECTION_key`` if there is one, else ``key``; anything else stays as it is (and is reported
+    as unknown). Flags stay flat (``--rollout_workers 2``).
+    """
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict) and k not in names:
+            for sub, x in v.items():
+                flat = f"{k}_{sub}" if f"{k}_{sub}" in names else sub if sub in names else f"{k}.{sub}"
+                out[flat] = x
+        else:
+            out[k] = v
+    return out
 
 
 def save_config(cfg, path: Path) -> str:

@@ -171,8 +171,11 @@ def test_config_yaml_and_flags(tmp_path):
     f.write_text("model_dir: m\nsteps: 7\nkl_coef: 0.2\n")
     cfg, resume = parse_config(PPOConfig, ["--config", str(f), "--steps", "9", "--resume"], "refit ppo")
     assert (cfg.model_dir, cfg.steps, cfg.kl_coef, resume) == ("m", 9, 0.2, True)
-    f.write_text("model_dir: m\nnot_a_field: 1\n")
-    with pytest.raises(RefitError, match="unknown fields"):
+    f.write_text("model_dir: m\nrollout:\n  workers: 3\n  ray_address: auto\n  worker_cpus: 0.5\n")
+    cfg, _ = parse_config(PPOConfig, ["--config", str(f)], "refit ppo")  # the issue's `rollout.workers: N`
+    assert (cfg.rollout_workers, cfg.ray_address, cfg.rollout_worker_cpus) == (3, "auto", 0.5)
+    f.write_text("model_dir: m\nnot_a_field: 1\nrollout:\n  nope: 1\n")
+    with pytest.raises(RefitError, match=r"unknown fields \['not_a_field', 'rollout.nope'\]"):
         parse_config(PPOConfig, ["--config", str(f)], "refit ppo")
     with pytest.raises(RefitError, match="save_steps must be a multiple"):
         PPOConfig(save_steps=3, sync_every=2)
