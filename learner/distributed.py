@@ -43,10 +43,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from export.errors import RefitError
-from learner.ppo import Experience, UpdateSettings, ppo_update
+from learner.ppo import MAX_STATS, TOKEN_SUM_STATS, Experience, UpdateSettings, ppo_update
 
-SUM_STATS = ("pg_loss", "vf_loss", "entropy")  # token sums over the global count: add the ranks' parts
-MAX_STATS = ("ratio_max",)
+SUM_STATS = TOKEN_SUM_STATS  # token sums over the global count: add the ranks' parts
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 

@@ -169,6 +169,9 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     permutation is the same on every rank), the token count is all-reduced, the loss is scaled by K
     because DDP averages gradients, and gradient sync runs on the last micro-batch only. ``model`` and
     ``value_head`` are then the DDP wrappers. Stats are this rank's; the caller reduces them.
+
+    Stats: per minibatch, the loss terms (``TOKEN_SUM_STATS``) are the minibatch's own values (the
+    micro-batches' partial sums added), whatever the accumulation; then averaged over minibatches.
     """
     k, r = (shard.world_size, shard.rank) if shard is not None else (1, 0)
     b = exp.response_ids.shape[0]
@@ -179,7 +182,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     local = mb_size // k
     micro = local // s.gradient_accumulation_steps
     params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
-    acc: dict[str, list[float]] = {}
+    acc: dict[str, list[float]] = {}  # one value per minibatch
     for _ in range(s.num_ppo_epochs):
         perm = torch.randperm(b, generator=generator)  # the same on every rank
         for m in range(s.num_mini_batches):
@@ -187,6 +190,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
             n_tokens = exp.mask[mine].sum()
             n_tokens = (shard.all_reduce(n_tokens) if shard is not None else n_tokens).clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
+            mb: dict[str, list[float]] = {}  # one value per micro-batch
             for a in range(s.gradient_accumulation_steps):
                 idx = mine[a * micro:(a + 1) * micro]
                 last = a == s.gradient_accumulation_steps - 1
@@ -194,9 +198,25 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
                     loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
                     (loss * k).backward()
                 for key, v in stats.items():
-                    acc.setdefault(key, []).append(float(v))
+                    mb.setdefault(key, []).append(float(v))
+            for key, v in mb.items():
+                acc.setdefault(key, []).append(_combine(key, v, over_micro_batches=True))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
             acc.setdefault("grad_norm", []).append(float(grad_norm))
             optimizer.step()
             scheduler.step()
-    return {key: sum(v) / len(v) for key, v in acc.items()}
+    return {key: _combine(key, v) for key, v in acc.items()}
+
+
+TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy")  # partial token sums over the minibatch's token count
+MAX_STATS = ("ratio_max",)
+
+
+def _combine(key: str, values: list[float], over_micro_batches: bool = False) -> float:
+    """Micro-batch stats -> the minibatch's: loss terms are partial sums (added), ``ratio_max`` a max,
+    the rest (fractions, KL estimates) averaged; minibatch stats -> the update's: max or mean."""
+    if key in MAX_STATS:
+        return max(values)
+    if over_micro_batches and key in TOKEN_SUM_STATS:
+        return sum(values)
+    return sum(values) / len(values)

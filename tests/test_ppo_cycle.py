@@ -94,18 +94,20 @@ def test_microbatch_split_gives_same_update(model_dirs, engine_dirs, tmp_path):
     rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=5, seed=1))
     scores = torch.linspace(-1, 1, rollout.num_rows)
     exp, _ = experience(run, rollout, scores)
-    results = []
+    results, logged = [], []
     for accum in (1, 4):
         policy, vh = copy.deepcopy(run.policy), copy.deepcopy(run.value_head)
         opt = torch.optim.SGD(list(policy.parameters()) + list(vh.parameters()), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         s = UpdateSettings(1, 1, accum, 0.2, 0.2, 0.1, 0.01, 1e9, 1.0)
-        ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0))
+        logged.append(ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0)))
         results.append(torch.cat([p.detach().flatten() for p in list(policy.parameters()) + list(vh.parameters())]))
     moved = (results[0] - torch.cat([p.detach().flatten() for p in list(run.policy.parameters())
                                      + list(run.value_head.parameters())])).abs().max()
     assert moved > 1e-4
     torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)
+    for key in ("pg_loss", "vf_loss", "entropy", "grad_norm", "ratio_max"):  # the minibatch's values, not 1/accum
+        assert abs(logged[0][key] - logged[1][key]) <= 1e-5 * max(1.0, abs(logged[0][key])), (key, logged)
 
 
 def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
