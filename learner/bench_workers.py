@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("time/rollout", "time/score", "time/update", "time/weight_push", "time/step")
+from learner.bench_ppo import PHASES
 
 
 def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: int = 2, log=print) -> dict:

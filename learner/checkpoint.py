@@ -61,6 +61,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
+def resume_latest(run_dir: Path, model, value_head, optimizer, scheduler) -> tuple[Path, dict]:
+    """``--resume``: :func:`load_checkpoint` of the newest checkpoint in ``run_dir``; (its path, state.json)."""
+    ck = latest_checkpoint(run_dir)
+    if ck is None:
+        from export.errors import RefitError
+
+        raise RefitError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
+    return ck, load_checkpoint(ck, model, value_head, optimizer, scheduler)
+
+
 def load_checkpoint(path: Path, model, value_head, optimizer, scheduler) -> dict:
     """Load weights and trainer state in place; return state.json (RNG restored too)."""
     from safetensors.torch import load_file

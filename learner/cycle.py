@@ -23,7 +23,7 @@ from export.checkpoint import load_model, load_tokenizer, model_info
 from export.errors import RefitError
 from export.weight_map import canonical_params
 from learner import losses as L
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import latest_checkpoint, resume_latest, save_checkpoint
 from learner.config import PPOConfig, save_config
 from learner.distributed import DistContext, init_from_env
 from learner.metrics import MetricsLog, plot_metrics
@@ -187,10 +187,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, prompts, prompt_ids,
               load_reward(cfg.reward), cfg.kl_coef, dist=dist)
     if resume:
-        ck = latest_checkpoint(run_dir)
-        if ck is None:
-            raise RefitError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        state = load_checkpoint(ck, policy, value_head, optimizer, scheduler)
+        ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
         if engine is not None:
             engine.update_weights(canonical_params(policy)[0])

@@ -34,7 +34,6 @@ by at most ``sync_every - 1`` updates. Every random choice of step s is derived 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import time
@@ -49,7 +48,7 @@ from export.padding import check_left_padded, check_right_padded, pad_batch
 from export.weight_map import canonical_params
 from learner import distill_losses as D
 from learner import losses as L
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import latest_checkpoint, resume_latest, save_checkpoint
 from learner.config import FULL_VOCAB_LOSSES, DistillConfig, save_config
 from learner.cycle import ensure_engine, make_engine, pick_device, step_prompt_indices
 from learner.distributed import DistContext, init_from_env, reduce_stats
@@ -247,10 +246,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
                   None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
         if resume:
-            ck = latest_checkpoint(run_dir)
-            if ck is None:
-                raise RefitError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-            run.start_step = load_checkpoint(ck, student, None, optimizer, scheduler)["step"]
+            run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler)[1]["step"]
         dist.wrap(student)
         return run
     teacher_engine = CountingEngine(_engine(cfg, cfg.teacher_model_dir, cfg.teacher_engine_dir, "teacher", rows,
@@ -265,10 +261,8 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
               teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
               s_info.padding_side, dist=dist)
     if resume:
-        ck = latest_checkpoint(run_dir)
-        if ck is None:
-            raise RefitError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        run.start_step = load_checkpoint(ck, student, None, optimizer, scheduler)["step"]
+        ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
+        run.start_step = state["step"]
         student_engine.update_weights(canonical_params(student)[0])
         log(f"refit distill: resumed from {ck} (step {run.start_step}, student engine weights pushed)")
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
@@ -382,7 +376,7 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     total, acc = 0.0, {}
     for a in range(ga):
         rows = slice(ctx.rank * local + a * micro, ctx.rank * local + (a + 1) * micro)
-        with ctx.no_sync(a == ga - 1) if ctx.enabled else contextlib.nullcontext():
+        with ctx.no_sync(a == ga - 1):  # gradient sync on the last micro-batch (nothing for one process)
             logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
                                       b.is_seq2seq).logits
             loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)

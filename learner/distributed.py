@@ -45,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 from export.errors import RefitError
 from learner.ppo import MAX_STATS, TOKEN_SUM_STATS, Experience, UpdateSettings, ppo_update
 
-SUM_STATS = TOKEN_SUM_STATS  # token sums over the global count: add the ranks' parts
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
@@ -116,7 +115,7 @@ class DistContext:
         return ddp_ppo_update(self, optimizer, scheduler, exp, s, generator)
 
     def no_sync(self, sync: bool):
-        """DDP's no_sync on both wrappers unless ``sync`` (the last micro-batch of a minibatch)."""
+        """DDP's no_sync on the wrappers unless ``sync`` (the last micro-batch); nothing for one process."""
         stack = contextlib.ExitStack()
         if not sync:
             for m in (self.policy_ddp, self.value_ddp):
@@ -180,7 +179,8 @@ def ddp_ppo_update(ctx: DistContext, optimizer, scheduler, exp: Experience, s: U
     return reduce_stats(ctx, stats)
 
 
-def reduce_stats(ctx: DistContext, stats: dict[str, float], sums=SUM_STATS, maxes=MAX_STATS) -> dict[str, float]:
+def reduce_stats(ctx: DistContext, stats: dict[str, float], sums=TOKEN_SUM_STATS,
+                 maxes=MAX_STATS) -> dict[str, float]:
     """Per-rank update stats -> job stats: ``sums`` added, ``maxes`` maxed, the rest averaged."""
     if not ctx.enabled:
         return stats

@@ -75,27 +75,15 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         s = slice(i, i + chunk)
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
         pol = response_forward(model, *args, value_head)
-        ref = response_forward(ref_model, *args).logits
+        ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         parts["lp"].append(L.logprobs_from_logits(pol.logits, ids).cpu())
         parts["v"].append(pol.values.float().cpu())
         parts["ent"].append(L.entropy_from_logits(pol.logits).cpu())
-        parts["ref"].append(L.logprobs_from_logits(ref.to(pol.logits.device), ids).cpu())
-        parts["kl"].append(L.exact_kl_from_logits(pol.logits, ref.to(pol.logits.device)).cpu())
+        parts["ref"].append(L.logprobs_from_logits(ref, ids).cpu())
+        parts["kl"].append(L.exact_kl_from_logits(pol.logits, ref).cpu())
     c = {k: torch.cat(v) for k, v in parts.items()}
     return Scored(c["lp"], c["v"], c["ent"], c["ref"], c["kl"])
-
-
-@torch.no_grad()
-def exact_kl(model, ref_model, batch, temperature: float, chunk: int = 16) -> torch.Tensor:
-    """Per-token KL(pi || ref) over the full vocabulary (B, Tr); >= 0 by construction."""
-    out = []
-    for i in range(0, batch.num_rows, chunk):
-        s = slice(i, i + chunk)
-        args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
-        lp, lr = response_forward(model, *args).logits, response_forward(ref_model, *args).logits
-        out.append(L.exact_kl_from_logits(lp, lr).cpu())
-    return torch.cat(out)
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:

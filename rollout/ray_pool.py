@@ -218,8 +218,8 @@ class RayEnginePool:
         total = self._ray.cluster_resources()
         for kind, each in (("CPU", cpus), ("GPU", gpus)):
             if workers * each > total.get(kind, 0.0) + 1e-9:
-                raise RefitError(f"RayEnginePool: {workers} workers x {each:g} {kind} = {workers * each:g} {kind}s, but "
-                                 f"the Ray cluster has {total.get(kind, 0.0):g} in all; use fewer workers, smaller "
+                raise RefitError(f"RayEnginePool: {workers} workers x {each:g} {kind} = {workers * each:g} "
+                                 f"{kind}s, but the Ray cluster has {total.get(kind, 0.0):g} in all; use fewer workers, smaller "
                                  f"rollout_worker_{kind.lower()}s, or a larger cluster (ray_address)")
 
     def _wait_ready(self, which: list[int]) -> tuple[int | None, int | None]:
@@ -227,7 +227,7 @@ class RayEnginePool:
         from ray.exceptions import GetTimeoutError
 
         try:
-            return self._get_all([self._workers[i].ready.remote() for i in which], self._start_timeout_s)[0]
+            return self._get([self._workers[i].ready.remote() for i in which], self._start_timeout_s)[0]
         except GetTimeoutError:
             free = self._ray.available_resources()
             raise RefitError(f"rollout workers {which} did not start within {self._start_timeout_s:g} s: Ray has "
@@ -235,7 +235,7 @@ class RayEnginePool:
                              f"asks {self._options['num_cpus']:g} / {self._options['num_gpus']:g} (other actors "
                              f"hold the rest?)") from None
 
-    def _get_all(self, refs, timeout: float | None = None):
+    def _get(self, refs, timeout: float | None = None):
         """ray.get, with an engine's own error (RefitError, ValueError) re-raised as itself."""
         from ray.exceptions import RayTaskError
 
@@ -277,7 +277,7 @@ class RayEnginePool:
         out, failed = {}, []
         for i, ref in refs.items():
             try:
-                out[i] = self._get_all(ref)
+                out[i] = self._get(ref)
             except RayActorError as e:
                 failed.append((i, e))
         for i, first in failed:
@@ -285,7 +285,7 @@ class RayEnginePool:
                       f"restarting it and retrying its shard once")
             try:
                 self._restart(i)
-                out[i] = self._get_all(calls[i](self._workers[i]))
+                out[i] = self._get(calls[i](self._workers[i]))
             except RayActorError as second:
                 raise RefitError(f"rollout worker {i} failed twice in a row during {what} "
                                  f"({type(first).__name__}, then {type(second).__name__}); giving up. "
