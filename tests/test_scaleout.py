@@ -451,3 +451,20 @@ def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
         for key in ("loss", "distill/jsd", "grad_norm"):
             assert abs(out["stats"][key] - want_stats[key]) <= 1e-5, (key, out["stats"][key], want_stats[key])
     assert abs(want_stats["loss"] - want_stats["distill/jsd"]) <= 1e-6  # loss-like stats are sums, like the loss
+
+
+@pytest.mark.parametrize("backend,share,gpus", [("tensorrt", 1.0, 1.0), ("tensorrt", 0.5, 0.5), ("onnxruntime", 1.0, 0.0)])
+def test_worker_resources_follow_the_backend(monkeypatch, tmp_path, backend, share, gpus):
+    """CPU-side check of what a GPU run would reserve: a TensorRT engine actor asks Ray for (a share of) a GPU,
+    since Ray hides the GPUs from an actor that reserved none; other backends ask for none by default."""
+    import rollout.ray_pool
+    from learner.config import PPOConfig
+    from learner.cycle import make_engine
+
+    seen = {}
+    monkeypatch.setattr(rollout.ray_pool, "RayEnginePool", lambda *a, **kw: seen.update(kw) or "pool")
+    cfg = PPOConfig(backend=backend, rollout_workers=2, rollout_worker_cpus=0.75)
+    assert make_engine(cfg, tmp_path, tmp_path, gpu_share=share) == "pool"
+    assert (seen["workers"], seen["cpus_per_worker"], seen["gpus_per_worker"]) == (2, 0.75, gpus)
+    make_engine(PPOConfig(backend=backend, rollout_workers=2, rollout_worker_gpus=0.25), tmp_path, tmp_path)
+    assert seen["gpus_per_worker"] == 0.25  # an explicit setting wins
