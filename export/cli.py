@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from export.onnx_export import DTYPES, ExportOptions, export_onnx
+from export.build import build
+from export.onnx_export import DTYPES, ExportOptions
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,14 +32,5 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
                          parity_tol=a.parity_tol)
-    if a.backend == "tensorrt":
-        from export.tensorrt_build import require_tensorrt
-
-        require_tensorrt()  # fails at once, in one line, where TensorRT is absent
-    out = export_onnx(a.model_dir, a.out, opts)
-    if a.backend == "tensorrt":
-        from export.tensorrt_build import build_engines
-
-        build_engines(out)
-    print(out)
+    print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
     return 0

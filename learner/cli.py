@@ -16,10 +16,10 @@ COMMANDS = {
     "build-model": ("export.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
     "export": ("export.cli", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
     "generate": ("rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
-    "bench": ("learner.bench_cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
-    "ppo": ("learner.ppo_cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
-    "distill": ("learner.distill_cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
-    "demo": ("learner.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
+    "bench": ("bench.cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
+    "ppo": ("learner.ppo.cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
+    "distill": ("learner.distill.cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
+    "demo": ("learner.examples.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
 }
 
 

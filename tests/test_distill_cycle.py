@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from export.errors import RefitError
-from learner.config import DistillConfig
-from learner.distill import draws_student, run_distill, setup, train_step
-from learner.metrics import read_metrics
+from learner.distill.config import DistillConfig
+from learner.distill.batch import draws_student
+from learner.distill.cycle import run_distill, setup, train_step
+from learner.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda *_: None)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from learner.distill_losses import (
+from learner.losses import (
     forward_kl_loss,
     generalized_jsd_loss,
     reverse_kl_loss,

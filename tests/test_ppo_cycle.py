@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from export.errors import RefitError
-from learner.config import PPOConfig
-from learner.cycle import experience, probe_check, run_ppo, setup, train_step
-from learner.metrics import read_metrics
-from learner.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
-from learner.ppo import UpdateSettings, learner_view, ppo_update, score_batch
+from learner.ppo.config import PPOConfig
+from learner.ppo.cycle import experience, run_ppo, setup, train_step
+from learner.run.metrics import read_metrics
+from learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
+from learner.ppo.update import UpdateSettings, ppo_update, score_batch
+from learner.run.engines import probe_check
+from learner.run.policy import learner_view
 from rollout.types import SamplingParams
 
 
@@ -45,7 +47,7 @@ def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs
 def _exact_kl_reference(model, ref_model, batch, temperature):
     """Per-token KL(pi || ref) from two separate forwards of the whole batch (B, Tr)."""
     from learner.losses import exact_kl_from_logits
-    from learner.policy import response_forward
+    from learner.run.policy import response_forward
 
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq, temperature)
     return exact_kl_from_logits(response_forward(model, *args).logits, response_forward(ref_model, *args).logits)
@@ -73,7 +75,7 @@ def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_
 
 def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, monkeypatch):
     """Left-padded prompts whose positions ignore the padding (arange instead of the mask's count)."""
-    import learner.policy
+    import learner.run.policy
 
     run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
     prompts = [run.tok(p).input_ids for p in ["1+2=", "sort 98765 = ", "12+34=", "sort 1234567 = "]]
@@ -81,7 +83,7 @@ def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, mo
     assert (rollout.prompt_mask == 0).any() and (rollout.prompt_mask == 1).all(-1).any()
     right = learner_view(run.policy, None, rollout, 1.0)[0]
     assert name_mismatch(mismatch_stats(rollout, right)) is None
-    monkeypatch.setattr(learner.policy, "position_ids_from_mask",
+    monkeypatch.setattr(learner.run.policy, "position_ids_from_mask",
                         lambda m: torch.arange(m.shape[1]).expand(m.shape[0], -1))
     wrong = learner_view(run.policy, None, rollout, 1.0)[0]
     stats = mismatch_stats(rollout, wrong)
@@ -135,7 +137,7 @@ def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dir
         train_step(run, 1, log=lambda *_: None)
     run.engine.update_weights = push
     push({n: p for n, p in run.policy.named_parameters()})
-    assert probe_check(run) < 1e-4
+    assert probe_check(run.engine, run.policy, run.probe, 1.0, 1e-3, run.run_dir) < 1e-4
 
 
 def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):
@@ -165,7 +167,7 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
 
 def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
     out = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-t5", tmp_path, steps=3, kl_estimator="exact",
-                       reward="learner.tasks:exact_match_reward", top_k=20, save_steps=1), log=lambda *_: None)
+                       reward="learner.examples.tasks:exact_match_reward", top_k=20, save_steps=1), log=lambda *_: None)
     rows = read_metrics(out)
     assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6
     assert all(r["kl/exact"] >= 0 for r in rows)
@@ -177,7 +179,7 @@ def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
 
 
 def test_config_yaml_and_flags(tmp_path):
-    from learner.config import parse_config
+    from learner.run.config import parse_config
 
     f = tmp_path / "c.yaml"
     f.write_text("model_dir: m\nsteps: 7\nkl_coef: 0.2\n")

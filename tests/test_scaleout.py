@@ -1,8 +1,8 @@
-"""Scale-out: rollout workers on Ray (RayEnginePool) and the DDP learner (learner.distributed).
+"""Scale-out: rollout workers on Ray (RayEnginePool) and the DDP learner (learner.run.distributed).
 
 Ray: one local cluster for the module (2 CPUs, no dashboard), a 1-worker and a 2-worker pool on
 the tiny-gpt2 ONNX engine (half a CPU each, so both fit). DDP: 2 gloo processes spawned with
-torch.multiprocessing against one process running learner.ppo.ppo_update on the same Experience.
+torch.multiprocessing against one process running learner.ppo.update.ppo_update on the same Experience.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def test_bad_prompt_is_named_by_the_callers_index(pools):
 
 def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
     """train_step through a RayEnginePool: rollouts, weight push, parity probe on the pool's score()."""
-    from learner.config import PPOConfig
-    from learner.cycle import setup, train_step
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import setup, train_step
 
     cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, num_mini_batches=2,
@@ -199,7 +199,7 @@ DDP_SETTINGS = dict(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_
 
 def _learner(model_dir):
     from export.checkpoint import load_model
-    from learner.policy import ValueHead, hidden_size
+    from learner.run.policy import ValueHead, hidden_size
 
     torch.manual_seed(0)
     policy = load_model(model_dir)
@@ -222,7 +222,8 @@ def _fixed_rows(g: torch.Generator):
 
 def _fixed_experience(model_dir):
     """An Experience on :func:`_fixed_rows` with the learner's own log-probs and values."""
-    from learner.ppo import Experience, learner_view
+    from learner.ppo.update import Experience
+    from learner.run.policy import learner_view
 
     g = torch.Generator().manual_seed(1)
     pids, pmask, rids, mask = _fixed_rows(g)
@@ -239,16 +240,16 @@ def _ddp_rank(rank, world, port, model_dir, exp_path, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from learner.distributed import init_from_env
-    from learner.ppo import UpdateSettings
+    from learner.run.distributed import init_from_env
+    from learner.ppo.update import UpdateSettings, distributed_ppo_update
 
     ctx = init_from_env("cpu")
     policy, vh, opt, sched = _learner(model_dir)
     mine = torch.load(exp_path, weights_only=False) if ctx.is_main else None
-    exp, _ = ctx.share_experience(mine, 0.0)  # rank 0's Experience on every rank
+    exp = ctx.share(mine)  # rank 0's Experience on every rank
     ctx.wrap(policy, vh)
-    stats = ctx.ppo_update(policy, vh, opt, sched, exp, UpdateSettings(**DDP_SETTINGS),
-                           torch.Generator().manual_seed(7))
+    stats = distributed_ppo_update(ctx, policy, vh, opt, sched, exp, UpdateSettings(**DDP_SETTINGS),
+                                   torch.Generator().manual_seed(7))
     params = {k: v.detach().clone() for k, v in [*policy.named_parameters(), *vh.named_parameters()]}
     torch.save({"params": params, "stats": stats}, f"{out_path}.{rank}")
     ctx.close()
@@ -278,7 +279,7 @@ def _spawn_ranks(fn, model_dir, in_path, out_path, world: int = 2, timeout_s: fl
 
 def test_ddp_two_ranks_update_like_one_process(model_dirs, tmp_path):
     """2 gloo ranks (each a slice of every minibatch, accumulation, 2 epochs) == ppo_update on the global batch."""
-    from learner.ppo import UpdateSettings, ppo_update
+    from learner.ppo.update import UpdateSettings, ppo_update
 
     model_dir = str(model_dirs["tiny-gpt2"])
     exp = _fixed_experience(model_dir)
@@ -308,14 +309,14 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     import sys
     from pathlib import Path
 
-    from learner.config import PPOConfig
-    from learner.cycle import run_ppo
-    from learner.metrics import read_metrics
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import run_ppo
+    from learner.run.metrics import read_metrics
 
     kw = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]), steps=2,
               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
               save_steps=1, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
-              num_prompts=16, learning_rate=1e-3, device="cpu", reward="learner.bench_ppo:length_reward")
+              num_prompts=16, learning_rate=1e-3, device="cpu", reward="bench.ppo:length_reward")
     want = read_metrics(run_ppo(PPOConfig(output_dir=str(tmp_path / "one"), **kw), log=lambda *_: None))
     flags = [x for k, v in {**kw, "output_dir": str(tmp_path / "two"), "max_steps_this_run": 1}.items()
              for x in (f"--{k}", str(v))]
@@ -338,7 +339,7 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
 
 
 def _distill_cfg(model_dirs, engine_dirs, out, **kw):
-    from learner.config import DistillConfig
+    from learner.distill.config import DistillConfig
 
     base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
                 teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
@@ -352,7 +353,7 @@ def _distill_cfg(model_dirs, engine_dirs, out, **kw):
 def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engine_dirs, tmp_path):
     """rollout_workers=2: teacher and student engines are 2-actor pools; the student generates (lmbda=1), the
     teacher pool scores top-k, the push reaches both student actors, and the step equals one local engine's."""
-    from learner.distill import setup, train_step
+    from learner.distill.cycle import setup, train_step
 
     def one_step(workers):
         cfg = _distill_cfg(model_dirs, engine_dirs, tmp_path / f"w{workers}", rollout_workers=workers,
@@ -387,7 +388,7 @@ def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
 def _distill_batch(model_dir):
     """:func:`_fixed_rows` with random full-vocabulary teacher logits."""
     from export.checkpoint import load_model
-    from learner.distill import DistillBatch
+    from learner.distill.batch import DistillBatch
 
     g = torch.Generator().manual_seed(2)
     pids, pmask, rids, mask = _fixed_rows(g)
@@ -400,7 +401,7 @@ def _distill_batch(model_dir):
 
 def _distill_learner(model_dir, out, dist):
     from export.checkpoint import load_model
-    from learner.distill import Run
+    from learner.distill.cycle import Run
 
     cfg = _distill_cfg({"tiny-llama": model_dir, "tiny-gpt2": model_dir}, {"tiny-llama": "", "tiny-gpt2": ""}, out,
                        batch_size=8, gradient_accumulation_steps=2, loss="jsd", lmbda=0.0, beta=0.3)
@@ -416,8 +417,8 @@ def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from learner.distill import update
-    from learner.distributed import init_from_env
+    from learner.distill.cycle import update
+    from learner.run.distributed import init_from_env
 
     ctx = init_from_env("cpu")
     run = _distill_learner(model_dir, out_path, ctx)
@@ -429,9 +430,9 @@ def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
 
 
 def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
-    """2 gloo ranks (a slice of rows each, 2 micro-batches each) == learner.distill.update on the whole batch."""
-    from learner.distill import update
-    from learner.distributed import DistContext
+    """2 gloo ranks (a slice of rows each, 2 micro-batches each) == learner.distill.cycle.update on the whole batch."""
+    from learner.distill.cycle import update
+    from learner.run.distributed import DistContext
 
     model_dir = str(model_dirs["tiny-gpt2"])
     batch = _distill_batch(model_dir)
@@ -458,8 +459,8 @@ def test_worker_resources_follow_the_backend(monkeypatch, tmp_path, backend, sha
     """CPU-side check of what a GPU run would reserve: a TensorRT engine actor asks Ray for (a share of) a GPU,
     since Ray hides the GPUs from an actor that reserved none; other backends ask for none by default."""
     import rollout.ray_pool
-    from learner.config import PPOConfig
-    from learner.cycle import make_engine
+    from learner.ppo.config import PPOConfig
+    from learner.run.engines import make_engine
 
     seen = {}
     monkeypatch.setattr(rollout.ray_pool, "RayEnginePool", lambda *a, **kw: seen.update(kw) or "pool")

@@ -1,7 +1,7 @@
 """Rewards: a Python callable ``(prompts, responses) -> list[float]`` or an HF classifier folder.
 
 ``load_reward(spec)``:
-- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`learner.tasks`);
+- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`learner.examples.tasks`);
 - ``"package.module:function"``: any importable callable with that signature;
 - a folder path: an HF sequence-classification checkpoint; the reward is the logit of
   ``label_index`` on ``prompt + response``.
@@ -45,7 +45,7 @@ class ClassifierReward:
 
 def load_reward(spec: str) -> RewardFn:
     if spec == "exact_match":
-        from learner.tasks import exact_match_reward
+        from learner.examples.tasks import exact_match_reward
 
         return exact_match_reward
     if Path(spec).is_dir():

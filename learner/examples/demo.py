@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from export.models import Geometry, build_model, build_tokenizer
-from learner.config import PPOConfig
+from learner.ppo.config import PPOConfig
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
@@ -28,8 +28,8 @@ DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_p
 def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=print) -> Path:
     """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder."""
     from export.checkpoint import load_model
-    from learner.sft import sft
-    from learner.tasks import addition
+    from learner.examples.sft import sft
+    from learner.examples.tasks import addition
 
     tok = build_tokenizer()
     raw = build_model(DEMO_POLICY, out / "init", seed=seed, tokenizer=tok)
@@ -59,8 +59,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.cycle import run_ppo
-    from learner.ppo_cli import summary
+    from learner.ppo.cycle import run_ppo
+    from learner.ppo.cli import summary
 
     a = parser().parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-from learner.config import PPOConfig, parse_config
-from learner.metrics import read_metrics
+from learner.ppo.config import PPOConfig
+from learner.run.config import parse_config
+from learner.run.metrics import read_metrics
 
 
 def summary(run_dir) -> dict:
@@ -24,7 +25,7 @@ def summary(run_dir) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.cycle import run_ppo
+    from learner.ppo.cycle import run_ppo
 
     cfg, resume = parse_config(PPOConfig, argv, "refit ppo")
     if not cfg.model_dir:

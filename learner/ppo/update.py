@@ -18,7 +18,8 @@ import torch
 
 from export.errors import RefitError
 from learner import losses as L
-from learner.policy import ValueHead, response_forward
+from learner.run.distributed import reduce_stats
+from learner.run.policy import ValueHead, response_forward
 
 
 @dataclass
@@ -35,21 +36,6 @@ class Experience:
     advantages: torch.Tensor  # whitened GAE advantages
     returns: torch.Tensor  # GAE returns (value targets)
     is_weights: torch.Tensor | None  # truncated importance weights (tis) or None
-
-
-@torch.no_grad()
-def learner_view(model, value_head: ValueHead | None, batch, temperature: float, chunk: int = 16):
-    """Log-probs (B, Tr), values (B, Tr) and entropy (B, Tr) of ``model`` on a RolloutBatch."""
-    lps, vals, ents = [], [], []
-    for i in range(0, batch.num_rows, chunk):
-        s = slice(i, i + chunk)
-        out = response_forward(model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
-                               batch.is_seq2seq, temperature, value_head)
-        lps.append(L.logprobs_from_logits(out.logits, batch.response_ids[s].to(out.logits.device)).cpu())
-        ents.append(L.entropy_from_logits(out.logits).cpu())
-        if out.values is not None:
-            vals.append(out.values.float().cpu())
-    return torch.cat(lps), (torch.cat(vals) if vals else None), torch.cat(ents)
 
 
 @dataclass
@@ -152,7 +138,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
     micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing).
 
-    ``shard`` (a :class:`learner.distributed.DistContext` with world_size K > 1): this process is rank r of
+    ``shard`` (a :class:`learner.run.distributed.DistContext` with world_size K > 1): this process is rank r of
     K data-parallel learners; it takes rows ``[r*L, (r+1)*L)`` of every minibatch (L = minibatch / K; the
     permutation is the same on every rank), the token count is all-reduced, the loss is scaled by K
     because DDP averages gradients, and gradient sync runs on the last micro-batch only. ``model`` and
@@ -208,3 +194,18 @@ def _combine(key: str, values: list[float], over_micro_batches: bool = False) ->
     if over_micro_batches and key in TOKEN_SUM_STATS:
         return sum(values)
     return sum(values) / len(values)
+
+
+def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
+                           generator: torch.Generator) -> dict[str, float]:
+    """:func:`ppo_update` for one process, or under torchrun over this rank's slice of every global minibatch
+    (``ctx``: a :class:`learner.run.distributed.DistContext` after ``wrap``), stats reduced across ranks.
+
+    ``exp`` is the full batch on every rank; only this rank's rows go through the model.
+    """
+    if not ctx.enabled:
+        return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator)
+    if ctx.policy_ddp is None:
+        raise RefitError("distributed_ppo_update: call DistContext.wrap(policy, value_head) first")
+    stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx)
+    return reduce_stats(ctx, stats, TOKEN_SUM_STATS, MAX_STATS)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 def _model_and_engine(a, log=print, max_len: int = 256) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
+    from export.build import build
     from export.models import build_model
-    from export.onnx_export import ExportOptions, export_onnx
+    from export.onnx_export import ExportOptions
 
     work = Path(a.work_dir)
     model = Path(a.model) if a.model else work / a.geometry
@@ -18,12 +19,8 @@ def _model_and_engine(a, log=print, max_len: int = 256) -> tuple[Path, Path]:
         log(f"building the {a.geometry} geometry locally in {model}")
         build_model(a.geometry, model)
     engine = Path(a.engine) if a.engine else work / f"{model.name}-engine"
-    export_onnx(model, engine, ExportOptions(max_batch=64, max_len=max_len), log=log)
-    if "tensorrt" in getattr(a, "backends", "").split(","):
-        from export.tensorrt_build import build_engines, require_tensorrt
-
-        require_tensorrt()  # one line where TensorRT is absent
-        build_engines(engine, log=log)
+    backend = "tensorrt" if "tensorrt" in getattr(a, "backends", "").split(",") else "onnxruntime"
+    build(model, engine, backend, ExportOptions(max_batch=64, max_len=max_len), log=log)
     return model, engine
 
 
@@ -61,22 +58,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.which == "generate":
-        from rollout.bench import bench_generate
+        from bench.generate import bench_generate
 
         model, engine = _model_and_engine(a)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.repeats, a.threads)
     elif a.which == "refit":
-        from rollout.bench import bench_refit
+        from bench.generate import bench_refit
 
         model, engine = _model_and_engine(a)
         out = bench_refit(model, engine, a.repeats, a.threads, Path(a.work_dir))
     elif a.which == "workers":
-        from learner.bench_workers import bench_workers
+        from bench.workers import bench_workers
 
         out = bench_workers(Path(a.work_dir) / "workers", a.workers, a.steps, a.threads)
     else:
-        from learner.bench_ppo import bench_ppo
+        from bench.ppo import bench_ppo
 
         model, engine = _model_and_engine(a, max_len=max(256, 128 + a.response_length))  # prompts ~60 tokens
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, a.threads, Path(a.work_dir),

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .losses import chunked_apply, logprobs_from_logits, masked_mean, token_mean
+from learner.losses.core import chunked_apply, logprobs_from_logits, masked_mean, token_mean
 
 Stats = Dict[str, torch.Tensor]
 Number = Union[float, int, torch.Tensor]
@@ -230,3 +230,6 @@ def topk_kl_loss(
             "student_tail_mass": masked_mean(q_tail, mask).detach(),
         }
     return loss, stats
+
+
+__all__ = ["generalized_jsd_loss", "forward_kl_loss", "reverse_kl_loss", "teacher_token_ce_loss", "topk_kl_loss"]

@@ -21,62 +21,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from export.models import Geometry
-from learner.config import DistillConfig, parse_config
-
-TEACHER = Geometry("gpt2", n_layer=4, d_model=128, n_head=4, d_ff=512, max_positions=64)
-STUDENT = Geometry("gpt2", n_layer=2, d_model=64, n_head=4, d_ff=256, max_positions=64)
-
-
-def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
-    """The embedded teacher (SFT on the task) and student in ``out``; reused if built with the same settings."""
-    from export.checkpoint import load_model
-    from export.models import build_model, build_tokenizer
-    from learner.sft import sft
-    from learner.tasks import TASKS
-
-    key = {"teacher": dataclasses.asdict(TEACHER), "student": dataclasses.asdict(STUDENT), "task": cfg.task,
-           "max_operand": cfg.max_operand, "teacher_sft_steps": cfg.teacher_sft_steps, "seed": cfg.seed}
-    paths = {"teacher_model_dir": str(out / "teacher"), "student_model_dir": str(out / "student")}
-    marker = out / "models.json"
-    if marker.exists() and json.loads(marker.read_text()).get("key") == key:
-        log(f"refit distill: reusing the embedded teacher and student in {out}")
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tok = build_tokenizer()
-    model = load_model(build_model(TEACHER, out / "teacher_init", seed=cfg.seed, tokenizer=tok))
-    kw = {"max_operand": cfg.max_operand} if cfg.task == "addition" else {}
-    # the teacher is the given expert: it is trained on every prompt of the task, held-out ones included
-    pairs = [(e.prompt, e.answer) for e in TASKS[cfg.task](4000, seed=cfg.seed + 1, **kw)]
-    sft(model, tok, pairs, steps=cfg.teacher_sft_steps, batch_size=64, lr=2e-3, seed=cfg.seed, log=log)
-    model.save_pretrained(paths["teacher_model_dir"])
-    tok.save_pretrained(paths["teacher_model_dir"])
-    shutil.rmtree(out / "teacher_init", ignore_errors=True)
-    build_model(STUDENT, paths["student_model_dir"], seed=cfg.seed + 1, tokenizer=tok)
-    marker.write_text(json.dumps({"key": key, "build_s": round(time.perf_counter() - t0, 1)}, indent=1))
-    log(f"refit distill: built teacher ({TEACHER.n_layer}x{TEACHER.d_model}, {cfg.teacher_sft_steps} SFT steps) "
-        f"and student ({STUDENT.n_layer}x{STUDENT.d_model}) in {time.perf_counter() - t0:.0f} s")
-    return paths
-
-
-def build_all(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
-    """:func:`build_models` plus both engines (``--build-models``)."""
-    from learner.cycle import ensure_engine
-
-    paths = build_models(out, cfg, log)
-    rows = max(cfg.batch_size, cfg.eval_size, cfg.probe_size)
-    for name in ("teacher", "student"):
-        paths[f"{name}_engine_dir"] = str(ensure_engine(Path(paths[f"{name}_model_dir"]), out / f"{name}_engine",
-                                                        rows, 64, log))
-    return paths
-
+from learner.distill.config import DistillConfig
+from learner.run.config import parse_config
 
 def report(s: dict) -> str:
     ratio = s["kl_end"] / s["kl_start"] if s.get("kl_start") else float("nan")
@@ -87,7 +38,9 @@ def report(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.distill import run_distill, summary
+    from learner.distill.cycle import run_distill
+    from learner.distill.evaluate import summary
+    from learner.examples.distill_pair import build_all, build_models
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--build-models", default=None)

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from learner.bench_ppo import PHASES
+from bench.ppo import PHASES
 
 
 def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: int = 2, log=print) -> dict:
-    from learner.config import PPOConfig
-    from learner.cycle import run_ppo
-    from learner.demo import build_policy
-    from learner.metrics import read_metrics
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import run_ppo
+    from learner.examples.demo import build_policy
+    from learner.run.metrics import read_metrics
 
     torch.set_num_threads(threads)
     policy = work / "policy"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from export.padding import position_ids_from_mask
+from learner import losses as L
 
 
 class ValueHead(torch.nn.Module):
@@ -62,3 +63,18 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         hidden = out.hidden_states[-1][:, tp - 1: tp - 1 + tr] if want_hidden else None
     values = value_head(hidden) if (value_head is not None and hidden is not None) else None
     return ForwardOut(logits=logits.float() / temperature, values=values)
+
+
+@torch.no_grad()
+def learner_view(model, value_head: ValueHead | None, batch, temperature: float, chunk: int = 16):
+    """Log-probs (B, Tr), values (B, Tr) and entropy (B, Tr) of ``model`` on a RolloutBatch."""
+    lps, vals, ents = [], [], []
+    for i in range(0, batch.num_rows, chunk):
+        s = slice(i, i + chunk)
+        out = response_forward(model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
+                               batch.is_seq2seq, temperature, value_head)
+        lps.append(L.logprobs_from_logits(out.logits, batch.response_ids[s].to(out.logits.device)).cpu())
+        ents.append(L.entropy_from_logits(out.logits).cpu())
+        if out.values is not None:
+            vals.append(out.values.float().cpu())
+    return torch.cat(lps), (torch.cat(vals) if vals else None), torch.cat(ents)

@@ -9,7 +9,7 @@ loss is normalised by the global token count and multiplied by K before ``backwa
              parity probe, metrics, checkpoints (atomic, written once)
     rank r : receive the Experience -> its slice of the update
 
-The update is the same as one process's :func:`learner.ppo.ppo_update` on the global batch:
+The update is the same as one process's :func:`learner.ppo.update.ppo_update` on the global batch:
 
 - Every rank draws the SAME minibatch permutation (one generator seed per step), and rank r
   takes the r-th contiguous slice of each global minibatch. The minibatches are therefore those
@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from export.errors import RefitError
-from learner.ppo import MAX_STATS, TOKEN_SUM_STATS, Experience, UpdateSettings, ppo_update
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
@@ -101,19 +100,6 @@ class DistContext:
         dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
         return box[0]
 
-    def share_experience(self, exp: Experience | None, kl_coef: float) -> tuple[Experience, float]:
-        """Rank 0's Experience and KL coefficient on every rank (no-op for a single process)."""
-        return tuple(self.share((exp, kl_coef)))
-
-    def ppo_update(self, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-                   generator: torch.Generator) -> dict[str, float]:
-        """:func:`learner.ppo.ppo_update` (one process) or its DDP form over this rank's slices."""
-        if not self.enabled:
-            return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator)
-        if self.policy_ddp is None:
-            raise RefitError("DistContext.ppo_update: call wrap(policy, value_head) first")
-        return ddp_ppo_update(self, optimizer, scheduler, exp, s, generator)
-
     def no_sync(self, sync: bool):
         """DDP's no_sync on the wrappers unless ``sync`` (the last micro-batch); nothing for one process."""
         stack = contextlib.ExitStack()
@@ -169,18 +155,8 @@ def init_from_env(device: str = "auto", timeout_s: float = 1800.0) -> DistContex
                        device=torch.device("cuda", local) if cuda else torch.device("cpu"))
 
 
-def ddp_ppo_update(ctx: DistContext, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-                   generator: torch.Generator) -> dict[str, float]:
-    """``ppo_update`` over this rank's slice of every global minibatch, stats reduced across ranks.
-
-    ``exp`` is the full batch on every rank; only this rank's rows go through the model.
-    """
-    stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx)
-    return reduce_stats(ctx, stats)
-
-
-def reduce_stats(ctx: DistContext, stats: dict[str, float], sums=TOKEN_SUM_STATS,
-                 maxes=MAX_STATS) -> dict[str, float]:
+def reduce_stats(ctx: DistContext, stats: dict[str, float], sums: tuple[str, ...] = (),
+                 maxes: tuple[str, ...] = ()) -> dict[str, float]:
     """Per-rank update stats -> job stats: ``sums`` added, ``maxes`` maxed, the rest averaged."""
     if not ctx.enabled:
         return stats
@@ -194,4 +170,4 @@ def reduce_stats(ctx: DistContext, stats: dict[str, float], sums=TOKEN_SUM_STATS
     return out
 
 
-__all__ = ["DistContext", "ddp_ppo_update", "init_from_env", "reduce_stats"]
+__all__ = ["DistContext", "init_from_env", "reduce_stats"]

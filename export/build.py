@@ -1,0 +1,73 @@
+"""Make or reuse an engine folder for a backend: the one entry point for ``refit export``, both training
+cycles and the benchmarks.
+
+    build(model_dir, engine_dir, backend, opts)
+      1. ``tensorrt``: fail at once, in one line, where TensorRT is absent (before any export)
+      2. reuse ``engine_dir`` when the weights and the options match (the exporter's cache key) or,
+         for a training run, when it was exported from these weights and is large enough;
+         otherwise export the ONNX graphs (parity-gated)
+      3. ``tensorrt``: build (or reuse) the refittable TensorRT plans on top of the ONNX graphs
+
+PyTorch backends (``torch``, ``hf``) run from the HF folder itself: :func:`engine_source` says
+which folder a backend opens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export.onnx_export import ExportOptions, export_onnx, weights_hash
+
+ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
+TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
+
+
+def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int) -> bool:
+    """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``."""
+    from export.graph import MANIFEST, read_manifest
+
+    if not (engine_dir / MANIFEST).exists():
+        return False
+    m = read_manifest(engine_dir)
+    return (m["hashes"]["hf_weights_sha256"] == weights_hash(model_dir) and m["dims"]["max_batch"] >= rows
+            and m["dims"]["max_len"] >= max_len)
+
+
+def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
+          opts: ExportOptions | None = None, reuse_if_fits: tuple[int, int] | None = None, log=print) -> Path:
+    """Export (or reuse) ``engine_dir`` from ``model_dir`` for ``backend``; return ``engine_dir``.
+
+    By default an export is reused only when the weights and ``opts`` are the same (the exporter's
+    cache key). ``reuse_if_fits=(rows, max_len)``: reuse any export of the same weights that takes
+    that many rows and tokens (a training run does not re-export because its batch shrank).
+    """
+    model_dir, engine_dir = Path(model_dir), Path(engine_dir)
+    opts = opts or ExportOptions()
+    if backend == "tensorrt":
+        from export.tensorrt_build import require_tensorrt
+
+        require_tensorrt()  # one line, before anything is written
+    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits):
+        log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
+    else:
+        export_onnx(model_dir, engine_dir, opts, log=log)
+    if backend == "tensorrt":
+        from export.tensorrt_build import build_engines
+
+        build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
+    return engine_dir
+
+
+def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
+                  backend: str = "onnxruntime", log=print) -> Path:
+    """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom."""
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
+    return build(model_dir, engine_dir, backend, opts, reuse_if_fits=(rows, max_len), log=log)
+
+
+def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
+                  log=print) -> Path:
+    """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
+    if backend in TORCH_BACKENDS:
+        return Path(model_dir)
+    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log)

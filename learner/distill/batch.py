@@ -1,0 +1,157 @@
+"""Distillation data: the examples, the teacher/student compatibility check, and step 1 and 2 of a step --
+the batch's tokens (dataset, student engine or teacher engine) and the teacher's targets for the loss."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from export.checkpoint import load_tokenizer, model_info
+from export.errors import RefitError
+from export.padding import check_left_padded, check_right_padded, pad_batch
+from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
+from learner.run.data import step_prompt_indices
+from learner.run.policy import response_forward
+from rollout.engine import check_version
+from rollout.types import SamplingParams
+
+if TYPE_CHECKING:
+    from learner.distill.cycle import Run
+
+
+@dataclass
+class DistillBatch:
+    """One training batch, whichever source made it. Padding rule of :mod:`rollout.types`."""
+
+    prompt_ids: torch.Tensor  # (B, Tp) int64, left-padded (decoder-only) / native side (T5)
+    prompt_mask: torch.Tensor  # (B, Tp) int64
+    response_ids: torch.Tensor  # (B, Tr) int64, right-padded with pad_id
+    response_mask: torch.Tensor  # (B, Tr) float32, 1 up to and including the stop token
+    source: str  # "dataset" | "student" | "teacher"
+    is_seq2seq: bool
+    teacher_topk_logprobs: torch.Tensor | None = None  # (B, Tr, k) teacher top-k log-probs at the loss temperature
+    teacher_topk_ids: torch.Tensor | None = None  # (B, Tr, k) int64
+    teacher_logits: torch.Tensor | None = None  # (B, Tr, V) float32 PyTorch teacher logits (temperature 1)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def check(self) -> "DistillBatch":
+        """Raise ValueError (one line) unless shapes and the padding rule hold; return self."""
+        b, tr = self.response_ids.shape
+        if self.prompt_mask.shape != self.prompt_ids.shape or self.prompt_ids.shape[0] != b \
+                or self.response_mask.shape != (b, tr):
+            raise ValueError(f"DistillBatch: prompt {tuple(self.prompt_ids.shape)}/{tuple(self.prompt_mask.shape)} "
+                             f"and response {(b, tr)}/{tuple(self.response_mask.shape)} disagree")
+        (check_right_padded if self.is_seq2seq else check_left_padded)(self.prompt_mask)
+        check_right_padded(self.response_mask)
+        for name in ("teacher_topk_logprobs", "teacher_topk_ids", "teacher_logits"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape[:2]) != (b, tr):
+                raise ValueError(f"DistillBatch.{name}: expected leading dims {(b, tr)}, got {tuple(t.shape)}")
+        return self
+
+
+def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(train, held-out) (prompt, completion) pairs; held-out prompts never appear in train."""
+    if cfg.dataset_file:
+        p = Path(cfg.dataset_file)
+        if not p.exists():
+            raise RefitError(f"dataset file {p} does not exist")
+        rows = [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+        if any("prompt" not in r or "completion" not in r for r in rows):
+            raise RefitError(f"dataset file {p}: every line needs 'prompt' and 'completion'")
+        pairs = [(r["prompt"], r["completion"]) for r in rows]
+        held = pairs[-cfg.eval_size:]
+    else:
+        from learner.examples.tasks import TASKS
+
+        kw = {"max_operand": cfg.max_operand} if cfg.task == "addition" else {}
+        examples = TASKS[cfg.task](cfg.num_prompts, seed=cfg.seed, **kw)
+        pairs = list({e.prompt: (e.prompt, e.answer) for e in examples}.values())  # distinct, in draw order
+        held = pairs[:cfg.eval_size]
+    held_prompts = {p for p, _ in held}
+    train = [pc for pc in pairs if pc[0] not in held_prompts]
+    if not train:
+        raise RefitError(f"no training examples left after holding out {len(held)} prompts "
+                         f"({len(pairs)} distinct); lower eval_size or add data")
+    return train, held
+
+
+def check_teacher_student(teacher_dir: str, student_dir: str):
+    """One RefitError line unless teacher and student share kind, vocabulary size and tokenizer."""
+    if not teacher_dir or not student_dir:
+        raise RefitError("teacher_model_dir and student_model_dir are both required (or neither: embedded default)")
+    t, s = model_info(teacher_dir), model_info(student_dir)
+    if t.vocab_size != s.vocab_size:
+        raise RefitError(f"teacher/student vocabulary mismatch: teacher vocab_size {t.vocab_size} ({teacher_dir}) "
+                         f"!= student vocab_size {s.vocab_size} ({student_dir}); logit distillation needs one "
+                         "vocabulary")
+    if t.kind != s.kind or t.padding_side != s.padding_side:
+        raise RefitError(f"teacher is {t.kind} ({t.padding_side}-padded prompts), student is {s.kind} "
+                         f"({s.padding_side}-padded): distillation here needs one model kind")
+    t_tok, s_tok = load_tokenizer(teacher_dir, t), load_tokenizer(student_dir, s)
+    if t_tok.get_vocab() != s_tok.get_vocab():
+        raise RefitError(f"teacher and student tokenizers differ ({teacher_dir} vs {student_dir}): token ids "
+                         "would not mean the same thing")
+    return t, s, s_tok
+
+
+
+def draws_student(cfg: DistillConfig, step: int) -> bool:
+    """GKD's coin: True with probability lmbda, a pure function of (seed, step)."""
+    return random.Random(cfg.seed * 1_000_003 + step).random() < cfg.lmbda
+
+
+def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
+    ids, mask = pad_batch([run.prompt_ids[i] for i in idx], run.pad_id, run.prompt_side)
+    resp, rmask = pad_batch([run.completion_ids[i][:run.cfg.max_new_tokens] for i in idx], run.pad_id, "right")
+    return DistillBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(resp),
+                        torch.from_numpy(rmask).float(), "dataset", run.is_seq2seq)
+
+
+def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
+    """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
+    cfg = run.cfg
+    idx = step_prompt_indices(len(run.prompt_ids), cfg.batch_size, step, cfg.seed)
+    prompts = [run.prompt_ids[i] for i in idx]
+    seed = cfg.seed * 1_000_003 + step
+    t0 = time.perf_counter()
+    if draws_student(cfg, step):
+        out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                                  temperature=cfg.temperature, seed=seed))
+        check_version(out, run.expected_version)
+        source = "student"
+    elif cfg.seq_kd:
+        out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                           temperature=cfg.temperature, seed=seed,
+                                                           return_topk=cfg.teacher_topk))
+        source = "teacher"
+    else:
+        return dataset_batch(run, idx), {}
+    dt = time.perf_counter() - t0
+    batch = DistillBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, source,
+                         out.is_seq2seq, out.topk_logprobs, out.topk_ids)
+    return batch, {f"{source}/tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9)}
+
+
+def teacher_targets(run: Run, b: DistillBatch) -> int:
+    """Step 2: fill the teacher side of ``b`` for the configured loss; return the PyTorch teacher passes."""
+    cfg = run.cfg
+    if cfg.loss in FULL_VOCAB_LOSSES:
+        with torch.no_grad():
+            b.teacher_logits = response_forward(run.teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
+                                                b.is_seq2seq).logits.cpu()
+        return 1
+    if cfg.loss == "topk_kl" and b.teacher_topk_logprobs is None:
+        r = run.teacher.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                              temperature=cfg.loss_temperature, topk=cfg.teacher_topk)
+        b.teacher_topk_logprobs, b.teacher_topk_ids = r.topk_logprobs, r.topk_ids
+    return 0

@@ -1,0 +1,279 @@
+"""The distillation cycle: supervised KD, sequence-level KD and on-policy GKD, generation on engines.
+
+    export (or reuse) a teacher engine and a student engine; check one shared vocabulary
+    -> every step s: 1. batch tokens, by a seeded draw u_s ~ U[0, 1) from (seed, s):
+                        u_s < lmbda  -> "student": the STUDENT ENGINE samples responses (on-policy, GKD)
+                        else seq_kd  -> "teacher": the TEACHER ENGINE samples responses with
+                                        ``return_topk=teacher_topk`` (Kim & Rush 2016)
+                        else         -> "dataset": prompt + completion from the data set (supervised KD)
+                     2. teacher targets, exactly ONE teacher pass per batch (logged as ``teacher/passes``):
+                        topk_kl: the teacher engine's top-k log-probs, from ``score(topk=k)`` -- or, in
+                                 seq_kd, from the generation pass itself (no second pass);
+                        ce:      the teacher's tokens themselves (seq_kd only, lmbda=0);
+                        jsd / forward_kl / reverse_kl: full-vocabulary teacher logits from the PyTorch
+                                 teacher (an engine returns log-probs of given tokens and a top-k, never
+                                 the full (B, T, V) logits), hence not combinable with seq_kd
+                     3. loss on the PyTorch student's logits (learner.losses.distill), one AdamW step
+                     4. every ``sync_every`` steps push the student weights into the student engine and
+                        score a fixed probe batch on both sides (stop on disagreement, as in PPO)
+                     5. every ``eval_every`` steps: held-out KL to the teacher and task accuracy
+                     6. checkpoint every ``save_steps`` steps (atomic); metrics.jsonl / TensorBoard
+
+Held-out KL (``eval/kl_to_teacher``): forward KL(teacher || student) per token, full vocabulary, at
+temperature 1 (the models' own distributions), on responses the teacher engine sampled once at
+setup (temperature 1, fixed seed) for ``eval_size`` held-out prompts; both sides in PyTorch
+(teacher logits computed once and cached, student logits at each evaluation), masked token mean.
+Accuracy (``eval/accuracy``): greedy exact match through the student engine on the same prompts.
+
+Departures from TRL's GKDTrainer: seq_kd draws its tokens and the top-k targets from ONE teacher
+generation pass (TRL generates, then runs the teacher again); ``loss=ce`` is the paper's SeqKD
+(cross-entropy on teacher tokens), not JSD; the student samples from an engine whose weights lag
+by at most ``sync_every - 1`` updates. Every random choice of step s is derived from
+``(seed, s)``, so ``--resume`` reproduces the uninterrupted run.
+"""
+
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from export.checkpoint import load_model
+from export.errors import RefitError
+from export.weight_map import canonical_params
+from learner import losses as D
+from learner.distill.batch import DistillBatch, check_teacher_student, load_examples, make_batch, teacher_targets
+from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
+from learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, teacher_accuracy
+from learner.run.checkpoint import resume_latest, save_checkpoint
+from learner.run.distributed import DistContext, reduce_stats
+from learner.run.engines import CountingEngine, engine_for_model, pick_device, push_weights
+from learner.run.loop import Job, check_finite, due, run_job
+from learner.run.policy import response_forward
+from rollout.engine import Engine
+from rollout.types import RolloutBatch, SamplingParams
+
+PLOT_PANELS = {"loss": ["loss"], "held-out KL to teacher": ["eval/kl_to_teacher"], "accuracy": ["eval/accuracy"],
+               "batch source, teacher passes": ["teacher/passes", "student/generated", "batch/from_teacher"],
+               "time per phase (s)": ["time/batch", "time/teacher", "time/update", "time/weight_push"]}
+
+
+@dataclass
+class Run:
+    """Everything the cycle holds (built by :func:`setup`)."""
+
+    cfg: DistillConfig
+    run_dir: Path
+    tok: PreTrainedTokenizerBase
+    student: torch.nn.Module  # trained, PyTorch
+    teacher_model: torch.nn.Module | None  # PyTorch teacher; kept only for full-vocabulary losses
+    student_engine: Engine | None  # None on ranks > 0 of a torchrun job
+    teacher: CountingEngine | None  # the teacher ENGINE; None on ranks > 0
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    prompt_ids: list[list[int]]  # training prompts
+    completion_ids: list[list[int]]  # training completions + EOS
+    eval: EvalSet | None  # None on ranks > 0
+    is_seq2seq: bool
+    pad_id: int
+    prompt_side: str
+    start_step: int = 0
+    expected_version: int = 0  # the student engine weights_version an on-policy batch must come from
+    probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
+    dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
+
+
+def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
+    """Engines, models, optimizer, eval set and probe. Ranks > 0 of a torchrun job hold only the student
+    and its optimizer: rank 0 makes every batch (engines, teacher) and shares it."""
+    from transformers import get_scheduler
+
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_info, s_info, tok = check_teacher_student(cfg.teacher_model_dir, cfg.student_model_dir)
+    train, held = load_examples(cfg)
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in train]
+    completion_ids = [tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, c in train]
+    if any(len(p) == 0 for p in prompt_ids) or any(not p for p, _ in held):
+        raise RefitError("a prompt tokenizes to nothing (empty prompt)")
+    eval_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
+    max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.max_new_tokens + 8
+    rows = max(cfg.batch_size, cfg.eval_size, cfg.probe_size)
+    dist = dist or DistContext()
+    device = dist.device or pick_device(cfg.device)
+    seq2seq = s_info.kind == "seq2seq"
+    if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
+        student = load_model(cfg.student_model_dir, s_info).to(device)
+        optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
+        run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
+                  None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
+        if resume:
+            run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler)[1]["step"]
+        dist.wrap(student)
+        return run
+    engine = lambda name, model_dir, engine_dir: engine_for_model(  # noqa: E731
+        cfg, model_dir, engine_dir or run_dir / f"{name}_engine", rows, max_len, log, gpu_share=0.5)
+    teacher_engine = CountingEngine(engine("teacher", cfg.teacher_model_dir, cfg.teacher_engine_dir))
+    student_engine = engine("student", cfg.student_model_dir, cfg.student_engine_dir)
+    teacher_model = load_model(cfg.teacher_model_dir, t_info).to(device).requires_grad_(False)
+    eval_set = make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq)
+    teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
+    student = load_model(cfg.student_model_dir, s_info).to(device)
+    optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
+    run = Run(cfg, run_dir, tok, student, teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine,
+              teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
+              s_info.padding_side, dist=dist)
+    if resume:
+        ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
+        run.start_step = state["step"]
+        student_engine.update_weights(canonical_params(student)[0])
+        log(f"refit distill: resumed from {ck} (step {run.start_step}, student engine weights pushed)")
+    dist.wrap(student)  # [dist] DDP (a no-op for one process)
+    run.expected_version = student_engine.weights_version
+    probe_rows = prompt_ids[:min(cfg.probe_size, len(prompt_ids))]
+    run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True))
+    return run
+
+
+def _optimizer(cfg: DistillConfig, student, get_scheduler):
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return optimizer, get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                    num_training_steps=cfg.steps)
+
+
+def distill_loss(loss: str, logits: torch.Tensor, b: DistillBatch, rows: slice, beta: float, temperature: float,
+                 n_tokens: torch.Tensor):
+    """Dispatch to :mod:`learner.losses.distill`; ``logits`` (b, Tr, V) are the student's at temperature 1."""
+    dev = logits.device
+    m, ids = b.response_mask[rows].to(dev), b.response_ids[rows].to(dev)
+    if loss == "ce":
+        return D.teacher_token_ce_loss(logits, ids, m, temperature, num_tokens=n_tokens)
+    if loss == "topk_kl":
+        return D.topk_kl_loss(logits, b.teacher_topk_logprobs[rows].to(dev), b.teacher_topk_ids[rows].to(dev), m,
+                              temperature, num_tokens=n_tokens)
+    t = b.teacher_logits[rows].to(dev)
+    if loss == "jsd":
+        return D.generalized_jsd_loss(logits, t, m, beta, temperature, num_tokens=n_tokens)
+    fn = D.forward_kl_loss if loss == "forward_kl" else D.reverse_kl_loss
+    return fn(logits, t, m, temperature, num_tokens=n_tokens)
+
+
+LOSS_STATS = ("jsd", "forward_kl", "reverse_kl", "teacher_token_ce", "topk_kl")  # token sums / global count
+
+
+def update(run: Run, b: DistillBatch) -> dict[str, float]:
+    """Step 3: one optimizer step over ``gradient_accumulation_steps`` micro-batches (token mean of the batch).
+
+    Under torchrun (K ranks, every rank holding the whole batch ``b``) rank r runs rows
+    ``[r*B/K, (r+1)*B/K)``: losses are normalised by the batch's token count as in one process, and
+    multiplied by K before ``backward`` because DDP averages gradients; so the synced gradient, the
+    clipping and the optimizer step are those of one process. Loss-like stats (token sums) are added
+    over micro-batches and ranks, the others (accuracies, tail masses) averaged.
+    """
+    cfg, ctx = run.cfg, run.dist
+    k, ga = ctx.world_size, cfg.gradient_accumulation_steps
+    if b.num_rows % (k * ga):
+        raise RefitError(f"batch of {b.num_rows} rows must be divisible by world_size {k} x "
+                         f"gradient_accumulation_steps {ga}")
+    local = b.num_rows // k
+    micro = local // ga
+    model = ctx.policy_ddp if ctx.enabled else run.student
+    n_tokens = b.response_mask.sum().clamp(min=1.0)  # the whole batch's: every rank holds it
+    # the student stays in eval mode: no dropout, as TRL's disable_dropout=True (and the engine has none)
+    run.optimizer.zero_grad(set_to_none=True)
+    total, acc = 0.0, {}
+    for a in range(ga):
+        rows = slice(ctx.rank * local + a * micro, ctx.rank * local + (a + 1) * micro)
+        with ctx.no_sync(a == ga - 1):  # gradient sync on the last micro-batch (nothing for one process)
+            logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
+                                      b.is_seq2seq).logits
+            loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)
+            (loss * k).backward()
+        total += float(loss.detach())
+        if b.teacher_topk_logprobs is not None and cfg.loss != "topk_kl":  # free diagnostic from the same pass
+            stats["teacher_topk_kl"] = D.topk_kl_loss(logits.detach(), b.teacher_topk_logprobs[rows],
+                                                      b.teacher_topk_ids[rows], b.response_mask[rows],
+                                                      cfg.temperature)[0]
+        for key, v in stats.items():
+            acc.setdefault(key, []).append(float(v))
+    stats = {f"distill/{key}": sum(v) if key in LOSS_STATS else sum(v) / len(v) for key, v in acc.items()}
+    stats = reduce_stats(ctx, {"loss": total, **stats}, sums=("loss", *(f"distill/{x}" for x in LOSS_STATS)))
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.student.parameters(), cfg.max_grad_norm)
+    # the loss is the same on every rank, so every rank stops together
+    check_finite({"loss": stats["loss"], "grad_norm": float(grad_norm)}, "loss or gradient", run.run_dir)
+    run.optimizer.step()
+    run.scheduler.step()
+    return {**stats, "grad_norm": float(grad_norm), "lr": run.scheduler.get_last_lr()[0]}
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One batch, one teacher pass, one update, and the weight push when due; returns the step's metrics."""
+    cfg = run.cfg
+    if not run.dist.is_main:  # [dist] ranks > 0: rank 0's batch, this rank's rows of the update, no metrics
+        update(run, run.dist.share(None))
+        return {}
+    g0, s0 = run.teacher.generate_calls, run.teacher.score_calls
+    t0 = time.perf_counter()
+    b, gen_stats = make_batch(run, step)
+    t1 = time.perf_counter()
+    torch_passes = teacher_targets(run, b.check())
+    t2 = time.perf_counter()
+    stats = update(run, run.dist.share(b))  # [dist] the batch to ranks > 0 (no-op for one process)
+    t3 = time.perf_counter()
+    if due(step, cfg.sync_every, cfg.steps):
+        run.expected_version, stats["probe/max_abs_logprob_diff"] = push_weights(
+            run.student_engine, run.student, run.probe, 1.0, cfg.probe_tol, run.run_dir, "student engine")
+    t4 = time.perf_counter()
+    gen, score = run.teacher.generate_calls - g0, run.teacher.score_calls - s0
+    tokens = float(b.response_mask.sum())
+    return {**stats, **gen_stats, "teacher/passes": gen + score + torch_passes, "teacher/engine_generate": gen,
+            "teacher/engine_score": score, "teacher/torch_forward": torch_passes,
+            "student/generated": int(b.source == "student"), "batch/from_teacher": int(b.source == "teacher"),
+            "response/length": tokens / b.num_rows, "engine/weights_version": run.student_engine.weights_version,
+            "time/batch": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2, "time/weight_push": t4 - t3,
+            "tokens_per_s": tokens / max(t4 - t0, 1e-9), "time/step": t4 - t0}
+
+
+def train_and_evaluate(run: Run, step: int) -> dict[str, float]:
+    """:func:`train_step`, plus the held-out evaluation every ``eval_every`` steps (rank 0)."""
+    m = train_step(run, step)
+    if run.dist.is_main and due(step, run.cfg.eval_every, run.cfg.steps):
+        m.update(evaluate(run))
+    return m
+
+
+def save(run: Run, step: int) -> Path:
+    state = {"data_position": step * run.cfg.batch_size, "engine_weights_version": run.student_engine.weights_version}
+    return save_checkpoint(run.run_dir, step, run.student, run.tok, None, run.optimizer, run.scheduler, state,
+                           run.cfg.keep_checkpoints)
+
+
+def _postfix(m: dict) -> dict:
+    src = "student" if m["student/generated"] else "teacher" if m["batch/from_teacher"] else "data"
+    return {"loss": f"{m['loss']:.3f}", "src": src}
+
+
+DISTILL_JOB = Job("distill", setup=setup, step=train_and_evaluate, save=save, postfix=_postfix, plot_panels=PLOT_PANELS,
+                  # the student's engine first: with rollout_workers > 1 the teacher's pool (made first) owns Ray
+                  engines=lambda run: [run.student_engine, run.teacher],
+                  initial=lambda run: {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)})
+
+
+def run_distill(cfg: DistillConfig, resume: bool = False, log=print) -> Path:
+    """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, summary.json).
+
+    Under ``torchrun --nproc-per-node K`` rank 0 drives the engines and the teacher, evaluates, pushes
+    weights and writes metrics, checkpoints, plots and the summary; every rank runs its rows of each update.
+    """
+    t_start = time.perf_counter()
+    run_dir, run = run_job(DISTILL_JOB, cfg, resume, log)
+    if run.dist.is_main:
+        s = summary(run_dir)
+        s["wall_s_this_process"] = round(time.perf_counter() - t_start, 1)
+        (run_dir / "summary.json").write_text(json.dumps(s, indent=1))
+    return run_dir

@@ -1,0 +1,101 @@
+"""Held-out evaluation of a distillation run and its summary.
+
+``eval/kl_to_teacher``: forward KL(teacher || student) per token, full vocabulary, at temperature 1,
+on responses the teacher engine sampled once at setup for the held-out prompts; both sides in
+PyTorch (teacher logits cached). ``eval/accuracy``: greedy exact match through the student engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from learner import losses as L
+from learner.run.metrics import read_metrics
+from learner.run.policy import response_forward
+from rollout.types import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from learner.distill.cycle import Run
+
+
+@dataclass
+class EvalSet:
+    """Held-out prompts, their teacher-sampled responses and the cached teacher logits."""
+
+    pairs: list[tuple[str, str]]  # (prompt, reference answer)
+    prompt_ids: list[list[int]]
+    batch: RolloutBatch  # sampled by the teacher engine at setup
+    teacher_logits: torch.Tensor  # (E, Tr, V) PyTorch teacher, temperature 1
+
+
+def make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq: bool) -> EvalSet:
+    """The held-out prompts' teacher samples (temperature 1, fixed seed) and their cached teacher logits."""
+    ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
+    batch = teacher_engine.generate(ids, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=1.0,
+                                                        seed=cfg.seed * 1_000_003 + 977))
+    with torch.no_grad():
+        logits = response_forward(teacher_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                  seq2seq).logits.cpu()
+    return EvalSet(list(held), ids, batch, logits)
+
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Held-out forward KL(teacher || student) (PyTorch, full vocab, T=1) and greedy accuracy (student engine)."""
+    t0 = time.perf_counter()
+    e = run.eval
+    s_logits = response_forward(run.student, e.batch.prompt_ids, e.batch.prompt_mask, e.batch.response_ids,
+                                run.is_seq2seq).logits.cpu()
+    kl = L.exact_kl_from_logits(e.teacher_logits, s_logits, e.batch.response_mask)
+    t1 = time.perf_counter()
+    out = run.student_engine.generate(e.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
+                                                                   greedy=True))
+    dt = time.perf_counter() - t1
+    return {"eval/kl_to_teacher": float(L.masked_mean(kl, e.batch.response_mask)),
+            "eval/accuracy": exact_match(run.tok, out, e.pairs),
+            "eval/student_tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9),
+            "time/eval": time.perf_counter() - t0}
+
+
+def exact_match(tok, batch, pairs: list[tuple[str, str]]) -> float:
+    """Fraction of rows whose decoded response (stop token and padding removed) equals the answer."""
+    stops, hits = batch.stop_set(), 0
+    for (_, answer), ids, m in zip(pairs, batch.response_ids.tolist(), batch.response_mask.tolist()):
+        hits += tok.decode([t for t, k in zip(ids, m) if k and t not in stops], skip_special_tokens=True).strip() \
+            == answer.strip()
+    return hits / max(len(pairs), 1)
+
+
+def teacher_accuracy(run: Run) -> float:
+    """Greedy exact match of the teacher engine on the held-out prompts (not a training pass; not counted)."""
+    out = run.teacher.inner.generate(run.eval.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
+                                                                         greedy=True))
+    return exact_match(run.tok, out, run.eval.pairs)
+
+
+def summary(run_dir: Path) -> dict:
+    """Start/end held-out KL and accuracy, teacher passes per batch, throughput: from metrics.jsonl."""
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if r.get("eval/kl_to_teacher") is not None]
+    train = [r for r in rows if r["step"] > 0]
+    if not evals or not train:
+        return {"run_dir": str(run_dir), "steps": train[-1]["step"] if train else 0}
+    mean = lambda k: sum(r[k] for r in train) / len(train)  # noqa: E731
+    gen = [r["student/tokens_per_s"] for r in train if r.get("student/tokens_per_s") is not None]
+    return {"run_dir": str(run_dir), "steps": train[-1]["step"],
+            "kl_start": evals[0]["eval/kl_to_teacher"], "kl_end": evals[-1]["eval/kl_to_teacher"],
+            "accuracy_start": evals[0]["eval/accuracy"], "accuracy_end": evals[-1]["eval/accuracy"],
+            "teacher_accuracy": next((r["eval/teacher_accuracy"] for r in rows if "eval/teacher_accuracy" in r), None),
+            "teacher_passes_per_batch": mean("teacher/passes"), "max_teacher_passes": max(r["teacher/passes"]
+                                                                                          for r in train),
+            "student_generated_frac": mean("student/generated"),
+            "student_tokens_per_s": evals[-1]["eval/student_tokens_per_s"],
+            "student_tokens_per_s_onpolicy": sum(gen) / len(gen) if gen else None,
+            "train_time_s": round(sum(r["time/step"] + r.get("time/eval", 0.0) for r in train), 2),
+            "max_probe_diff": max((r.get("probe/max_abs_logprob_diff") or 0.0) for r in train)}

@@ -1,0 +1,32 @@
+"""Prompt order and response text, shared by both jobs.
+
+Every random choice of step ``s`` is a pure function of ``(seed, s)`` (no iterator state), so a run
+resumed from a checkpoint at step ``s`` draws the same prompts as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rollout.types import RolloutBatch
+
+
+def step_prompt_indices(n_prompts: int, batch: int, step: int, seed: int) -> list[int]:
+    """Prompt indices of step ``step`` (1-based): epochs of a seeded permutation, no state."""
+    out = []
+    for pos in range((step - 1) * batch, step * batch):
+        epoch, i = divmod(pos, n_prompts)
+        perm = list(range(n_prompts))
+        random.Random(seed * 7919 + epoch).shuffle(perm)
+        out.append(perm[i])
+    return out
+
+
+def decode_responses(tok, batch: RolloutBatch) -> list[str]:
+    """Response text without the stop token and padding."""
+    stops = batch.stop_set()
+    out = []
+    for ids, m in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
+        kept = [t for t, k in zip(ids, m) if k and t not in stops]
+        out.append(tok.decode(kept, skip_special_tokens=True))
+    return out

@@ -1,0 +1,100 @@
+"""What both jobs do with engines: pick the learner device, make an engine (or a Ray pool of them) for a
+model, count teacher passes, and push weights followed by the parity probe.
+
+The probe is the log-prob contract checked after every weight push: a fixed batch, generated once
+at setup, is scored by the engine and by the learner's PyTorch model with the same padding,
+positions and temperature; the run stops (naming the last checkpoint) when they disagree, since an
+engine that did not take the new weights would otherwise sample from a stale policy silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from export.build import TORCH_BACKENDS, engine_source
+from export.errors import RefitError
+from export.weight_map import canonical_params
+from learner.run.checkpoint import latest_checkpoint
+from learner.run.policy import learner_view
+from rollout.engine import Engine, create_engine
+from rollout.types import RolloutBatch
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda``; asking for CUDA without one is one line."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RefitError("device=cuda asked for, but no CUDA device is visible")
+    return torch.device(name)
+
+
+def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:
+    """One engine, or with ``rollout_workers > 1`` a RayEnginePool of that many (same Engine protocol).
+
+    ``cfg`` carries the scale-out fields (``rollout_workers``, ``ray_address``, ``rollout_worker_cpus``,
+    ``rollout_worker_gpus``) and ``backend``. Each Ray actor reserves ``rollout_worker_cpus`` CPUs and
+    ``rollout_worker_gpus`` GPUs; the GPU default (-1) is ``gpu_share`` of a GPU for the tensorrt backend
+    (its engine needs one), none otherwise (Ray hides the GPUs from an actor that reserved none).
+    """
+    if cfg.rollout_workers > 1:  # [scale-out]
+        from rollout.ray_pool import RayEnginePool
+
+        gpus = cfg.rollout_worker_gpus
+        if gpus < 0:
+            gpus = gpu_share if cfg.backend == "tensorrt" else 0.0
+        return RayEnginePool(cfg.backend, path, workers=cfg.rollout_workers, ray_address=cfg.ray_address,
+                             cpus_per_worker=cfg.rollout_worker_cpus, gpus_per_worker=gpus,
+                             last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
+    return create_engine(cfg.backend, path, **kw)
+
+
+def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int, log=print,
+                     gpu_share: float = 1.0) -> Engine:
+    """The engine of one model for ``cfg.backend``: exported (or reused) into ``engine_dir`` when the
+    backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
+    src = engine_source(cfg.backend, model_dir, engine_dir, rows, max_len, log)
+    if cfg.backend in TORCH_BACKENDS:
+        return make_engine(cfg, src, Path(cfg.output_dir), gpu_share, max_len=max_len)
+    return make_engine(cfg, src, Path(cfg.output_dir), gpu_share, threads=cfg.engine_threads or None)
+
+
+class CountingEngine:
+    """An Engine (composition) that counts ``generate`` and ``score`` calls: the teacher-pass counter."""
+
+    def __init__(self, inner: Engine):
+        self.inner, self.generate_calls, self.score_calls = inner, 0, 0
+
+    def generate(self, prompts, sampling):
+        self.generate_calls += 1
+        return self.inner.generate(prompts, sampling)
+
+    def score(self, *args, **kw):
+        self.score_calls += 1
+        return self.inner.score(*args, **kw)
+
+    def __getattr__(self, name):  # update_weights, weights_version, close: the inner engine's own
+        return getattr(self.inner, name)
+
+
+def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
+                run_dir: Path, label: str = "engine") -> float:
+    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``."""
+    p = probe
+    eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
+    mine = learner_view(model, None, p, temperature)[0]
+    diff = float(((eng - mine).abs() * p.response_mask).max())
+    if not diff <= tol:
+        raise RefitError(f"parity probe failed after weight push ({label} weights_version {engine.weights_version}): "
+                         f"max |logprob diff| {diff:.3e} > {tol:g}; the engine did not take the new weights. "
+                         f"Last checkpoint: {latest_checkpoint(run_dir)}")
+    return diff
+
+
+def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
+                 run_dir: Path, label: str = "engine") -> tuple[int, float]:
+    """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff)."""
+    engine.update_weights(canonical_params(model)[0])
+    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label)

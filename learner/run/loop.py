@@ -1,0 +1,104 @@
+"""The run scaffold both jobs share: run folder, resolved config, metrics, progress bar, step range,
+checkpoints, and closing everything whatever happens.
+
+A job (PPO, distillation) is a :class:`Job`: a ``setup`` that builds its state, a ``step`` that
+returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_job` drives it:
+
+    1. run folder, resolved config printed and saved (rank 0)
+    2. setup (engines, models, optimizer; resume from the last checkpoint)
+    3. optional step-0 metrics (``Job.initial``, not on resume)
+    4. for each step in [start + 1, last]: step -> metrics.jsonl / TensorBoard -> checkpoint when due
+    5. close the progress bar, the metrics, the engines (in the job's order) and the process group;
+       plots (rank 0)
+
+Under ``torchrun`` only rank 0 writes; the other ranks run ``step`` (their slice of the update).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from export.errors import RefitError
+from learner.run.checkpoint import latest_checkpoint
+from learner.run.config import save_config
+from learner.run.distributed import DistContext, init_from_env
+from learner.run.metrics import MetricsLog, plot_metrics
+
+
+@dataclass
+class Job:
+    """What makes a training job; every callable gets the job's state (what ``setup`` returned)."""
+
+    name: str  # "ppo" | "distill": log prefix and progress-bar label
+    setup: Callable[[Any, bool, Callable, DistContext], Any]  # (cfg, resume, log, dist) -> state
+    step: Callable[[Any, int], dict]  # (state, step) -> metrics ({} on ranks > 0)
+    save: Callable[[Any, int], Any]  # (state, step): write the checkpoint of ``step``
+    engines: Callable[[Any], list]  # (state) -> engines to close, in order (None entries skipped)
+    postfix: Callable[[dict], dict]  # metrics -> progress-bar postfix
+    plot_panels: dict[str, list[str]] = field(default_factory=dict)
+    initial: Callable[[Any], dict] | None = None  # (state) -> step-0 metrics of a fresh run
+
+
+def last_step(cfg, start_step: int) -> int:
+    """The last step this process runs: ``steps``, or ``max_steps_this_run`` past the start (tests)."""
+    return cfg.steps if not cfg.max_steps_this_run else min(cfg.steps, start_step + cfg.max_steps_this_run)
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """Every ``every`` steps and at the last step."""
+    return step % every == 0 or step == total
+
+
+def check_finite(values: dict[str, float], what: str, run_dir: Path) -> None:
+    """One line, naming the last checkpoint, when any of ``values`` is NaN or infinite; nothing is saved."""
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        raise RefitError(f"non-finite {what} ({', '.join(f'{k}={values[k]}' for k in bad)}); nothing from this "
+                         f"step was saved, last checkpoint: {latest_checkpoint(run_dir)}")
+
+
+def _progress(cfg, initial: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=initial, desc=desc, dynamic_ncols=True)
+
+
+def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
+    """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing)."""
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dist = init_from_env(cfg.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
+    main = dist.is_main  # [dist] rank 0 alone writes config, metrics, checkpoints and plots
+    if main:
+        log(f"refit {job.name}: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
+    state = job.setup(cfg, resume, log, dist)
+    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=state.start_step if resume else None) if main else None
+    if main and not resume and job.initial is not None:
+        metrics.log(0, job.initial(state))
+    bar = _progress(cfg, state.start_step, job.name) if cfg.progress and main else None
+    try:
+        for step in range(state.start_step + 1, last_step(cfg, state.start_step) + 1):
+            m = job.step(state, step)
+            if not main:  # [dist]
+                continue
+            metrics.log(step, m)
+            if due(step, cfg.save_steps, cfg.steps):
+                job.save(state, step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(**job.postfix(m))
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+        for engine in job.engines(state):
+            if engine is not None:
+                engine.close()
+        dist.close()  # [dist] waits for every rank, leaves the process group
+    if main and cfg.plots:
+        plot_metrics(run_dir, job.plot_panels)
+    return run_dir, state
