@@ -36,7 +36,10 @@ class Engine(Protocol):
               response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,
               chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult: ...
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Load HF-named tensors; ``weights_version`` becomes ``version`` (a resumed run restores the
+        checkpoint's) or, by default, the current one + 1."""
+        ...
 
     @property
     def weights_version(self) -> int: ...
@@ -123,6 +126,15 @@ def check_prompts(prompts, max_len: int | None, max_new_tokens: int, vocab_size:
         if max_len is not None and len(p) + max_new_tokens > max_len:
             raise RefitError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                              f"the engine's max_len={max_len} (shorten it or re-export with a larger --max-len)")
+
+
+def next_version(current: int, version: int | None) -> int:
+    """The ``weights_version`` after a push: ``version`` when given (it may not go back), else ``current + 1``."""
+    if version is None:
+        return current + 1
+    if version < current:
+        raise RefitError(f"update_weights: version {version} is older than the engine's {current}")
+    return int(version)
 
 
 def check_version(batch: RolloutBatch, expected_version: int) -> None:
@@ -298,4 +310,5 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
 
 
 __all__ = ["Engine", "ModelSpec", "StepState", "backends", "check_prompts", "check_version", "create_engine",
+           "next_version",
            "decode_loop", "pad_prompts", "register_backend", "resolve_names", "run_generate", "run_score"]

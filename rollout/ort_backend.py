@@ -32,7 +32,7 @@ from export.errors import RefitError
 from export.graph import open_session, read_manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import engine_weights
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
 from rollout.sampling import one_thread
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
@@ -228,7 +228,7 @@ class OrtEngine:
         return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
                          temperature, topk, chunk_size)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1.
 
         1. map and check (transpose/tied folded in; views of the learner's tensors where the layout
@@ -264,7 +264,7 @@ class OrtEngine:
                         held[name].copy_(t)  # the learner's memory: snapshot it into our buffer
                     else:
                         held[name] = t  # already a fresh tensor of ours (a transposed copy)
-        self._version += 1
+        self._version = next_version(self._version, version)
 
     def close(self) -> None:
         self.sessions, self.weights = {}, {}

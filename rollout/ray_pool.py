@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from export.errors import RefitError
-from rollout.engine import DEFAULT_SCORE_CHUNK, check_prompts, create_engine, register_backend
+from rollout.engine import DEFAULT_SCORE_CHUNK, check_prompts, create_engine, next_version, register_backend
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_CHUNK = 8  # prompts per generate() chunk: the unit of sharding and of seeding
@@ -144,7 +144,7 @@ class EngineWorker:
         return self.version, self.engine.score(*args, **kw)
 
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.update_weights(named)
+        self.engine.update_weights(named, version)
         self.version = version
         return self.version
 
@@ -352,11 +352,11 @@ class RayEnginePool:
             fields[name] = None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
         return ScoreResult(**fields)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """One ``ray.put`` of the tensors; every worker loads that ref and must report the new version."""
         named = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
         ref = self._ray.put(named)
-        target = self._version + 1
+        target = next_version(self._version, version)
         replies = self._run("update_weights", {i: (lambda actor: actor.load_weights.remote(ref, target))
                                                for i in range(len(self._workers))})
         versions = sorted(set(replies.values()))

@@ -15,7 +15,7 @@ import torch
 
 from export.errors import RefitError
 from export.padding import position_ids_from_mask
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 
@@ -116,7 +116,7 @@ class TorchEngine:
                          temperature, topk, chunk_size)
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Copy HF state_dict tensors (canonical or tied alias names) into the model; version += 1."""
         from export.weight_map import canonical_params
 
@@ -128,7 +128,7 @@ class TorchEngine:
                                  f"the model expects {tuple(params[name].shape)}")
         for name, t in named_tensors.items():
             params[name].copy_(t.detach())
-        self._version += 1
+        self._version = next_version(self._version, version)
 
     def close(self) -> None:
         self.model = None

@@ -35,7 +35,7 @@ from export.errors import RefitError
 from export.graph import read_manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import apply_transform
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -367,7 +367,7 @@ class TrtEngine:
                              f"weights the map does not feed, e.g. {missing[:5]}; nothing was changed")
         return refitter
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Push HF-named tensors into the plans with ``trt.Refitter``; all graphs or none; version += 1."""
         named = resolve_names(named_tensors, set(self.manifest["weight_map"]), self.manifest.get("tied", {}))
         keep: list[torch.Tensor] = []
@@ -381,7 +381,7 @@ class TrtEngine:
             self.stream.synchronize()
         for g, new in staged.items():
             self.weights[g].update(new)
-        self._version += 1
+        self._version = next_version(self._version, version)
 
     def close(self) -> None:
         if getattr(self, "stream", None) is not None:

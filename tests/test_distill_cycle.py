@@ -182,9 +182,11 @@ def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_pa
     a, b = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for ra, rb in zip(a[3:], b[3:]):
-        for k, v in ra.items():
-            if not k.startswith(("time/", "engine/")) and "tokens_per_s" not in k and v is not None:
+        assert set(ra) == set(rb), ra["step"]
+        for k, v in ra.items():  # every field but wall-clock ones, the engine's weights_version included
+            if not k.startswith("time/") and "tokens_per_s" not in k and v is not None:
                 assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (ra["step"], k)
+    assert [r.get("engine/weights_version") for r in b[1:]] == [1, 2, 3, 4]
     assert a[-1]["eval/kl_to_teacher"] is not None and json.loads((part / "summary.json").read_text())["steps"] == 4
 
 

@@ -16,7 +16,7 @@ from export.checkpoint import load_tokenizer, model_info
 from export.errors import RefitError
 from export.padding import check_left_padded, check_right_padded, pad_batch
 from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
-from learner.run.data import step_prompt_indices
+from learner.run.data import prompt_indices
 from learner.run.policy import response_forward
 from rollout.engine import check_version
 from rollout.types import SamplingParams
@@ -120,7 +120,8 @@ def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
 def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
     cfg = run.cfg
-    idx = step_prompt_indices(len(run.prompt_ids), cfg.batch_size, step, cfg.seed)
+    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.batch_size, cfg.seed)
+    run.data_position += cfg.batch_size
     prompts = [run.prompt_ids[i] for i in idx]
     seed = cfg.seed * 1_000_003 + step
     t0 = time.perf_counter()

@@ -81,6 +81,7 @@ class DistillConfig:
     rollout_worker_gpus: float = _f(-1.0, "Ray GPUs reserved by each engine actor; -1: 0.5 for the tensorrt "
                                           "backend, else 0")
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
+    bf16: bool = _f(True, "bf16 autocast for the student forward on CUDA (ignored on CPU)")
     tensorboard: bool = _f(True, "write TensorBoard events")
     plots: bool = _f(True, "write PNG plots at the end")
     progress: bool = _f(True, "show a progress bar")

@@ -83,6 +83,7 @@ class Run:
     pad_id: int
     prompt_side: str
     start_step: int = 0
+    data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     expected_version: int = 0  # the student engine weights_version an on-policy batch must come from
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
@@ -131,8 +132,11 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
         run.start_step = state["step"]
-        student_engine.update_weights(canonical_params(student)[0])
-        log(f"refit distill: resumed from {ck} (step {run.start_step}, student engine weights pushed)")
+        run.data_position = state.get("data_position", run.start_step * cfg.batch_size)
+        # the checkpoint's weights, under the version the engine had then
+        student_engine.update_weights(canonical_params(student)[0], version=state.get("engine_weights_version"))
+        log(f"refit distill: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
+            f"student engine weights_version {student_engine.weights_version})")
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     run.expected_version = student_engine.weights_version
     probe_rows = prompt_ids[:min(cfg.probe_size, len(prompt_ids))]
@@ -184,14 +188,17 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     micro = local // ga
     model = ctx.policy_ddp if ctx.enabled else run.student
     n_tokens = b.response_mask.sum().clamp(min=1.0)  # the whole batch's: every rank holds it
+    dev = next(run.student.parameters()).device
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16 and dev.type == "cuda")
     # the student stays in eval mode: no dropout, as TRL's disable_dropout=True (and the engine has none)
     run.optimizer.zero_grad(set_to_none=True)
     total, acc = 0.0, {}
     for a in range(ga):
         rows = slice(ctx.rank * local + a * micro, ctx.rank * local + (a + 1) * micro)
         with ctx.no_sync(a == ga - 1):  # gradient sync on the last micro-batch (nothing for one process)
-            logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
-                                      b.is_seq2seq).logits
+            with autocast:  # response_forward returns float32 logits either way
+                logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
+                                          b.is_seq2seq).logits
             loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)
             (loss * k).backward()
         total += float(loss.detach())
@@ -248,7 +255,7 @@ def train_and_evaluate(run: Run, step: int) -> dict[str, float]:
 
 
 def save(run: Run, step: int) -> Path:
-    state = {"data_position": step * run.cfg.batch_size, "engine_weights_version": run.student_engine.weights_version}
+    state = {"data_position": run.data_position, "engine_weights_version": run.student_engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.student, run.tok, None, run.optimizer, run.scheduler, state,
                            run.cfg.keep_checkpoints)
 

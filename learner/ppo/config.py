@@ -55,6 +55,8 @@ class PPOConfig:
     mismatch_correction: str = _f("none", "rollout/learner mismatch correction",
                                   choices=["none", "tis", "seq_mask"])
     tis_cap: float = _f(2.0, "truncated importance sampling cap C")
+    tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "
+                                    "scales the policy gradient, falls below this")
     seq_mask_threshold: float = _f(1.0, "seq_mask: drop sequences whose max |logprob diff| exceeds this")
     sync_every: int = _f(1, "push weights into the engine every N steps")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")

@@ -30,7 +30,7 @@ from learner.ppo.rewards import RewardFn, load_reward
 from learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, make_advantages,
                                 per_token_rewards, score_batch)
 from learner.run.checkpoint import resume_latest, save_checkpoint
-from learner.run.data import decode_responses, step_prompt_indices
+from learner.run.data import decode_responses, prompt_indices
 from learner.run.distributed import DistContext
 from learner.run.engines import engine_for_model, pick_device, push_weights
 from learner.run.loop import Job, check_finite, due, run_job
@@ -75,6 +75,8 @@ class Run:
     reward_fn: RewardFn
     kl_coef: float
     start_step: int = 0
+    data_position: int = 0  # prompts consumed so far (the next step starts at this one)
+    tis_warned: bool = False  # the small-TIS-weights warning is given once per run
     expected_version: int = 0  # the engine weights_version a rollout must come from
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
@@ -111,9 +113,11 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
-        if engine is not None:
-            engine.update_weights(canonical_params(policy)[0])
-            log(f"refit ppo: resumed from {ck} (step {run.start_step}, engine weights pushed)")
+        run.data_position = state.get("data_position", run.start_step * cfg.batch_size)
+        if engine is not None:  # the checkpoint's weights, under the version the engine had then
+            engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
+            log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
+                f"engine weights_version {engine.weights_version})")
     dist.wrap(policy, value_head)  # [dist] DDP (a no-op for one process)
     if engine is None:
         return run
@@ -134,6 +138,8 @@ def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dic
     is_weights = None
     if cfg.mismatch_correction == "tis":
         is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs, cfg.tis_cap) * mask
+        # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
+        stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, mask))
     elif cfg.mismatch_correction == "seq_mask":
         drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs, mask, cfg.seq_mask_threshold)
         mask = mask * (~drop).float()[:, None]
@@ -153,11 +159,28 @@ def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dic
     return exp, stats
 
 
+def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
+    """One line (once per run) when truncated importance weights shrink the policy gradient below
+    ``tis_warn_below``: with top-k/top-p the sampler's probabilities exceed the policy's, so the weights
+    ``pi/q`` are small by construction and the update is scaled down by their mean."""
+    scale = stats.get("mismatch/tis_grad_scale")
+    if scale is None or scale >= run.cfg.tis_warn_below or run.tis_warned:
+        return
+    run.tis_warned = True
+    why = (f"top_k={sampling.top_k}, top_p={sampling.top_p} truncate the sampler" if sampling.truncates
+           else "the engine and the learner disagree")
+    log(f"step {step}: warning: mean truncated importance weight {scale:.3g} < tis_warn_below "
+        f"{run.cfg.tis_warn_below:g}: the policy gradient is scaled by ~{scale:.3g} ({why}); widen or drop the "
+        "truncation, or use mismatch_correction none/seq_mask (README: log-prob contract); logged as "
+        "mismatch/tis_grad_scale, warned once")
+
+
 def update_settings(run: Run) -> UpdateSettings:
     cfg = run.cfg
     return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.gradient_accumulation_steps,
                           cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.max_grad_norm,
                           cfg.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+                          kl_estimator=cfg.kl_estimator,
                           autocast_bf16=cfg.bf16 and next(run.policy.parameters()).is_cuda)
 
 
@@ -167,11 +190,12 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
         exp, run.kl_coef = run.dist.share((None, run.kl_coef))
         distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                               update_settings(run), update_gen)
+                               update_settings(run), update_gen, ref_model=run.ref)
         return {}
     timings = {}
     t0 = time.perf_counter()
-    idx = step_prompt_indices(len(run.prompts), cfg.batch_size, step, cfg.seed)
+    idx = prompt_indices(len(run.prompts), run.data_position, cfg.batch_size, cfg.seed)
+    run.data_position += cfg.batch_size
     sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, n=cfg.num_generations, seed=cfg.seed * 1_000_003 + step)
     rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
@@ -186,7 +210,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     t2 = time.perf_counter()
     exp, _ = run.dist.share((exp, run.kl_coef))  # [dist] to ranks > 0 (no-op for one process)
     upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                 update_settings(run), update_gen)  # [dist] plain ppo_update for one process
+                                 update_settings(run), update_gen, ref_model=run.ref)  # [dist] one process: plain
     check_finite(upd, f"loss at step {step}", run.run_dir)
     timings["time/update"] = time.perf_counter() - t2
     if cfg.adap_kl_ctrl:
@@ -197,6 +221,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
             run.engine, run.policy, run.probe, cfg.temperature, cfg.probe_tol, run.run_dir)
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())
+    warn_small_tis_weights(run, step, stats, sampling, log)
     cause = name_mismatch(stats)
     if cause is not None:
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}")
@@ -210,7 +235,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
 
 
 def save(run: Run, step: int) -> Path:
-    state = {"kl_coef": run.kl_coef, "data_position": step * run.cfg.batch_size,
+    state = {"kl_coef": run.kl_coef, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
                            state, run.cfg.keep_checkpoints)

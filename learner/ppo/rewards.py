@@ -21,7 +21,12 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 
 
 class ClassifierReward:
-    """Score ``prompt + response`` with an HF ``AutoModelForSequenceClassification`` folder."""
+    """Score ``prompt + response`` with an HF ``AutoModelForSequenceClassification`` folder.
+
+    The reward is the logit of ``label_index``. Texts are padded in batches of ``batch_size`` and cut to
+    the model's position limit (from the left, so the response is kept); the model pools the last
+    non-padding token as HF's sequence classifiers do.
+    """
 
     def __init__(self, path: str, label_index: int = 0, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -31,6 +36,14 @@ class ClassifierReward:
             self.model = AutoModelForSequenceClassification.from_pretrained(path).eval()
         except Exception as e:  # noqa: BLE001
             raise RefitError(f"cannot load reward model {path}: {str(e).splitlines()[0]}") from None
+        if self.tok.pad_token_id is None or self.model.config.pad_token_id is None:
+            raise RefitError(f"reward model {path}: the tokenizer and config need a pad token to score batches")
+        if not 0 <= label_index < self.model.config.num_labels:
+            raise RefitError(f"reward model {path} has {self.model.config.num_labels} labels; label_index "
+                             f"{label_index} is out of range")
+        c = self.model.config
+        self.max_length = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+        self.tok.truncation_side = "left"
         self.label_index, self.batch_size = label_index, batch_size
 
     @torch.no_grad()
@@ -38,7 +51,8 @@ class ClassifierReward:
         texts = [p + r for p, r in zip(prompts, responses)]
         out: list[float] = []
         for i in range(0, len(texts), self.batch_size):
-            enc = self.tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True)
+            enc = self.tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                           truncation=self.max_length is not None, max_length=self.max_length)
             out += self.model(**enc).logits[:, self.label_index].float().tolist()
         return out
 

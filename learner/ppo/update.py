@@ -104,15 +104,28 @@ class UpdateSettings:
     max_grad_norm: float
     temperature: float
     kl_coef: float = 0.0  # used only when kl_in_loss
-    kl_in_loss: bool = False  # GRPO-style: k3 KL to the reference as a loss term
-    autocast_bf16: bool = False
+    kl_in_loss: bool = False  # GRPO-style: KL to the reference as a loss term (instead of a reward penalty)
+    kl_estimator: str = "k3"  # the loss term's estimator: k1 | k2 | k3 | exact (exact needs ref_model)
+    autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
 
 
-def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings):
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if s.autocast_bf16 else torch.autocast("cpu", enabled=False)
+def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
+                 logits: torch.Tensor | None = None, ref_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL(pi || ref) (B, Tr) for the loss, by ``kind``; ``exact`` sums over the vocabulary and
+    needs both models' logits (B, Tr, V) at the update's temperature (the others only the sampled tokens')."""
+    if kind == "exact":
+        if logits is None or ref_logits is None:
+            raise RefitError("kl_estimator=exact in the loss needs the reference model's logits")
+        return L.exact_kl_from_logits(logits, ref_logits)
+    return L.kl_estimate(logprobs, ref_logprobs, kind)
+
+
+def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings, ref_model=None):
+    dev_type = next(model.parameters()).device.type
+    ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
+    args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), s.temperature)
     with ctx:
-        out = response_forward(model, exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx],
-                               _is_s2s(model), s.temperature, value_head)
+        out = response_forward(model, *args, value_head)
     dev = out.logits.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask = g(exp.mask)
@@ -123,10 +136,19 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
                                   num_tokens=n_tokens)
     ent = L.token_mean(L.entropy_from_logits(out.logits), mask, n_tokens)
     loss = pg + s.vf_coef * vf - s.entropy_coef * ent
+    stats = {**pstats, **vstats, "entropy": ent.detach()}
     if s.kl_in_loss:
-        kl = L.token_mean(L.kl_k3(logprobs, g(exp.ref_logprobs)), mask, n_tokens)
+        ref_logits = None
+        if s.kl_estimator == "exact":
+            if ref_model is None:
+                raise RefitError("kl_penalty=loss with kl_estimator=exact: ppo_update needs ref_model")
+            with torch.no_grad(), ctx:
+                ref_logits = response_forward(ref_model, *args).logits.to(dev)
+        per_token = kl_loss_term(logprobs, g(exp.ref_logprobs), s.kl_estimator, out.logits, ref_logits)
+        kl = L.token_mean(per_token, mask, n_tokens)
         loss = loss + s.kl_coef * kl
-    return loss, {**pstats, **vstats, "entropy": ent.detach()}
+        stats["kl_loss"] = kl.detach()
+    return loss, stats
 
 
 def _is_s2s(model) -> bool:
@@ -134,7 +156,7 @@ def _is_s2s(model) -> bool:
 
 
 def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-               generator: torch.Generator, shard=None) -> dict[str, float]:
+               generator: torch.Generator, shard=None, ref_model=None) -> dict[str, float]:
     """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
     micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing).
 
@@ -169,7 +191,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
                 idx = mine[a * micro:(a + 1) * micro]
                 last = a == s.gradient_accumulation_steps - 1
                 with (shard.no_sync(last) if shard is not None else contextlib.nullcontext()):
-                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s)
+                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s, ref_model)
                     (loss * k).backward()
                 for key, v in stats.items():
                     mb.setdefault(key, []).append(float(v))
@@ -182,7 +204,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     return {key: _combine(key, v) for key, v in acc.items()}
 
 
-TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy")  # partial token sums over the minibatch's token count
+TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss")  # partial token sums over the minibatch's token count
 MAX_STATS = ("ratio_max",)
 
 
@@ -197,15 +219,16 @@ def _combine(key: str, values: list[float], over_micro_batches: bool = False) ->
 
 
 def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-                           generator: torch.Generator) -> dict[str, float]:
+                           generator: torch.Generator, ref_model=None) -> dict[str, float]:
     """:func:`ppo_update` for one process, or under torchrun over this rank's slice of every global minibatch
     (``ctx``: a :class:`learner.run.distributed.DistContext` after ``wrap``), stats reduced across ranks.
 
     ``exp`` is the full batch on every rank; only this rank's rows go through the model.
     """
     if not ctx.enabled:
-        return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator)
+        return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator, ref_model=ref_model)
     if ctx.policy_ddp is None:
         raise RefitError("distributed_ppo_update: call DistContext.wrap(policy, value_head) first")
-    stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx)
+    stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx,
+                       ref_model=ref_model)
     return reduce_stats(ctx, stats, TOKEN_SUM_STATS, MAX_STATS)

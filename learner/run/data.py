@@ -11,10 +11,14 @@ import random
 from rollout.types import RolloutBatch
 
 
-def step_prompt_indices(n_prompts: int, batch: int, step: int, seed: int) -> list[int]:
-    """Prompt indices of step ``step`` (1-based): epochs of a seeded permutation, no state."""
+def prompt_indices(n_prompts: int, position: int, count: int, seed: int) -> list[int]:
+    """The ``count`` prompt indices from data position ``position`` on: epochs of a seeded permutation.
+
+    A run keeps its position (prompts consumed so far) in each checkpoint, so a resumed run goes on
+    from there even with another batch size.
+    """
     out = []
-    for pos in range((step - 1) * batch, step * batch):
+    for pos in range(position, position + count):
         epoch, i = divmod(pos, n_prompts)
         perm = list(range(n_prompts))
         random.Random(seed * 7919 + epoch).shuffle(perm)
