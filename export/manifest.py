@@ -237,7 +237,10 @@ class Manifest:
         known = {f.name for f in fields(cls)} - {"extra"}
         body = {k: v for k, v in raw.items() if k in known}
         extra = {k: v for k, v in raw.items() if k not in known and k != "format"}
-        return _build(cls, body, where, fixed={"extra": extra})
+        try:
+            return _build(cls, body, "", fixed={"extra": extra})
+        except _LayoutError as e:
+            raise RefitError(f"{where}: {e}") from None
 
     def to_dict(self) -> dict:
         """The JSON layout: ``format`` first, the fields in order, then the preserved ``extra`` sections."""
@@ -354,10 +357,18 @@ def _plan_problems(m: Manifest) -> list[str]:
 
 # ------------------------------------------------------------------------------- JSON <-> records
 
-def _build(cls, raw: object, where: str, fixed: dict | None = None):
+class _LayoutError(ValueError):
+    """A layout problem at a dotted path inside the manifest; from_dict adds the file name."""
+
+
+def _at(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _build(cls, raw: object, path: str, fixed: dict | None = None):
     """Record ``cls`` from its JSON object: every field present (optional ones may be absent), no other key."""
     if not isinstance(raw, dict):
-        raise RefitError(f"{where}: expected an object, got {type(raw).__name__}")
+        raise _LayoutError(f"{path}: expected an object, got {type(raw).__name__}")
     fixed = fixed or {}
     hints = typing.get_type_hints(cls)
     own = [f for f in fields(cls) if f.name not in fixed]
@@ -366,35 +377,35 @@ def _build(cls, raw: object, where: str, fixed: dict | None = None):
     if unknown or missing:
         what = "; ".join(s for s in (missing and f"missing {', '.join(missing)}",
                                      unknown and f"unknown key(s) {', '.join(unknown)}") if s)
-        raise RefitError(f"{where}: {what}")
-    kw = {f.name: _value(raw[f.name], hints[f.name], f"{where}: {f.name}") for f in own if f.name in raw}
+        raise _LayoutError(f"{path}: {what}" if path else what)
+    kw = {f.name: _value(raw[f.name], hints[f.name], _at(path, f.name)) for f in own if f.name in raw}
     return cls(**kw, **fixed)
 
 
-def _value(v: object, hint, where: str):
+def _value(v: object, hint, path: str):
     """``v`` as ``hint`` (a record, tuple[X, ...], Mapping[str, X], X | None, int, float, str or object)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if v is None and type(None) in args:
             return None
-        return _value(v, next(a for a in args if a is not type(None)), where)
+        return _value(v, next(a for a in args if a is not type(None)), path)
     if is_dataclass(hint):
-        return _build(hint, v, where)
+        return _build(hint, v, path)
     if origin is tuple:
         if not isinstance(v, list):
-            raise RefitError(f"{where}: expected a list, got {type(v).__name__}")
-        return tuple(_value(x, args[0], f"{where}[{i}]") for i, x in enumerate(v))
+            raise _LayoutError(f"{path}: expected a list, got {type(v).__name__}")
+        return tuple(_value(x, args[0], f"{path}[{i}]") for i, x in enumerate(v))
     if origin in (Mapping, dict):
         if not isinstance(v, dict):
-            raise RefitError(f"{where}: expected an object, got {type(v).__name__}")
-        return {k: _value(x, args[1], f"{where}.{k}") for k, x in v.items()}
+            raise _LayoutError(f"{path}: expected an object, got {type(v).__name__}")
+        return {k: _value(x, args[1], _at(path, k)) for k, x in v.items()}
     if hint is object:
         return v
     ok = {int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
           str: lambda x: isinstance(x, str)}[hint]
     if not ok(v):
-        raise RefitError(f"{where}: expected {hint.__name__}, got {json.dumps(v)[:40]}")
+        raise _LayoutError(f"{path}: expected {hint.__name__}, got {json.dumps(v)[:40]}")
     return v
 
 
