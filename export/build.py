@@ -24,13 +24,13 @@ TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int) -> bool:
     """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``."""
-    from export.graph import MANIFEST, read_manifest
+    from export.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
         return False
-    m = read_manifest(engine_dir)
-    return (m["hashes"]["hf_weights_sha256"] == weights_hash(model_dir) and m["dims"]["max_batch"] >= rows
-            and m["dims"]["max_len"] >= max_len)
+    m = Manifest.read(engine_dir)
+    return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
+            and m.dims.max_len >= max_len)
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",

@@ -10,33 +10,13 @@ old values (measured on this machine; see DEVELOPERS.md).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from export.errors import RefitError
 
-MANIFEST = "manifest.json"
-FORMAT = "refit-engine/1"
-
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
-
-
-def read_manifest(engine_dir: str | Path) -> dict:
-    engine_dir = Path(engine_dir)
-    f = engine_dir / MANIFEST
-    if not engine_dir.is_dir():
-        raise RefitError(f"engine folder {engine_dir} does not exist")
-    if not f.exists():
-        raise RefitError(f"{engine_dir} is not a Refit engine folder: no {MANIFEST} (run `refit export` first)")
-    try:
-        m = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise RefitError(f"{f} is corrupt: {e}") from None
-    if m.get("format") != FORMAT:
-        raise RefitError(f"{f} has format {m.get('format')!r}, this Refit reads {FORMAT!r}")
-    return m
 
 
 def session_options(threads: int | None = None, opt_level: str = "all"):

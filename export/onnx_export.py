@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 
 from export.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from export.errors import RefitError
-from export.graph import FORMAT, MANIFEST
+from export.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
 from export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
                                fingerprint_, tensor_bytes)
 from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
@@ -221,14 +221,13 @@ def _check_out_dir(out_dir: Path, key: str) -> bool:
         return False
     if not out_dir.is_dir():
         raise RefitError(f"output {out_dir} exists and is not a folder")
-    m = out_dir / MANIFEST
-    if not m.exists():
+    if not (out_dir / MANIFEST).exists():
         if any(out_dir.iterdir()):
             raise RefitError(f"output folder {out_dir} holds something else (no {MANIFEST}); refusing to overwrite it")
         return False
     try:
-        return json.loads(m.read_text()).get("cache_key") == key
-    except json.JSONDecodeError:
+        return Manifest.read(out_dir).cache_key == key
+    except RefitError:  # corrupt, another format or inconsistent: export again over it
         return False
 
 
@@ -281,61 +280,53 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         for s in specs:
             path = tmp / f"{s['name']}.onnx"
             _write_graph(protos[s["name"]], real.get(s["name"], {}), path)
-            graphs[s["name"]] = {
-                "file": path.name, "data": path.name + ".data", "inputs": s["inputs"], "outputs": s["outputs"],
-                "sha256": _sha256_files([path]), "weights_sha256": _sha256_files([tmp / (path.name + ".data")]),
-            }
+            graphs[s["name"]] = GraphSpec(
+                file=path.name, data=path.name + ".data", inputs=tuple(s["inputs"]), outputs=tuple(s["outputs"]),
+                sha256=_sha256_files([path]), weights_sha256=_sha256_files([tmp / (path.name + ".data")]))
         tok.save_pretrained(str(tmp / "tokenizer"))
         shutil.copy(model_dir / "config.json", tmp / "config.json")
         export_s = time.perf_counter() - t0
         manifest = _manifest(info, opts, key, graphs, wmap, tied, model_dir, export_s)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        manifest.write(tmp)
         tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
-        manifest["parity"] = parity_gate(model, tmp, manifest, tok, tol)
-        manifest["export_seconds"] = round(time.perf_counter() - t0, 3)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
+                           export_seconds=round(time.perf_counter() - t0, 3))
+        manifest.write(tmp)
         _atomic_replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    p = manifest["parity"]
-    log(f"refit export: wrote {out_dir} in {manifest['export_seconds']:.1f} s; parity max|dlogit|="
-        f"{p['max_abs_logit_diff']:.2e} max|dlogprob|={p['max_abs_logprob_diff']:.2e} (tol {tol:g})")
+    p = manifest.parity
+    log(f"refit export: wrote {out_dir} in {manifest.export_seconds:.1f} s; parity max|dlogit|="
+        f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {tol:g})")
     return out_dir
 
 
-def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict, wmap: dict, tied: dict,
-              model_dir: Path, export_s: float) -> dict:
+def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict[str, GraphSpec], wmap: dict,
+              tied: dict[str, str], model_dir: Path, export_s: float) -> Manifest:
     from export.profiles import dynamic_dims, shape_profiles
 
-    return {
-        "format": FORMAT,
-        "backend": "onnx",
-        "model_type": info.model_type,
-        "architecture": info.architecture,
-        "kind": info.kind,
-        "dtype": opts.dtype,
-        "opset": OPSET,
-        "source_model": str(model_dir.resolve()),
-        "padding": {
-            "prompt_side": info.padding_side,
-            "position_ids": "cumsum(attention_mask)-1, 1 on padding" if info.kind == "decoder" else "relative (T5)",
-            "response_side": "right",
-            "rule": "decoder-only: left-padded prompts; encoder-decoder: encoder padded on its native side",
-        },
-        "special_ids": {"pad": info.pad_id, "eos": info.eos_id, "decoder_start": info.decoder_start_id},
-        "dims": {"vocab_size": info.vocab_size, "n_layers": info.n_layers, "n_kv_heads": info.n_kv_heads,
-                 "head_dim": info.head_dim, "max_positions": info.max_positions,
-                 "max_batch": opts.max_batch, "max_len": opts.max_len},
-        "graphs": graphs,
-        "dynamic_dims": dynamic_dims(info),
-        "profiles": shape_profiles(info, opts.max_batch, opts.max_len),
-        "weight_map": wmap,
-        "tied": tied,
-        "hashes": {"hf_weights_sha256": weights_hash(model_dir),
-                   "graphs_sha256": {g: v["sha256"] for g, v in graphs.items()},
-                   "engine_weights_sha256": {g: v["weights_sha256"] for g, v in graphs.items()}},
-        "cache_key": key,
-        "options": asdict(opts),
-        "versions": _versions(),
-        "trace_seconds": round(export_s, 3),
-    }
+    return Manifest(
+        backend="onnx", model_type=info.model_type, architecture=info.architecture, kind=info.kind,
+        dtype=opts.dtype, opset=OPSET, source_model=str(model_dir.resolve()),
+        padding=Padding(
+            prompt_side=info.padding_side,
+            position_ids="cumsum(attention_mask)-1, 1 on padding" if info.kind == "decoder" else "relative (T5)",
+            response_side="right",
+            rule="decoder-only: left-padded prompts; encoder-decoder: encoder padded on its native side"),
+        special_ids=SpecialIds(pad=info.pad_id, eos=info.eos_id, decoder_start=info.decoder_start_id),
+        dims=Dims(vocab_size=info.vocab_size, n_layers=info.n_layers, n_kv_heads=info.n_kv_heads,
+                  head_dim=info.head_dim, max_positions=info.max_positions,
+                  max_batch=opts.max_batch, max_len=opts.max_len),
+        graphs=graphs,
+        dynamic_dims=dynamic_dims(info),
+        profiles=shape_profiles(info, opts.max_batch, opts.max_len),
+        weight_map=wmap,
+        tied=tied,
+        hashes=Hashes(hf_weights_sha256=weights_hash(model_dir),
+                      graphs_sha256={g: v.sha256 for g, v in graphs.items()},
+                      engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()}),
+        cache_key=key,
+        options=asdict(opts),
+        versions=_versions(),
+        trace_seconds=round(export_s, 3),
+    )

@@ -5,7 +5,8 @@
   same positions alone or inside a padded batch. Generated tokens follow on the right.
 - Encoder-decoder models: the encoder input is padded on the model's native side (right for
   T5, as its relative position bias assumes; forcing left padding there is the TRL negative-KL
-  bug in ../shared/seeds/). The decoder starts from ``decoder_start_token_id``, no padding.
+  bug, TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262, fixing
+  TRL issue #256). The decoder starts from ``decoder_start_token_id``, no padding.
 - Responses are RIGHT-padded: ``response_mask`` is 1 up to and including the first stop token.
 
 Everything here works on numpy arrays and torch tensors alike.

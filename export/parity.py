@@ -15,6 +15,7 @@ import torch
 
 from export.errors import RefitError
 from export.graph import open_session
+from export.manifest import Manifest, Parity
 from export.padding import pad_batch, position_ids_from_mask
 
 PARITY_PROMPTS = ["12+34=", "sort 9172 = ", "Refit trains language models", "7"]
@@ -26,32 +27,32 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def _empty_past(manifest: dict, b: int, dtype) -> dict[str, np.ndarray]:
-    d = manifest["dims"]
-    shape = (b, d["n_kv_heads"], 0, d["head_dim"])
-    return {f"past.{i}.{k}": np.zeros(shape, dtype) for i in range(d["n_layers"]) for k in ("key", "value")}
+def _empty_past(manifest: Manifest, b: int, dtype) -> dict[str, np.ndarray]:
+    d = manifest.dims
+    shape = (b, d.n_kv_heads, 0, d.head_dim)  # (B, H_kv, 0, D)
+    return {f"past.{i}.{k}": np.zeros(shape, dtype) for i in range(d.n_layers) for k in ("key", "value")}
 
 
-def _np_dtype(manifest: dict):
-    return {"fp32": np.float32, "fp16": np.float16}.get(manifest["dtype"], np.float32)
+def _np_dtype(manifest: Manifest):
+    return {"fp32": np.float32, "fp16": np.float16}.get(manifest.dtype, np.float32)
 
 
-def engine_greedy_logits(engine_dir: Path, manifest: dict, ids: np.ndarray, mask: np.ndarray, n_decode: int):
+def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
     """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed."""
-    sessions = {g: open_session(engine_dir / spec["file"])[0] for g, spec in manifest["graphs"].items()}
+    sessions = {g: open_session(engine_dir / spec.file)[0] for g, spec in manifest.graphs.items()}
     dt, b = _np_dtype(manifest), ids.shape[0]
     past = _empty_past(manifest, b, dt)
     steps, fed = [], []
-    if manifest["kind"] == "decoder":  # logits of the last prompt position only, as the engines ask for
+    if manifest.kind == "decoder":  # logits of the last prompt position only, as the engines ask for
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
                  "logits_index": np.array([ids.shape[1] - 1], np.int64)}
     else:
         enc = sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
-        cross = dict(zip(manifest["graphs"]["encoder"]["outputs"][1:], enc[1:]))
-        start = np.full((b, 1), manifest["special_ids"]["decoder_start"], dtype=np.int64)
+        cross = dict(zip(manifest.graphs["encoder"].outputs[1:], enc[1:]))
+        start = np.full((b, 1), manifest.special_ids.decoder_start, dtype=np.int64)
         feeds = {"decoder_input_ids": start, "encoder_attention_mask": mask, **cross}
     dec = sessions["decoder"]
-    out_names = manifest["graphs"]["decoder"]["outputs"]
+    out_names = manifest.graphs["decoder"].outputs
     for step in range(n_decode + 1):
         outs = dict(zip(out_names, dec.run(None, {**feeds, **past})))
         last = outs["logits"][:, -1].astype(np.float32)
@@ -59,7 +60,7 @@ def engine_greedy_logits(engine_dir: Path, manifest: dict, ids: np.ndarray, mask
         nxt = last.argmax(-1)[:, None].astype(np.int64)
         fed.append(nxt)
         past = {n.replace("present", "past"): v for n, v in outs.items() if n.startswith("present")}
-        if manifest["kind"] == "decoder":
+        if manifest.kind == "decoder":
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], 1)
             feeds = {"input_ids": nxt, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)[:, -1:],
                      "logits_index": np.zeros(1, np.int64)}
@@ -69,31 +70,31 @@ def engine_greedy_logits(engine_dir: Path, manifest: dict, ids: np.ndarray, mask
 
 
 @torch.no_grad()
-def torch_reference_logits(model, manifest: dict, ids: np.ndarray, mask: np.ndarray, fed: np.ndarray) -> np.ndarray:
+def torch_reference_logits(model, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, fed: np.ndarray) -> np.ndarray:
     """PyTorch logits (B, 1 + n_decode, V) at the same positions, from one uncached forward."""
     n = fed.shape[1]
-    if manifest["kind"] == "decoder":
+    if manifest.kind == "decoder":
         full = torch.from_numpy(np.concatenate([ids, fed[:, :-1]], 1))
         fmask = torch.from_numpy(np.concatenate([mask, np.ones_like(fed[:, :-1])], 1))
         logits = model(input_ids=full, attention_mask=fmask, position_ids=position_ids_from_mask(fmask)).logits
         return logits[:, -n:].float().numpy()
-    start = np.full((ids.shape[0], 1), manifest["special_ids"]["decoder_start"], dtype=np.int64)
+    start = np.full((ids.shape[0], 1), manifest.special_ids.decoder_start, dtype=np.int64)
     dec_ids = torch.from_numpy(np.concatenate([start, fed[:, :-1]], 1))
     out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), decoder_input_ids=dec_ids)
     return out.logits.float().numpy()
 
 
-def parity_gate(model, engine_dir: Path, manifest: dict, tokenizer, tol: float, n_decode: int = 4) -> dict:
+def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: float, n_decode: int = 4) -> Parity:
     """Run the gate; return the manifest's ``parity`` record or raise RefitError above ``tol``."""
-    seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest["special_ids"]["eos"]] for p in PARITY_PROMPTS]
-    ids, mask = pad_batch(seqs, manifest["special_ids"]["pad"], manifest["padding"]["prompt_side"])
+    seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
+    ids, mask = pad_batch(seqs, manifest.special_ids.pad, manifest.padding.prompt_side)
     eng, fed = engine_greedy_logits(Path(engine_dir), manifest, ids, mask, n_decode)
     ref = torch_reference_logits(model, manifest, ids, mask, fed)
     dlogit = float(np.abs(eng.astype(np.float64) - ref).max())
     dlogp = float(np.abs(_log_softmax(eng) - _log_softmax(ref)).max())
-    record = {"max_abs_logit_diff": dlogit, "max_abs_logprob_diff": dlogp, "tolerance_logprob": tol,
-              "prompts": len(seqs), "prompt_lengths": [len(s) for s in seqs], "decode_steps": n_decode,
-              "padding_side": manifest["padding"]["prompt_side"], "reference": "PyTorch uncached forward"}
+    record = Parity(max_abs_logit_diff=dlogit, max_abs_logprob_diff=dlogp, tolerance_logprob=tol,
+                    prompts=len(seqs), prompt_lengths=tuple(len(s) for s in seqs), decode_steps=n_decode,
+                    padding_side=manifest.padding.prompt_side, reference="PyTorch uncached forward")
     if not np.isfinite(dlogp) or dlogp > tol:
         raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} "
                          f"(max |logit diff| {dlogit:.3e}); the engine does not compute what PyTorch computes")

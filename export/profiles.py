@@ -3,12 +3,13 @@
 Two profiles per decoder graph, as TensorRT needs them (one optimization profile each) and
 as the manifest records them: ``prefill`` (the whole prompt, empty cache) and ``decode`` (one
 new token per row, a cache of 1..max_len-1). The encoder has one profile.
-Each entry is ``{input: {"min": [...], "opt": [...], "max": [...]}}``.
+Each profile is ``{input: ShapeRange(min, opt, max)}`` (:class:`export.manifest.ShapeRange`).
 """
 
 from __future__ import annotations
 
 from export.checkpoint import ModelInfo
+from export.manifest import Profiles, ShapeRange
 
 
 def dynamic_dims(info: ModelInfo) -> dict[str, str]:
@@ -28,12 +29,12 @@ def _kv(info: ModelInfo, prefix: str, b: int, n: int) -> dict[str, list[int]]:
             for i in range(info.n_layers) for k in ("key", "value")}
 
 
-def _profile(mins: dict, opts: dict, maxs: dict) -> dict:
-    return {name: {"min": mins[name], "opt": opts[name], "max": maxs[name]} for name in mins}
+def _profile(mins: dict, opts: dict, maxs: dict) -> dict[str, ShapeRange]:
+    return {name: ShapeRange(tuple(mins[name]), tuple(opts[name]), tuple(maxs[name])) for name in mins}
 
 
-def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> dict[str, dict]:
-    """{graph: {profile_name: {input: {min, opt, max}}}}."""
+def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> Profiles:
+    """{graph: {profile_name: {input: ShapeRange}}}, profiles in TensorRT's order."""
     ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
     if info.kind == "decoder":
         def shapes(b, s, p, k):

@@ -26,13 +26,13 @@ manifest's engine names are the refit names (:func:`trt_weight_name`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from export.errors import RefitError
-from export.graph import MANIFEST, read_manifest
+from export.manifest import Manifest, TrtDevice, TrtPlan
 
 INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
 
@@ -68,38 +68,28 @@ def trt_weight_name(onnx_initializer: str) -> str:
     return onnx_initializer
 
 
-def refit_targets(manifest: dict, graph: str) -> dict[str, list[tuple[str, str]]]:
+def refit_targets(manifest: Manifest, graph: str) -> dict[str, list[tuple[str, str]]]:
     """{hf_name: [(trt_weight_name, transform)]} for one graph, from the manifest's weight map."""
     out: dict[str, list[tuple[str, str]]] = {}
-    for hf_name, targets in manifest["weight_map"].items():
+    for hf_name, targets in manifest.weight_map.items():
         for t in targets:
-            if t["graph"] == graph:
-                out.setdefault(hf_name, []).append((trt_weight_name(t["engine"]), t["transform"]))
+            if t.graph == graph:
+                out.setdefault(hf_name, []).append((trt_weight_name(t.engine), t.transform))
     return out
 
 
-def mapped_trt_names(manifest: dict, graph: str) -> list[str]:
+def mapped_trt_names(manifest: Manifest, graph: str) -> list[str]:
     """Every TensorRT weight name of ``graph`` that the weight map feeds (what a refit writes)."""
     return sorted({n for ts in refit_targets(manifest, graph).values() for n, _ in ts})
 
 
 # ------------------------------------------------------------------------------------ build
 
-def _atomic_write(path: Path, data) -> None:
-    """Write ``data`` (bytes, or TensorRT's ``IHostMemory`` buffer) to ``path`` via a temp file + rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _device() -> dict:
+def _device() -> TrtDevice:
     import torch
 
     major, minor = torch.cuda.get_device_capability()
-    return {"name": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+    return TrtDevice(name=torch.cuda.get_device_name(), compute_capability=f"{major}.{minor}")
 
 
 def _precision(trt, config, dtype: str, strongly_typed: bool) -> str:
@@ -128,8 +118,8 @@ def _parse(trt, builder, logger, onnx_path: Path, strongly_typed: bool):
     return network, parser  # the parser owns the weights: keep it alive until the build is done
 
 
-def build_plan(trt, logger, onnx_path: Path, manifest: dict, graph: str, workspace_gb: float,
-               strongly_typed: bool | None = None) -> tuple[object, list[str], str]:
+def build_plan(trt, logger, onnx_path: Path, manifest: Manifest, graph: str, workspace_gb: float,
+               strongly_typed: bool | None = None) -> tuple[object, tuple[str, ...], str]:
     """Serialized refittable engine for one graph (``IHostMemory``); (plan, profile names in order, precision)."""
     if strongly_typed is None:  # TensorRT 11 dropped the precision flags: the graph's dtypes decide
         strongly_typed = not hasattr(trt.BuilderFlag, "FP16")
@@ -138,12 +128,12 @@ def build_plan(trt, logger, onnx_path: Path, manifest: dict, graph: str, workspa
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
     config.set_flag(trt.BuilderFlag.REFIT)
-    precision = _precision(trt, config, manifest["dtype"], strongly_typed)
-    names = list(manifest["profiles"][graph])
+    precision = _precision(trt, config, manifest.dtype, strongly_typed)
+    names = tuple(manifest.profiles[graph])
     for pname in names:
         profile = builder.create_optimization_profile()
-        for inp, s in manifest["profiles"][graph][pname].items():
-            profile.set_shape(inp, s["min"], s["opt"], s["max"])
+        for inp, s in manifest.profiles[graph][pname].items():
+            profile.set_shape(inp, s.min, s.opt, s.max)
         if config.add_optimization_profile(profile) < 0:
             raise RefitError(f"TensorRT rejected shape profile {graph}/{pname} (see the log above)")
     plan = builder.build_serialized_network(network, config)
@@ -153,23 +143,22 @@ def build_plan(trt, logger, onnx_path: Path, manifest: dict, graph: str, workspa
     return plan, names, precision
 
 
-def inspect_plan(trt, logger, plan, manifest: dict, graph: str) -> dict:
-    """Deserialize ``plan``; check its I/O and profiles; list refittable and not-refittable weights."""
+def inspect_plan(trt, logger, plan, manifest: Manifest, graph: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Deserialize ``plan``; check its I/O and profiles; (refittable weights, mapped weights not refittable)."""
     engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
     if engine is None:
         raise RefitError(f"TensorRT could not deserialize the {graph} plan it just built")
     io = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     inputs = [n for n in io if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-    spec = manifest["graphs"][graph]
-    if set(inputs) != set(spec["inputs"]) or set(io) - set(inputs) != set(spec["outputs"]):
+    spec = manifest.graphs[graph]
+    if set(inputs) != set(spec.inputs) or set(io) - set(inputs) != set(spec.outputs):
         raise RefitError(f"TensorRT {graph} engine I/O {io} differs from the manifest's")
-    if engine.num_optimization_profiles != len(manifest["profiles"][graph]):
+    if engine.num_optimization_profiles != len(manifest.profiles[graph]):
         raise RefitError(f"TensorRT {graph} engine has {engine.num_optimization_profiles} profiles, "
-                         f"manifest {len(manifest['profiles'][graph])}")
-    refittable = sorted(trt.Refitter(engine, logger).get_all_weights())
+                         f"manifest {len(manifest.profiles[graph])}")
+    refittable = tuple(sorted(trt.Refitter(engine, logger).get_all_weights()))
     have = set(refittable)
-    folded = [n for n in mapped_trt_names(manifest, graph) if n not in have]
-    return {"refittable_weights": refittable, "not_refittable": folded}
+    return refittable, tuple(n for n in mapped_trt_names(manifest, graph) if n not in have)
 
 
 def _sha256(path: Path) -> str:
@@ -180,63 +169,62 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _up_to_date(engine_dir: Path, manifest: dict, trt_version: str, device: dict) -> bool:
-    recs = manifest.get("tensorrt") or {}
-    if set(recs) != set(manifest["graphs"]):
+def _up_to_date(engine_dir: Path, manifest: Manifest, trt_version: str, device: TrtDevice) -> bool:
+    recs = manifest.tensorrt or {}
+    if set(recs) != set(manifest.graphs):
         return False
     for g, rec in recs.items():
-        if not (engine_dir / rec["plan"]).is_file() or rec.get("trt_version") != trt_version:
+        if not (engine_dir / rec.plan).is_file() or rec.trt_version != trt_version:
             return False
-        if rec.get("device", {}).get("compute_capability") != device["compute_capability"]:
+        if rec.device.compute_capability != device.compute_capability:
             return False  # plans are specific to the GPU architecture they were built on
-        if rec.get("graph_sha256") != manifest["graphs"][g].get("sha256") or rec.get("not_refittable"):
+        if rec.graph_sha256 != manifest.graphs[g].sha256 or rec.not_refittable:
             return False
     return True
 
 
 def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, strict: bool = True,
-                  force: bool = False) -> dict:
+                  force: bool = False) -> dict[str, TrtPlan]:
     """Build ``<graph>.plan`` for every graph of ``engine_dir``; record them in the manifest.
 
-    Adds ``manifest["tensorrt"] = {graph: {plan, profiles, trt_version, refittable_weights, ...}}``.
+    Sets the manifest's ``tensorrt`` section to ``{graph: TrtPlan}`` and returns it.
     With ``strict`` (default) a mapped weight that TensorRT made non-refittable is an error and
     nothing is written; otherwise it is listed under ``not_refittable`` (and refit refuses it).
     Plans already built for this graph, TensorRT version and GPU architecture are reused.
     """
     trt = require_tensorrt()
     engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir)
+    manifest = Manifest.read(engine_dir)
     device = _device()
     if not force and _up_to_date(engine_dir, manifest, trt.__version__, device):
         log(f"refit export: TensorRT engines in {engine_dir} are up to date, reused")
-        return manifest["tensorrt"]
+        return dict(manifest.tensorrt)
     logger = trt.Logger(trt.Logger.WARNING)
     records, tmp_plans = {}, []
     try:
-        for graph, spec in manifest["graphs"].items():
+        for graph, spec in manifest.graphs.items():
             t0 = time.perf_counter()
-            plan, names, precision = build_plan(trt, logger, engine_dir / spec["file"], manifest, graph, workspace_gb)
-            info = inspect_plan(trt, logger, plan, manifest, graph)
-            if info["not_refittable"] and strict:
-                raise RefitError(
-                    f"TensorRT constant-folded {len(info['not_refittable'])} mapped weights of {graph} away, so refit "
-                    f"would leave them stale: {info['not_refittable'][:5]}")
+            plan, names, precision = build_plan(trt, logger, engine_dir / spec.file, manifest, graph, workspace_gb)
+            refittable, folded = inspect_plan(trt, logger, plan, manifest, graph)
+            if folded and strict:
+                raise RefitError(f"TensorRT constant-folded {len(folded)} mapped weights of {graph} away, so refit "
+                                 f"would leave them stale: {list(folded[:5])}")
             tmp = engine_dir / f".{graph}.plan.building-{os.getpid()}"  # renamed into place once all are built
             tmp_plans.append((tmp, engine_dir / f"{graph}.plan"))
             with open(tmp, "wb") as f:
                 f.write(plan)
             size = tmp.stat().st_size
             del plan
-            records[graph] = {"plan": f"{graph}.plan", "profiles": names, "trt_version": trt.__version__,
-                              "precision": precision, "device": device, "graph_sha256": _sha256(engine_dir / spec["file"]),
-                              "plan_bytes": size, "build_seconds": round(time.perf_counter() - t0, 3), **info}
-            log(f"refit export: TensorRT {graph}: {size / 2**20:.1f} MiB plan, profiles {names}, {precision}, "
-                f"{len(info['refittable_weights'])} refittable weights, built in {records[graph]['build_seconds']:.1f} s")
+            records[graph] = TrtPlan(
+                plan=f"{graph}.plan", profiles=names, trt_version=trt.__version__, precision=precision, device=device,
+                graph_sha256=_sha256(engine_dir / spec.file), plan_bytes=size,
+                build_seconds=round(time.perf_counter() - t0, 3), refittable_weights=refittable, not_refittable=folded)
+            log(f"refit export: TensorRT {graph}: {size / 2**20:.1f} MiB plan, profiles {list(names)}, {precision}, "
+                f"{len(refittable)} refittable weights, built in {records[graph].build_seconds:.1f} s")
         for tmp, final in tmp_plans:
             os.replace(tmp, final)
         tmp_plans = []
-        manifest["tensorrt"] = records
-        _atomic_write(engine_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        replace(manifest, tensorrt=records).write(engine_dir)  # atomic: temp file + os.replace
     finally:
         for tmp, _ in tmp_plans:
             tmp.unlink(missing_ok=True)

@@ -6,8 +6,8 @@ stale after a refit):
 
 - :func:`check_ops`: every op (subgraphs and local functions included) is one TensorRT's ONNX
   parser supports at the graph's opset;
-- :func:`check_profiles`: every dynamic input dimension is named, declared in
-  ``manifest["dynamic_dims"]``, and covered by every shape profile of the graph;
+- :func:`check_profiles`: every dynamic input dimension is named, declared in the manifest's
+  ``dynamic_dims``, and covered by every shape profile of the graph;
 - :func:`check_weight_map`: every external (refittable) initializer is fed by exactly one
   weight-map entry, and every entry names an initializer of the right shape and dtype.
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 from export.errors import RefitError
-from export.graph import read_manifest
+from export.manifest import Manifest, ShapeRange
 
 # Ops TensorRT's ONNX parser converts ("Y" rows of the support matrix), TensorRT 10.0/10.1:
 # https://github.com/onnx/onnx-tensorrt/blob/10.1-GA/docs/operators.md (commit 96e7811).
@@ -128,14 +129,14 @@ def check_ops(onnx_path: str | Path, opset: int | None = None) -> list[str]:
 
 # ----------------------------------------------------------------------------------- profiles
 
-def _graph_name(manifest: dict, onnx_path: str | Path, graph: str | None) -> str:
+def _graph_name(manifest: Manifest, onnx_path: str | Path, graph: str | None) -> str:
     if graph is not None:
         return graph
     name = Path(onnx_path).name
-    for g, spec in manifest.get("graphs", {}).items():
-        if spec.get("file") == name:
+    for g, spec in manifest.graphs.items():
+        if spec.file == name:
             return g
-    raise RefitError(f"{name} is not a graph of this manifest (graphs: {', '.join(manifest.get('graphs', {}))})")
+    raise RefitError(f"{name} is not a graph of this manifest (graphs: {', '.join(manifest.graphs)})")
 
 
 def _input_dims(model) -> dict[str, list]:
@@ -162,19 +163,19 @@ def _check_axis(where: str, axis_dim, rng: tuple[int, int, int]) -> list[str]:
     return []
 
 
-def check_profiles(manifest: dict, onnx_path: str | Path, graph: str | None = None) -> list[str]:
+def check_profiles(manifest: Manifest, onnx_path: str | Path, graph: str | None = None) -> list[str]:
     """Problems with the shape profiles of one graph (empty list: every profile covers every input).
 
     Each graph input's dynamic dims must be named (TensorRT profiles and the manifest talk about
-    them by name) and declared in ``manifest["dynamic_dims"]``; each profile must give every
+    them by name) and declared in the manifest's ``dynamic_dims``; each profile must give every
     input a min/opt/max of the graph's rank with ``min <= opt <= max`` on dynamic axes and the
     graph's value on static ones, and one named dim must get one range across all inputs.
     """
     graph = _graph_name(manifest, onnx_path, graph)
     dims = _input_dims(load_graph(onnx_path))
-    declared = set(manifest.get("dynamic_dims", {}))
+    declared = set(manifest.dynamic_dims)
     problems = []
-    listed = manifest.get("graphs", {}).get(graph, {}).get("inputs")
+    listed = manifest.graphs[graph].inputs if graph in manifest.graphs else None
     if listed is not None and list(listed) != list(dims):
         problems.append(f"{graph}: manifest inputs {listed} differ from the graph's {list(dims)}")
     for name, shape in dims.items():
@@ -186,7 +187,7 @@ def check_profiles(manifest: dict, onnx_path: str | Path, graph: str | None = No
                 problems.append(f"{graph}.{name}[{ax}]: anonymous dynamic dimension (give it a name)")
             elif isinstance(d, str) and d not in declared:
                 problems.append(f"{graph}.{name}[{ax}]: dimension {d!r} is not in manifest dynamic_dims")
-    profiles = manifest.get("profiles", {}).get(graph)
+    profiles = manifest.profiles.get(graph)
     if not profiles:
         return problems + [f"{graph}: no shape profiles in the manifest"]
     for pname, prof in profiles.items():
@@ -194,7 +195,7 @@ def check_profiles(manifest: dict, onnx_path: str | Path, graph: str | None = No
     return problems
 
 
-def _check_profile(where: str, prof: dict, dims: dict[str, list | None]) -> list[str]:
+def _check_profile(where: str, prof: Mapping[str, ShapeRange], dims: dict[str, list | None]) -> list[str]:
     problems = [f"{where}: {x!r} is not an input of the graph" for x in prof if x not in dims]
     ranges: dict[str, tuple] = {}  # named dim -> (min, opt, max) first seen, with its input
     for name, shape in dims.items():
@@ -204,7 +205,7 @@ def _check_profile(where: str, prof: dict, dims: dict[str, list | None]) -> list
         if spec is None:
             problems.append(f"{where}: input {name} has no min/opt/max")
             continue
-        mins, opts, maxs = spec.get("min", []), spec.get("opt", []), spec.get("max", [])
+        mins, opts, maxs = spec.min, spec.opt, spec.max
         if not len(mins) == len(opts) == len(maxs) == len(shape):
             problems.append(f"{where}.{name}: profile rank {len(mins)}/{len(opts)}/{len(maxs)}, graph rank {len(shape)}")
             continue
@@ -220,9 +221,9 @@ def _check_profile(where: str, prof: dict, dims: dict[str, list | None]) -> list
 
 # --------------------------------------------------------------------------------- weight map
 
-def _hf_shapes(manifest: dict) -> dict[str, tuple[int, ...]] | None:
+def _hf_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]] | None:
     """HF tensor shapes from the source checkpoint's safetensors headers (no data read), or None."""
-    src = manifest.get("source_model")
+    src = manifest.source_model
     files = sorted(Path(src).glob("*.safetensors")) if src and Path(src).is_dir() else []
     if not files:
         return None
@@ -233,7 +234,7 @@ def _hf_shapes(manifest: dict) -> dict[str, tuple[int, ...]] | None:
         with safe_open(str(f), "np") as h:
             for k in h.keys():
                 shapes[k] = tuple(h.get_slice(k).get_shape())
-    for alias, canon in manifest.get("tied", {}).items():  # a tied tensor may be stored once
+    for alias, canon in manifest.tied.items():  # a tied tensor may be stored once
         if canon not in shapes and alias in shapes:
             shapes[canon] = shapes[alias]
     return shapes
@@ -247,7 +248,7 @@ def _engine_shape(hf_shape: tuple[int, ...], transform: str) -> tuple[int, ...] 
     return None
 
 
-def check_weight_map(manifest: dict, onnx_path: str | Path, graph: str | None = None,
+def check_weight_map(manifest: Manifest, onnx_path: str | Path, graph: str | None = None,
                      hf_shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """Problems with the HF -> engine weight map of one graph (empty list: 1:1 and shape-true).
 
@@ -265,33 +266,33 @@ def check_weight_map(manifest: dict, onnx_path: str | Path, graph: str | None = 
     external = {n for n, t in inits.items() if t.data_location == onnx.TensorProto.EXTERNAL}
     if hf_shapes is None:
         hf_shapes = _hf_shapes(manifest) or {}
-    want_type = _ONNX_ELEM.get(manifest.get("dtype", ""))
+    want_type = _ONNX_ELEM.get(manifest.dtype)
     problems, owners = [], Counter()
-    for hf_name, targets in manifest.get("weight_map", {}).items():
+    for hf_name, targets in manifest.weight_map.items():
         implied = set()
         for t in targets:
-            if t.get("graph") != graph:
+            if t.graph != graph:
                 continue
-            owners[t["engine"]] += 1
-            init = inits.get(t["engine"])
-            where = f"{graph}: {hf_name} -> {t['engine']}"
+            owners[t.engine] += 1
+            init = inits.get(t.engine)
+            where = f"{graph}: {hf_name} -> {t.engine}"
             if init is None:
                 problems.append(f"{where}: no such initializer in the graph")
                 continue
-            if t["engine"] not in external:
+            if t.engine not in external:
                 problems.append(f"{where}: initializer is inline, not external data (refit cannot replace it)")
             if want_type is not None and init.data_type != want_type:
-                problems.append(f"{where}: dtype {onnx.TensorProto.DataType.Name(init.data_type)}, manifest says {manifest['dtype']}")
+                problems.append(f"{where}: dtype {onnx.TensorProto.DataType.Name(init.data_type)}, manifest says {manifest.dtype}")
             shape = tuple(init.dims)
-            if t.get("transform") not in ("identity", "transpose"):
-                problems.append(f"{where}: unknown transform {t.get('transform')!r}")
+            if t.transform not in ("identity", "transpose"):
+                problems.append(f"{where}: unknown transform {t.transform!r}")
                 continue
-            implied.add(tuple(reversed(shape)) if t["transform"] == "transpose" else shape)
+            implied.add(tuple(reversed(shape)) if t.transform == "transpose" else shape)
             if hf_name in hf_shapes:
-                exp = _engine_shape(hf_shapes[hf_name], t["transform"])
+                exp = _engine_shape(hf_shapes[hf_name], t.transform)
                 if exp != shape:
                     problems.append(f"{where}: shape {list(shape)}, HF {list(hf_shapes[hf_name])} "
-                                    f"after {t['transform']} gives {list(exp) if exp else 'nothing'}")
+                                    f"after {t.transform} gives {list(exp) if exp else 'nothing'}")
         if len(implied) > 1:
             problems.append(f"{graph}: {hf_name} maps to initializers of incompatible shapes {sorted(implied)}")
     for name in sorted(external):
@@ -306,48 +307,48 @@ def check_weight_map(manifest: dict, onnx_path: str | Path, graph: str | None = 
 # ------------------------------------------------------------------------------------- folder
 
 def check_engine_folder(engine_dir: str | Path) -> list[str]:
-    """Every problem found in ``engine_dir`` by the checks above; an empty list means ready to build."""
+    """Every problem found in ``engine_dir`` by the checks above; an empty list means ready to build.
+
+    The manifest's own consistency (:meth:`export.manifest.Manifest.problems`: graphs, weight map
+    into existing graphs, profiles covering every input, plans matching the profiles) comes first;
+    the graph-level checks run only on a consistent manifest.
+    """
     engine_dir = Path(engine_dir)
     try:
-        manifest = read_manifest(engine_dir)
+        manifest = Manifest.read(engine_dir, check=False)
     except RefitError as e:
         return [str(e)]
-    problems = []
+    problems = [f"manifest: {p}" for p in manifest.problems()]
+    if problems:
+        return problems
     hf_shapes = _hf_shapes(manifest)
-    for graph, spec in manifest.get("graphs", {}).items():
-        path = engine_dir / spec["file"]
+    for graph, spec in manifest.graphs.items():
+        path = engine_dir / spec.file
         if not path.exists():
-            problems.append(f"{graph}: graph file {spec['file']} is missing")
+            problems.append(f"{graph}: graph file {spec.file} is missing")
             continue
-        if spec.get("data") and not (engine_dir / spec["data"]).exists():
-            problems.append(f"{graph}: weight file {spec['data']} is missing")
+        if spec.data and not (engine_dir / spec.data).exists():
+            problems.append(f"{graph}: weight file {spec.data} is missing")
         try:
-            unsupported = check_ops(path, manifest.get("opset"))
+            unsupported = check_ops(path, manifest.opset)
             problems += [f"{graph}: not supported by TensorRT's ONNX parser ({TRT_OPS_SOURCE}): {op}"
                          for op in unsupported]
             problems += check_profiles(manifest, path, graph)
             problems += check_weight_map(manifest, path, graph, hf_shapes)
         except RefitError as e:
             problems.append(f"{graph}: {e}")
-    graphs = set(manifest.get("graphs", {}))
-    problems += [f"weight map: {hf} -> {t.get('graph')}:{t.get('engine')} names no graph of this folder"
-                 for hf, ts in manifest.get("weight_map", {}).items() for t in ts if t.get("graph") not in graphs]
-    problems += _check_plans(engine_dir, manifest)
-    return problems
+    return problems + _check_plans(engine_dir, manifest)
 
 
-def _check_plans(engine_dir: Path, manifest: dict) -> list[str]:
-    """If TensorRT engines were built: plan files present, profiles in the manifest's order."""
+def _check_plans(engine_dir: Path, manifest: Manifest) -> list[str]:
+    """If TensorRT engines were built: plan files present, every mapped weight refittable."""
     problems = []
-    for graph, rec in manifest.get("tensorrt", {}).items():
-        if not (engine_dir / rec.get("plan", "")).is_file():
-            problems.append(f"{graph}: TensorRT plan {rec.get('plan')} is missing")
-        want = list(manifest.get("profiles", {}).get(graph, {}))
-        if rec.get("profiles") != want:
-            problems.append(f"{graph}: TensorRT profiles {rec.get('profiles')} differ from the manifest's {want}")
-        if rec.get("not_refittable"):
-            problems.append(f"{graph}: {len(rec['not_refittable'])} mapped weights are not refittable in the "
-                            f"TensorRT engine, e.g. {rec['not_refittable'][:3]}")
+    for graph, rec in (manifest.tensorrt or {}).items():
+        if not (engine_dir / rec.plan).is_file():
+            problems.append(f"{graph}: TensorRT plan {rec.plan} is missing")
+        if rec.not_refittable:
+            problems.append(f"{graph}: {len(rec.not_refittable)} mapped weights are not refittable in the "
+                            f"TensorRT engine, e.g. {list(rec.not_refittable[:3])}")
     return problems
 
 
@@ -363,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"trt_check: {a.engine_dir}: {len(problems)} problem(s)")
         return 1
-    m = read_manifest(a.engine_dir)
-    n_w = sum(len(v) for v in m["weight_map"].values())
-    print(f"trt_check: {a.engine_dir}: ok ({len(m['graphs'])} graph(s), "
-          f"{sum(len(v) for v in m['profiles'].values())} profile(s), {n_w} mapped weights, ops per {TRT_OPS_SOURCE})")
+    m = Manifest.read(a.engine_dir)
+    n_w = sum(len(v) for v in m.weight_map.values())
+    print(f"trt_check: {a.engine_dir}: ok ({len(m.graphs)} graph(s), "
+          f"{sum(len(v) for v in m.profiles.values())} profile(s), {n_w} mapped weights, ops per {TRT_OPS_SOURCE})")
     return 0
 
 

@@ -8,9 +8,9 @@ a copy whose every parameter holds distinct random values (:func:`fingerprint_`)
 initializer is then matched by content to the HF tensor it came from, as is or transposed, and
 the real weights are written through the map (:func:`engine_weights`).
 
-Map format (``manifest.json``, key ``weight_map``)::
-
-    {hf_name: [{"engine": onnx_initializer_name, "graph": "decoder", "transform": "identity"|"transpose"}, ...]}
+The map is ``{hf_name: (WeightTarget(engine, graph, transform), ...)}``, the manifest's
+``weight_map`` (:class:`export.manifest.WeightTarget`; on disk a list of
+``{"engine", "graph", "transform"}`` objects per HF name).
 
 Tied parameters (one tensor under several HF names, e.g. GPT-2's ``lm_head.weight`` and
 ``transformer.wte.weight``) are listed once, under the canonical name, and the aliases are
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from export.errors import RefitError
+from export.manifest import TRANSFORMS, WeightTarget
 
-TRANSFORMS = ("identity", "transpose")
+WeightMap = dict[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engine weights}
 
 
 def canonical_params(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -73,7 +74,7 @@ def apply_transform(t: torch.Tensor, transform: str) -> torch.Tensor:
 
 def build_weight_map(
     params: dict[str, torch.Tensor], initializers: dict[str, dict[str, np.ndarray]], dtype: torch.dtype
-) -> dict[str, list[dict[str, str]]]:
+) -> WeightMap:
     """Match fingerprinted ``params`` to ONNX ``initializers`` ({graph: {name: array}}) by content.
 
     Raises :class:`RefitError` if a trainable tensor is in no graph, or if the exporter
@@ -87,13 +88,13 @@ def build_weight_map(
                 continue
             t = apply_transform(a, transform)
             by_digest.setdefault(_digest(tensor_bytes(t), t.shape), (hf_name, transform))
-    wmap: dict[str, list[dict[str, str]]] = {name: [] for name in params}
+    wmap: dict[str, list[WeightTarget]] = {name: [] for name in params}
     unmatched = []
     for graph, inits in initializers.items():
         for name, arr in inits.items():
             hit = by_digest.get(_digest(np.ascontiguousarray(arr).tobytes(), arr.shape))
             if hit is not None:
-                wmap[hit[0]].append({"engine": name, "graph": graph, "transform": hit[1]})
+                wmap[hit[0]].append(WeightTarget(engine=name, graph=graph, transform=hit[1]))
             elif arr.dtype.kind == "f" and arr.size >= 16:
                 unmatched.append(f"{graph}:{name}{list(arr.shape)}")
     missing = [n for n, v in wmap.items() if not v]
@@ -104,22 +105,22 @@ def build_weight_map(
             f"exporter derived {len(unmatched)} weights the map cannot express (not a copy or transpose), "
             f"e.g. {unmatched[:3]}; refit would leave them stale"
         )
-    return wmap
+    return {name: tuple(targets) for name, targets in wmap.items()}
 
 
-def check_one_to_one(wmap: dict[str, list[dict[str, str]]]) -> None:
+def check_one_to_one(wmap: WeightMap) -> None:
     """Every engine weight is fed by exactly one HF tensor (no merged duplicates)."""
     owners: dict[tuple[str, str], str] = {}
     for hf_name, targets in wmap.items():
         for t in targets:
-            key = (t["graph"], t["engine"])
+            key = (t.graph, t.engine)
             if key in owners:
                 raise RefitError(f"engine weight {key[0]}:{key[1]} is shared by {owners[key]} and {hf_name}")
             owners[key] = hf_name
 
 
 def engine_weights(
-    params: dict[str, torch.Tensor], wmap: dict[str, list[dict[str, str]]], dtype: torch.dtype
+    params: dict[str, torch.Tensor], wmap: WeightMap, dtype: torch.dtype
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{graph: {engine_name: tensor}} for the given HF tensors (any subset of the map's keys)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,5 +130,5 @@ def engine_weights(
             raise RefitError(f"{hf_name!r} is not in the engine's weight map")
         src = t.detach().to(device="cpu", dtype=dtype)
         for tgt in targets:
-            out.setdefault(tgt["graph"], {})[tgt["engine"]] = apply_transform(src, tgt["transform"]).contiguous()
+            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(src, tgt.transform).contiguous()
     return out

@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise RefitError(str(e)) from None
     texts = _prompts(a)
-    from export.graph import read_manifest
+    from export.manifest import Manifest
 
-    read_manifest(engine_dir)  # one clear line when the folder is not an engine
+    Manifest.read(engine_dir)  # one clear line when the folder is not an engine
     tok = _tokenizer(engine_dir)
     kw = {"device": a.device} if a.backend == "onnxruntime" else {}
     engine = create_engine(a.backend, engine_dir, **kw)

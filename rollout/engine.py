@@ -18,6 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from export.errors import RefitError
+from export.manifest import Manifest
 from export.padding import (DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, check_left_padded, check_right_padded,
                             pad_batch)
 from rollout.sampling import StepBuffers, make_generator, one_thread, sample_step
@@ -96,11 +97,11 @@ class ModelSpec:
     max_len: int | None  # largest prompt + response length accepted; None = unchecked
 
     @classmethod
-    def from_manifest(cls, m: dict) -> "ModelSpec":
-        s, d = m["special_ids"], m["dims"]
-        limits = [x for x in (d.get("max_len"), d.get("max_positions")) if x]  # learned positions cap it too
-        return cls(kind=m["kind"], pad_id=s["pad"], eos_id=s["eos"], decoder_start_id=s.get("decoder_start"),
-                   prompt_side=m["padding"]["prompt_side"], vocab_size=d["vocab_size"],
+    def from_manifest(cls, m: Manifest) -> "ModelSpec":
+        s, d = m.special_ids, m.dims
+        limits = [x for x in (d.max_len, d.max_positions) if x]  # learned positions cap it too
+        return cls(kind=m.kind, pad_id=s.pad, eos_id=s.eos, decoder_start_id=s.decoder_start,
+                   prompt_side=m.padding.prompt_side, vocab_size=d.vocab_size,
                    max_len=min(limits) if limits else None)
 
     @classmethod

@@ -14,7 +14,7 @@ Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_
 feeds and opens new ones over the same graph files straight from the mapped tensors, then
 copies those into the held set in place (the snapshot a later partial push needs). The other
 route, turning every initializer into a graph input bound per run, was measured and dropped:
-see ``WEIGHT_PUSH_ROUTE`` below for the numbers.
+see docs/weight-push.md for the numbers.
 
 Decoding uses IO binding: the present K/V ``OrtValue``s of one step are bound as the next
 step's past (and T5's cross K/V for the whole batch) without numpy round trips; only the
@@ -29,58 +29,32 @@ import numpy as np
 import torch
 
 from export.errors import RefitError
-from export.graph import open_session, read_manifest
+from export.graph import open_session
+from export.manifest import Manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import engine_weights
 from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
 from rollout.sampling import one_thread
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
-WEIGHT_PUSH_ROUTE = """
-Measured 2026-12-02 on this repo's dev box (2 CPU cores shared with other jobs, so +-30% noise;
-load average 1-1.5 for the numbers below), ORT 1.32 CPU, fp32, GPT-2-small geometry (124M
-params), prompt 32, medians; `refit bench refit` / `refit bench generate` and /tmp A/B scripts:
-
-                       A: new session +                 B: weights as graph inputs,
-                       add_external_initializers (kept) bound per run via IO binding
-  push (all weights)   0.21-0.33 s (first push of a     ~1 ms (zero-copy OrtValues)
-                       process 0.3-1.1 s); re-export
-                       24 s, i.e. 1/86 of it
-  decode, batch 1      18 ms/token                      ~17% fewer tokens/s
-  decode, batch 8      26 ms/token                      ~32% fewer tokens/s
-  decode, batch 32     55 ms/step                       ~12% fewer tokens/s
-  (B's decode measured as A without MLAS weight pre-packing, which B loses along with
-  constant folding; the first measurement of B, before these changes, gave 15-60%.)
-
-Kept A. Its push was 0.7-4.9 s and is now ~0.25 s: the time was page faults, not copying.
-ONNX Runtime copies every supplied initializer into the session and pre-packs the MatMul
-weights, ~1 GB of fresh allocations per open that glibc served from new mmaps (~1.5 us per
-4 KB page); now export.graph.keep_freed_memory keeps freed blocks for reuse, update_weights
-closes the old session before opening the new one (so the new one reuses its memory, 0
-faults from the second push on), the engine's snapshot of the pushed tensors is an in-place
-copy into its held buffers (35 ms) instead of a clone into new pages (0.45 s), and the
-exporter no longer leaves a Transpose on the tied lm_head for ORT to fold into a 154 MB copy
-at every open (Gemm transB, export.onnx_export.gemm_for_transposed_weights). A's push is
-repaid after ~25-80 decode steps of B's slower tokens, less than one rollout batch.
-"""
 _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def read_engine_weights(engine_dir: Path, manifest: dict) -> dict[str, dict[str, torch.Tensor]]:
+def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
     """{graph: {initializer: tensor}} for every external initializer, read from the ``.onnx.data`` files."""
     import onnx
 
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for graph, spec in manifest["graphs"].items():
-        proto = onnx.load(str(engine_dir / spec["file"]), load_external_data=False)
+    for graph, spec in manifest.graphs.items():
+        proto = onnx.load(str(engine_dir / spec.file), load_external_data=False)
         out[graph] = {}
         for init in proto.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             ext = {e.key: e.value for e in init.external_data}
             if init.data_type not in _NP:
-                raise RefitError(f"{spec['file']}: weight {init.name} has ONNX dtype {init.data_type}, "
+                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, "
                                  "which the onnxruntime backend cannot hold")
             dt = np.dtype(_NP[init.data_type])
             count = int(np.prod(init.dims)) if init.dims else 1
@@ -114,7 +88,7 @@ class _OrtDecoderState:
 
     def __init__(self, eng: "OrtEngine"):
         self.eng, self.sess = eng, eng.sessions["decoder"]
-        self.outputs = eng.manifest["graphs"]["decoder"]["outputs"]
+        self.outputs = eng.manifest.graphs["decoder"].outputs
         self.mask = self.past = None
 
     def _run(self, ids: np.ndarray, pos: np.ndarray, keep: np.ndarray) -> torch.Tensor:
@@ -140,14 +114,14 @@ class _OrtSeq2SeqState:
 
     def __init__(self, eng: "OrtEngine"):
         self.eng = eng
-        self.graphs = eng.manifest["graphs"]
+        self.graphs = eng.manifest.graphs
         self.cross = self.past = self.enc_mask = None
 
     def prefill(self, ids, mask):
         self.enc_mask = mask.numpy().astype(np.int64)
         enc = run_bound(self.eng.sessions["encoder"], self.eng.device,
                         {"input_ids": ids.numpy(), "attention_mask": self.enc_mask}, {},
-                        self.graphs["encoder"]["outputs"])
+                        self.graphs["encoder"].outputs)
         self.cross = {n: v for n, v in enc.items() if n.startswith("cross.")}
         self.past = self.eng.empty_kv("past", ids.shape[0], 0)
         start = np.full((ids.shape[0], 1), self.eng.spec.decoder_start_id, dtype=np.int64)
@@ -156,7 +130,7 @@ class _OrtSeq2SeqState:
     def extend(self, ids, mask):  # no decoder mask input: finished rows' outputs are ignored
         host = {"decoder_input_ids": ids.numpy(), "encoder_attention_mask": self.enc_mask}
         outs = run_bound(self.eng.sessions["decoder"], self.eng.device, host, {**self.cross, **self.past},
-                         self.graphs["decoder"]["outputs"])
+                         self.graphs["decoder"].outputs)
         self.past = {n.replace("present", "past", 1): v for n, v in outs.items() if n != "logits"}
         return _logits(outs["logits"]).float()
 
@@ -173,21 +147,21 @@ class OrtEngine:
         from export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
-        self.manifest = read_manifest(self.engine_dir)
+        self.manifest = Manifest.read(self.engine_dir)
         self.spec = ModelSpec.from_manifest(self.manifest)
         if device not in ("cpu", "cuda"):
             raise RefitError(f"onnxruntime backend: device must be 'cpu' or 'cuda', got {device!r}")
-        if self.manifest["dtype"] not in _TORCH_DTYPE:
+        if self.manifest.dtype not in _TORCH_DTYPE:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
-                             f"{self.manifest['dtype']} (use the tensorrt backend or re-export)")
+                             f"{self.manifest.dtype} (use the tensorrt backend or re-export)")
         if keep_heap:
             keep_freed_memory()
         self.device = device
         self._providers = default_providers(device)
         self._threads, self._opt_level = threads, opt_level
-        self._dtype = _TORCH_DTYPE[self.manifest["dtype"]]
+        self._dtype = _TORCH_DTYPE[self.manifest.dtype]
         self.weights = read_engine_weights(self.engine_dir, self.manifest)  # the held set: our own buffers
-        self.sessions = self._open({g: {} for g in self.manifest["graphs"]})
+        self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
 
     def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
@@ -199,7 +173,7 @@ class OrtEngine:
         fresh = {}
         for g, override in new.items():
             arrays = {n: (override.get(n, t)).numpy() for n, t in self.weights[g].items()}
-            fresh[g] = open_session(self.engine_dir / self.manifest["graphs"][g]["file"], arrays,
+            fresh[g] = open_session(self.engine_dir / self.manifest.graphs[g].file, arrays,
                                     self._threads, self._providers, self._opt_level)[0]
         return fresh
 
@@ -207,11 +181,11 @@ class OrtEngine:
         """Zero-length (or zero) K/V OrtValues ``{prefix.i.key|value: (B, H_kv, length, D)}`` on the device."""
         import onnxruntime as ort
 
-        d = self.manifest["dims"]
+        d = self.manifest.dims
         dtype = np.float16 if self._dtype == torch.float16 else np.float32
-        arr = np.zeros((batch, d["n_kv_heads"], length, d["head_dim"]), dtype=dtype)
+        arr = np.zeros((batch, d.n_kv_heads, length, d.head_dim), dtype=dtype)
         return {f"{prefix}.{i}.{k}": ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
-                for i in range(d["n_layers"]) for k in ("key", "value")}
+                for i in range(d.n_layers) for k in ("key", "value")}
 
     @property
     def weights_version(self) -> int:
@@ -239,8 +213,8 @@ class OrtEngine:
            sessions are reopened from the held set, unchanged, and the error raised,
         3. copy the mapped tensors into the held set, in place, for later partial pushes.
         """
-        wmap = self.manifest["weight_map"]
-        named = resolve_names(named_tensors, set(wmap), self.manifest.get("tied", {}))
+        wmap = self.manifest.weight_map
+        named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
         mapped = engine_weights(named, wmap, self._dtype)
         for g, new in mapped.items():
             for name, t in new.items():

@@ -73,17 +73,17 @@ class _Seq2SeqState:
 def _load(source, dtype):
     """(model, engine max_len or None) from an nn.Module, an HF model folder or an engine folder."""
     from export.checkpoint import load_model
-    from export.graph import MANIFEST, read_manifest
+    from export.manifest import MANIFEST, Manifest
 
     if isinstance(source, torch.nn.Module):
         return source.eval(), None
     path = Path(source)
     if (path / MANIFEST).exists():
-        m = read_manifest(path)
-        src = Path(m["source_model"])
+        m = Manifest.read(path)
+        src = Path(m.source_model)
         if not src.exists():
             raise RefitError(f"engine {path} was exported from {src}, which is not here; pass the HF model folder")
-        return load_model(src, dtype=dtype), m["dims"].get("max_len")
+        return load_model(src, dtype=dtype), m.dims.max_len
     return load_model(path, dtype=dtype), None
 
 

@@ -4,7 +4,7 @@ Same structure as :mod:`rollout.ort_backend` (a ``StepState`` with ``prefill``/`
 decode/score loops, sampling and records are the shared ones in :mod:`rollout.engine`), with
 TensorRT execution instead of ONNX Runtime:
 
-- each graph's plan (``manifest["tensorrt"]``, written by :func:`export.tensorrt_build.build_engines`)
+- each graph's plan (the manifest's ``tensorrt`` section, written by :func:`export.tensorrt_build.build_engines`)
   is deserialized once; one execution context per graph switches optimization profile with
   ``set_optimization_profile_async`` when a call's shapes need another one (``prefill``: empty
   cache; ``decode``: one token per row). A multi-token ``extend`` with a cache (``score`` chunks)
@@ -27,12 +27,13 @@ weights TensorRT asks for. ``tensorrt`` is imported on construction only.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from export.errors import RefitError
-from export.graph import read_manifest
+from export.manifest import Manifest, ShapeRange
 from export.padding import position_ids_from_mask
 from export.weight_map import apply_transform
 from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
@@ -47,7 +48,7 @@ def _trt_to_torch(trt) -> dict:
             trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
 
 
-def read_held_weights(engine_dir: Path, manifest: dict) -> dict[str, dict[str, torch.Tensor]]:
+def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
     """{graph: {trt_name: CPU tensor}} for every mapped weight, from the ``.onnx.data`` bytes (bf16 too)."""
     import numpy as np
     import onnx
@@ -56,15 +57,15 @@ def read_held_weights(engine_dir: Path, manifest: dict) -> dict[str, dict[str, t
 
     by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16)}
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for graph, spec in manifest["graphs"].items():
+    for graph, spec in manifest.graphs.items():
         wanted = set(mapped_trt_names(manifest, graph))
         out[graph] = {}
-        for init in onnx.load(str(engine_dir / spec["file"]), load_external_data=False).graph.initializer:
+        for init in onnx.load(str(engine_dir / spec.file), load_external_data=False).graph.initializer:
             name = trt_weight_name(init.name)
             if name not in wanted or init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             if init.data_type not in by_onnx:
-                raise RefitError(f"{spec['file']}: weight {init.name} has ONNX dtype {init.data_type}, not fp32/fp16/bf16")
+                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, not fp32/fp16/bf16")
             ext = {e.key: e.value for e in init.external_data}
             np_dt, torch_dt = by_onnx[init.data_type]
             count = int(np.prod(init.dims)) if init.dims else 1
@@ -75,13 +76,13 @@ def read_held_weights(engine_dir: Path, manifest: dict) -> dict[str, dict[str, t
     return out
 
 
-def _fits(shapes: dict[str, tuple[int, ...]], profile: dict) -> bool:
+def _fits(shapes: dict[str, tuple[int, ...]], profile: Mapping[str, ShapeRange]) -> bool:
     """True when every input shape lies inside the profile's [min, max] box."""
     for name, shape in shapes.items():
         s = profile.get(name)
-        if s is None or len(s["min"]) != len(shape):
+        if s is None or len(s.min) != len(shape):
             return False
-        if any(not lo <= d <= hi for d, lo, hi in zip(shape, s["min"], s["max"])):
+        if any(not lo <= d <= hi for d, lo, hi in zip(shape, s.min, s.max)):
             return False
     return True
 
@@ -107,15 +108,14 @@ def _on(stream):
 class _TrtGraph:
     """One deserialized plan: its execution context, I/O dtypes, and the manifest's profile boxes."""
 
-    def __init__(self, trt, runtime, plan_path: Path, manifest: dict, graph: str, stream, device: torch.device):
+    def __init__(self, trt, runtime, plan_path: Path, manifest: Manifest, graph: str, stream, device: torch.device):
         self.trt, self.name, self.stream, self.device = trt, graph, stream, device
         self.engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
         if self.engine is None:
             raise RefitError(f"TensorRT could not load {plan_path} (built by another TensorRT version or GPU? "
                              "rebuild with `refit export --backend tensorrt`)")
-        rec = manifest["tensorrt"][graph]
-        self.profile_names = rec["profiles"]
-        self.profiles = [manifest["profiles"][graph][p] for p in self.profile_names]
+        self.profile_names = manifest.tensorrt[graph].profiles
+        self.profiles = [manifest.profiles[graph][p] for p in self.profile_names]
         to_torch = _trt_to_torch(trt)
         io = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in io if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -252,34 +252,34 @@ class TrtEngine:
             raise RefitError(f"the tensorrt backend runs on the GPU only (device {device!r} requested)")
         self.trt = trt
         self.engine_dir = Path(engine_dir)
-        self.manifest = read_manifest(self.engine_dir)
+        self.manifest = Manifest.read(self.engine_dir)
         self._check_plans()
         self.spec = ModelSpec.from_manifest(self.manifest)
-        self._dtype = _TORCH_DTYPE[self.manifest["dtype"]]
+        self._dtype = _TORCH_DTYPE[self.manifest.dtype]
         self.logger = trt.Logger(getattr(trt.Logger, log_level))
         self.stream = _make_stream(self.device)
         runtime = trt.Runtime(self.logger)
-        self.graphs = {g: _TrtGraph(trt, runtime, self.engine_dir / rec["plan"], self.manifest, g, self.stream,
+        self.graphs = {g: _TrtGraph(trt, runtime, self.engine_dir / rec.plan, self.manifest, g, self.stream,
                                     self.device)
-                       for g, rec in self.manifest["tensorrt"].items()}
+                       for g, rec in self.manifest.tensorrt.items()}
         self._runtime = runtime
         self.weights = read_held_weights(self.engine_dir, self.manifest)  # {graph: {trt_name: tensor}}
         # axis 0 is the batch on every input of rank >= 2 (logits_index (K,) has none)
-        self.max_batch = min(p[n]["max"][0] for g in self.graphs.values() for p in g.profiles for n in p
-                             if len(p[n]["max"]) > 1)
+        self.max_batch = min(p[n].max[0] for g in self.graphs.values() for p in g.profiles for n in p
+                             if len(p[n].max) > 1)
         self._version = 0
 
     def _check_plans(self) -> None:
-        recs = self.manifest.get("tensorrt")
-        if not recs or set(recs) != set(self.manifest["graphs"]):
+        recs = self.manifest.tensorrt
+        if not recs or set(recs) != set(self.manifest.graphs):
             raise RefitError(f"{self.engine_dir} has no TensorRT engines: run `refit export MODEL -o "
                              f"{self.engine_dir} --backend tensorrt` on this machine")
         for g, rec in recs.items():
-            if rec.get("trt_version") != self.trt.__version__:
-                raise RefitError(f"{g}.plan was built with TensorRT {rec.get('trt_version')}, this is "
+            if rec.trt_version != self.trt.__version__:
+                raise RefitError(f"{g}.plan was built with TensorRT {rec.trt_version}, this is "
                                  f"{self.trt.__version__}: rebuild with `refit export --backend tensorrt`")
-            if not (self.engine_dir / rec["plan"]).is_file():
-                raise RefitError(f"TensorRT plan {self.engine_dir / rec['plan']} is missing")
+            if not (self.engine_dir / rec.plan).is_file():
+                raise RefitError(f"TensorRT plan {self.engine_dir / rec.plan} is missing")
 
     @property
     def weights_version(self) -> int:
@@ -287,9 +287,9 @@ class TrtEngine:
 
     def empty_kv(self, batch: int) -> dict[str, torch.Tensor]:
         """Zero-length past K/V ``{past.i.key|value: (B, H_kv, 0, D)}`` on the device."""
-        d = self.manifest["dims"]
-        return {f"past.{i}.{k}": torch.empty((batch, d["n_kv_heads"], 0, d["head_dim"]), dtype=self._dtype,
-                                             device=self.device) for i in range(d["n_layers"]) for k in ("key", "value")}
+        d = self.manifest.dims
+        return {f"past.{i}.{k}": torch.empty((batch, d.n_kv_heads, 0, d.head_dim), dtype=self._dtype,
+                                             device=self.device) for i in range(d.n_layers) for k in ("key", "value")}
 
     def _new_state(self):
         return _TrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _TrtDecoderState(self)
@@ -317,7 +317,7 @@ class TrtEngine:
 
         staged: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.graphs:
-            folded = set(self.manifest["tensorrt"][g].get("not_refittable", []))
+            folded = set(self.manifest.tensorrt[g].not_refittable)
             for hf_name, targets in refit_targets(self.manifest, g).items():
                 if hf_name not in named:
                     continue
@@ -369,7 +369,7 @@ class TrtEngine:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Push HF-named tensors into the plans with ``trt.Refitter``; all graphs or none; version += 1."""
-        named = resolve_names(named_tensors, set(self.manifest["weight_map"]), self.manifest.get("tied", {}))
+        named = resolve_names(named_tensors, set(self.manifest.weight_map), self.manifest.tied)
         keep: list[torch.Tensor] = []
         with _on(self.stream):
             staged = self._stage(named)

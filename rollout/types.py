@@ -5,7 +5,7 @@ Padding rule (stated once; the source of truth is :mod:`export.padding`):
 - ``prompt_ids`` / ``prompt_mask`` (B, Tp): decoder-only prompts are LEFT-padded, with
   positions counted over real tokens only; encoder-decoder (T5) prompts are the encoder input,
   padded on the model's native side (RIGHT for T5 -- forcing left there is the TRL
-  negative-KL bug, see shared/seeds/trl-pr-t5-negative-kl.txt).
+  negative-KL bug: TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262).
 - ``response_ids`` / ``response_mask`` (B, Tr): RIGHT-padded with the pad id; the mask is 1 up
   to AND INCLUDING the first stop token (EOS or ``SamplingParams.stop_ids``), then 0. A row that
   never stops is all ones. Every per-token float field is 0.0 where the mask is 0.

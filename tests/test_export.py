@@ -12,7 +12,8 @@ import torch
 
 from export.checkpoint import load_model
 from export.errors import RefitError
-from export.graph import open_session, read_manifest
+from export.graph import open_session
+from export.manifest import Manifest
 from export.onnx_export import ExportOptions, export_onnx
 from export.padding import pad_batch
 from export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
@@ -23,28 +24,28 @@ ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5"]
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_parity_recorded(engine_dirs, arch):
-    m = read_manifest(engine_dirs[arch])
-    p = m["parity"]
-    assert p["max_abs_logprob_diff"] < 1e-4 and p["max_abs_logit_diff"] < 1e-4
-    assert p["decode_steps"] >= 4 and len(set(p["prompt_lengths"])) > 1
-    assert m["padding"]["prompt_side"] == ("right" if arch == "tiny-t5" else "left")
-    for g, spec in m["graphs"].items():
-        assert (engine_dirs[arch] / spec["file"]).exists() and (engine_dirs[arch] / spec["data"]).exists()
-        assert spec["inputs"] and spec["outputs"][0] in ("logits", "encoder_hidden_states")
-    assert set(m["versions"]) >= {"torch", "transformers", "onnx", "onnxruntime"}
-    assert m["hashes"]["hf_weights_sha256"] and m["cache_key"]
+    m = Manifest.read(engine_dirs[arch])
+    p = m.parity
+    assert p.max_abs_logprob_diff < 1e-4 and p.max_abs_logit_diff < 1e-4
+    assert p.decode_steps >= 4 and len(set(p.prompt_lengths)) > 1
+    assert m.padding.prompt_side == ("right" if arch == "tiny-t5" else "left")
+    for g, spec in m.graphs.items():
+        assert (engine_dirs[arch] / spec.file).exists() and (engine_dirs[arch] / spec.data).exists()
+        assert spec.inputs and spec.outputs[0] in ("logits", "encoder_hidden_states")
+    assert set(m.versions) >= {"torch", "transformers", "onnx", "onnxruntime"}
+    assert m.hashes.hf_weights_sha256 and m.cache_key
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_padding_invariance(engine_dirs, tokenizer, arch):
     """A prompt alone and inside a padded batch gives the same engine log-probs (1e-5)."""
     eng = engine_dirs[arch]
-    m = read_manifest(eng)
+    m = Manifest.read(eng)
     seqs = [tokenizer(p).input_ids for p in ["1+2=", "sort 987654 = ", "Refit"]]
-    ids, mask = pad_batch(seqs, m["special_ids"]["pad"], m["padding"]["prompt_side"])
+    ids, mask = pad_batch(seqs, m.special_ids.pad, m.padding.prompt_side)
     batch, fed_b = engine_greedy_logits(eng, m, ids, mask, n_decode=4)
     for i, s in enumerate(seqs):
-        a_ids, a_mask = pad_batch([s], m["special_ids"]["pad"], m["padding"]["prompt_side"])
+        a_ids, a_mask = pad_batch([s], m.special_ids.pad, m.padding.prompt_side)
         alone, fed_a = engine_greedy_logits(eng, m, a_ids, a_mask, n_decode=4)
         np.testing.assert_array_equal(fed_a[0], fed_b[i])
         np.testing.assert_allclose(_log_softmax(alone[0]), _log_softmax(batch[i]), atol=1e-5, rtol=0)
@@ -52,15 +53,15 @@ def test_padding_invariance(engine_dirs, tokenizer, arch):
 
 def test_weight_map_complete_and_one_to_one(engine_dirs, model_dirs):
     for arch in ARCHS:
-        m = read_manifest(engine_dirs[arch])
+        m = Manifest.read(engine_dirs[arch])
         model = load_model(model_dirs[arch])
         params, tied = canonical_params(model)
-        assert set(m["weight_map"]) == set(params), arch
-        assert m["tied"] == tied
-        targets = [(t["graph"], t["engine"]) for ts in m["weight_map"].values() for t in ts]
+        assert set(m.weight_map) == set(params), arch
+        assert m.tied == tied
+        targets = [(t.graph, t.engine) for ts in m.weight_map.values() for t in ts]
         assert len(targets) == len(set(targets)), f"{arch}: an engine weight has two owners"
-    llama = read_manifest(engine_dirs["tiny-llama"])["weight_map"]
-    assert any(t["transform"] == "transpose" for ts in llama.values() for t in ts), "expected folded transposes"
+    llama = Manifest.read(engine_dirs["tiny-llama"]).weight_map
+    assert any(t.transform == "transpose" for ts in llama.values() for t in ts), "expected folded transposes"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -69,9 +70,9 @@ def test_no_weight_feeds_a_transpose(engine_dirs, arch):
     Runtime folds no transposed copy of a weight when a session opens (every weight push)."""
     import onnx
 
-    m = read_manifest(engine_dirs[arch])
-    for spec in m["graphs"].values():
-        g = onnx.load(str(engine_dirs[arch] / spec["file"]), load_external_data=False).graph
+    m = Manifest.read(engine_dirs[arch])
+    for spec in m.graphs.values():
+        g = onnx.load(str(engine_dirs[arch] / spec.file), load_external_data=False).graph
         weights = {t.name for t in g.initializer}
         assert not [n.name for n in g.node if n.op_type == "Transpose" and n.input[0] in weights]
     if arch != "tiny-llama":  # GPT-2 and T5 tie the lm_head to the embedding
@@ -83,18 +84,18 @@ def test_no_weight_feeds_a_transpose(engine_dirs, arch):
 def test_replacing_weights_through_map_reproduces_torch(engine_dirs, model_dirs, tokenizer, arch):
     """New weights (every tensor perturbed) pushed through the map give PyTorch's output for them."""
     eng = engine_dirs[arch]
-    m = read_manifest(eng)
+    m = Manifest.read(eng)
     model = load_model(model_dirs[arch])
     params, _ = canonical_params(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in params.values():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    new = engine_weights(params, m["weight_map"], torch.float32)
-    sessions = {name: open_session(eng / spec["file"], {k: v.numpy() for k, v in new[name].items()})
-                for name, spec in m["graphs"].items()}
+    new = engine_weights(params, m.weight_map, torch.float32)
+    sessions = {name: open_session(eng / spec.file, {k: v.numpy() for k, v in new[name].items()})
+                for name, spec in m.graphs.items()}
     seqs = [tokenizer(p).input_ids for p in ["12+34=", "sort 31 = "]]
-    ids, mask = pad_batch(seqs, m["special_ids"]["pad"], m["padding"]["prompt_side"])
+    ids, mask = pad_batch(seqs, m.special_ids.pad, m.padding.prompt_side)
     import export.parity as parity
 
     orig = parity.open_session

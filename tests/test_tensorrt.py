@@ -35,15 +35,20 @@ from onnx import TensorProto, helper
 
 import export.tensorrt_build as tb
 from export.errors import RefitError
-from export.graph import read_manifest
+from export.manifest import Manifest, TrtDevice
 from export.trt_check import check_engine_folder, check_ops, check_profiles, check_weight_map
 
 ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5"]
 TRT_REASON = tb.tensorrt_unavailable_reason()
 
 
+def _raw(d: Path) -> dict:
+    """The manifest JSON of ``d`` as a plain dict, to plant a fault in (then ``Manifest.from_dict``)."""
+    return json.loads((d / "manifest.json").read_text())
+
+
 def _edit_manifest(d: Path, fn) -> dict:
-    m = json.loads((d / "manifest.json").read_text())
+    m = _raw(d)
     fn(m)
     (d / "manifest.json").write_text(json.dumps(m))
     return m
@@ -114,7 +119,7 @@ def _set_dim(onnx_path: Path, inp: str, axis: int, name: str | None) -> None:
 
 def test_check_profiles_catches_anonymous_and_undeclared_dims(engine_dirs, fresh_copy):
     d = fresh_copy(engine_dirs["tiny-gpt2"], "g")
-    m = read_manifest(d)
+    m = Manifest.read(d)
     _set_dim(d / "decoder.onnx", "input_ids", 1, None)
     assert any("input_ids[1]: anonymous dynamic dimension" in p for p in check_profiles(m, d / "decoder.onnx"))
     _set_dim(d / "decoder.onnx", "input_ids", 1, "tokens")
@@ -126,18 +131,19 @@ def test_check_profiles_catches_anonymous_and_undeclared_dims(engine_dirs, fresh
 def test_check_profiles_catches_uncovered_dims(engine_dirs, fresh_copy):
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
     path = d / "decoder.onnx"
-    m = read_manifest(d)
+    m = _raw(d)
     del m["profiles"]["decoder"]["decode"]["attention_mask"]
-    assert check_profiles(m, path) == ["decoder/decode: input attention_mask has no min/opt/max"]
-    m = read_manifest(d)
+    assert check_profiles(Manifest.from_dict(m), path) == ["decoder/decode: input attention_mask has no min/opt/max"]
+    m = _raw(d)
     m["profiles"]["decoder"]["prefill"]["input_ids"]["opt"][1] = 10_000  # opt above max
-    assert any("prefill.input_ids[1] (seq): needs 0 <= min <= opt <= max" in p for p in check_profiles(m, path))
-    m = read_manifest(d)
+    assert any("prefill.input_ids[1] (seq): needs 0 <= min <= opt <= max" in p
+               for p in check_profiles(Manifest.from_dict(m), path))
+    m = _raw(d)
     m["profiles"]["decoder"]["decode"]["past.0.key"]["max"][1] += 1  # a static axis (heads) with a range
-    assert any("past.0.key[1]: static dim" in p for p in check_profiles(m, path))
-    m = read_manifest(d)
+    assert any("past.0.key[1]: static dim" in p for p in check_profiles(Manifest.from_dict(m), path))
+    m = _raw(d)
     m["profiles"]["decoder"]["decode"]["past.1.value"]["max"][0] = 3  # one "batch" dim, two ranges
-    assert any("dim 'batch'" in p for p in check_profiles(m, path))
+    assert any("dim 'batch'" in p for p in check_profiles(Manifest.from_dict(m), path))
     _edit_manifest(d, lambda mm: mm["profiles"]["decoder"]["decode"].pop("position_ids"))
     assert any("position_ids has no min/opt/max" in p for p in check_engine_folder(d))
 
@@ -145,32 +151,34 @@ def test_check_profiles_catches_uncovered_dims(engine_dirs, fresh_copy):
 def test_check_weight_map_catches_missing_and_duplicated_mappings(engine_dirs, fresh_copy):
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
     path = d / "decoder.onnx"
-    m = read_manifest(d)
+    m = Manifest.read(d)
     hf = "model.layers.0.self_attn.q_proj.weight"
-    target = m["weight_map"][hf][0]["engine"]
+    target = m.weight_map[hf][0].engine
     assert check_weight_map(m, path) == []
-    missing = json.loads(json.dumps(m))
+    missing = _raw(d)
     del missing["weight_map"][hf]
-    assert check_weight_map(missing, path) == [
+    assert check_weight_map(Manifest.from_dict(missing), path) == [
         f"decoder: external initializer {target} is the target of 0 weight-map entries (want 1)"]
-    dup = json.loads(json.dumps(m))
+    dup = _raw(d)
     dup["weight_map"]["model.layers.1.self_attn.q_proj.weight"].append(dict(dup["weight_map"][hf][0]))
-    assert any(f"{target} is the target of 2 weight-map entries" in p for p in check_weight_map(dup, path))
-    flipped = json.loads(json.dumps(m))
+    assert any(f"{target} is the target of 2 weight-map entries" in p
+               for p in check_weight_map(Manifest.from_dict(dup), path))
+    flipped = _raw(d)
     flipped["weight_map"]["model.layers.0.mlp.down_proj.weight"][0]["transform"] = "identity"
-    assert any("down_proj.weight" in p and "after identity" in p for p in check_weight_map(flipped, path))
-    ghost = json.loads(json.dumps(m))
+    assert any("down_proj.weight" in p and "after identity" in p
+               for p in check_weight_map(Manifest.from_dict(flipped), path))
+    ghost = _raw(d)
     ghost["weight_map"][hf][0]["engine"] = "no_such_tensor"
-    assert any("no_such_tensor: no such initializer" in p for p in check_weight_map(ghost, path))
+    assert any("no_such_tensor: no such initializer" in p for p in check_weight_map(Manifest.from_dict(ghost), path))
     _edit_manifest(d, lambda mm: mm["weight_map"].pop(hf))
     assert any("target of 0 weight-map entries" in p for p in check_engine_folder(d))
 
 
 def test_refit_names_are_the_onnx_initializer_names(engine_dirs):
     for arch in ARCHS:
-        m = read_manifest(engine_dirs[arch])
-        for g, spec in m["graphs"].items():
-            model = onnx.load(str(engine_dirs[arch] / spec["file"]), load_external_data=False)
+        m = Manifest.read(engine_dirs[arch])
+        for g, spec in m.graphs.items():
+            model = onnx.load(str(engine_dirs[arch] / spec.file), load_external_data=False)
             external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
             assert set(tb.mapped_trt_names(m, g)) == external, (arch, g)
             n_targets = sum(len(v) for v in tb.refit_targets(m, g).values())
@@ -424,7 +432,7 @@ def make_stand_in(fold: set[str] = frozenset(), fuse: list[set[str]] = ()):
 def _use_stand_in(monkeypatch, **kw):
     fake = make_stand_in(**kw)
     monkeypatch.setattr(tb, "require_tensorrt", lambda: fake)
-    monkeypatch.setattr(tb, "_device", lambda: {"name": "stand-in", "compute_capability": "0.0"})
+    monkeypatch.setattr(tb, "_device", lambda: TrtDevice(name="stand-in", compute_capability="0.0"))
     return fake
 
 
@@ -433,13 +441,13 @@ def test_build_engines_records_plans_and_profiles(engine_dirs, fresh_copy, monke
     d = fresh_copy(engine_dirs["tiny-t5"], "t5")
     logs = []
     recs = tb.build_engines(d, workspace_gb=0.5, log=logs.append)
-    m = read_manifest(d)
-    assert m["tensorrt"] == recs and set(recs) == {"encoder", "decoder"}
-    assert recs["decoder"]["profiles"] == ["prefill", "decode"] and recs["encoder"]["profiles"] == ["encode"]
+    m = Manifest.read(d)
+    assert m.tensorrt == recs and set(recs) == {"encoder", "decoder"}
+    assert recs["decoder"].profiles == ("prefill", "decode") and recs["encoder"].profiles == ("encode",)
     for g, rec in recs.items():
-        assert (d / rec["plan"]).is_file() and rec["trt_version"] == "10.0.0-stand-in"
-        assert set(tb.mapped_trt_names(m, g)) <= set(rec["refittable_weights"]) and rec["not_refittable"] == []
-        assert rec["precision"] == "weak+FP32 (TF32 off)"
+        assert (d / rec.plan).is_file() and rec.trt_version == "10.0.0-stand-in"
+        assert set(tb.mapped_trt_names(m, g)) <= set(rec.refittable_weights) and rec.not_refittable == ()
+        assert rec.precision == "weak+FP32 (TF32 off)"
     assert check_engine_folder(d) == []
     assert not [p for p in d.iterdir() if p.name.startswith(".")], "temporary plan files left behind"
     tb.build_engines(d, log=logs.append)
@@ -448,14 +456,14 @@ def test_build_engines_records_plans_and_profiles(engine_dirs, fresh_copy, monke
 
 def test_build_engines_refuses_constant_folded_weights(engine_dirs, fresh_copy, monkeypatch):
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
-    m = read_manifest(d)
-    folded = m["weight_map"]["model.layers.0.self_attn.q_proj.weight"][0]["engine"]
+    m = Manifest.read(d)
+    folded = m.weight_map["model.layers.0.self_attn.q_proj.weight"][0].engine
     _use_stand_in(monkeypatch, fold={folded})
     with pytest.raises(RefitError, match=f"constant-folded 1 mapped weights of decoder.*{folded}"):
         tb.build_engines(d, log=lambda *_: None)
-    assert "tensorrt" not in read_manifest(d) and not list(d.glob("*plan*")) and not list(d.glob(".*"))
+    assert Manifest.read(d).tensorrt is None and not list(d.glob("*plan*")) and not list(d.glob(".*"))
     recs = tb.build_engines(d, strict=False, log=lambda *_: None)
-    assert recs["decoder"]["not_refittable"] == [folded]
+    assert recs["decoder"].not_refittable == (folded,)
     assert any("not refittable" in p for p in check_engine_folder(d))
 
 
@@ -487,10 +495,10 @@ def trt_env(request, engine_dirs, tmp_path_factory):
 
 def test_built_engines_are_refittable(trt_env):
     for arch, d in trt_env.dirs.items():
-        m = read_manifest(d)
-        for g, rec in m["tensorrt"].items():
-            assert rec["profiles"] == list(m["profiles"][g]) and (d / rec["plan"]).stat().st_size > 0
-            assert rec["not_refittable"] == [] and set(tb.mapped_trt_names(m, g)) <= set(rec["refittable_weights"])
+        m = Manifest.read(d)
+        for g, rec in m.tensorrt.items():
+            assert rec.profiles == tuple(m.profiles[g]) and (d / rec.plan).stat().st_size > 0
+            assert rec.not_refittable == () and set(tb.mapped_trt_names(m, g)) <= set(rec.refittable_weights)
         assert check_engine_folder(d) == [], arch
 
 
@@ -541,7 +549,7 @@ def test_fp16_engine_matches_onnxruntime(kind, model_dirs, tmp_path, monkeypatch
     d = export_onnx(model_dirs["tiny-llama"], tmp_path / "fp16", ExportOptions(dtype="fp16", max_batch=8, max_len=64),
                     log=lambda *_: None)
     recs = tb.build_engines(d, workspace_gb=1.0, log=lambda *_: None)
-    assert recs["decoder"]["precision"] in ("weak+FP16", "strongly-typed (graph dtypes)")
+    assert recs["decoder"].precision in ("weak+FP16", "strongly-typed (graph dtypes)")
     trt_eng = create_engine("tensorrt", d, device="cpu" if kind == "stand-in" else "cuda")
     ort_eng = create_engine("onnxruntime", d)
     a = ort_eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
@@ -615,8 +623,8 @@ def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_
     from rollout.trt_backend import TrtEngine
 
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
-    m = read_manifest(d)
-    q, k = (m["weight_map"][f"model.layers.0.self_attn.{x}_proj.weight"][0]["engine"] for x in "qk")
+    m = Manifest.read(d)
+    q, k = (m.weight_map[f"model.layers.0.self_attn.{x}_proj.weight"][0].engine for x in "qk")
     fake = _use_stand_in(monkeypatch, fuse=[{q, k}])
     tb.build_engines(d, log=lambda *_: None)
     eng = TrtEngine(d, device="cpu")

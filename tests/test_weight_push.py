@@ -78,7 +78,7 @@ def _noisy(t, seed, scale=0.5):
 def test_transposed_weight_llama_q_proj(engine_dirs, model_dirs, prompts):
     ort, ref = _pair("tiny-llama", engine_dirs, model_dirs)
     name = "model.layers.0.self_attn.q_proj.weight"
-    assert [t["transform"] for t in ort.manifest["weight_map"][name]] == ["transpose"]
+    assert [t.transform for t in ort.manifest.weight_map[name]] == ["transpose"]
     q = dict(ref.model.named_parameters())[name]
     assert q.shape[0] == q.shape[1], "square: a missing transpose would not fail on shape, only on values"
     _roundtrip(ort, ref, prompts, {name: _noisy(q, 1)})
@@ -90,12 +90,12 @@ def test_transposed_weight_llama_q_proj(engine_dirs, model_dirs, prompts):
                                                   ("tiny-t5", "shared.weight", "decoder.embed_tokens.weight")])
 def test_tied_embedding(engine_dirs, model_dirs, prompts, arch, canonical, alias):
     ort, ref = _pair(arch, engine_dirs, model_dirs)
-    assert ort.manifest["tied"][alias] == canonical
+    assert ort.manifest.tied[alias] == canonical
     emb = dict(ref.model.named_parameters())[canonical]
     _roundtrip(ort, ref, prompts, {canonical: _noisy(emb, 3, scale=2.0)})
     _roundtrip(ort, ref, prompts, {alias: _noisy(emb, 4, scale=2.0)})  # pushed under the tied alias
     if arch == "tiny-t5":
-        assert {t["graph"] for t in ort.manifest["weight_map"][canonical]} == {"encoder", "decoder"}
+        assert {t.graph for t in ort.manifest.weight_map[canonical]} == {"encoder", "decoder"}
 
 
 @pytest.mark.parametrize("arch,fmt", [("tiny-gpt2", "transformer.h.{}.ln_1.weight"),
@@ -105,7 +105,7 @@ def test_duplicate_norm_weights_push_independently(engine_dirs, model_dirs, prom
     a, b = fmt.format(0), fmt.format(1)
     params = dict(ref.model.named_parameters())
     assert torch.equal(params[a], params[b]), "fresh model: the two norm weights are byte-identical"
-    engine_names = {ort.manifest["weight_map"][n][0]["engine"] for n in (a, b)}
+    engine_names = {ort.manifest.weight_map[n][0].engine for n in (a, b)}
     assert len(engine_names) == 2, "the exporter kept them as two engine weights"
     g = torch.Generator().manual_seed(5)
     new = {a: 1.0 + torch.rand(params[a].shape, generator=g), b: 0.2 + 0.5 * torch.rand(params[b].shape, generator=g)}
@@ -116,7 +116,7 @@ def test_full_state_dict_push(engine_dirs, model_dirs, prompts):
     """Every HF name, aliases included, as a learner would push after an update."""
     ort, ref = _pair("tiny-t5", engine_dirs, model_dirs)
     sd = {n: _noisy(t, i, scale=0.05) for i, (n, t) in enumerate(ref.model.state_dict().items())}
-    for alias, canon in ort.manifest["tied"].items():
+    for alias, canon in ort.manifest.tied.items():
         sd[alias] = sd[canon]
     _push_both(ort, ref, sd)
     _assert_engine_matches_reference(ort, ref, _probe(ref, prompts), prompts)

@@ -1,6 +1,6 @@
 """One PPO-KL iteration on a rollout batch: experience (learner side) and the clipped update.
 
-The log-prob contract (see ../shared/seeds/trl-pr-t5-negative-kl.txt):
+The log-prob contract (see TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262):
 - ``old_logprobs`` and ``ref_logprobs`` are both computed HERE, by the learner, on the same
   padded inputs and at the same temperature, with no top-k/top-p truncation. KL between them
   is therefore exactly 0 when policy == reference, whatever the sampler did.

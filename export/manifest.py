@@ -1,0 +1,421 @@
+"""The engine folder's manifest: the typed record every backend reads, checked, in one place.
+
+``manifest.json`` is the contract between the exporter and every backend (ONNX Runtime,
+TensorRT, the parity gate, the TensorRT checks): model geometry, special ids, the padding rule,
+the graphs and their I/O names, the HF -> engine weight map, tied aliases, the shape profiles,
+hashes, export options, library versions, the parity record and, once built, the TensorRT plans.
+:class:`Manifest` is that record. It is read (:meth:`Manifest.read`), written
+(:meth:`Manifest.write`, atomically) and converted (:meth:`Manifest.from_dict`,
+:meth:`Manifest.to_dict`) here and nowhere else; code elsewhere reads its fields.
+
+On disk the layout is unchanged (``FORMAT = "refit-engine/1"``): engine folders exported before
+this record existed load as they are, and ``to_dict()`` gives back exactly the JSON read.
+
+Unknown keys. Inside a known section (``dims``, a graph, a weight-map entry, a TensorRT plan,
+...) an unknown or missing key is an error, in one line: a misspelt or half-written manifest
+fails where it is read, not as a KeyError deep inside a backend. Unknown *top-level* sections are
+preserved deliberately in :attr:`Manifest.extra` and written back verbatim: an exporter that adds
+a section within the same format (a newer Refit, another branch's exporter) still produces a
+folder this one can run, and ``build_engines`` rewriting the manifest does not drop the section.
+No code reads ``extra``; a reader that needs a section adds a typed field for it here.
+
+:meth:`Manifest.check` validates what the types cannot: the kind and its graphs, positive dims,
+a 1:1 weight map into existing graphs, tied aliases, every graph input covered by every shape
+profile, TensorRT plans that match the graphs and profiles. :meth:`Manifest.read` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from export.errors import RefitError
+
+MANIFEST = "manifest.json"  # file name inside an engine folder
+FORMAT = "refit-engine/1"  # on-disk layout; bump when a reader of the old one would misread the new
+KINDS = ("decoder", "seq2seq")
+GRAPHS_OF_KIND = {"decoder": ("decoder",), "seq2seq": ("encoder", "decoder")}
+DTYPES = ("fp32", "fp16", "bf16")
+SIDES = ("left", "right")
+TRANSFORMS = ("identity", "transpose")  # HF tensor -> the tensor the engine stores
+
+_OPTIONAL = {"omit_if_none": True}  # field metadata: a None value is left out of the JSON
+
+
+# ------------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class Dims:
+    """Model geometry and the engine's size limits."""
+
+    vocab_size: int  # V: width of the logits (B, K, V); rows of the input embedding
+    n_layers: int  # L: decoder layers; 2L past K/V inputs past.{i}.key|value
+    n_kv_heads: int  # H_kv: axis 1 of every K/V tensor (B, H_kv, T, D)
+    head_dim: int  # D: axis 3 of every K/V tensor
+    max_positions: int | None  # learned position table size; None for relative/rotary-only models
+    max_batch: int  # most rows per call: axis-0 max of every shape profile
+    max_len: int  # most prompt + response tokens per row: the profiles' length max
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    pad: int  # fills padded prompt and response positions
+    eos: int  # ends a response
+    decoder_start: int | None  # seq2seq: the decoder's first input token; None for decoder-only
+
+
+@dataclass(frozen=True)
+class Padding:
+    """The padding rule, stated once for every backend (export/padding.py implements it)."""
+
+    prompt_side: str  # "left" (decoder-only) or the encoder's native side ("right" for T5)
+    position_ids: str  # how position ids follow from the mask, in words
+    response_side: str  # "right": responses are padded after their last token
+    rule: str  # the rule in words
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One ONNX graph of the folder (``decoder``; plus ``encoder`` for seq2seq)."""
+
+    file: str  # "<graph>.onnx", relative to the engine folder
+    data: str  # "<graph>.onnx.data": the external (refittable) weights, 64-byte aligned
+    inputs: tuple[str, ...]  # input names in graph order (TensorRT profiles cover each)
+    outputs: tuple[str, ...]  # output names in graph order; "logits" or "encoder_hidden_states" first
+    sha256: str  # of the .onnx file (TensorRT plans record it to detect a stale plan)
+    weights_sha256: str  # of the .onnx.data file as exported
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one HF tensor lives in an engine graph."""
+
+    engine: str  # ONNX initializer name, which is also the TensorRT refit name
+    graph: str  # the graph holding it (a key of Manifest.graphs)
+    transform: str  # "identity" | "transpose": HF tensor -> stored tensor
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """One input's shape range in a TensorRT optimization profile; each tuple has the input's rank."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Hashes:
+    hf_weights_sha256: str  # of the source checkpoint's weight files + config.json (export cache, reuse)
+    graphs_sha256: Mapping[str, str]  # {graph: sha256 of .onnx}, as in GraphSpec.sha256
+    engine_weights_sha256: Mapping[str, str]  # {graph: sha256 of .onnx.data}, as in GraphSpec.weights_sha256
+
+
+@dataclass(frozen=True)
+class Parity:
+    """The parity gate's record (export/parity.py): engine vs PyTorch on padded prompts."""
+
+    max_abs_logit_diff: float  # max |engine - torch| over real rows and generated positions
+    max_abs_logprob_diff: float  # the same on log-probs: the gated quantity
+    tolerance_logprob: float  # the gate's threshold for this dtype
+    prompts: int  # rows in the gate's batch
+    prompt_lengths: tuple[int, ...]  # unpadded length of each (several lengths: padding is exercised)
+    decode_steps: int  # cached single-token steps after the prefill
+    padding_side: str  # the prompt side the gate padded on
+    reference: str  # what the engine was compared with
+
+
+@dataclass(frozen=True)
+class TrtDevice:
+    name: str  # GPU name the plan was built on
+    compute_capability: str  # "major.minor"; a plan only runs on this architecture
+
+
+@dataclass(frozen=True)
+class TrtPlan:
+    """One graph's refittable TensorRT plan (export/tensorrt_build.py)."""
+
+    plan: str  # "<graph>.plan", relative to the engine folder
+    profiles: tuple[str, ...]  # optimization profile names, in the plan's profile order
+    trt_version: str  # TensorRT that built it; another version cannot load it
+    precision: str  # builder precision chosen for the manifest dtype
+    device: TrtDevice
+    graph_sha256: str  # sha256 of the .onnx the plan was built from (stale when it differs)
+    plan_bytes: int
+    build_seconds: float
+    refittable_weights: tuple[str, ...]  # every weight name the Refitter can set
+    not_refittable: tuple[str, ...]  # mapped weights TensorRT constant-folded: a push to them fails
+
+
+Profiles = Mapping[str, Mapping[str, Mapping[str, ShapeRange]]]  # {graph: {profile: {input: range}}}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An engine folder's ``manifest.json``. Mappings are the record's own: read them, do not change them."""
+
+    backend: str  # exporter that wrote the graphs: "onnx"
+    model_type: str  # HF config.model_type ("gpt2", "llama", "t5", ...)
+    architecture: str  # HF class, e.g. "GPT2LMHeadModel"
+    kind: str  # "decoder" | "seq2seq"
+    dtype: str  # "fp32" | "fp16" | "bf16": weights and activations of the engine
+    opset: int  # ONNX default-domain opset of the graphs
+    source_model: str  # absolute path of the HF checkpoint exported (may not exist on this machine)
+    padding: Padding
+    special_ids: SpecialIds
+    dims: Dims
+    graphs: Mapping[str, GraphSpec]  # {"decoder": ..., "encoder": ... (seq2seq)}
+    dynamic_dims: Mapping[str, str]  # {dim name used in the graphs' shapes: meaning}
+    profiles: Profiles  # {graph: {"prefill"|"decode"|"encode": {input: ShapeRange}}}, in profile order
+    weight_map: Mapping[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engine weights}
+    tied: Mapping[str, str]  # {HF alias: canonical HF name}; aliases are not in weight_map
+    hashes: Hashes
+    cache_key: str  # sha256 of (weights, options, exporter version): an export is reused when equal
+    options: Mapping[str, object]  # ExportOptions as exported (asdict), kept as written: older option sets load
+    versions: Mapping[str, str]  # {library: version} at export time
+    trace_seconds: float  # tracing + writing the graphs, before the parity gate
+    parity: Parity | None = field(default=None, metadata=_OPTIONAL)  # added once the gate passed
+    export_seconds: float | None = field(default=None, metadata=_OPTIONAL)  # whole export, gate included
+    tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=_OPTIONAL)  # {graph: plan} once built
+    extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
+
+    # ---------------------------------------------------------------------- file
+
+    @classmethod
+    def read(cls, engine_dir: str | Path, check: bool = True) -> "Manifest":
+        """The manifest of ``engine_dir``; RefitError (one line) when it is not a usable engine folder.
+
+        ``check=False`` skips :meth:`check` (the layout is still parsed strictly), for a caller that
+        lists every problem itself (``python -m export.trt_check``).
+        """
+        engine_dir = Path(engine_dir)
+        f = engine_dir / MANIFEST
+        if not engine_dir.is_dir():
+            raise RefitError(f"engine folder {engine_dir} does not exist")
+        if not f.exists():
+            raise RefitError(f"{engine_dir} is not a Refit engine folder: no {MANIFEST} (run `refit export` first)")
+        try:
+            raw = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise RefitError(f"{f} is corrupt: {e}") from None
+        m = cls.from_dict(raw, where=str(f))
+        if check:
+            m.check(where=str(f))
+        return m
+
+    def write(self, engine_dir: str | Path) -> Path:
+        """Check, then write ``engine_dir/manifest.json`` atomically (temp file + ``os.replace``); its path."""
+        self.check()
+        f = Path(engine_dir) / MANIFEST
+        tmp = f.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w") as out:
+                out.write(json.dumps(self.to_dict(), indent=1))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, f)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return f
+
+    # ---------------------------------------------------------------------- dict
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str = "manifest") -> "Manifest":
+        """Parse the JSON layout; a wrong format, missing or unknown key or wrong type is one RefitError line.
+
+        Only the layout is checked here; :meth:`check` checks the content.
+        """
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise RefitError(f"{where} has format {got!r}, this Refit reads {FORMAT!r}")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        body = {k: v for k, v in raw.items() if k in known}
+        extra = {k: v for k, v in raw.items() if k not in known and k != "format"}
+        try:
+            return _build(cls, body, "", fixed={"extra": extra})
+        except _LayoutError as e:
+            raise RefitError(f"{where}: {e}") from None
+
+    def to_dict(self) -> dict:
+        """The JSON layout: ``format`` first, the fields in order, then the preserved ``extra`` sections."""
+        out = {"format": FORMAT, **_plain(self)}
+        del out["extra"]
+        out.update(self.extra)
+        return out
+
+    # ---------------------------------------------------------------------- check
+
+    def problems(self) -> list[str]:
+        """Everything inconsistent in this manifest, one line each; empty when it is usable."""
+        return (_scalar_problems(self) + _graph_problems(self) + _weight_map_problems(self)
+                + _profile_problems(self) + _plan_problems(self))
+
+    def check(self, where: str = "manifest") -> None:
+        """Raise RefitError (one line: the first problem, and how many more) unless :meth:`problems` is empty."""
+        found = self.problems()
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise RefitError(f"{where} is inconsistent: {found[0]}{more}")
+
+
+# ------------------------------------------------------------------------------- checks
+
+def _scalar_problems(m: Manifest) -> list[str]:
+    p = []
+    if m.kind not in KINDS:
+        p.append(f"kind {m.kind!r} is not one of {', '.join(KINDS)}")
+    if m.dtype not in DTYPES:
+        p.append(f"dtype {m.dtype!r} is not one of {', '.join(DTYPES)}")
+    if m.padding.prompt_side not in SIDES:
+        p.append(f"padding.prompt_side {m.padding.prompt_side!r} is not left or right")
+    for f in fields(Dims):
+        v = getattr(m.dims, f.name)
+        if not (v is None and f.name == "max_positions") and v <= 0:
+            p.append(f"dims.{f.name} is {v}, must be positive")
+    for name in ("pad", "eos"):
+        if getattr(m.special_ids, name) < 0:
+            p.append(f"special_ids.{name} is negative")
+    if m.kind == "seq2seq" and m.special_ids.decoder_start is None:
+        p.append("special_ids.decoder_start is null, a seq2seq engine needs it")
+    return p
+
+
+def _graph_problems(m: Manifest) -> list[str]:
+    p = []
+    want = GRAPHS_OF_KIND.get(m.kind)
+    if want is not None and sorted(m.graphs) != sorted(want):
+        p.append(f"a {m.kind} engine has graphs {list(want)}, this one {list(m.graphs)}")
+    for g, spec in m.graphs.items():
+        if not spec.inputs or not spec.outputs:
+            p.append(f"graph {g} lists no inputs or no outputs")
+        if m.hashes.graphs_sha256.get(g) != spec.sha256 or m.hashes.engine_weights_sha256.get(g) != spec.weights_sha256:
+            p.append(f"hashes of graph {g} differ from graphs.{g}")
+    p += [f"hashes name graph {g}, which is not in graphs" for g in
+          sorted((set(m.hashes.graphs_sha256) | set(m.hashes.engine_weights_sha256)) - set(m.graphs))]
+    return p
+
+
+def _weight_map_problems(m: Manifest) -> list[str]:
+    """1:1: every HF tensor feeds >= 1 engine weight of an existing graph, every engine weight has one owner."""
+    p, owners = [], {}
+    for hf_name, targets in m.weight_map.items():
+        if not targets:
+            p.append(f"weight map: {hf_name} feeds no engine weight")
+        for t in targets:
+            if t.graph not in m.graphs:
+                p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine} names no graph of this manifest")
+            if t.transform not in TRANSFORMS:
+                p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine} has unknown transform {t.transform!r}")
+            first = owners.setdefault((t.graph, t.engine), hf_name)
+            if first != hf_name:
+                p.append(f"weight map: engine weight {t.graph}:{t.engine} is fed by both {first} and {hf_name}")
+    for alias, canon in m.tied.items():
+        if alias in m.weight_map:
+            p.append(f"tied: alias {alias} is also in the weight map")
+        if canon not in m.weight_map:
+            p.append(f"tied: {alias} -> {canon}, which is not in the weight map")
+    return p
+
+
+def _profile_problems(m: Manifest) -> list[str]:
+    """Every graph has profiles, and each profile gives every input of its graph (and nothing else) a range."""
+    p = [f"profiles name graph {g}, which is not in graphs" for g in m.profiles if g not in m.graphs]
+    for g, spec in m.graphs.items():
+        profs = m.profiles.get(g)
+        if not profs:
+            p.append(f"graph {g} has no shape profiles")
+            continue
+        for pname, prof in profs.items():
+            where = f"{g}/{pname}"
+            p += [f"{where}: input {x} has no min/opt/max" for x in spec.inputs if x not in prof]
+            p += [f"{where}: {x!r} is not an input of graph {g}" for x in prof if x not in spec.inputs]
+            for x, r in prof.items():
+                if not len(r.min) == len(r.opt) == len(r.max):
+                    p.append(f"{where}.{x}: min/opt/max ranks {len(r.min)}/{len(r.opt)}/{len(r.max)} differ")
+                elif not all(0 <= lo <= o <= hi for lo, o, hi in zip(r.min, r.opt, r.max)):
+                    p.append(f"{where}.{x}: needs 0 <= min <= opt <= max, "
+                             f"got {list(r.min)}/{list(r.opt)}/{list(r.max)}")
+    return p
+
+
+def _plan_problems(m: Manifest) -> list[str]:
+    p = []
+    for g, rec in (m.tensorrt or {}).items():
+        if g not in m.graphs:
+            p.append(f"TensorRT plan for {g}, which is not in graphs")
+        elif list(rec.profiles) != list(m.profiles.get(g, {})):
+            want = list(m.profiles.get(g, {}))
+            p.append(f"{g}: TensorRT profiles {list(rec.profiles)} differ from the manifest's {want}")
+    return p
+
+
+# ------------------------------------------------------------------------------- JSON <-> records
+
+class _LayoutError(ValueError):
+    """A layout problem at a dotted path inside the manifest; from_dict adds the file name."""
+
+
+def _at(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _build(cls, raw: object, path: str, fixed: dict | None = None):
+    """Record ``cls`` from its JSON object: every field present (optional ones may be absent), no other key."""
+    if not isinstance(raw, dict):
+        raise _LayoutError(f"{path}: expected an object, got {type(raw).__name__}")
+    fixed = fixed or {}
+    hints = typing.get_type_hints(cls)
+    own = [f for f in fields(cls) if f.name not in fixed]
+    unknown = sorted(set(raw) - {f.name for f in own})
+    missing = [f.name for f in own if f.name not in raw and f.default is MISSING and f.default_factory is MISSING]
+    if unknown or missing:
+        what = "; ".join(s for s in (missing and f"missing {', '.join(missing)}",
+                                     unknown and f"unknown key(s) {', '.join(unknown)}") if s)
+        raise _LayoutError(f"{path}: {what}" if path else what)
+    kw = {f.name: _value(raw[f.name], hints[f.name], _at(path, f.name)) for f in own if f.name in raw}
+    return cls(**kw, **fixed)
+
+
+def _value(v: object, hint, path: str):
+    """``v`` as ``hint`` (a record, tuple[X, ...], Mapping[str, X], X | None, int, float, str or object)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        return _value(v, next(a for a in args if a is not type(None)), path)
+    if is_dataclass(hint):
+        return _build(hint, v, path)
+    if origin is tuple:
+        if not isinstance(v, list):
+            raise _LayoutError(f"{path}: expected a list, got {type(v).__name__}")
+        return tuple(_value(x, args[0], f"{path}[{i}]") for i, x in enumerate(v))
+    if origin in (Mapping, dict):
+        if not isinstance(v, dict):
+            raise _LayoutError(f"{path}: expected an object, got {type(v).__name__}")
+        return {k: _value(x, args[1], _at(path, k)) for k, x in v.items()}
+    if hint is object:
+        return v
+    ok = {int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+          str: lambda x: isinstance(x, str)}[hint]
+    if not ok(v):
+        raise _LayoutError(f"{path}: expected {hint.__name__}, got {json.dumps(v)[:40]}")
+    return v
+
+
+def _plain(v: object):
+    """A record as its JSON value: fields in order (a None optional field left out), tuples as lists."""
+    if is_dataclass(v):
+        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)
+                if not (f.metadata.get("omit_if_none") and getattr(v, f.name) is None)}
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
