@@ -31,7 +31,7 @@ def _cfg(model_dirs, engine_dirs, out, **kw):
                 teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
                 progress=False, tensorboard=False, plots=False)
     base.update(kw)
-    return DistillConfig(**base)
+    return DistillConfig.from_flat(**base)
 
 
 def _count(obj, name: str, calls: list):
@@ -65,7 +65,7 @@ def test_lmbda_decides_who_generates(model_dirs, engine_dirs, tmp_path, lmbda, e
     else:
         assert flags == [int(draws_student(run.cfg, s)) for s in steps] and 0 < sum(flags) < 6
     for a, _, out in calls:  # on-policy batches are sampled (not greedy) at the configured temperature
-        assert not a[1].greedy and a[1].temperature == run.cfg.temperature and out.num_rows == 8
+        assert not a[1].greedy and a[1].temperature == run.cfg.rollout.temperature and out.num_rows == 8
 
 
 @pytest.mark.parametrize("mode,expect", [
@@ -163,13 +163,13 @@ def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, en
 
 def test_config_refuses_incoherent_modes():
     with pytest.raises(RefitError, match="loss=ce is sequence-level KD"):
-        DistillConfig(loss="ce", seq_kd=False)
+        DistillConfig.from_flat(loss="ce", seq_kd=False)
     with pytest.raises(RefitError, match="second teacher pass"):
-        DistillConfig(loss="jsd", seq_kd=True)
+        DistillConfig.from_flat(loss="jsd", seq_kd=True)
     with pytest.raises(RefitError, match="loss_temperature"):
-        DistillConfig(loss="topk_kl", seq_kd=True, lmbda=0.0, temperature=0.8, loss_temperature=1.0)
+        DistillConfig.from_flat(loss="topk_kl", seq_kd=True, lmbda=0.0, temperature=0.8, loss_temperature=1.0)
     with pytest.raises(RefitError, match="eval_every must be a multiple"):
-        DistillConfig(sync_every=2, eval_every=5, save_steps=10)
+        DistillConfig.from_flat(sync_every=2, eval_every=5, save_steps=10)
 
 
 def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):

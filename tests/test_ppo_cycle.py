@@ -27,7 +27,7 @@ def _cfg(model_dirs, engine_dirs, arch, out, **kw):
                 save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
                 num_prompts=32, learning_rate=1e-3)
     base.update(kw)
-    return PPOConfig(**base)
+    return PPOConfig.from_flat(**base)
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
@@ -192,7 +192,7 @@ def test_config_yaml_and_flags(tmp_path):
     with pytest.raises(RefitError, match=r"unknown fields \['not_a_field', 'rollout.nope'\]"):
         parse_config(PPOConfig, ["--config", str(f)], "refit ppo")
     with pytest.raises(RefitError, match="save_steps must be a multiple"):
-        PPOConfig(save_steps=3, sync_every=2)
+        PPOConfig.from_flat(save_steps=3, sync_every=2)
 
 
 def test_demo_end_to_end_short(tmp_path):
@@ -235,8 +235,8 @@ def test_tensorrt_backend_fails_at_once_without_tensorrt(model_dirs, tmp_path):
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
-    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), output_dir=str(tmp_path / "run"), backend="tensorrt",
-                    progress=False)
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), output_dir=str(tmp_path / "run"),
+                              backend="tensorrt", progress=False)
     with pytest.raises(RefitError, match="TensorRT is not installed"):
         setup(cfg, resume=False, log=lambda *_: None)
     assert not (tmp_path / "run" / "engine").exists()
