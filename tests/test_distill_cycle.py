@@ -140,7 +140,7 @@ def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer
     assert "\n" not in msg and "384" in msg and "400" in msg and "teacher" in msg and "student" in msg
     assert not (tmp_path / "run" / "teacher_engine").exists()  # refused before anything was exported
     capsys.readouterr()
-    rc = main(["distill", "--teacher_model_dir", str(model_dirs["tiny-gpt2"]), "--student_model_dir", str(student),
+    rc = main(["distill", "--teacher.model_dir", str(model_dirs["tiny-gpt2"]), "--student.model_dir", str(student),
                "-o", str(tmp_path / "cli")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "384" in err[0] and "400" in err[0], err
@@ -204,8 +204,8 @@ def default_run(tmp_path_factory):
 
     out, buf = tmp_path_factory.mktemp("distill_default") / "d", io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["distill", "-o", str(out), "--teacher_sft_steps", "20", "--steps", "8", "--eval_every", "4",
-                   "--save_steps", "4", "--batch_size", "16", "--eval_size", "16", "--no-progress"])
+        rc = main(["distill", "-o", str(out), "--teacher_sft_steps", "20", "--run.steps", "8", "--eval_every", "4",
+                   "--ckpt.save_steps", "4", "--run.batch_size", "16", "--eval_size", "16", "--log.no_progress"])
     return rc, buf.getvalue(), out
 
 
@@ -231,9 +231,9 @@ def test_distill_batch_script_smoke(default_run, tmp_path):
     out = tmp_path / "batch"
     assert "usage" in subprocess.run(["bash", "scripts/distill_batch.sh", "--help"], capture_output=True, text=True,
                                      cwd=ROOT, env=_env()).stdout.lower()
-    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--steps", "2", "--out", str(out), "--models",
-                        str(default_run[2] / "models"), "--", "--batch_size", "8", "--eval_size", "8",
-                        "--eval_every", "2", "--save_steps", "2", "--tensorboard", "false", "--plots", "false"],
+    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--run.steps", "2", "--out", str(out), "--models",
+                        str(default_run[2] / "models"), "--run.batch_size", "8", "--eval_size", "8",
+                        "--eval_every", "2", "--ckpt.save_steps", "2", "--log.no_tensorboard", "--log.plots", "false"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     table = json.loads((out / "results.json").read_text())
