@@ -1,82 +1,134 @@
-"""``refit bench generate|refit|ppo``: benchmarks whose last stdout line is one JSON document."""
+"""``refit bench generate|refit|ppo|workers``: benchmarks whose last stdout line is one JSON document."""
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from export.errors import RefitError
+from export.parsing import opt, parse
+
+FLAT = tyro.conf.arg(name="")  # a section whose flags keep no prefix (--work_dir, --geometry)
 
 
-def _model_and_engine(a, log=print, max_len: int = 256) -> tuple[Path, Path]:
+@dataclass(frozen=True)
+class Machine:
+    """Where built models and engines are cached, and the threads."""
+
+    work_dir: str = opt("runs/bench", "where built models and engines are cached")
+    threads: int = opt(2, "intra-op threads for torch and the engines")
+
+
+@dataclass(frozen=True)
+class Source:
+    """The benchmark model and its engine."""
+
+    model: str = opt("", "HF checkpoint folder (default: build --geometry locally)")
+    geometry: str = opt("gpt2-small", "local geometry to build when --model is not given")
+    engine: str = opt("", "engine folder (default: exported into --work_dir)")
+    repeats: int = opt(3, "timed repeats (median reported)")
+
+
+@dataclass(frozen=True)
+class BenchGenerate:
+    """Generation latency: HF generate() vs Refit engines."""
+
+    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+    source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
+    backends: str = opt("torch,onnxruntime", "comma list of Refit backends")
+    batch_sizes: str = opt("1,8,32", "comma list of batch sizes")
+    prompt_len: int = opt(32, "prompt tokens per row")
+    new_tokens: int = opt(64, "generated tokens per row")
+
+
+@dataclass(frozen=True)
+class BenchRefit:
+    """update_weights vs a full re-export."""
+
+    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+    source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
+
+
+@dataclass(frozen=True)
+class BenchPPO:
+    """One PPO iteration with engine rollouts vs HF generate() rollouts."""
+
+    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+    source: Annotated[Source, FLAT] = opt(help_="", factory=lambda: Source(geometry="small-gpt2"))
+    batch_size: int = opt(8, "rows per PPO iteration")
+    response_length: int = opt(192, "generated tokens per row")
+    backend: str = opt("onnxruntime", "engine backend compared with HF generate()")
+
+
+@dataclass(frozen=True)
+class BenchWorkers:
+    """A demo-sized PPO iteration with 1 vs N Ray rollout workers (always the embedded demo's policy)."""
+
+    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+    workers: int = opt(2, "rollout workers compared with one engine")
+    steps: int = opt(8, "PPO steps per run (the first 2 are not timed)")
+
+
+BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "workers": BenchWorkers}
+
+
+def _usage() -> str:
+    lines = ["usage: refit bench {" + ",".join(BENCHES) + "} [options]", "", __doc__.splitlines()[0], "", "benches:"]
+    lines += [f"  {name:<10} {cls.__doc__.splitlines()[0]}" for name, cls in BENCHES.items()]
+    return "\n".join(lines + ["", "Run 'refit bench <bench> --help' for its options."])
+
+
+def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
     from export.build import build
     from export.models import build_model
     from export.onnx_export import ExportOptions
 
-    work = Path(a.work_dir)
-    model = Path(a.model) if a.model else work / a.geometry
-    if not a.model and not (model / "config.json").exists():
-        log(f"building the {a.geometry} geometry locally in {model}")
-        build_model(a.geometry, model)
-    engine = Path(a.engine) if a.engine else work / f"{model.name}-engine"
-    backend = "tensorrt" if "tensorrt" in getattr(a, "backends", "").split(",") else "onnxruntime"
+    work = Path(m.work_dir)
+    model = Path(s.model) if s.model else work / s.geometry
+    if not s.model and not (model / "config.json").exists():
+        log(f"building the {s.geometry} geometry locally in {model}")
+        build_model(s.geometry, model)
+    engine = Path(s.engine) if s.engine else work / f"{model.name}-engine"
+    backend = "tensorrt" if "tensorrt" in backends.split(",") else "onnxruntime"
     build(model, engine, backend, ExportOptions(max_batch=64, max_len=max_len), log=log)
     return model, engine
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="refit bench", description=__doc__)
-    sub = p.add_subparsers(dest="which", required=True)
-    for name, help_ in (("generate", "generation latency: HF generate() vs Refit engines"),
-                        ("refit", "update_weights vs a full re-export"),
-                        ("ppo", "one PPO iteration with engine rollouts vs HF generate() rollouts"),
-                        ("workers", "a demo-sized PPO iteration with 1 vs N Ray rollout workers")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("--work-dir", default="runs/bench", help="where built models and engines are cached")
-        s.add_argument("--threads", type=int, default=2, help="intra-op threads for torch and the engines")
-        if name != "workers":  # bench workers always runs the embedded demo's policy and settings
-            s.add_argument("--model", default="", help="HF checkpoint folder (default: build --geometry locally)")
-            s.add_argument("--geometry", default="small-gpt2" if name == "ppo" else "gpt2-small",
-                           help="local geometry to build when --model is not given")
-            s.add_argument("--engine", default="", help="engine folder (default: exported into --work-dir)")
-            s.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-        if name == "generate":
-            s.add_argument("--backends", default="torch,onnxruntime", help="comma list of Refit backends")
-            s.add_argument("--batch-sizes", default="1,8,32", help="comma list of batch sizes")
-            s.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
-            s.add_argument("--new-tokens", type=int, default=64, help="generated tokens per row")
-        if name == "workers":
-            s.add_argument("--workers", type=int, default=2, help="rollout workers compared with one engine")
-            s.add_argument("--steps", type=int, default=8, help="PPO steps per run (the first 2 are not timed)")
-        if name == "ppo":
-            s.add_argument("--batch-size", type=int, default=8, help="rows per PPO iteration")
-            s.add_argument("--response-length", type=int, default=192, help="generated tokens per row")
-            s.add_argument("--backend", default="onnxruntime", help="engine backend compared with HF generate()")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    if a.which == "generate":
+    argv = list(argv or [])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] not in BENCHES:
+        raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(BENCHES)}")
+    which = argv[0]
+    a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
+    m = a.machine
+    if which == "generate":
         from bench.generate import bench_generate
 
-        model, engine = _model_and_engine(a)
+        model, engine = _model_and_engine(m, a.source, a.backends)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
-                             a.prompt_len, a.new_tokens, a.repeats, a.threads)
-    elif a.which == "refit":
+                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads)
+    elif which == "refit":
         from bench.generate import bench_refit
 
-        model, engine = _model_and_engine(a)
-        out = bench_refit(model, engine, a.repeats, a.threads, Path(a.work_dir))
-    elif a.which == "workers":
+        model, engine = _model_and_engine(m, a.source)
+        out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
+    elif which == "workers":
         from bench.workers import bench_workers
 
-        out = bench_workers(Path(a.work_dir) / "workers", a.workers, a.steps, a.threads)
+        out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
     else:
         from bench.ppo import bench_ppo
 
-        model, engine = _model_and_engine(a, max_len=max(256, 128 + a.response_length))  # prompts ~60 tokens
-        out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, a.threads, Path(a.work_dir),
-                        repeats=a.repeats)
+        model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
+        out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),
+                        repeats=a.source.repeats)
     print(json.dumps(out))
     return 0

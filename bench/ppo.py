@@ -45,11 +45,12 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
     names = (backend, "hf")
     runs = {}
     for name in names:
-        cfg = PPOConfig(model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
-                        backend=name, prompts_file=str(prompts), reward="bench.ppo:length_reward",
-                        steps=repeats + 1, batch_size=batch_size, num_generations=1, response_length=response_length,
-                        num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
-                        tensorboard=False, plots=False, save_steps=1000)
+        cfg = PPOConfig.from_flat(
+            model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
+            backend=name, prompts_file=str(prompts), reward="bench.ppo:length_reward",
+            steps=repeats + 1, batch_size=batch_size, num_generations=1, response_length=response_length,
+            num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
+            tensorboard=False, plots=False, save_steps=1000)
         runs[name] = setup(cfg, resume=False, log=lambda *_: None)
     rows: dict[str, list[dict]] = {name: [] for name in names}
     try:

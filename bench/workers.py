@@ -2,8 +2,8 @@
 
 The embedded demo's policy (built and warmed up locally) and its PPO settings (32 prompts x 4
 samples, 6 new tokens, 2 epochs x 2 minibatches, a weight push and probe every step); the same
-run with ``rollout_workers=1`` (one engine in this process, ``threads`` intra-op threads) and
-``rollout_workers=N`` (N Ray actors, ``rollout_worker_cpus`` each, one engine thread each). The
+run with ``scale.workers=1`` (one engine in this process, ``threads`` intra-op threads) and
+``scale.workers=N`` (N Ray actors, ``scale.worker_cpus`` each, one engine thread each). The
 first ``warmup`` steps of each run are dropped (engine and actor start-up), the median of the rest
 reported. A pool samples in fixed chunks of prompts, so its tokens are the same for any N (see
 :mod:`rollout.ray_pool`) but not those of the in-process engine, which samples the batch in one
@@ -32,11 +32,12 @@ def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: in
         build_policy(work, sft_steps=150, max_operand=9, seed=0, log=lambda *_: None)
     out = {}
     for n in (1, workers):
-        cfg = PPOConfig(model_dir=str(policy), engine_dir=str(work / "engine"), output_dir=str(work / f"ppo-w{n}"),
-                        steps=steps, batch_size=32, num_generations=4, max_operand=9, learning_rate=3e-4,
-                        num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, save_steps=steps,
-                        engine_threads=threads if n == 1 else 1, rollout_workers=n,
-                        rollout_worker_cpus=max(threads / n, 0.5), progress=False, tensorboard=False, plots=False)
+        cfg = PPOConfig.from_flat(
+            model_dir=str(policy), engine_dir=str(work / "engine"), output_dir=str(work / f"ppo-w{n}"),
+            steps=steps, batch_size=32, num_generations=4, max_operand=9, learning_rate=3e-4,
+            num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, save_steps=steps,
+            engine_threads=threads if n == 1 else 1, rollout_workers=n,
+            rollout_worker_cpus=max(threads / n, 0.5), progress=False, tensorboard=False, plots=False)
         rows = read_metrics(run_ppo(cfg, log=lambda *_: None))[warmup:]
         out[n] = {k: statistics.median(r[k] for r in rows) for k in PHASES}
         out[n]["reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)

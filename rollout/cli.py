@@ -8,36 +8,40 @@ JSON document on one line instead.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
 
 from export.errors import RefitError
+from export.parsing import opt, parse
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="refit generate",
-        description="Sample completions from an engine folder (padded batch, per-token log-probs); prints each "
-                    "completion with its mean log-prob under the policy at --temperature.")
-    p.add_argument("engine_dir", help="engine folder written by `refit export` (manifest.json, graphs, tokenizer/)")
-    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a prompt; repeat the flag for a padded batch of several prompts")
-    p.add_argument("--prompts-file", metavar="F", help="a text file with one prompt per line (blank lines skipped)")
-    p.add_argument("--backend", choices=["onnxruntime", "torch", "tensorrt"], default="onnxruntime",
-                   help="generation backend: onnxruntime (the engine's ONNX graphs), torch (reference: the HF source "
-                        "model of the engine), tensorrt (NVIDIA only)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="onnxruntime execution device")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per completion")
-    p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this before sampling (> 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the smallest set of tokens with this much probability (1: off)")
-    p.add_argument("--greedy", action="store_true", help="take the most likely token at every step (no sampling)")
-    p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens); default: random")
-    p.add_argument("--json", action="store_true", help="print one JSON line with every completion instead of text")
-    return p
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Sample completions from an engine folder (padded batch, per-token log-probs); prints each completion with
+    its mean log-prob under the policy at --temperature."""
+
+    engine_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="ENGINE_DIR")] = opt(
+        help_="engine folder written by `refit export` (manifest.json, graphs, tokenizer/)")
+    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction, tyro.conf.arg(metavar="TEXT")] = opt(
+        (), "a prompt; repeat the flag for a padded batch of several prompts")
+    prompts_file: Annotated[str, tyro.conf.arg(metavar="F")] = opt(
+        "", "a text file with one prompt per line (blank lines skipped)")
+    backend: Literal["onnxruntime", "torch", "tensorrt"] = opt(
+        "onnxruntime", "generation backend: onnxruntime (the engine's ONNX graphs), torch (reference: the HF source "
+                       "model of the engine), tensorrt (NVIDIA only)")
+    device: Literal["cpu", "cuda"] = opt("cpu", "onnxruntime execution device")
+    max_new_tokens: int = opt(32, "most tokens generated per completion")
+    temperature: float = opt(1.0, "divide the logits by this before sampling (> 0)")
+    top_k: int = opt(0, "sample among the k most likely tokens only (0: off)")
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability (1: off)")
+    greedy: bool = opt(False, "take the most likely token at every step (no sampling)")
+    n: int = opt(1, "completions per prompt")
+    seed: int | None = opt(None, "sampling seed (same seed, same tokens); default: random")
+    json: bool = opt(False, "print one JSON line with every completion instead of text")
 
 
 def _prompts(a) -> list[str]:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.engine import create_engine
     from rollout.types import SamplingParams
 
-    a = parser().parse_args(argv)
+    a, _ = parse(GenerateConfig, argv, "refit generate")
     engine_dir = Path(a.engine_dir)
     try:
         sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,

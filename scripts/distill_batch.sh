@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Distil one teacher into one student under several configs; write results.json + results.md to --out.
-# Usage: bash scripts/distill_batch.sh [--steps N] [--out DIR] [--configs "NAME ..."] [--models DIR]
-#                                      [--workers N] [--ray-address ADDR] [--nproc K] [-- FLAGS...]
+# Usage: bash scripts/distill_batch.sh [--out DIR] [--configs "NAME ..."] [--models DIR] [--workers N]
+#                                      [--ray-address ADDR] [--nproc K] [refit distill flags...]
 #   default set: supervised_kd seq_kd_ce gkd_lmbda0 gkd_lmbda0.5 gkd_lmbda1 (same prompts, teacher, student)
-#   --models DIR: reuse DIR/{teacher,student}[_engine] (as `refit distill --build-models DIR` writes them, or a
-#   default run's OUTPUT_DIR/models) instead of building; FLAGS after -- go to every `refit distill` call
-#   (and to the one-time build), e.g. -- --teacher_sft_steps 50
-#   --workers N         engines per model as Ray actors (N teacher + N student engines; default 1: in-process);
+#   --models DIR: reuse DIR/{teacher,student}[_engine] (as `refit distill --build_models DIR` writes them, or a
+#   default run's OUTPUT_DIR/models) instead of building; every other flag goes to every `refit distill` call
+#   (and to the one-time build) as given, e.g. --run.steps 50 --teacher_sft_steps 50 (refit distill --help)
+#   --workers N         = --scale.workers N: engines per model as Ray actors (N teacher + N student engines;
+#                       default 1: in-process);
 #                       N > 1 needs pip install 'refit[dist]'; every Ray node must see the engine folders
 #                       (--models DIR, or OUT/models) at the same path
-#   --ray-address ADDR  an existing Ray cluster (`ray start --head` on one node, `ray start --address HEAD:6379`
+#   --ray-address ADDR  = --scale.ray_address ADDR: an existing Ray cluster (`ray start --head` on one node, `ray start --address HEAD:6379`
 #                       on the others; 'auto' from a node of it); default $RAY_ADDRESS, else each run starts
 #                       and stops a local Ray instance of its own
 #   --nproc K           learner processes: K > 1 runs each config under `torchrun --nproc-per-node K` (DDP, gloo
@@ -17,17 +18,17 @@
 #                       nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500"
 #
 # A thin driver over `python -m learner.cli distill`: the embedded teacher (SFT, 4x128) and student (2x64)
-# and their engines are built ONCE (`refit distill --build-models DIR`), then each config runs in its own
+# and their engines are built ONCE (`refit distill --build_models DIR`), then each config runs in its own
 # process and folder (OUT/NAME, stdout OUT/NAME.log, stderr OUT/NAME.err); the table is read from each
 # run's last stdout line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 
 declare -A FLAGS=(
   [supervised_kd]="--lmbda 0 --loss topk_kl"              # dataset completions, teacher engine top-k, forward KL
-  [seq_kd_ce]="--seq_kd true --lmbda 0 --loss ce"         # teacher engine generates; CE on its tokens, one pass
+  [seq_kd_ce]="--seq_kd --lmbda 0 --loss ce"               # teacher engine generates; CE on its tokens, one pass
   [gkd_lmbda0]="--lmbda 0 --loss jsd --beta 0.5"          # GKD, generalized JSD, full vocab (PyTorch teacher)
   [gkd_lmbda0.5]="--lmbda 0.5 --loss jsd --beta 0.5"
   [gkd_lmbda1]="--lmbda 1 --loss jsd --beta 0.5"          # fully on-policy: the student engine generates
@@ -35,22 +36,19 @@ declare -A FLAGS=(
 CONFIGS="supervised_kd seq_kd_ce gkd_lmbda0 gkd_lmbda0.5 gkd_lmbda1"
 OUT="runs/distill_batch"
 MODELS=""
-STEPS=()
-EXTRA=()
-SCALE=()  # --rollout_workers / --ray_address for every run
+EXTRA=()  # flags for every `refit distill` call
 NPROC=1
-while [[ $# -gt 0 ]]; do
+while [[ $# -gt 0 ]]; do  # only the script's own flags; the rest goes to `refit distill` as given
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --steps) STEPS=(--steps "$2"); shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --configs) CONFIGS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
-    --workers) SCALE+=(--rollout_workers "$2"); shift 2 ;;
-    --ray-address) SCALE+=(--ray_address "$2"); shift 2 ;;
+    --workers) EXTRA+=(--scale.workers "$2"); shift 2 ;;
+    --ray-address) EXTRA+=(--scale.ray_address "$2"); shift 2 ;;
     --nproc) NPROC="$2"; shift 2 ;;
-    --) shift; EXTRA=("$@"); break ;;
-    *) echo "distill_batch.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    --) shift ;;
+    *) EXTRA+=("$1"); shift ;;
   esac
 done
 for name in $CONFIGS; do
@@ -72,20 +70,19 @@ fi
 if [[ -z "$MODELS" ]]; then
   MODELS="$OUT/models"
   echo "== building teacher and student once: $MODELS"
-  "$PY" -m learner.cli distill --build-models "$MODELS" "${EXTRA[@]}" > "$OUT/models.log" 2>&1 \
+  "$PY" -m learner.cli distill --build_models "$MODELS" "${EXTRA[@]}" > "$OUT/models.log" 2>&1 \
     || { tail -n 20 "$OUT/models.log" >&2; exit 1; }
 fi
 model_flags=()
 for name in teacher student; do
   [[ -f "$MODELS/$name/config.json" ]] || { echo "distill_batch.sh: no model in $MODELS/$name" >&2; exit 2; }
-  model_flags+=("--${name}_model_dir" "$MODELS/$name" "--${name}_engine_dir" "$MODELS/${name}_engine")
+  model_flags+=("--$name.model_dir" "$MODELS/$name" "--$name.engine_dir" "$MODELS/${name}_engine")
 done
 
 for name in $CONFIGS; do
   echo "== $name: ${FLAGS[$name]}"
   # shellcheck disable=SC2086  # FLAGS values are word lists on purpose
-  "${distill[@]}" -o "$OUT/$name" "${model_flags[@]}" ${FLAGS[$name]} "${STEPS[@]}" "${SCALE[@]}" --progress false \
-    "${EXTRA[@]}" > "$OUT/$name.log" 2> "$OUT/$name.err" \
+  "${distill[@]}" -o "$OUT/$name" "${model_flags[@]}" ${FLAGS[$name]} --log.no_progress "${EXTRA[@]}" > "$OUT/$name.log" 2> "$OUT/$name.err" \
     || { echo "run $name failed:" >&2; tail -n 20 "$OUT/$name.err" >&2; exit 1; }
   tail -n 2 "$OUT/$name.log" | head -n 1
 done

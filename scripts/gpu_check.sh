@@ -53,10 +53,10 @@ left=$((budget - (SECONDS - t0)))
 bench="skipped(no-time)"
 if [[ $left -gt 30 ]] && "$PY" -m learner.cli bench generate --help >"$logs/bench_help.txt" 2>&1; then
   args=()
-  grep -q -- '--max-new-tokens' "$logs/bench_help.txt" && args+=(--max-new-tokens 16)
-  grep -qE -- '(^|[ ,])--new-tokens' "$logs/bench_help.txt" && args+=(--new-tokens 16)
-  grep -q -- '--batch-sizes' "$logs/bench_help.txt" && args+=(--batch-sizes 1,8)
-  grep -q -- '--prompt-len' "$logs/bench_help.txt" && args+=(--prompt-len 32)
+  grep -qE -- '--max[-_]new[-_]tokens' "$logs/bench_help.txt" && args+=(--max-new-tokens 16)
+  grep -qE -- '(^|[ ,])--new[-_]tokens' "$logs/bench_help.txt" && args+=(--new-tokens 16)
+  grep -qE -- '--batch[-_]sizes' "$logs/bench_help.txt" && args+=(--batch-sizes 1,8)
+  grep -qE -- '--prompt[-_]len' "$logs/bench_help.txt" && args+=(--prompt-len 32)
   grep -q -- '--repeats' "$logs/bench_help.txt" && args+=(--repeats 3)
   grep -q -- '--warmup' "$logs/bench_help.txt" && args+=(--warmup 1)
   # shellcheck disable=SC2206

@@ -31,7 +31,7 @@ def _cfg(model_dirs, engine_dirs, out, **kw):
                 teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
                 progress=False, tensorboard=False, plots=False)
     base.update(kw)
-    return DistillConfig(**base)
+    return DistillConfig.from_flat(**base)
 
 
 def _count(obj, name: str, calls: list):
@@ -65,7 +65,7 @@ def test_lmbda_decides_who_generates(model_dirs, engine_dirs, tmp_path, lmbda, e
     else:
         assert flags == [int(draws_student(run.cfg, s)) for s in steps] and 0 < sum(flags) < 6
     for a, _, out in calls:  # on-policy batches are sampled (not greedy) at the configured temperature
-        assert not a[1].greedy and a[1].temperature == run.cfg.temperature and out.num_rows == 8
+        assert not a[1].greedy and a[1].temperature == run.cfg.rollout.temperature and out.num_rows == 8
 
 
 @pytest.mark.parametrize("mode,expect", [
@@ -140,7 +140,7 @@ def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer
     assert "\n" not in msg and "384" in msg and "400" in msg and "teacher" in msg and "student" in msg
     assert not (tmp_path / "run" / "teacher_engine").exists()  # refused before anything was exported
     capsys.readouterr()
-    rc = main(["distill", "--teacher_model_dir", str(model_dirs["tiny-gpt2"]), "--student_model_dir", str(student),
+    rc = main(["distill", "--teacher.model_dir", str(model_dirs["tiny-gpt2"]), "--student.model_dir", str(student),
                "-o", str(tmp_path / "cli")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "384" in err[0] and "400" in err[0], err
@@ -163,13 +163,13 @@ def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, en
 
 def test_config_refuses_incoherent_modes():
     with pytest.raises(RefitError, match="loss=ce is sequence-level KD"):
-        DistillConfig(loss="ce", seq_kd=False)
+        DistillConfig.from_flat(loss="ce", seq_kd=False)
     with pytest.raises(RefitError, match="second teacher pass"):
-        DistillConfig(loss="jsd", seq_kd=True)
+        DistillConfig.from_flat(loss="jsd", seq_kd=True)
     with pytest.raises(RefitError, match="loss_temperature"):
-        DistillConfig(loss="topk_kl", seq_kd=True, lmbda=0.0, temperature=0.8, loss_temperature=1.0)
+        DistillConfig.from_flat(loss="topk_kl", seq_kd=True, lmbda=0.0, temperature=0.8, loss_temperature=1.0)
     with pytest.raises(RefitError, match="eval_every must be a multiple"):
-        DistillConfig(sync_every=2, eval_every=5, save_steps=10)
+        DistillConfig.from_flat(sync_every=2, eval_every=5, save_steps=10)
 
 
 def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):
@@ -206,8 +206,8 @@ def default_run(tmp_path_factory):
 
     out, buf = tmp_path_factory.mktemp("distill_default") / "d", io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["distill", "-o", str(out), "--teacher_sft_steps", "20", "--steps", "8", "--eval_every", "4",
-                   "--save_steps", "4", "--batch_size", "16", "--eval_size", "16", "--no-progress"])
+        rc = main(["distill", "-o", str(out), "--teacher_sft_steps", "20", "--run.steps", "8", "--eval_every", "4",
+                   "--ckpt.save_steps", "4", "--run.batch_size", "16", "--eval_size", "16", "--log.no_progress"])
     return rc, buf.getvalue(), out
 
 
@@ -233,9 +233,9 @@ def test_distill_batch_script_smoke(default_run, tmp_path):
     out = tmp_path / "batch"
     assert "usage" in subprocess.run(["bash", "scripts/distill_batch.sh", "--help"], capture_output=True, text=True,
                                      cwd=ROOT, env=_env()).stdout.lower()
-    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--steps", "2", "--out", str(out), "--models",
-                        str(default_run[2] / "models"), "--", "--batch_size", "8", "--eval_size", "8",
-                        "--eval_every", "2", "--save_steps", "2", "--tensorboard", "false", "--plots", "false"],
+    r = subprocess.run(["bash", "scripts/distill_batch.sh", "--run.steps", "2", "--out", str(out), "--models",
+                        str(default_run[2] / "models"), "--run.batch_size", "8", "--eval_size", "8",
+                        "--eval_every", "2", "--ckpt.save_steps", "2", "--log.no_tensorboard", "--log.plots", "false"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     table = json.loads((out / "results.json").read_text())

@@ -27,7 +27,7 @@ def _cfg(model_dirs, engine_dirs, arch, out, **kw):
                 save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
                 num_prompts=32, learning_rate=1e-3)
     base.update(kw)
-    return PPOConfig(**base)
+    return PPOConfig.from_flat(**base)
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
@@ -181,20 +181,19 @@ def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
 
 
 def test_config_yaml_and_flags(tmp_path):
-    from learner.run.config import parse_config
+    """Sections in YAML, flags over YAML, --resume a regular option (more in tests/test_config.py)."""
+    from learner.run.config import parse_job
 
     f = tmp_path / "c.yaml"
-    f.write_text("model_dir: m\nsteps: 7\nkl_coef: 0.2\n")
-    cfg, resume = parse_config(PPOConfig, ["--config", str(f), "--steps", "9", "--resume"], "refit ppo")
-    assert (cfg.model_dir, cfg.steps, cfg.kl_coef, resume) == ("m", 9, 0.2, True)
-    f.write_text("model_dir: m\nrollout:\n  workers: 3\n  ray_address: auto\n  worker_cpus: 0.5\n")
-    cfg, _ = parse_config(PPOConfig, ["--config", str(f)], "refit ppo")  # the issue's `rollout.workers: N`
-    assert (cfg.rollout_workers, cfg.ray_address, cfg.rollout_worker_cpus) == (3, "auto", 0.5)
-    f.write_text("model_dir: m\nnot_a_field: 1\nrollout:\n  nope: 1\n")
-    with pytest.raises(RefitError, match=r"unknown fields \['not_a_field', 'rollout.nope'\]"):
-        parse_config(PPOConfig, ["--config", str(f)], "refit ppo")
+    f.write_text("model: {model_dir: m}\nrun: {steps: 7}\nkl_coef: 0.2\nscale: {workers: 3, worker_cpus: 0.5}\n")
+    cfg, opts = parse_job(PPOConfig, ["--config", str(f), "--run.steps", "9", "--resume"], "refit ppo")
+    assert (cfg.model.model_dir, cfg.run.steps, cfg.kl_coef, opts.resume) == ("m", 9, 0.2, True)
+    assert (cfg.scale.workers, cfg.scale.worker_cpus, cfg.scale.ray_address) == (3, 0.5, "")
+    f.write_text("model: {model_dir: m}\nrollout:\n  nope: 1\n")
+    with pytest.raises(RefitError, match=r"unknown field rollout.nope"):
+        parse_job(PPOConfig, ["--config", str(f)], "refit ppo")
     with pytest.raises(RefitError, match="save_steps must be a multiple"):
-        PPOConfig(save_steps=3, sync_every=2)
+        PPOConfig.from_flat(save_steps=3, sync_every=2)
 
 
 def test_demo_end_to_end_short(tmp_path):
@@ -237,8 +236,8 @@ def test_tensorrt_backend_fails_at_once_without_tensorrt(model_dirs, tmp_path):
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
-    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), output_dir=str(tmp_path / "run"), backend="tensorrt",
-                    progress=False)
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), output_dir=str(tmp_path / "run"),
+                              backend="tensorrt", progress=False)
     with pytest.raises(RefitError, match="TensorRT is not installed"):
         setup(cfg, resume=False, log=lambda *_: None)
     assert not (tmp_path / "run" / "engine").exists()

@@ -120,7 +120,7 @@ def test_tis_warning_fires_once_on_a_planted_top_k_case(model_dirs, engine_dirs,
     from learner.ppo.config import PPOConfig
     from learner.ppo.cycle import setup, train_step
 
-    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=2, batch_size=4, num_generations=1, num_mini_batches=1,
                     num_ppo_epochs=1, response_length=4, probe_size=2, progress=False, tensorboard=False,
                     plots=False, num_prompts=16, max_operand=9, top_k=5, mismatch_correction="tis")

@@ -58,7 +58,7 @@ def test_classifier_reward_enters_ppo(model_dirs, engine_dirs, classifier_dir, t
     from learner.ppo.config import PPOConfig
     from learner.ppo.cycle import setup, train_step
 
-    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), reward=str(classifier_dir), steps=1, batch_size=4, num_generations=1,
                     num_mini_batches=1, num_ppo_epochs=1, response_length=4, probe_size=2, progress=False,
                     tensorboard=False, plots=False, num_prompts=16, max_operand=9)

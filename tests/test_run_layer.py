@@ -24,9 +24,9 @@ def test_prompt_positions_continue_across_batch_sizes():
 
 def test_due_and_last_step():
     assert [s for s in range(1, 8) if due(s, 3, 7)] == [3, 6, 7]
-    cfg = SimpleNamespace(steps=10, max_steps_this_run=0)
+    cfg = SimpleNamespace(run=SimpleNamespace(steps=10, max_steps_this_run=0))
     assert last_step(cfg, 4) == 10
-    cfg.max_steps_this_run = 3
+    cfg.run.max_steps_this_run = 3
     assert last_step(cfg, 4) == 7 and last_step(cfg, 9) == 10
 
 

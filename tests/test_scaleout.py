@@ -177,7 +177,7 @@ def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_
     from learner.ppo.config import PPOConfig
     from learner.ppo.cycle import setup, train_step
 
-    cfg = PPOConfig(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, num_mini_batches=2,
                     num_ppo_epochs=1, response_length=4, save_steps=1, probe_size=4, progress=False,
                     tensorboard=False, plots=False, max_operand=9, num_prompts=16, rollout_workers=2,
@@ -186,7 +186,7 @@ def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_
     try:
         assert type(run.engine).__name__ == "RayEnginePool" and run.engine.workers == 2
         m = train_step(run, 1, log=lambda *_: None)
-        assert m["engine/weights_version"] == 1 and m["probe/max_abs_logprob_diff"] <= cfg.probe_tol
+        assert m["engine/weights_version"] == 1 and m["probe/max_abs_logprob_diff"] <= cfg.rollout.probe_tol
     finally:
         run.engine.close()
 
@@ -317,7 +317,7 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
               save_steps=1, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
               num_prompts=16, learning_rate=1e-3, device="cpu", reward="bench.ppo:length_reward")
-    want = read_metrics(run_ppo(PPOConfig(output_dir=str(tmp_path / "one"), **kw), log=lambda *_: None))
+    want = read_metrics(run_ppo(PPOConfig.from_flat(output_dir=str(tmp_path / "one"), **kw), log=lambda *_: None))
     flags = [x for k, v in {**kw, "output_dir": str(tmp_path / "two"), "max_steps_this_run": 1}.items()
              for x in (f"--{k}", str(v))]
     root = Path(__file__).resolve().parents[1]
@@ -328,7 +328,8 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     state = json.loads((tmp_path / "two" / "checkpoints" / "step_000001" / "state.json").read_text())
     assert state["step"] == 1 and len(read_metrics(tmp_path / "two")) == 1  # rank 0 alone wrote them
-    got = read_metrics(run_ppo(PPOConfig(output_dir=str(tmp_path / "two"), **kw), resume=True, log=lambda *_: None))
+    got = read_metrics(run_ppo(PPOConfig.from_flat(output_dir=str(tmp_path / "two"), **kw), resume=True,
+                               log=lambda *_: None))
     assert [row["step"] for row in got] == [1, 2]
     for a, b in zip(want, got):
         for key in ("reward/mean", "kl/exact", "ppo/pg_loss", "ppo/vf_loss", "ppo/grad_norm"):
@@ -347,7 +348,7 @@ def _distill_cfg(model_dirs, engine_dirs, out, **kw):
                 teacher_topk=4, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
                 lmbda=1.0, loss="topk_kl", progress=False, tensorboard=False, plots=False, device="cpu")
     base.update(kw)
-    return DistillConfig(**base)
+    return DistillConfig.from_flat(**base)
 
 
 def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engine_dirs, tmp_path):
@@ -464,8 +465,8 @@ def test_worker_resources_follow_the_backend(monkeypatch, tmp_path, backend, sha
 
     seen = {}
     monkeypatch.setattr(rollout.ray_pool, "RayEnginePool", lambda *a, **kw: seen.update(kw) or "pool")
-    cfg = PPOConfig(backend=backend, rollout_workers=2, rollout_worker_cpus=0.75)
+    cfg = PPOConfig.from_flat(backend=backend, rollout_workers=2, rollout_worker_cpus=0.75)
     assert make_engine(cfg, tmp_path, tmp_path, gpu_share=share) == "pool"
     assert (seen["workers"], seen["cpus_per_worker"], seen["gpus_per_worker"]) == (2, 0.75, gpus)
-    make_engine(PPOConfig(backend=backend, rollout_workers=2, rollout_worker_gpus=0.25), tmp_path, tmp_path)
+    make_engine(PPOConfig.from_flat(backend=backend, rollout_workers=2, rollout_worker_gpus=0.25), tmp_path, tmp_path)
     assert seen["gpus_per_worker"] == 0.25  # an explicit setting wins

@@ -73,8 +73,8 @@ def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple
     else:
         from learner.examples.tasks import TASKS
 
-        kw = {"max_operand": cfg.max_operand} if cfg.task == "addition" else {}
-        examples = TASKS[cfg.task](cfg.num_prompts, seed=cfg.seed, **kw)
+        kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
+        examples = TASKS[cfg.data.task](cfg.data.num_prompts, seed=cfg.run.seed, **kw)
         pairs = list({e.prompt: (e.prompt, e.answer) for e in examples}.values())  # distinct, in draw order
         held = pairs[:cfg.eval_size]
     held_prompts = {p for p, _ in held}
@@ -107,7 +107,7 @@ def check_teacher_student(teacher_dir: str, student_dir: str):
 
 def draws_student(cfg: DistillConfig, step: int) -> bool:
     """GKD's coin: True with probability lmbda, a pure function of (seed, step)."""
-    return random.Random(cfg.seed * 1_000_003 + step).random() < cfg.lmbda
+    return random.Random(cfg.run.seed * 1_000_003 + step).random() < cfg.lmbda
 
 
 def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
@@ -120,19 +120,19 @@ def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
 def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
     cfg = run.cfg
-    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.batch_size, cfg.seed)
-    run.data_position += cfg.batch_size
+    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.run.batch_size, cfg.run.seed)
+    run.data_position += cfg.run.batch_size
     prompts = [run.prompt_ids[i] for i in idx]
-    seed = cfg.seed * 1_000_003 + step
+    seed = cfg.run.seed * 1_000_003 + step
     t0 = time.perf_counter()
     if draws_student(cfg, step):
         out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                  temperature=cfg.temperature, seed=seed))
+                                                                  temperature=cfg.rollout.temperature, seed=seed))
         check_version(out, run.expected_version)
         source = "student"
     elif cfg.seq_kd:
         out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                           temperature=cfg.temperature, seed=seed,
+                                                           temperature=cfg.rollout.temperature, seed=seed,
                                                            return_topk=cfg.teacher_topk))
         source = "teacher"
     else:

@@ -1,4 +1,4 @@
-"""``refit distill [--config FILE.yaml] [--field value ...] [--resume]``: knowledge distillation through engines.
+"""``refit distill [--config FILE.yaml] [--section.field value ...] [--resume]``: knowledge distillation through engines.
 
 With no model folders this is the embedded default, on CPU, with nothing downloaded:
 
@@ -10,15 +10,13 @@ With no model folders this is the embedded default, on CPU, with nothing downloa
 3. Print the held-out KL to the teacher and the student's accuracy at the start and the end, and
    the run folder; the last stdout line is one JSON document.
 
-``refit distill --build-models DIR [--field value ...]`` only builds the embedded teacher and
+``refit distill --build_models DIR [--field value ...]`` only builds the embedded teacher and
 student and their engines into DIR, prints their paths as one JSON line and exits (used by
 ``scripts/distill_batch.sh`` so every config of a batch distils the same pair).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import time
@@ -26,8 +24,12 @@ from pathlib import Path
 
 import torch
 
+from export.parsing import with_values
 from learner.distill.config import DistillConfig
-from learner.run.config import parse_config
+from learner.run.config import _f, flat_names, parse_job
+
+BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "
+                                            "this folder, print their paths as one JSON line and exit"))
 
 def report(s: dict) -> str:
     ratio = s["kl_end"] / s["kl_start"] if s.get("kl_start") else float("nan")
@@ -42,27 +44,24 @@ def main(argv: list[str] | None = None) -> int:
     from learner.distill.evaluate import summary
     from learner.examples.distill_pair import build_all, build_models
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--build-models", default=None)
-    known, rest = pre.parse_known_args(argv)
-    cfg, resume = parse_config(DistillConfig, rest, "refit distill")
-    torch.manual_seed(cfg.seed)
+    cfg, opts = parse_job(DistillConfig, argv, "refit distill", options=(BUILD_MODELS,))
+    torch.manual_seed(cfg.run.seed)
     t0 = time.perf_counter()
-    if known.build_models:
-        print(json.dumps(build_all(Path(known.build_models), cfg)))
+    if opts.build_models:
+        print(json.dumps(build_all(Path(opts.build_models), cfg)))
         return 0
     rank = int(os.environ.get("RANK", "0"))  # [dist] under torchrun only rank 0 prints
-    if not cfg.teacher_model_dir and not cfg.student_model_dir:
+    if not cfg.teacher.model_dir and not cfg.student.model_dir:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from export.errors import RefitError
 
-            raise RefitError("under torchrun pass --teacher_model_dir and --student_model_dir (build the embedded "
-                             "pair once first: refit distill --build-models DIR)")
-        models = Path(cfg.output_dir) / "models"  # the --build-models layout, so a batch can reuse it
-        cfg = dataclasses.replace(cfg, **build_models(models, cfg),
-                                  teacher_engine_dir=cfg.teacher_engine_dir or str(models / "teacher_engine"),
-                                  student_engine_dir=cfg.student_engine_dir or str(models / "student_engine"))
-    run_dir = run_distill(cfg, resume=resume)
+            raise RefitError("under torchrun pass --teacher.model_dir and --student.model_dir (build the embedded "
+                             "pair once first: refit distill --build_models DIR)")
+        models = Path(cfg.run.output_dir) / "models"  # the --build-models layout, so a batch can reuse it
+        cfg = with_values(cfg, flat_names(DistillConfig), **build_models(models, cfg),
+                          teacher_engine_dir=cfg.teacher.engine_dir or str(models / "teacher_engine"),
+                          student_engine_dir=cfg.student.engine_dir or str(models / "student_engine"))
+    run_dir = run_distill(cfg, resume=opts.resume)
     if rank != 0:
         return 0
     s = summary(run_dir)

@@ -94,9 +94,9 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     and its optimizer: rank 0 makes every batch (engines, teacher) and shares it."""
     from transformers import get_scheduler
 
-    run_dir = Path(cfg.output_dir)
+    run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    t_info, s_info, tok = check_teacher_student(cfg.teacher_model_dir, cfg.student_model_dir)
+    t_info, s_info, tok = check_teacher_student(cfg.teacher.model_dir, cfg.student.model_dir)
     train, held = load_examples(cfg)
     prompt_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in train]
     completion_ids = [tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, c in train]
@@ -104,12 +104,12 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         raise RefitError("a prompt tokenizes to nothing (empty prompt)")
     eval_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.max_new_tokens + 8
-    rows = max(cfg.batch_size, cfg.eval_size, cfg.probe_size)
+    rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     dist = dist or DistContext()
-    device = dist.device or pick_device(cfg.device)
+    device = dist.device or pick_device(cfg.run.device)
     seq2seq = s_info.kind == "seq2seq"
     if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
-        student = load_model(cfg.student_model_dir, s_info).to(device)
+        student = load_model(cfg.student.model_dir, s_info).to(device)
         optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
         run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
                   None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
@@ -119,12 +119,12 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         return run
     engine = lambda name, model_dir, engine_dir: engine_for_model(  # noqa: E731
         cfg, model_dir, engine_dir or run_dir / f"{name}_engine", rows, max_len, log, gpu_share=0.5)
-    teacher_engine = CountingEngine(engine("teacher", cfg.teacher_model_dir, cfg.teacher_engine_dir))
-    student_engine = engine("student", cfg.student_model_dir, cfg.student_engine_dir)
-    teacher_model = load_model(cfg.teacher_model_dir, t_info).to(device).requires_grad_(False)
+    teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
+    student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir)
+    teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
     eval_set = make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
-    student = load_model(cfg.student_model_dir, s_info).to(device)
+    student = load_model(cfg.student.model_dir, s_info).to(device)
     optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
     run = Run(cfg, run_dir, tok, student, teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine,
               teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
@@ -132,22 +132,22 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
         run.start_step = state["step"]
-        run.data_position = state.get("data_position", run.start_step * cfg.batch_size)
+        run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         # the checkpoint's weights, under the version the engine had then
         student_engine.update_weights(canonical_params(student)[0], version=state.get("engine_weights_version"))
         log(f"refit distill: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
             f"student engine weights_version {student_engine.weights_version})")
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     run.expected_version = student_engine.weights_version
-    probe_rows = prompt_ids[:min(cfg.probe_size, len(prompt_ids))]
+    probe_rows = prompt_ids[:min(cfg.rollout.probe_size, len(prompt_ids))]
     run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True))
     return run
 
 
 def _optimizer(cfg: DistillConfig, student, get_scheduler):
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return optimizer, get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
-                                    num_training_steps=cfg.steps)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    return optimizer, get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
+                                    num_training_steps=cfg.run.steps)
 
 
 def distill_loss(loss: str, logits: torch.Tensor, b: DistillBatch, rows: slice, beta: float, temperature: float,
@@ -180,7 +180,7 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     over micro-batches and ranks, the others (accuracies, tail masses) averaged.
     """
     cfg, ctx = run.cfg, run.dist
-    k, ga = ctx.world_size, cfg.gradient_accumulation_steps
+    k, ga = ctx.world_size, cfg.optim.gradient_accumulation_steps
     if b.num_rows % (k * ga):
         raise RefitError(f"batch of {b.num_rows} rows must be divisible by world_size {k} x "
                          f"gradient_accumulation_steps {ga}")
@@ -189,7 +189,7 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     model = ctx.policy_ddp if ctx.enabled else run.student
     n_tokens = b.response_mask.sum().clamp(min=1.0)  # the whole batch's: every rank holds it
     dev = next(run.student.parameters()).device
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16 and dev.type == "cuda")
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.run.bf16 and dev.type == "cuda")
     # the student stays in eval mode: no dropout, as TRL's disable_dropout=True (and the engine has none)
     run.optimizer.zero_grad(set_to_none=True)
     total, acc = 0.0, {}
@@ -205,12 +205,12 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
         if b.teacher_topk_logprobs is not None and cfg.loss != "topk_kl":  # free diagnostic from the same pass
             stats["teacher_topk_kl"] = D.topk_kl_loss(logits.detach(), b.teacher_topk_logprobs[rows],
                                                       b.teacher_topk_ids[rows], b.response_mask[rows],
-                                                      cfg.temperature)[0]
+                                                      cfg.rollout.temperature)[0]
         for key, v in stats.items():
             acc.setdefault(key, []).append(float(v))
     stats = {f"distill/{key}": sum(v) if key in LOSS_STATS else sum(v) / len(v) for key, v in acc.items()}
     stats = reduce_stats(ctx, {"loss": total, **stats}, sums=("loss", *(f"distill/{x}" for x in LOSS_STATS)))
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.student.parameters(), cfg.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.student.parameters(), cfg.optim.max_grad_norm)
     # the loss is the same on every rank, so every rank stops together
     check_finite({"loss": stats["loss"], "grad_norm": float(grad_norm)}, "loss or gradient", run.run_dir)
     run.optimizer.step()
@@ -232,9 +232,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     t2 = time.perf_counter()
     stats = update(run, run.dist.share(b))  # [dist] the batch to ranks > 0 (no-op for one process)
     t3 = time.perf_counter()
-    if due(step, cfg.sync_every, cfg.steps):
+    if due(step, cfg.rollout.sync_every, cfg.run.steps):
         run.expected_version, stats["probe/max_abs_logprob_diff"] = push_weights(
-            run.student_engine, run.student, run.probe, 1.0, cfg.probe_tol, run.run_dir, "student engine")
+            run.student_engine, run.student, run.probe, 1.0, cfg.rollout.probe_tol, run.run_dir, "student engine")
     t4 = time.perf_counter()
     gen, score = run.teacher.generate_calls - g0, run.teacher.score_calls - s0
     tokens = float(b.response_mask.sum())
@@ -249,7 +249,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 def train_and_evaluate(run: Run, step: int) -> dict[str, float]:
     """:func:`train_step`, plus the held-out evaluation every ``eval_every`` steps (rank 0)."""
     m = train_step(run, step)
-    if run.dist.is_main and due(step, run.cfg.eval_every, run.cfg.steps):
+    if run.dist.is_main and due(step, run.cfg.eval_every, run.cfg.run.steps):
         m.update(evaluate(run))
     return m
 
@@ -257,7 +257,7 @@ def train_and_evaluate(run: Run, step: int) -> dict[str, float]:
 def save(run: Run, step: int) -> Path:
     state = {"data_position": run.data_position, "engine_weights_version": run.student_engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.student, run.tok, None, run.optimizer, run.scheduler, state,
-                           run.cfg.keep_checkpoints)
+                           run.cfg.ckpt.keep_checkpoints)
 
 
 def _postfix(m: dict) -> dict:

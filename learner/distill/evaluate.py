@@ -37,7 +37,7 @@ def make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq: bool) 
     """The held-out prompts' teacher samples (temperature 1, fixed seed) and their cached teacher logits."""
     ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
     batch = teacher_engine.generate(ids, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                                                        seed=cfg.seed * 1_000_003 + 977))
+                                                        seed=cfg.run.seed * 1_000_003 + 977))
     with torch.no_grad():
         logits = response_forward(teacher_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                   seq2seq).logits.cpu()

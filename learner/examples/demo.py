@@ -12,14 +12,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 from export.models import Geometry, build_model, build_tokenizer
+from export.parsing import opt, parse
 from learner.ppo.config import PPOConfig
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
@@ -41,28 +44,37 @@ def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=pri
     return out / "policy"
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="refit demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("-o", "--out", default="runs/demo", help="run folder (default: runs/demo)")
-    p.add_argument("--steps", type=int, default=80, help="PPO iterations")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per iteration")
-    p.add_argument("--num-generations", type=int, default=4, help="samples per prompt")
-    p.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps before PPO")
-    p.add_argument("--max-operand", type=int, default=9, help="addition operands are drawn from [0, N]")
-    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"], help="rollout engine")
-    p.add_argument("--threads", type=int, default=2, help="torch and engine threads")
-    p.add_argument("--seed", type=int, default=0, help="seed for everything")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--policy-only", action="store_true",
-                   help="only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
-    return p
+@dataclass(frozen=True)
+class DemoConfig:
+    """The embedded default: a small verifiable task trained with PPO on CPU (nothing downloaded)."""
+
+    out: Annotated[str, tyro.conf.arg(aliases=["-o"])] = opt("runs/demo", "run folder")
+    steps: int = opt(80, "PPO iterations")
+    batch_size: int = opt(32, "prompts per iteration")
+    num_generations: int = opt(4, "samples per prompt")
+    sft_steps: int = opt(150, "supervised warm-up steps before PPO")
+    max_operand: int = opt(9, "addition operands are drawn from [0, N]")
+    backend: Literal["onnxruntime", "torch"] = opt("onnxruntime", "rollout engine")
+    threads: int = opt(2, "torch and engine threads")
+    seed: int = opt(0, "seed for everything")
+    progress: bool = opt(True, "show a progress bar (--no_progress or --no-progress: none)")
+    policy_only: bool = opt(False, "only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
+
+
+def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
+    """The demo's PPO run: the demo's settings on top of PPOConfig's defaults."""
+    return PPOConfig.from_flat(
+        model_dir=str(policy), output_dir=str(Path(a.out) / "ppo"), backend=a.backend, seed=a.seed, steps=a.steps,
+        batch_size=a.batch_size, num_generations=a.num_generations, max_operand=a.max_operand, learning_rate=3e-4,
+        num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, temperature=1.0, top_k=0,
+        save_steps=10, engine_threads=a.threads, progress=a.progress)
 
 
 def main(argv: list[str] | None = None) -> int:
     from learner.ppo.cycle import run_ppo
     from learner.ppo.cli import summary
 
-    a = parser().parse_args(argv)
+    a, _ = parse(DemoConfig, argv, "refit demo")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     out = Path(a.out)
@@ -71,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.policy_only:
         print(policy)
         return 0
-    cfg = PPOConfig(model_dir=str(policy), output_dir=str(out / "ppo"), backend=a.backend, seed=a.seed,
-                    steps=a.steps, batch_size=a.batch_size, num_generations=a.num_generations,
-                    max_operand=a.max_operand, learning_rate=3e-4, num_ppo_epochs=2, num_mini_batches=2,
-                    kl_coef=0.01, response_length=6, temperature=1.0, top_k=0, save_steps=10,
-                    engine_threads=a.threads, progress=not a.no_progress)
-    run_dir = run_ppo(cfg, log=print)
+    run_dir = run_ppo(ppo_config(a, policy), log=print)
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
     k = next(key for key in s if key.startswith("reward_first"))

@@ -27,8 +27,8 @@ def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     from learner.examples.sft import sft
     from learner.examples.tasks import TASKS
 
-    key = {"teacher": dataclasses.asdict(TEACHER), "student": dataclasses.asdict(STUDENT), "task": cfg.task,
-           "max_operand": cfg.max_operand, "teacher_sft_steps": cfg.teacher_sft_steps, "seed": cfg.seed}
+    key = {"teacher": dataclasses.asdict(TEACHER), "student": dataclasses.asdict(STUDENT), "task": cfg.data.task,
+           "max_operand": cfg.data.max_operand, "teacher_sft_steps": cfg.teacher_sft_steps, "seed": cfg.run.seed}
     paths = {"teacher_model_dir": str(out / "teacher"), "student_model_dir": str(out / "student")}
     marker = out / "models.json"
     if marker.exists() and json.loads(marker.read_text()).get("key") == key:
@@ -37,15 +37,15 @@ def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tok = build_tokenizer()
-    model = load_model(build_model(TEACHER, out / "teacher_init", seed=cfg.seed, tokenizer=tok))
-    kw = {"max_operand": cfg.max_operand} if cfg.task == "addition" else {}
+    model = load_model(build_model(TEACHER, out / "teacher_init", seed=cfg.run.seed, tokenizer=tok))
+    kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
     # the teacher is the given expert: it is trained on every prompt of the task, held-out ones included
-    pairs = [(e.prompt, e.answer) for e in TASKS[cfg.task](4000, seed=cfg.seed + 1, **kw)]
-    sft(model, tok, pairs, steps=cfg.teacher_sft_steps, batch_size=64, lr=2e-3, seed=cfg.seed, log=log)
+    pairs = [(e.prompt, e.answer) for e in TASKS[cfg.data.task](4000, seed=cfg.run.seed + 1, **kw)]
+    sft(model, tok, pairs, steps=cfg.teacher_sft_steps, batch_size=64, lr=2e-3, seed=cfg.run.seed, log=log)
     model.save_pretrained(paths["teacher_model_dir"])
     tok.save_pretrained(paths["teacher_model_dir"])
     shutil.rmtree(out / "teacher_init", ignore_errors=True)
-    build_model(STUDENT, paths["student_model_dir"], seed=cfg.seed + 1, tokenizer=tok)
+    build_model(STUDENT, paths["student_model_dir"], seed=cfg.run.seed + 1, tokenizer=tok)
     marker.write_text(json.dumps({"key": key, "build_s": round(time.perf_counter() - t0, 1)}, indent=1))
     log(f"refit distill: built teacher ({TEACHER.n_layer}x{TEACHER.d_model}, {cfg.teacher_sft_steps} SFT steps) "
         f"and student ({STUDENT.n_layer}x{STUDENT.d_model}) in {time.perf_counter() - t0:.0f} s")
@@ -57,7 +57,7 @@ def build_all(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     from export.build import ensure_engine
 
     paths = build_models(out, cfg, log)
-    rows = max(cfg.batch_size, cfg.eval_size, cfg.probe_size)
+    rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     for name in ("teacher", "student"):
         paths[f"{name}_engine_dir"] = str(ensure_engine(Path(paths[f"{name}_model_dir"]), out / f"{name}_engine",
                                                         rows, 64, log=log))

@@ -1,4 +1,4 @@
-"""``refit ppo --config FILE.yaml [--field value ...] [--resume]``: the PPO-KL cycle."""
+"""``refit ppo [--config FILE.yaml] [--section.field value ...] [--resume]``: the PPO-KL cycle."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 
 from learner.ppo.config import PPOConfig
-from learner.run.config import parse_config
+from learner.run.config import parse_job
 from learner.run.metrics import read_metrics
 
 
@@ -27,12 +27,12 @@ def summary(run_dir) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from learner.ppo.cycle import run_ppo
 
-    cfg, resume = parse_config(PPOConfig, argv, "refit ppo")
-    if not cfg.model_dir:
+    cfg, opts = parse_job(PPOConfig, argv, "refit ppo")
+    if not cfg.model.model_dir:
         from export.errors import RefitError
 
-        raise RefitError("model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
-    run_dir = run_ppo(cfg, resume=resume)
+        raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
+    run_dir = run_ppo(cfg, resume=opts.resume)
     if int(os.environ.get("RANK", "0")) == 0:  # [dist] under torchrun one summary line, from rank 0
         print(json.dumps(summary(run_dir)))
     return 0

@@ -53,8 +53,8 @@ def load_prompts(cfg) -> list[str]:
         return lines
     from learner.examples.tasks import TASKS
 
-    kw = {"max_operand": cfg.max_operand} if cfg.task == "addition" else {}
-    return [e.prompt for e in TASKS[cfg.task](cfg.num_prompts, seed=cfg.seed, **kw)]
+    kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
+    return [e.prompt for e in TASKS[cfg.data.task](cfg.data.num_prompts, seed=cfg.run.seed, **kw)]
 
 
 @dataclass
@@ -85,12 +85,12 @@ class Run:
 def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
     from transformers import get_scheduler
 
-    run_dir = Path(cfg.output_dir)
+    run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    info = model_info(cfg.model_dir)
-    tok = load_tokenizer(cfg.model_dir, info)
+    info = model_info(cfg.model.model_dir)
+    tok = load_tokenizer(cfg.model.model_dir, info)
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
-    device = dist.device or pick_device(cfg.device)
+    device = dist.device or pick_device(cfg.run.device)
     prompts = load_prompts(cfg)
     prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
@@ -98,22 +98,22 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     max_len = max(len(p) for p in prompt_ids) + cfg.response_length + 8
     engine = None  # [dist] ranks > 0 hold no engine
     if dist.is_main:
-        engine = engine_for_model(cfg, cfg.model_dir, cfg.engine_dir or run_dir / "engine",
-                                  cfg.batch_size * cfg.num_generations, max_len, log)
-    policy = load_model(cfg.model_dir, info).to(device)
-    ref = load_model(cfg.model_dir, info).to(device).requires_grad_(False)
+        engine = engine_for_model(cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
+                                  cfg.run.batch_size * cfg.num_generations, max_len, log)
+    policy = load_model(cfg.model.model_dir, info).to(device)
+    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
     value_head = ValueHead(hidden_size(policy)).to(device)
     optimizer = torch.optim.AdamW(list(policy.parameters()) + list(value_head.parameters()),
-                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    total = cfg.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+                                  lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
+    scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                               num_training_steps=total)
     run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, prompts, prompt_ids,
               load_reward(cfg.reward), cfg.kl_coef, dist=dist)
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
-        run.data_position = state.get("data_position", run.start_step * cfg.batch_size)
+        run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
             engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
@@ -122,7 +122,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if engine is None:
         return run
     run.expected_version = engine.weights_version
-    probe_rows = list(range(min(cfg.probe_size, len(prompt_ids))))
+    probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
                                 SamplingParams(max_new_tokens=cfg.response_length, greedy=True))
     return run
@@ -130,7 +130,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
 
 def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages."""
-    cfg, t = run.cfg, run.cfg.temperature
+    cfg, t = run.cfg, run.cfg.rollout.temperature
     sc = score_batch(run.policy, run.value_head, run.ref, rollout, t)  # one policy + one reference forward
     old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
     mask = rollout.response_mask.clone()
@@ -177,16 +177,16 @@ def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], samplin
 
 def update_settings(run: Run) -> UpdateSettings:
     cfg = run.cfg
-    return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.gradient_accumulation_steps,
-                          cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.max_grad_norm,
-                          cfg.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+    return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.optim.gradient_accumulation_steps,
+                          cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.optim.max_grad_norm,
+                          cfg.rollout.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator,
-                          autocast_bf16=cfg.bf16 and next(run.policy.parameters()).is_cuda)
+                          autocast_bf16=cfg.run.bf16 and next(run.policy.parameters()).is_cuda)
 
 
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     cfg = run.cfg
-    update_gen = torch.Generator().manual_seed(cfg.seed * 1_000_033 + step)  # minibatch order, same on every rank
+    update_gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_033 + step)  # minibatch order, same on every rank
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
         exp, run.kl_coef = run.dist.share((None, run.kl_coef))
         distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
@@ -194,10 +194,10 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
         return {}
     timings = {}
     t0 = time.perf_counter()
-    idx = prompt_indices(len(run.prompts), run.data_position, cfg.batch_size, cfg.seed)
-    run.data_position += cfg.batch_size
-    sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_k=cfg.top_k,
-                              top_p=cfg.top_p, n=cfg.num_generations, seed=cfg.seed * 1_000_003 + step)
+    idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
+    run.data_position += cfg.run.batch_size
+    sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature, top_k=cfg.top_k,
+                              top_p=cfg.top_p, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step)
     rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
     check_version(rollout, run.expected_version)
     timings["time/rollout"] = time.perf_counter() - t0
@@ -216,9 +216,9 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     if cfg.adap_kl_ctrl:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
     t3 = time.perf_counter()
-    if due(step, cfg.sync_every, cfg.steps):
+    if due(step, cfg.rollout.sync_every, cfg.run.steps):
         run.expected_version, stats["probe/max_abs_logprob_diff"] = push_weights(
-            run.engine, run.policy, run.probe, cfg.temperature, cfg.probe_tol, run.run_dir)
+            run.engine, run.policy, run.probe, cfg.rollout.temperature, cfg.rollout.probe_tol, run.run_dir)
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())
     warn_small_tis_weights(run, step, stats, sampling, log)
@@ -238,7 +238,7 @@ def save(run: Run, step: int) -> Path:
     state = {"kl_coef": run.kl_coef, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
-                           state, run.cfg.keep_checkpoints)
+                           state, run.cfg.ckpt.keep_checkpoints)
 
 
 def ppo_job(log=print) -> Job:

@@ -1,79 +1,182 @@
-"""Job configs: one frozen dataclass per job, parsed from YAML and flags by HfArgumentParser.
+"""Job configs: frozen dataclasses composed of shared sections, parsed from YAML and flags by tyro.
 
-Field names follow TRL's ``PPOConfig`` where TRL has a name (``learning_rate``, ``num_ppo_epochs``,
-``num_mini_batches``, ``gradient_accumulation_steps``, ``cliprange``, ``cliprange_value``,
-``vf_coef``, ``gamma``, ``lam``, ``kl_coef``, ``kl_estimator``, ``whiten_rewards``,
-``response_length``, ``temperature``, ``adap_kl_ctrl``/``target``/``horizon`` from TRL < 0.12).
-Precedence: defaults < YAML file (``--config``) < command-line flags. The resolved config is
-printed and saved with the run (``config.yaml``).
+Every job config (``PPOConfig``, ``DistillConfig``) is the job's own fields on top of sections
+defined once here and shared, each with per-job defaults where they legitimately differ:
+
+==========  ========================  ======================================================================
+section     class                     fields
+==========  ========================  ======================================================================
+``run``     :class:`RunSection`       output_dir (``-o``), seed, steps, batch_size, device, bf16,
+                                      max_steps_this_run
+``model``   :class:`ModelSection`     model_dir, engine_dir (distill has two: ``student`` and ``teacher``)
+``data``    :class:`DataSection`      task, num_prompts, max_operand (the embedded task)
+``rollout`` :class:`RolloutSection`   backend, engine_threads, temperature, sync_every, probe_tol, probe_size
+``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
+                                      max_grad_norm, gradient_accumulation_steps
+``ckpt``    :class:`CheckpointSection`  save_steps, keep_checkpoints
+``log``     :class:`LogSection`       tensorboard, plots, progress
+``scale``   :class:`ScaleSection`     workers, ray_address, worker_cpus, worker_gpus (Ray rollout workers)
+==========  ========================  ======================================================================
+
+On the command line a section field is ``--optim.learning_rate 1e-4``, in YAML ``optim: {learning_rate:
+1e-4}``; the job's own fields (``--cliprange``, ``--lmbda``) have no prefix. Field names follow TRL's
+``PPOConfig`` / ``GKDConfig`` where TRL has a name. Precedence: defaults < YAML file (``--config``) <
+flags. The resolved config is printed and saved with the run (``config.yaml``, sectioned; it loads back
+through ``--config`` to an equal config). The flat names of the release before (``--learning_rate``,
+``rollout_workers: 2``) still work for one release, with one deprecation line naming the new spelling
+(:func:`flat_names`); ``Config.from_flat(**kw)`` builds a config from them in Python (tests, benches).
+
+Why tyro and not HfArgumentParser: HfArgumentParser maps one flat dataclass to flat flags; it has no
+nested dataclasses, so sections would have to be flattened by hand again (the hand-written rule this
+replaces), or split into several dataclasses whose field names must still be unique across them. tyro
+parses nested frozen dataclasses natively (``--optim.learning_rate``, one help group per section with
+its docstring), reads the same ``metadata["help"]`` texts HfArgumentParser does, takes a default
+instance (so a YAML file is simply the defaults of the one parse), handles positionals, short aliases
+and required fields for ``refit export`` / ``generate`` / ``demo`` / ``bench``, and accepts both
+``--max_batch`` and ``--max-batch``. The glue is :mod:`export.parsing`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
-import yaml
+import tyro
 
 from export.errors import RefitError
+from export.parsing import build, leaves, opt, parse, resolve, save_yaml
+
+_f = opt
+Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]
+Task = Literal["addition", "sort"]
+
+__all__ = ["RunSection", "ModelSection", "DataSection", "RolloutSection", "OptimSection", "CheckpointSection",
+           "LogSection", "ScaleSection", "flat_names", "from_flat", "parse_job", "save_config", "check"]
 
 
-def _f(default, help_: str, **kw):
-    return field(default=default, metadata={"help": help_, **kw})
+@dataclass(frozen=True)
+class RunSection:
+    """The run: its folder, seed, length and batch."""
+
+    output_dir: Annotated[str, tyro.conf.arg(aliases=["-o"])] = _f(
+        "runs/run", "run folder: metrics.jsonl, TensorBoard events, plots, checkpoints, engines")
+    seed: int = _f(0, "seed for data order, sampling, minibatches and per-step draws (each step derives its own)")
+    steps: int = _f(20, "training steps (PPO: rollout + update; distill: one batch and one optimizer step)")
+    batch_size: int = _f(32, "prompts per step")
+    device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
+    bf16: bool = _f(True, "bf16 autocast for the learner forward on CUDA (ignored on CPU)")
+    max_steps_this_run: int = _f(0, "stop after this many steps in this process (0 = no limit); for tests")
 
 
-def parse_config(cls, argv: list[str] | None, prog: str):
-    """``--config FILE.yaml`` plus flags -> a frozen ``cls``; unknown YAML keys are an error."""
-    import argparse
+@dataclass(frozen=True)
+class ModelSection:
+    """A model: its HF checkpoint folder and its engine folder."""
 
-    from transformers import HfArgumentParser
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(cls, prog=prog, description=cls.__doc__)
-    parser.add_argument("--config", default=None, help="YAML file with any of the fields below; flags override it")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
-    if known.config:
-        path = Path(known.config)
-        if not path.exists():
-            raise RefitError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = _flatten_sections(values, names)
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise RefitError(f"config file {path}: unknown fields {unknown}")
-        parser.set_defaults(**values)
-    # -> (cfg, namespace of the non-dataclass flags, remaining strings)
-    outs = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
-    cfg, extra = outs[0], outs[-1]
-    if extra:
-        raise RefitError(f"unknown arguments: {' '.join(extra)}")
-    resume = any(getattr(o, "resume", False) for o in outs[1:-1])
-    return cfg, resume
+    model_dir: str = _f("", "HF checkpoint folder")
+    engine_dir: str = _f("", "engine folder (default: under OUTPUT_DIR; exported, or reused if from the same "
+                             "weights)")
 
 
-def _flatten_sections(values: dict, names: set[str]) -> dict:
-    """``rollout: {workers: 2, ray_address: auto}`` -> ``rollout_workers: 2, ray_address: auto``.
+@dataclass(frozen=True)
+class DataSection:
+    """The embedded task, used when no prompts/dataset file is given."""
 
-    A YAML mapping under a key that is not a field is a section: each ``key: value`` in it becomes the
-    field ``SECTION_key`` if there is one, else ``key``; anything else stays as it is (and is reported
-    as unknown). Flags stay flat (``--rollout_workers 2``).
-    """
+    task: Task = _f("addition", "embedded task when no prompts or dataset file is given")
+    num_prompts: int = _f(512, "embedded task: examples drawn (distill: distinct prompts kept, eval_size held out)")
+    max_operand: int = _f(30, "embedded addition task: operands are in [0, max_operand]")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """The rollout engines: backend, threads, sampling temperature, weight pushes and the probe after each."""
+
+    backend: Backend = _f("onnxruntime", "engine backend ('hf': transformers generate(), the PPO baseline)")
+    engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
+    temperature: float = _f(1.0, "sampling temperature of engine generation (PPO: the learner's too)")
+    sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
+                            "updates)")
+    probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
+    probe_size: int = _f(8, "rows in the fixed probe batch")
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW and its schedule."""
+
+    learning_rate: float = _f(5e-5, "AdamW learning rate")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
+    warmup_steps: int = _f(0, "optimizer steps of linear warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (same update, less memory)")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Checkpoints (``--resume`` continues from the last one)."""
+
+    save_steps: int = _f(10, "checkpoint every N steps (a multiple of rollout.sync_every)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk")
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """What the run writes besides metrics.jsonl."""
+
+    tensorboard: bool = _f(True, "write TensorBoard events")
+    plots: bool = _f(True, "write PNG plots at the end")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class ScaleSection:
+    """Scale-out of the rollouts: engines as Ray actors (the learner scales with torchrun)."""
+
+    workers: int = _f(1, "engines per model: N > 1 runs N copies as Ray actors (RayEnginePool; pip install "
+                         "'refit[dist]'); the tokens do not depend on N")
+    ray_address: str = _f("", "Ray cluster for the rollout workers ('auto', 'HOST:6379'; default $RAY_ADDRESS); "
+                              "empty: a local Ray instance on this machine")
+    worker_cpus: float = _f(1.0, "Ray CPUs reserved by each engine actor (its engine's threads)")
+    worker_gpus: float = _f(-1.0, "Ray GPUs reserved by each engine actor; -1: the backend's share (tensorrt: 1 "
+                                  "per PPO engine, 0.5 per distill engine), else 0")
+
+
+# the flat names of the release before sections, where they are not the field's own name
+_RENAMED = {"scale.workers": "rollout_workers", "scale.worker_cpus": "rollout_worker_cpus",
+            "scale.worker_gpus": "rollout_worker_gpus"}
+
+
+def flat_names(cls) -> dict[str, str]:
+    """Old flat name -> dotted path, for every section field of ``cls`` (``learning_rate`` ->
+    ``optim.learning_rate``; ``student_model_dir`` -> ``student.model_dir``: a model section other than
+    ``model`` had its role as prefix; ``rollout_workers`` -> ``scale.workers``)."""
     out = {}
-    for k, v in values.items():
-        if isinstance(v, dict) and k not in names:
-            for sub, x in v.items():
-                flat = f"{k}_{sub}" if f"{k}_{sub}" in names else sub if sub in names else f"{k}.{sub}"
-                out[flat] = x
-        else:
-            out[k] = v
+    for path in leaves(cls):
+        section, _, leaf = path.partition(".")
+        if leaf:
+            old = _RENAMED.get(path) or (f"{section}_{leaf}" if section in ("student", "teacher") else leaf)
+            out[old] = path
     return out
 
 
-def save_config(cfg, path: Path) -> str:
-    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
-    path.write_text(text)
-    return text
+def from_flat(cls, **values):
+    """``cls`` from keyword arguments by old flat name (``learning_rate=1e-4``), dotted path or job field."""
+    values, _ = resolve(cls, values, flat_names(cls), cls.__name__)
+    return build(cls, values)
+
+
+def parse_job(cls, argv: list[str] | None, prog: str, options: tuple = ()):
+    """``refit ppo|distill`` flags -> (frozen ``cls``, options namespace with ``resume`` and ``options``)."""
+    resume = ("resume", bool, _f(False, "continue from the last checkpoint in run.output_dir"))
+    return parse(cls, argv, prog, options=(resume, *options), legacy=flat_names(cls))
+
+
+def save_config(cfg, path) -> str:
+    return save_yaml(cfg, path)
+
+
+def check(checks: list[tuple[bool, str]]) -> None:
+    """Raise the first failing ``(bad, message)`` as one ``config:`` line."""
+    for bad, msg in checks:
+        if bad:
+            raise RefitError(f"config: {msg}")

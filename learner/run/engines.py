@@ -32,33 +32,34 @@ def pick_device(name: str) -> torch.device:
 
 
 def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:
-    """One engine, or with ``rollout_workers > 1`` a RayEnginePool of that many (same Engine protocol).
+    """One engine, or with ``scale.workers > 1`` a RayEnginePool of that many (same Engine protocol).
 
-    ``cfg`` carries the scale-out fields (``rollout_workers``, ``ray_address``, ``rollout_worker_cpus``,
-    ``rollout_worker_gpus``) and ``backend``. Each Ray actor reserves ``rollout_worker_cpus`` CPUs and
-    ``rollout_worker_gpus`` GPUs; the GPU default (-1) is ``gpu_share`` of a GPU for the tensorrt backend
+    ``cfg.scale`` carries the scale-out fields (``workers``, ``ray_address``, ``worker_cpus``,
+    ``worker_gpus``), ``cfg.rollout`` the ``backend``. Each Ray actor reserves ``worker_cpus`` CPUs and
+    ``worker_gpus`` GPUs; the GPU default (-1) is ``gpu_share`` of a GPU for the tensorrt backend
     (its engine needs one), none otherwise (Ray hides the GPUs from an actor that reserved none).
     """
-    if cfg.rollout_workers > 1:  # [scale-out]
+    if cfg.scale.workers > 1:  # [scale-out]
         from rollout.ray_pool import RayEnginePool
 
-        gpus = cfg.rollout_worker_gpus
+        gpus = cfg.scale.worker_gpus
         if gpus < 0:
-            gpus = gpu_share if cfg.backend == "tensorrt" else 0.0
-        return RayEnginePool(cfg.backend, path, workers=cfg.rollout_workers, ray_address=cfg.ray_address,
-                             cpus_per_worker=cfg.rollout_worker_cpus, gpus_per_worker=gpus,
+            gpus = gpu_share if cfg.rollout.backend == "tensorrt" else 0.0
+        scale = cfg.scale
+        return RayEnginePool(cfg.rollout.backend, path, workers=scale.workers, ray_address=scale.ray_address,
+                             cpus_per_worker=scale.worker_cpus, gpus_per_worker=gpus,
                              last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
-    return create_engine(cfg.backend, path, **kw)
+    return create_engine(cfg.rollout.backend, path, **kw)
 
 
 def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int, log=print,
                      gpu_share: float = 1.0) -> Engine:
-    """The engine of one model for ``cfg.backend``: exported (or reused) into ``engine_dir`` when the
+    """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
-    src = engine_source(cfg.backend, model_dir, engine_dir, rows, max_len, log)
-    if cfg.backend in TORCH_BACKENDS:
-        return make_engine(cfg, src, Path(cfg.output_dir), gpu_share, max_len=max_len)
-    return make_engine(cfg, src, Path(cfg.output_dir), gpu_share, threads=cfg.engine_threads or None)
+    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log)
+    if cfg.rollout.backend in TORCH_BACKENDS:
+        return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
+    return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None)
 
 
 class CountingEngine:

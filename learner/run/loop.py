@@ -44,7 +44,8 @@ class Job:
 
 def last_step(cfg, start_step: int) -> int:
     """The last step this process runs: ``steps``, or ``max_steps_this_run`` past the start (tests)."""
-    return cfg.steps if not cfg.max_steps_this_run else min(cfg.steps, start_step + cfg.max_steps_this_run)
+    r = cfg.run
+    return r.steps if not r.max_steps_this_run else min(r.steps, start_step + r.max_steps_this_run)
 
 
 def due(step: int, every: int, total: int) -> bool:
@@ -63,29 +64,30 @@ def check_finite(values: dict[str, float], what: str, run_dir: Path) -> None:
 def _progress(cfg, initial: int, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=initial, desc=desc, dynamic_ncols=True)
+    return tqdm(total=cfg.run.steps, initial=initial, desc=desc, dynamic_ncols=True)
 
 
 def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
     """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing)."""
-    run_dir = Path(cfg.output_dir)
+    run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    dist = init_from_env(cfg.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
+    dist = init_from_env(cfg.run.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
     main = dist.is_main  # [dist] rank 0 alone writes config, metrics, checkpoints and plots
     if main:
         log(f"refit {job.name}: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
     state = job.setup(cfg, resume, log, dist)
-    metrics = MetricsLog(run_dir, cfg.tensorboard, resume_step=state.start_step if resume else None) if main else None
+    metrics = (MetricsLog(run_dir, cfg.log.tensorboard, resume_step=state.start_step if resume else None)
+               if main else None)
     if main and not resume and job.initial is not None:
         metrics.log(0, job.initial(state))
-    bar = _progress(cfg, state.start_step, job.name) if cfg.progress and main else None
+    bar = _progress(cfg, state.start_step, job.name) if cfg.log.progress and main else None
     try:
         for step in range(state.start_step + 1, last_step(cfg, state.start_step) + 1):
             m = job.step(state, step)
             if not main:  # [dist]
                 continue
             metrics.log(step, m)
-            if due(step, cfg.save_steps, cfg.steps):
+            if due(step, cfg.ckpt.save_steps, cfg.run.steps):
                 job.save(state, step)
             if bar is not None:
                 bar.update(1)
@@ -99,6 +101,6 @@ def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
             if engine is not None:
                 engine.close()
         dist.close()  # [dist] waits for every rank, leaves the process group
-    if main and cfg.plots:
+    if main and cfg.log.plots:
         plot_metrics(run_dir, job.plot_panels)
     return run_dir, state

@@ -1,0 +1,239 @@
+"""One parser for every ``refit`` subcommand: frozen dataclasses -> tyro, with a YAML file as the defaults.
+
+``parse(Config, argv, prog)`` turns ``[--config FILE.yaml] [--section.field value ...]`` into a frozen
+``Config`` (why tyro and not HfArgumentParser: see ``learner/run/config.py``). It lives in ``export/``,
+the bottom package, because ``refit export`` uses it and nothing below ``learner`` may import ``learner``.
+
+- Precedence: field defaults < YAML file (``--config``) < flags. YAML sections are native
+  (``rollout: {backend: torch}`` is ``--rollout.backend torch``); an unknown key is one line naming it.
+- Help: every field carries ``metadata["help"]`` (the HfArgumentParser convention, which tyro reads).
+  Flags are printed with underscores, as the YAML keys and the Python names; hyphens are accepted too.
+- Bools are flags (``--log.progress``, ``--log.no_progress``) and also take a value
+  (``--progress false``, as HfArgumentParser's did).
+- ``legacy`` maps old flat names (``rollout_workers``) to their dotted paths (``scale.workers``): in YAML
+  and on the command line they still work, with one deprecation line on stderr naming the new spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import typing
+from pathlib import Path
+from types import SimpleNamespace, UnionType
+from typing import Annotated, Any, Literal
+
+import yaml
+
+from export.errors import RefitError
+
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def opt(default: Any = dataclasses.MISSING, help_: str = "", *, factory=None) -> Any:
+    """A dataclass field with its help text (``factory``: a section's per-job defaults)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help_})
+    return dataclasses.field(default=default, metadata={"help": help_})
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _strip(tp):
+    """``Annotated[X, ...]`` -> ``X``."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+def leaves(cls, prefix: str = "") -> dict[str, Any]:
+    """Every leaf field of ``cls`` by dotted path (``optim.learning_rate``) -> its type."""
+    out = {}
+    for name, tp in _hints(cls).items():
+        tp = _strip(tp)
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue  # ClassVar
+        if dataclasses.is_dataclass(tp):
+            out.update(leaves(tp, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = tp
+    return out
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    import tyro
+
+    return tyro.MISSING  # a required field (tyro asks for it on the command line)
+
+
+def build(cls, values: dict[str, Any], base=None, prefix: str = ""):
+    """``cls`` from dotted-path ``values``; fields not given keep ``base``'s values (else the defaults)."""
+    hints, kw = _hints(cls), {}
+    for f in dataclasses.fields(cls):
+        tp, path = _strip(hints[f.name]), prefix + f.name
+        current = getattr(base, f.name) if base is not None else _default(f)
+        if dataclasses.is_dataclass(tp):
+            kw[f.name] = build(tp, values, current, path + ".")
+        else:
+            kw[f.name] = values.get(path, current)
+    return cls(**kw)
+
+
+def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
+    """Dotted or old flat names -> dotted paths of ``cls``; (values, deprecation notes); unknown: one line."""
+    known, out, notes, unknown = leaves(cls), {}, [], []
+    for key, v in values.items():
+        if key in known:
+            out[key] = v
+            continue
+        section, _, leaf = key.rpartition(".")
+        old = next((k for k in (f"{section}_{leaf}" if section else "", leaf) if k in legacy), None)
+        if old is None:
+            unknown.append(key)
+            continue
+        notes.append(f"{key} -> {legacy[old]}")
+        out[legacy[old]] = v
+    if unknown:
+        raise RefitError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                         f"(see --help)")
+    return out, notes
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{rollout: {backend: torch}}`` -> ``{"rollout.backend": "torch"}`` (a mapping is a section)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _coerce(tp, v, where: str):
+    """A YAML value -> the field's type (``1e-4`` is a string to YAML 1.1; ints for floats are fine)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if v not in args:
+            raise RefitError(f"{where}: {v!r} is not one of {list(args)}")
+        return v
+    if origin in (typing.Union, UnionType):
+        if v is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), v, where)
+    try:
+        if tp is bool:
+            return v if isinstance(v, bool) else BOOL_WORDS[str(v).lower()]
+        if tp in (int, float, str):
+            return tp(v)
+        if origin is tuple:
+            return tuple(v) if isinstance(v, list) else (v,)
+    except (KeyError, TypeError, ValueError):
+        raise RefitError(f"{where}: {v!r} is not a {getattr(tp, '__name__', tp)}") from None
+    return v
+
+
+def load_yaml(cls, path: str | Path, legacy: dict[str, str] | None = None):
+    """A YAML file (native sections, old flat names with a note) -> (``cls`` instance, deprecation notes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RefitError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise RefitError(f"config file {path}: expected a mapping of fields, got {type(raw).__name__}")
+    values, notes = resolve(cls, _flatten(raw), legacy or {}, f"config file {path}")
+    types = leaves(cls)
+    values = {k: _coerce(types[k], v, f"config file {path}: {k}") for k, v in values.items()}
+    return build(cls, values), notes
+
+
+def save_yaml(cfg, path: Path) -> str:
+    """The resolved config in its sectioned layout (loads back through ``--config`` to an equal config)."""
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    path.write_text(text)
+    return text
+
+
+def with_values(cfg, legacy: dict[str, str] | None = None, **values):
+    """A copy of ``cfg`` with fields set by dotted path (``**{"scale.workers": 2}``) or old flat name."""
+    values, _ = resolve(type(cfg), values, legacy or {}, type(cfg).__name__)
+    return build(type(cfg), values, base=cfg)
+
+
+def _negate(path: str) -> str:
+    section, _, leaf = path.rpartition(".")
+    return f"{section}.no_{leaf}" if section else f"no_{leaf}"
+
+
+def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]) -> tuple[list[str], list[str]]:
+    """Old flat flags -> dotted ones (with notes); ``--flag true|false`` -> ``--flag`` / ``--no_flag``."""
+    known = set(leaves(cls)) | bools
+    out, notes, i = [], [], 0
+    while i < len(argv):
+        tok, i = argv[i], i + 1
+        if not tok.startswith("--") or tok == "--":
+            out.append(tok)
+            continue
+        name, eq, val = tok[2:].partition("=")
+        key = name.replace("-", "_")
+        neg = key.startswith("no_") and key not in known and key[3:] in legacy
+        if key not in known and (key in legacy or neg):
+            new = legacy[key[3:]] if neg else legacy[key]
+            notes.append(f"--{name} -> --{_negate(new) if neg else new}")
+            key = name = _negate(new) if neg else new
+        if key in bools:
+            if not eq and i < len(argv) and argv[i].lower() in BOOL_WORDS:
+                val, eq, i = argv[i], "=", i + 1
+            if eq:
+                if val.lower() not in BOOL_WORDS:
+                    raise RefitError(f"--{name}: expected true or false, got {val!r}")
+                name, eq = (key if BOOL_WORDS[val.lower()] else _negate(key)), ""
+        out.append(f"--{name}" + (f"={val}" if eq else ""))
+    return out, notes
+
+
+def _config_path(argv: list[str]) -> str:
+    """The value of ``--config`` (read first: the YAML becomes the defaults of the one parse)."""
+    for i, tok in enumerate(argv):
+        if tok == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if tok.startswith("--config="):
+            return tok.split("=", 1)[1]
+    return ""
+
+
+CONFIG_OPTION = ("config", str, opt("", "YAML file with any of the fields below, a section as a mapping "
+                                        "('section: {field: value}'); flags override it"))
+
+
+def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: dict[str, str] | None = None):
+    """``[--config FILE.yaml] [flags]`` -> (frozen ``cls``, namespace of ``options``).
+
+    ``options``: ``(name, type, field)`` triples for run options that are not part of the saved config
+    (``--resume``, ``--build_models``); ``--config`` is always one of them.
+    """
+    import tyro
+
+    legacy = legacy or {}
+    opts = (CONFIG_OPTION, *options)
+    args = dataclasses.make_dataclass(
+        "Args", [("cfg", Annotated[cls, tyro.conf.arg(name="")], dataclasses.field()), *opts], frozen=True)
+    bools = {p for p, tp in leaves(cls).items() if tp is bool} | {n for n, tp, _ in opts if tp is bool}
+    argv, notes = normalise_argv(list(sys.argv[1:] if argv is None else argv), cls, legacy, bools)
+    default, path = None, _config_path(argv)
+    if path:
+        cfg, yaml_notes = load_yaml(cls, path, legacy)
+        notes = [f"{n} (in {path})" for n in yaml_notes] + notes
+        default = args(cfg=cfg, **{n: _default(f) for n, _, f in opts})
+    if notes:
+        print(f"{prog}: deprecated names, removed in the next release: {'; '.join(notes)}", file=sys.stderr)
+    parsed, rest = tyro.cli(args, args=argv, prog=prog, description=inspect.cleandoc(cls.__doc__ or ""), default=default,
+                            use_underscores=True, return_unknown_args=True)
+    if rest:
+        raise RefitError(f"unknown arguments: {' '.join(rest)} (see {prog} --help)")
+    return parsed.cfg, SimpleNamespace(**{n: getattr(parsed, n) for n, _, _ in opts})

@@ -1,0 +1,135 @@
+"""Configs and the one parser: YAML sections vs flags, old flat names, unknown keys, --help, config.yaml round trip.
+
+Cheap: nothing here builds a model or an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.cli import BENCHES
+from export.cli import ExportConfig
+from export.errors import RefitError
+from export.parsing import leaves
+from learner.cli import main as refit
+from learner.distill.config import DistillConfig
+from learner.examples.demo import DemoConfig
+from learner.ppo.config import PPOConfig
+from learner.run.config import flat_names, parse_job, save_config
+from rollout.cli import GenerateConfig
+
+COMMANDS = [(["ppo"], PPOConfig), (["distill"], DistillConfig), (["export"], ExportConfig),
+            (["generate"], GenerateConfig), (["demo"], DemoConfig)] + [(["bench", n], c) for n, c in BENCHES.items()]
+
+
+def _yaml(tmp_path, text: str):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    return str(f)
+
+
+def test_yaml_sections_then_flags_precedence(tmp_path):
+    f = _yaml(tmp_path, "run: {steps: 7, seed: 3}\noptim: {learning_rate: 1e-4, warmup_steps: 5}\nkl_coef: 0.2\n"
+                        "scale: {workers: 2}\n")
+    cfg, _ = parse_job(PPOConfig, ["--config", f, "--run.steps", "9", "--optim.warmup-steps", "6"], "refit ppo")
+    assert (cfg.run.steps, cfg.run.seed) == (9, 3)  # flag over YAML; YAML over default
+    assert (cfg.optim.learning_rate, cfg.optim.warmup_steps, cfg.kl_coef, cfg.scale.workers) == (1e-4, 6, 0.2, 2)
+    assert cfg.run.output_dir == "runs/ppo" and cfg.scale.worker_cpus == 1.0  # PPO's defaults where YAML is silent
+    d, _ = parse_job(DistillConfig, ["--config", _yaml(tmp_path, "teacher: {model_dir: t}\nlmbda: 0\n")],
+                     "refit distill")
+    assert (d.teacher.model_dir, d.lmbda, d.optim.learning_rate, d.scale.worker_cpus) == ("t", 0.0, 3e-3, 0.5)
+
+
+def test_per_job_defaults_unchanged():
+    p, d = PPOConfig(), DistillConfig()
+    assert (p.run.output_dir, p.run.steps, p.optim.learning_rate, p.optim.warmup_steps, p.ckpt.save_steps,
+            p.scale.worker_cpus, p.data.num_prompts, p.data.max_operand) == ("runs/ppo", 20, 5e-5, 0, 10, 1.0, 512, 30)
+    assert (d.run.output_dir, d.run.steps, d.optim.learning_rate, d.optim.warmup_steps, d.ckpt.save_steps,
+            d.scale.worker_cpus, d.data.num_prompts, d.data.max_operand) == ("runs/distill", 300, 3e-3, 10, 100, 0.5,
+                                                                             1000, 9)
+
+
+def test_flat_names_give_the_same_config_and_one_deprecation_line(tmp_path, capsys):
+    new = ["--scale.workers", "2", "--optim.learning_rate", "1e-3", "--log.no_progress", "--model.model_dir", "m",
+           "--cliprange", "0.3"]
+    old = ["--rollout_workers", "2", "--learning-rate", "1e-3", "--progress", "false", "--model_dir", "m",
+           "--cliprange", "0.3"]
+    want, _ = parse_job(PPOConfig, new, "refit ppo")
+    assert capsys.readouterr().err == ""
+    got, _ = parse_job(PPOConfig, old, "refit ppo")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert got == want and len(err) == 1
+    assert all(s in err[0] for s in ("--rollout_workers -> --scale.workers", "--progress -> --log.progress",
+                                     "--learning-rate -> --optim.learning_rate", "--model_dir -> --model.model_dir"))
+    # YAML: flat keys, and the section spelling of the release before (`rollout: {workers: N}`)
+    f = _yaml(tmp_path, "rollout_workers: 2\nlearning_rate: 1.0e-3\nprogress: false\nmodel_dir: m\ncliprange: 0.3\n")
+    assert parse_job(PPOConfig, ["--config", f], "refit ppo")[0] == want
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout_workers -> scale.workers" in err[0], err
+    f = _yaml(tmp_path, "rollout: {workers: 2}\noptim: {learning_rate: 1.0e-3}\nlog: {progress: false}\n"
+                        "model: {model_dir: m}\ncliprange: 0.3\n")
+    assert parse_job(PPOConfig, ["--config", f], "refit ppo")[0] == want
+    assert "rollout.workers -> scale.workers" in capsys.readouterr().err
+    # distill's role-prefixed names and HfArgumentParser's `--no_X`
+    d, _ = parse_job(DistillConfig, ["--student_model_dir", "s", "--no_tensorboard", "--seq_kd", "true",
+                                     "--loss", "ce", "--lmbda", "0"], "refit distill")
+    assert (d.student.model_dir, d.log.tensorboard, d.seq_kd) == ("s", False, True)
+    assert DistillConfig.from_flat(student_model_dir="s", tensorboard=False, seq_kd=True, loss="ce", lmbda=0.0) == d
+
+
+def test_from_flat_is_the_nested_config():
+    cfg = PPOConfig.from_flat(model_dir="m", steps=3, rollout_workers=2, kl_coef=0.1)
+    want = PPOConfig(run=dataclasses.replace(PPOConfig().run, steps=3), model=dataclasses.replace(PPOConfig().model,
+                     model_dir="m"), scale=dataclasses.replace(PPOConfig().scale, workers=2), kl_coef=0.1)
+    assert cfg == want
+    assert set(flat_names(PPOConfig)) | {f.name for f in dataclasses.fields(PPOConfig)} >= {"rollout_workers", "seed"}
+
+
+def test_unknown_key_or_flag_is_one_line(tmp_path, capsys):
+    with pytest.raises(RefitError, match=r"unknown field rollout\.nope") as e:
+        parse_job(PPOConfig, ["--config", _yaml(tmp_path, "rollout: {nope: 1, backend: torch}\n")], "refit ppo")
+    assert "\n" not in str(e.value)
+    with pytest.raises(RefitError, match=r"rollout\.backend: 'nope' is not one of"):
+        parse_job(PPOConfig, ["--config", _yaml(tmp_path, "rollout: {backend: nope}\n")], "refit ppo")
+    assert refit(["ppo", "--model.model_dir", "m", "--bogus", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bogus" in err[0], err
+
+
+@pytest.mark.parametrize("argv,cls", COMMANDS, ids=[" ".join(a) for a, _ in COMMANDS])
+def test_help_lists_every_field_with_its_help(argv, cls, capsys):
+    with pytest.raises(SystemExit) as e:
+        refit([*argv, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    flat_sections = {f.name for f in dataclasses.fields(cls) if f.name in ("machine", "source")}  # bench: no prefix
+    for path in leaves(cls):
+        section, _, leaf = path.rpartition(".")
+        flag = leaf if section in flat_sections else path
+        field = _field(cls, path)
+        assert f"--{flag}" in text or field.name in ("model_dir", "engine_dir") and "DIR" in text, path
+        assert " ".join(field.metadata["help"].split()) in text, path
+    assert "--config" in text
+
+
+def _field(cls, path: str) -> dataclasses.Field:
+    *sections, leaf = path.split(".")
+    for s in sections:
+        cls = next(f for f in dataclasses.fields(cls) if f.name == s).default_factory().__class__
+    return next(f for f in dataclasses.fields(cls) if f.name == leaf)
+
+
+@pytest.mark.parametrize("cls,kw", [
+    (PPOConfig, dict(model_dir="m", steps=4, learning_rate=1e-4, rollout_workers=2, top_k=5, progress=False,
+                     mismatch_correction="tis", backend="torch")),
+    (DistillConfig, dict(student_model_dir="s", teacher_engine_dir="te", loss="ce", seq_kd=True, lmbda=0.0,
+                         warmup_steps=0, rollout_worker_gpus=0.5, temperature=0.7, loss_temperature=0.7)),
+])
+def test_saved_config_yaml_loads_back_equal(cls, kw, tmp_path, capsys):
+    cfg = cls.from_flat(**kw)
+    text = save_config(cfg, tmp_path / "config.yaml")
+    assert "optim:\n" in text and "scale:\n" in text  # the sectioned layout
+    back, _ = parse_job(cls, ["--config", str(tmp_path / "config.yaml")], "refit")
+    assert back == cfg and capsys.readouterr().err == ""  # no deprecation: the saved layout is the new one
