@@ -90,6 +90,19 @@ def prompts(tokenizer):
     return [tokenizer(t).input_ids for t in TEXTS]
 
 
+def tiny_distill_config(model_dirs, engine_dirs, out, **kw):
+    """A small DistillConfig: teacher tiny-llama, student tiny-gpt2 (one tokenizer and vocabulary, two
+    architectures); ``kw`` overrides any field."""
+    from learner.distill.config import DistillConfig
+
+    base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
+                teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
+                output_dir=str(out), steps=4, batch_size=8, eval_size=8, num_prompts=64, max_new_tokens=4,
+                teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
+                progress=False, tensorboard=False, plots=False)
+    return DistillConfig(**{**base, **kw})
+
+
 def corrupting(push):
     """Wrap an engine's ``update_weights`` so every push carries noise on one MLP weight (probe tests)."""
 
