@@ -236,7 +236,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
         if top is not None:
             cols["tk_lp"].append(top[0] * keep[:, None])
             cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
-        if clock is not None:
+        if clock is not None:  # position `step` is sampled: its phase (prefill or one decode step) ends
             clock.tick(step, alive)
         # 4. stop bookkeeping: the stop token itself stays inside the mask
         alive = alive & ~torch.isin(tok, stops)
@@ -332,5 +332,6 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
 
 
-__all__ = ["Engine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version", "create_engine",
-           "decode_loop", "pad_prompts", "register_backend", "resolve_names", "run_generate", "run_score"]
+__all__ = ["Engine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version",
+           "create_engine", "decode_loop", "pad_prompts", "register_backend", "resolve_names", "run_generate",
+           "run_score"]

@@ -172,6 +172,8 @@ def test_bad_prompt_is_named_by_the_callers_index(pools):
         two.generate(PROMPTS[:3] + [[]], SAMPLING)
     with pytest.raises(RefitError, match="prompt 2 has 200 tokens"):
         two.generate(PROMPTS[:2] + [[5] * 200], SAMPLING)
+    with pytest.raises(RefitError, match="on_step.*not available on a Ray engine pool"):  # steps run in the actors
+        two.generate(PROMPTS, SAMPLING, on_step=print)
 
 
 def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
