@@ -4,7 +4,10 @@
 (KV cache, sampling, the baseline users run today) and through Refit's engines, for each batch
 size: warm-up, then ``repeats`` timed runs; it reports the median of time to first token
 (prefill + first sample), per-token decode latency p50/p95 (the steps after the first),
-tokens/s over the whole call, and the peak resident memory growth during the runs.
+tokens/s over the whole call, and the peak resident memory growth during the runs. Phase times
+come from the engines' public ``generate(..., on_step=)`` hook (:class:`rollout.engine.StepEvent`);
+for HF ``generate()`` from the same events, emitted by :class:`rollout.hf_backend.HFStepClock`
+(its time to first token also counts ``generate()``'s own set-up, part of what users pay).
 HF runs with ``min_new_tokens = new_tokens``; Refit's engines stop a row only at EOS, which a
 random-weight 50257-way model samples with probability ~2e-5 per token, and tokens/s counts the
 decode steps actually run, so the work compared is the same.
@@ -53,39 +56,16 @@ class PeakRSS:
         self.mb = self.peak / 2**20
 
 
-class _StepTimer:
-    """Wraps an engine's per-batch step state to timestamp every decode step."""
-
-    def __init__(self, state, stamps: list[float]):
-        self.state, self.stamps = state, stamps
-
-    def prefill(self, ids, mask):
-        out = self.state.prefill(ids, mask)
-        self.stamps.append(time.perf_counter())
-        return out
-
-    def extend(self, ids, mask):
-        out = self.state.extend(ids, mask)
-        self.stamps.append(time.perf_counter())
-        return out
-
-
-def _timed(engine, stamps):
-    orig = engine._new_state
-    engine._new_state = lambda: _StepTimer(orig(), stamps)
-    return orig
-
-
 def _load(before: tuple[float, float, float]) -> dict:
     """1/5/15-minute load averages at the start and end: the CPU is shared, so numbers need them."""
     return {"start": [round(x, 2) for x in before], "end": [round(x, 2) for x in os.getloadavg()]}
 
 
-def _summarise(t_calls: list[float], step_times: list[list[float]], rows: int, new_tokens: int, mem: float) -> dict:
-    ttft = [s[0] - t0 for s, t0 in step_times]
-    gaps: list[float] = []
-    for s, _ in step_times:
-        gaps += list(np.diff(s))
+def _summarise(t_calls: list[float], runs: list[list], rows: int, new_tokens: int, mem: float) -> dict:
+    """Medians over ``runs`` (one list of :class:`rollout.engine.StepEvent` per timed call)."""
+    assert all(r and r[0].phase == "prefill" for r in runs), "every call reports its prefill first"
+    ttft = [r[0].seconds for r in runs]
+    gaps = [e.seconds for r in runs for e in r[1:]]
     return {
         "ttft_ms": 1e3 * statistics.median(ttft),
         "decode_ms_p50": 1e3 * float(np.percentile(gaps, 50)) if gaps else float("nan"),
@@ -99,52 +79,44 @@ def _summarise(t_calls: list[float], step_times: list[list[float]], rows: int, n
 def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
     from rollout.types import SamplingParams
 
-    stamps: list[float] = []
-    orig = _timed(engine, stamps)
-    calls, steps, ran = [], [], []
-    try:
-        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))  # warm-up
-        with PeakRSS() as mem:
-            for r in range(repeats):
-                stamps.clear()
-                t0 = time.perf_counter()
-                out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=r))
-                calls.append(time.perf_counter() - t0)
-                steps.append((np.array(stamps), t0))
-                ran.append(out.response_ids.shape[1])
-    finally:
-        engine._new_state = orig
-    return _summarise(calls, steps, len(prompts), min(ran), mem.mb)
+    calls, runs, ran = [], [], []
+    engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))  # warm-up
+    with PeakRSS() as mem:
+        for r in range(repeats):
+            events: list = []
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=r),
+                                  on_step=events.append)
+            calls.append(time.perf_counter() - t0)
+            runs.append(events)
+            ran.append(out.response_ids.shape[1])
+    return _summarise(calls, runs, len(prompts), min(ran), mem.mb)
 
 
 def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int) -> dict:
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     from export.padding import pad_batch
+    from rollout.hf_backend import HFStepClock
 
     ids, mask = pad_batch(prompts, pad_id, "left")
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
-    stamps: list[float] = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
-
     kw = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
-              min_new_tokens=new_tokens, pad_token_id=pad_id, logits_processor=LogitsProcessorList([Stamp()]))
+              min_new_tokens=new_tokens, pad_token_id=pad_id)
+    no_stops = torch.zeros(0, dtype=torch.int64)  # min_new_tokens: every row runs to the end
     with torch.no_grad():
         model.generate(ids, **kw)  # warm-up
-        calls, steps = [], []
+        calls, runs = [], []
         with PeakRSS() as mem:
             for r in range(repeats):
                 torch.manual_seed(r)
-                stamps.clear()
+                events: list = []
                 t0 = time.perf_counter()
-                model.generate(ids, **kw)
+                clock = LogitsProcessorList([HFStepClock(events.append, ids.shape[1], no_stops)])
+                model.generate(ids, logits_processor=clock, **kw)
                 calls.append(time.perf_counter() - t0)
-                steps.append((np.array(stamps), t0))
-    return _summarise(calls, steps, len(prompts), new_tokens, mem.mb)
+                runs.append(events)
+    return _summarise(calls, runs, len(prompts), new_tokens, mem.mb)
 
 
 def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,

@@ -5,6 +5,11 @@ next-token logits) and ``extend`` (more tokens through the KV cache -> their log
 padding, stop handling, sampling and the record layout live here, once, so backends differ
 only in how logits are computed and parity tests compare exactly that.
 
+``generate(..., on_step=hook)`` is the public timing hook: the shared decode loop calls ``hook``
+with a :class:`StepEvent` after the prefill (time to first token) and after every decode step,
+so benchmarks time phases without reaching into a backend. A plain argument, not a
+``SamplingParams`` field: sampling params are pickled to Ray workers, a callable would not be.
+
 Backends are imported only when asked for (verl's rollout registry): ``tensorrt`` is never
 imported on a machine that does not use it.
 """
@@ -12,8 +17,9 @@ imported on a machine that does not use it.
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -27,11 +33,24 @@ from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
 
 
+class StepEvent(NamedTuple):
+    """One phase of a ``generate`` call, as an ``on_step`` hook sees it."""
+
+    phase: str  # "prefill": prompt forward + first sample (time to first token); "decode": one cached step + sample
+    step: int  # the response position this phase produced: 0 for "prefill", 1.. for "decode"
+    seconds: float  # wall time of the phase (time.perf_counter); logits are on the host by then, device work done
+    tokens: int  # response tokens it produced: rows still generating (finished rows are fed pad, not counted)
+
+
+StepHook = Callable[[StepEvent], None]  # N response positions -> one "prefill" then N-1 "decode" events
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the learner sees of a generation backend. Prompts are token ids; no tokenizer inside."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 on_step: StepHook | None = None) -> RolloutBatch: ...
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,
@@ -187,13 +206,27 @@ def pad_prompts(prompts: list[list[int]], n: int, spec: ModelSpec) -> tuple[torc
     return torch.from_numpy(ids), torch.from_numpy(mask), index
 
 
+class _PhaseClock:
+    """Times the loop's phases for an ``on_step`` hook; the hook's own time is left out of the next phase."""
+
+    def __init__(self, hook: StepHook):
+        self.hook, self.t = hook, time.perf_counter()
+
+    def tick(self, step: int, alive: torch.Tensor) -> None:
+        seconds = time.perf_counter() - self.t
+        self.hook(StepEvent("prefill" if step == 0 else "decode", step, seconds, int(alive.sum())))
+        self.t = time.perf_counter()
+
+
 def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                spec: ModelSpec) -> dict[str, torch.Tensor]:
+                spec: ModelSpec, on_step: StepHook | None = None) -> dict[str, torch.Tensor]:
     """Generate up to ``max_new_tokens`` per row; finished rows are fed pad with mask 0.
 
     Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
+    ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
     """
     b = ids.shape[0]
+    clock = _PhaseClock(on_step) if on_step is not None else None
     stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     gen = make_generator(params.seed)
     scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
@@ -216,6 +249,8 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
         if top is not None:
             cols["tk_lp"].append(top[0] * keep[:, None])
             cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
+        if clock is not None:  # position `step` is sampled: its phase (prefill or one decode step) ends
+            clock.tick(step, alive)
         # 4. stop bookkeeping: the stop token itself stays inside the mask
         alive = alive & ~torch.isin(tok, stops)
         if not alive.any() or step == params.max_new_tokens - 1:
@@ -232,7 +267,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
 
 
 def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: list[list[int]],
-                 sampling: SamplingParams, version: int) -> RolloutBatch:
+                 sampling: SamplingParams, version: int, on_step: StepHook | None = None) -> RolloutBatch:
     """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch."""
     if not isinstance(sampling, SamplingParams):
         raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -243,7 +278,7 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
     # no_grad, not inference_mode: inference tensors would break the learner's autograd later
     with torch.no_grad():
-        out = decode_loop(new_state(), ids, mask, sampling, spec)
+        out = decode_loop(new_state(), ids, mask, sampling, spec, on_step)
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,
                          sampling=sampling, is_seq2seq=spec.kind == "seq2seq", pad_id=spec.pad_id,
                          eos_id=spec.eos_id, **out)
@@ -310,6 +345,6 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
 
 
-__all__ = ["Engine", "ModelSpec", "StepState", "backends", "check_prompts", "check_version", "create_engine",
-           "next_version",
-           "decode_loop", "pad_prompts", "register_backend", "resolve_names", "run_generate", "run_score"]
+__all__ = ["Engine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version",
+           "create_engine", "decode_loop", "next_version", "pad_prompts", "register_backend", "resolve_names", "run_generate",
+           "run_score"]

@@ -33,7 +33,7 @@ from export.graph import open_session
 from export.manifest import Manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import engine_weights
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
 from rollout.sampling import one_thread
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
@@ -194,8 +194,9 @@ class OrtEngine:
     def _new_state(self):
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
+                 on_step: StepHook | None = None) -> RolloutBatch:
+        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
               topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:

@@ -311,9 +311,12 @@ class RayEnginePool:
     def worker_versions(self) -> list[int]:
         return self._ray.get([w.weights_version.remote() for w in self._workers])
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, on_step=None) -> RolloutBatch:
         if not isinstance(sampling, SamplingParams):
             raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if on_step is not None:  # the steps run inside the actors; a callable would not reach back here
+            raise RefitError("generate(on_step=...) is not available on a Ray engine pool: time the pool's "
+                             "generate() call, or one worker's engine")
         check_prompts(prompts, self._max_len, sampling.max_new_tokens, self._vocab)  # with the caller's indices
         c = self.chunk
         plan = plan_chunks(len(prompts), c, len(self._workers))

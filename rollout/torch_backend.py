@@ -15,7 +15,7 @@ import torch
 
 from export.errors import RefitError
 from export.padding import position_ids_from_mask
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 
@@ -107,8 +107,9 @@ class TorchEngine:
             return _Seq2SeqState(self.model, self.spec.decoder_start_id)
         return _DecoderState(self.model)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
+                 on_step: StepHook | None = None) -> RolloutBatch:
+        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
               topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:

@@ -36,7 +36,7 @@ from export.errors import RefitError
 from export.manifest import Manifest, ShapeRange
 from export.padding import position_ids_from_mask
 from export.weight_map import apply_transform
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, next_version, resolve_names, run_generate, run_score
+from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -299,9 +299,10 @@ class TrtEngine:
             raise RefitError(f"{rows} rows exceed the TensorRT engine's max batch {self.max_batch} "
                              "(split the batch or re-export with a larger --max-batch)")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams()) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
+                 on_step: StepHook | None = None) -> RolloutBatch:
         self._check_rows(len(prompts) * getattr(sampling, "n", 1))
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version)
+        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
               topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:

@@ -19,9 +19,9 @@ t0=$SECONDS
 last_line() { grep -E '[0-9]+ (passed|failed|skipped|error|deselected)' "$1" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//'; }
 
 # 1. CPU checks: engine-folder checks, one-line refusals, the host stand-in of build/refit/backend
-echo "== gpu_check 1/3: CPU-side TensorRT checks (tests/test_tensorrt.py, not gpu/tensorrt)"
-if ! "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_tensorrt.py -m "not gpu and not tensorrt" \
-    >"$logs/cpu.log" 2>&1; then
+echo "== gpu_check 1/3: CPU-side TensorRT checks (tests/test_tensorrt.py, the stand-in rows of tests/test_parity.py)"
+if ! "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_tensorrt.py tests/test_parity.py -k tensorrt \
+    -m "not gpu and not tensorrt" >"$logs/cpu.log" 2>&1; then
   tail -40 "$logs/cpu.log"
   echo "gpu_check: FAILED cpu_checks=\"$(last_line "$logs/cpu.log")\" seconds=$((SECONDS - t0))"
   exit 1

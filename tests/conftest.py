@@ -1,6 +1,7 @@
 """Shared fixtures: tiny HF checkpoints built locally (no hub) and their exported engine folders.
 
-Built once per test session; every test that needs a model or an engine uses these.
+Built once per test session; every test that needs a model or an engine uses these. Also the one
+list of test architectures and the one parity tolerance table (``from conftest import ...``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,23 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# GPT-2 and Llama: decoder-only, prompts left-padded; T5: encoder-decoder, encoder input right-padded
 ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5"]
+FP16_ARCHS = ["tiny-llama"]  # the fp16 export (:func:`fp16_engine_dir`)
+
+# Parity tolerance: backend -> engine dtype -> atol (rtol 0) on log-probs against the fp32 PyTorch
+# reference. A backend with no row here fails tests/test_parity.py; a dtype with no entry is not run.
+ATOL = {
+    "torch": {"fp32": 1e-5},  # the reference's cached/chunked passes against one uncached HF forward
+    "hf": {"fp32": 1e-5},  # the same HF model under transformers' generate()
+    "onnxruntime": {"fp32": 1e-4,  # the export parity gate's fp32 tolerance
+                    "fp16": 1e-3},  # fp16 weights and activations vs the fp32 model: measured 2e-4 on CPU
+    "tensorrt-stand-in": {"fp32": 1e-4, "fp16": 1e-3},  # ONNX Runtime under the TrtEngine code paths
+    "tensorrt": {"fp32": 1e-3,  # TF32 off; GPU kernels
+                 "fp16": 5e-2},  # as the former TensorRT-vs-ORT fp16 test; not yet measured against torch
+}
+PAD_ATOL = {"fp32": 1e-5, "fp16": 1e-3}  # one backend: a prompt alone vs inside a padded batch
+TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]  # four prompt lengths
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +57,64 @@ def engine_dirs(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("engines")
     return {g: export_onnx(d, root / g, ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
             for g, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def fp16_engine_dir(tmp_path_factory, model_dirs):
+    """tiny-llama exported in fp16 (weights and activations): the fp16 rows of the parity matrix."""
+    from export.onnx_export import ExportOptions, export_onnx
+
+    out = tmp_path_factory.mktemp("engines-fp16") / "tiny-llama"
+    return export_onnx(model_dirs["tiny-llama"], out, ExportOptions(dtype="fp16", max_batch=16, max_len=128),
+                       log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def trt_folders(tmp_path_factory):
+    """kind -> :class:`tensorrt_standin.TrtFolders` ("stand-in" or "tensorrt"; the latter skips without it)."""
+    from tensorrt_standin import TrtFolders
+
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = TrtFolders(kind, tmp_path_factory.mktemp(f"trt-{kind}"))
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    """:data:`TEXTS` as token ids: four lengths, so every batch of them is padded."""
+    return [tokenizer(t).input_ids for t in TEXTS]
+
+
+def tiny_distill_config(model_dirs, engine_dirs, out, **kw):
+    """A small DistillConfig: teacher tiny-llama, student tiny-gpt2 (one tokenizer and vocabulary, two
+    architectures); ``kw`` overrides any field."""
+    from learner.distill.config import DistillConfig
+
+    base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
+                teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
+                output_dir=str(out), steps=4, batch_size=8, eval_size=8, num_prompts=64, max_new_tokens=4,
+                teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
+                progress=False, tensorboard=False, plots=False)
+    return DistillConfig.from_flat(**{**base, **kw})
+
+
+def corrupting(push):
+    """Wrap an engine's ``update_weights`` so every push carries noise on one MLP weight (probe tests)."""
+
+    def corrupt(named):
+        import torch
+
+        bad = dict(named)
+        k = next(n for n in bad if "mlp.c_fc.weight" in n)
+        bad[k] = bad[k] + 0.5 * torch.randn(bad[k].shape, generator=torch.Generator().manual_seed(0))
+        push(bad)
+
+    return corrupt
 
 
 @pytest.fixture(scope="module")

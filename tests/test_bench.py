@@ -1,4 +1,7 @@
-"""Benchmarks: smoke-run each with tiny settings (numbers are for the bench scripts, never asserted)."""
+"""Benchmarks: smoke-run each with tiny settings (numbers are for the bench scripts, never asserted).
+
+The HF ``generate()`` baseline's parity with the reference is in the matrix (tests/test_parity.py).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from rollout.engine import create_engine
-from rollout.types import SamplingParams
 
 
 def _bench(tmp_path, *args):
@@ -24,8 +23,9 @@ def test_bench_generate_json(tmp_path):
     out = _bench(tmp_path, "generate", "--batch-sizes", "1,2", "--new-tokens", "4", "--prompt-len", "8")
     backends = {(r["backend"], r["batch"]) for r in out["results"]}
     assert backends == {(b, n) for b in ("hf_generate", "torch", "onnxruntime") for n in (1, 2)}
-    for r in out["results"]:
+    for r in out["results"]:  # phase times from the engines' on_step hook (HF: its HFStepClock)
         assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["decode_ms_p95"] >= r["decode_ms_p50"] > 0
+        assert r["ttft_ms"] < 1e3 * r["call_s"], "the first token comes before the call ends"
     assert set(out["speedup_vs_hf_generate"]["onnxruntime"]) == {"1", "2"}
 
 
@@ -39,19 +39,6 @@ def test_bench_ppo_json(tmp_path):
     assert out["speedup"] > 0 and set(out["phases_s"]) == {"onnxruntime", "hf"}
     assert len(out["speedup_per_iteration"]) == out["repeats"] and min(out["speedup_per_iteration"]) > 0
     assert set(out["phases_s"]["hf"]) >= {"time/rollout", "time/score", "time/update", "time/weight_push"}
-
-
-def test_hf_generate_backend_matches_reference(model_dirs, tokenizer):
-    for arch in ("tiny-gpt2", "tiny-t5"):
-        hf, ref = create_engine("hf", model_dirs[arch]), create_engine("torch", model_dirs[arch])
-        prompts = [tokenizer(p).input_ids for p in ["1+2=", "sort 9871 = ", "hello"]]
-        a = hf.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
-        b = ref.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
-        assert torch.equal(a.response_ids, b.response_ids)
-        torch.testing.assert_close(a.rollout_plain_logprobs, b.rollout_plain_logprobs, atol=1e-5, rtol=0)
-        s = hf.generate(prompts, SamplingParams(max_new_tokens=6, top_k=5, seed=0, n=2))
-        sc = ref.score(s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
-        torch.testing.assert_close(sc.logprobs, s.rollout_plain_logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

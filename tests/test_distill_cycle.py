@@ -19,19 +19,13 @@ from learner.distill.batch import draws_student
 from learner.distill.cycle import run_distill, setup, train_step
 from learner.run.metrics import read_metrics
 
+from conftest import corrupting, tiny_distill_config
+
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda *_: None)
 
 
-def _cfg(model_dirs, engine_dirs, out, **kw):
-    """Teacher tiny-llama, student tiny-gpt2: one tokenizer, one vocabulary, two architectures."""
-    base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
-                teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
-                output_dir=str(out), steps=4, batch_size=8, eval_size=8, num_prompts=64, max_new_tokens=4,
-                teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
-                progress=False, tensorboard=False, plots=False)
-    base.update(kw)
-    return DistillConfig.from_flat(**base)
+_cfg = tiny_distill_config  # teacher tiny-llama, student tiny-gpt2 (conftest; test_scaleout's is smaller)
 
 
 def _count(obj, name: str, calls: list):
@@ -148,15 +142,7 @@ def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer
 
 def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
     run = setup(_cfg(model_dirs, engine_dirs, tmp_path, lmbda=0.0), resume=False, **QUIET)
-    push = run.student_engine.update_weights
-
-    def corrupt(named):
-        bad = dict(named)
-        k = next(n for n in bad if "mlp.c_fc.weight" in n)
-        bad[k] = bad[k] + 0.5 * torch.randn(bad[k].shape, generator=torch.Generator().manual_seed(0))
-        push(bad)
-
-    run.student_engine.update_weights = corrupt
+    run.student_engine.update_weights = corrupting(run.student_engine.update_weights)
     with pytest.raises(RefitError, match="parity probe failed"):
         train_step(run, 1)
 

@@ -19,7 +19,7 @@ from export.padding import pad_batch
 from export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
 from export.weight_map import canonical_params, engine_weights
 
-ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5"]
+from conftest import ARCHS
 
 
 @pytest.mark.parametrize("arch", ARCHS)

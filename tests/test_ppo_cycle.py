@@ -20,6 +20,8 @@ from learner.run.engines import probe_check
 from learner.run.policy import learner_view
 from rollout.types import SamplingParams
 
+from conftest import corrupting
+
 
 def _cfg(model_dirs, engine_dirs, arch, out, **kw):
     base = dict(model_dir=str(model_dirs[arch]), engine_dir=str(engine_dirs[arch]), output_dir=str(out),
@@ -125,14 +127,7 @@ def test_microbatch_split_gives_same_update(model_dirs, engine_dirs, tmp_path):
 def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
     run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
     push = run.engine.update_weights
-
-    def corrupt(named):
-        bad = dict(named)
-        k = next(n for n in bad if "mlp.c_fc.weight" in n)
-        bad[k] = bad[k] + 0.5 * torch.randn(bad[k].shape, generator=torch.Generator().manual_seed(0))
-        push(bad)
-
-    run.engine.update_weights = corrupt
+    run.engine.update_weights = corrupting(push)
     with pytest.raises(RefitError, match="parity probe failed"):
         train_step(run, 1, log=lambda *_: None)
     run.engine.update_weights = push

@@ -19,6 +19,8 @@ import torch
 from export.errors import RefitError
 from rollout.types import SamplingParams
 
+from conftest import tiny_distill_config
+
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [3, 4, 5, 6, 7, 8]]  # 3 chunks of 2: uneven Tp per chunk
 SAMPLING = SamplingParams(max_new_tokens=6, seed=3, n=2, top_k=20, return_topk=2)
 TOL = dict(atol=1e-5, rtol=0)
@@ -170,6 +172,8 @@ def test_bad_prompt_is_named_by_the_callers_index(pools):
         two.generate(PROMPTS[:3] + [[]], SAMPLING)
     with pytest.raises(RefitError, match="prompt 2 has 200 tokens"):
         two.generate(PROMPTS[:2] + [[5] * 200], SAMPLING)
+    with pytest.raises(RefitError, match="on_step.*not available on a Ray engine pool"):  # steps run in the actors
+        two.generate(PROMPTS, SAMPLING, on_step=print)
 
 
 def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
@@ -340,15 +344,10 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
 
 
 def _distill_cfg(model_dirs, engine_dirs, out, **kw):
-    from learner.distill.config import DistillConfig
-
-    base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
-                teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
-                output_dir=str(out), steps=2, batch_size=4, eval_size=4, num_prompts=32, max_new_tokens=4,
-                teacher_topk=4, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
-                lmbda=1.0, loss="topk_kl", progress=False, tensorboard=False, plots=False, device="cpu")
-    base.update(kw)
-    return DistillConfig.from_flat(**base)
+    """conftest's tiny distillation config, smaller still: Ray workers and DDP ranks multiply its cost."""
+    small = dict(steps=2, batch_size=4, eval_size=4, num_prompts=32, teacher_topk=4, lmbda=1.0, loss="topk_kl",
+                 device="cpu")
+    return tiny_distill_config(model_dirs, engine_dirs, out, **{**small, **kw})
 
 
 def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engine_dirs, tmp_path):

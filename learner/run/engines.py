@@ -68,9 +68,9 @@ class CountingEngine:
     def __init__(self, inner: Engine):
         self.inner, self.generate_calls, self.score_calls = inner, 0, 0
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, on_step=None):
         self.generate_calls += 1
-        return self.inner.generate(prompts, sampling)
+        return self.inner.generate(prompts, sampling, on_step=on_step)
 
     def score(self, *args, **kw):
         self.score_calls += 1
