@@ -144,7 +144,8 @@ class EngineWorker:
         return self.version, self.engine.score(*args, **kw)
 
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.update_weights(named, version)
+        # the pool's version is the authority (a restarted or planted-stale worker takes it as given)
+        self.engine.update_weights(named)
         self.version = version
         return self.version
 
