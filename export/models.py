@@ -70,6 +70,26 @@ def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 384):
     return fast
 
 
+# A ChatML-style template (Qwen's markers) small enough to read: each turn is
+# "<|im_start|>ROLE\nCONTENT<|im_end|>\n"; add_generation_prompt opens the assistant turn.
+CHAT_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_chat_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 384):
+    """:func:`build_tokenizer` plus a chat template: ``<|im_start|>`` / ``<|im_end|>`` are added as special
+    tokens AFTER the BPE ids (the plain tokenizer's ids are unchanged), ``<|im_end|>`` ends a turn."""
+    fast = build_tokenizer(vocab_size=vocab_size)
+    fast.add_special_tokens({"additional_special_tokens": CHAT_SPECIAL_TOKENS})
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Size of a locally built model. ``vocab_size=None`` means: the tokenizer's size."""
@@ -145,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("geometry", choices=sorted(GEOMETRIES), help="named model geometry")
     p.add_argument("-o", "--out", required=True, help="output checkpoint folder")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--chat", action="store_true", help="tokenizer with a ChatML-style chat template (<|im_start|>, "
+                                                       "<|im_end|> added as special tokens)")
     a = p.parse_args(argv)
-    print(build_model(a.geometry, a.out, seed=a.seed))
+    print(build_model(a.geometry, a.out, seed=a.seed, tokenizer=build_chat_tokenizer() if a.chat else None))
     return 0

@@ -99,7 +99,7 @@ def tiny_distill_config(model_dirs, engine_dirs, out, **kw):
                 teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
                 output_dir=str(out), steps=4, batch_size=8, eval_size=8, num_prompts=64, max_new_tokens=4,
                 teacher_topk=8, probe_size=4, eval_every=100, save_steps=2, warmup_steps=0, learning_rate=1e-3,
-                progress=False, tensorboard=False, plots=False)
+                progress=False, tensorboard=False, plots=False, export_final=False)
     return DistillConfig.from_flat(**{**base, **kw})
 
 
@@ -115,6 +115,24 @@ def corrupting(push):
         push(bad)
 
     return corrupt
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A tiny GPT-2 whose tokenizer has a chat template (export.models.build_chat_tokenizer)."""
+    from export.models import build_chat_tokenizer, build_model
+
+    return build_model("tiny-gpt2", tmp_path_factory.mktemp("chat") / "tiny-gpt2-chat", seed=0,
+                       tokenizer=build_chat_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def chat_engine_dir(tmp_path_factory, chat_model_dir):
+    """The ONNX engine of :func:`chat_model_dir`."""
+    from export.onnx_export import ExportOptions, export_onnx
+
+    return export_onnx(chat_model_dir, tmp_path_factory.mktemp("chat_engine") / "tiny-gpt2-chat",
+                       ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")

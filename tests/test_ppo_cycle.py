@@ -27,7 +27,7 @@ def _cfg(model_dirs, engine_dirs, arch, out, **kw):
     base = dict(model_dir=str(model_dirs[arch]), engine_dir=str(engine_dirs[arch]), output_dir=str(out),
                 steps=2, batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
                 save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
-                num_prompts=32, learning_rate=1e-3)
+                num_prompts=32, learning_rate=1e-3, export_final=False)
     base.update(kw)
     return PPOConfig.from_flat(**base)
 
@@ -155,17 +155,36 @@ def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_pa
 
 
 def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engine_dirs, tmp_path):
+    from learner.ppo.cycle import save
+
     cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, steps=3, save_steps=1)
     run = setup(cfg, resume=False, log=lambda *_: None)
-    run.reward_fn = lambda p, r: [float("nan")] * len(r)
-    with pytest.raises(RefitError, match="non-finite loss at step 1"):
-        train_step(run, 1, log=lambda *_: None)
+    train_step(run, 1, log=lambda *_: None)
+    ck = save(run, 1)
+    before = {p.name: p.stat().st_mtime_ns for p in ck.rglob("*")}
+
+    def nan_reward(prompts, completions):
+        return [float("nan")] * len(completions)
+
+    run.reward_fn = nan_reward
+    with pytest.raises(RefitError, match="reward function 'nan_reward' returned nan for row 0"):
+        train_step(run, 2, log=lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    assert {p.name: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
+    run.engine.close()
 
 
 def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
     out = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-t5", tmp_path, steps=3, kl_estimator="exact",
-                       reward="learner.examples.tasks:exact_match_reward", top_k=20, save_steps=1), log=lambda *_: None)
+                       reward="learner.examples.tasks:exact_match_reward", top_k=20, save_steps=1, export_final=True),
+                  log=lambda *_: None)
     rows = read_metrics(out)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    final = AutoModelForSeq2SeqLM.from_pretrained(out / "final").state_dict()  # the trained T5 out as an HF folder
+    last = load_file(str(out / "checkpoints" / "step_000003" / "policy" / "model.safetensors"))
+    assert all(torch.equal(final[k], v) for k, v in last.items()) and (out / "final_engine" / "manifest.json").exists()
     assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6
     assert all(r["kl/exact"] >= 0 for r in rows)
     assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows)

@@ -63,12 +63,14 @@ def test_classifier_reward_enters_ppo(model_dirs, engine_dirs, classifier_dir, t
                     num_mini_batches=1, num_ppo_epochs=1, response_length=4, probe_size=2, progress=False,
                     tensorboard=False, plots=False, num_prompts=16, max_operand=9)
     run = setup(cfg, resume=False, log=lambda *_: None)
-    assert isinstance(run.reward_fn, ClassifierReward)
+    (named,) = run.reward_fn
+    assert isinstance(named.fn, ClassifierReward) and named.name == "classifier"
     seen = []
-    inner = run.reward_fn
+    inner = named.fn
     run.reward_fn = lambda p, r: seen.append((p, r, inner(p, r))) or seen[-1][2]
     m = train_step(run, 1, log=lambda *_: None)
     (prompts, responses, scores), = seen
     assert scores == pytest.approx(_one_by_one(classifier_dir, [p + r for p, r in zip(prompts, responses)]), abs=1e-5)
     assert m["reward/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+    assert m["reward/<lambda>/mean"] == pytest.approx(m["reward/mean"], abs=1e-6)  # one function, weight 1
     run.engine.close()

@@ -320,7 +320,8 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     kw = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]), steps=2,
               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
               save_steps=1, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
-              num_prompts=16, learning_rate=1e-3, device="cpu", reward="bench.ppo:length_reward")
+              num_prompts=16, learning_rate=1e-3, device="cpu", reward="bench.ppo:length_reward",
+              export_final=False)
     want = read_metrics(run_ppo(PPOConfig.from_flat(output_dir=str(tmp_path / "one"), **kw), log=lambda *_: None))
     flags = [x for k, v in {**kw, "output_dir": str(tmp_path / "two"), "max_steps_this_run": 1}.items()
              for x in (f"--{k}", str(v))]
@@ -346,7 +347,7 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
 def _distill_cfg(model_dirs, engine_dirs, out, **kw):
     """conftest's tiny distillation config, smaller still: Ray workers and DDP ranks multiply its cost."""
     small = dict(steps=2, batch_size=4, eval_size=4, num_prompts=32, teacher_topk=4, lmbda=1.0, loss="topk_kl",
-                 device="cpu")
+                 device="cpu", export_final=False)
     return tiny_distill_config(model_dirs, engine_dirs, out, **{**small, **kw})
 
 

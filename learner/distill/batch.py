@@ -59,8 +59,38 @@ class DistillBatch:
         return self
 
 
+def _completion_text(c) -> str:
+    """A completion cell as text: text as is, or the content of a list of (assistant) messages."""
+    if isinstance(c, list):
+        return "".join(str(m.get("content", "")) for m in c if isinstance(m, dict))
+    return "" if c is None else str(c)
+
+
+def dataset_examples(cfg: DistillConfig) -> tuple[list[tuple], list[tuple]]:
+    """(train, held-out) (prompt, completion text) pairs of ``data.dataset`` (learner.run.dataset)."""
+    from learner.run.dataset import load_prompt_dataset
+
+    d = cfg.data
+    train, held = load_prompt_dataset(d.dataset, d.dataset_split, d.dataset_text_field or d.prompt_column,
+                                      d.eval_split, d.eval_fraction, cfg.run.seed)
+    needed = cfg.lmbda < 1.0 and not cfg.seq_kd
+    if cfg.completion_column not in train.columns and needed:
+        raise RefitError(f"dataset {train.source} has no column {cfg.completion_column!r} (columns: "
+                         f"{', '.join(train.columns) or 'none'}); supervised-KD batches need completions (set "
+                         "completion_column, or lmbda=1 / seq_kd)")
+    pairs = lambda ps: [(p, _completion_text(c)) for p, c in  # noqa: E731
+                        zip(ps.prompts, ps.columns.get(cfg.completion_column, [None] * len(ps)))]
+    if held is None:
+        rows = pairs(train)
+        return rows[:-cfg.eval_size] or rows, rows[-cfg.eval_size:]
+    return pairs(train), pairs(held)
+
+
 def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(train, held-out) (prompt, completion) pairs; held-out prompts never appear in train."""
+    """(train, held-out) (prompt, completion) pairs; held-out prompts never appear in train. A prompt is text,
+    or a list of chat messages when it comes from a ``dataset`` (rendered with the chat template by the caller)."""
+    if cfg.data.dataset:
+        return dataset_examples(cfg)
     if cfg.dataset_file:
         p = Path(cfg.dataset_file)
         if not p.exists():
@@ -127,13 +157,14 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     t0 = time.perf_counter()
     if draws_student(cfg, step):
         out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                  temperature=cfg.rollout.temperature, seed=seed))
+                                                                  temperature=cfg.rollout.temperature, seed=seed,
+                                                                  stop_ids=run.stop_ids))
         check_version(out, run.expected_version)
         source = "student"
     elif cfg.seq_kd:
         out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
                                                            temperature=cfg.rollout.temperature, seed=seed,
-                                                           return_topk=cfg.teacher_topk))
+                                                           return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
         source = "teacher"
     else:
         return dataset_batch(run, idx), {}

@@ -53,7 +53,12 @@ class DistillConfig:
                                "in seq_kd")
     max_new_tokens: int = _f(6, "max tokens per generated response (dataset completions are cut to it too)")
     dataset_file: str = _f("", "JSONL with 'prompt' and 'completion' per line (overrides data.task); the last "
-                               "eval_size lines are held out")
+                               "eval_size lines are held out (data.dataset, with columns and splits, overrides it)")
+    completion_column: str = _f("completion", "data.dataset: the column holding reference completions (text, or "
+                                              "[{role: assistant, content}]) for supervised-KD batches and the "
+                                              "held-out accuracy; needed unless lmbda=1 or seq_kd")
+    export_final: bool = _f(True, "at the end of the run write OUTPUT_DIR/final (the student as a save_pretrained "
+                                  "folder with the tokenizer and chat template) and OUTPUT_DIR/final_engine")
     eval_size: int = _f(32, "held-out prompts for KL-to-teacher and accuracy")
     eval_every: int = _f(50, "held-out KL and accuracy every N steps (a multiple of rollout.sync_every); also at 0 "
                              "and the end")

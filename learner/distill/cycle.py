@@ -50,9 +50,11 @@ from learner import losses as D
 from learner.distill.batch import DistillBatch, check_teacher_student, load_examples, make_batch, teacher_targets
 from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
 from learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, teacher_accuracy
+from learner.run.chat import encode_prompts, end_of_turn_ids
 from learner.run.checkpoint import resume_latest, save_checkpoint
 from learner.run.distributed import DistContext, reduce_stats
 from learner.run.engines import CountingEngine, engine_for_model, pick_device, push_weights
+from learner.run.final import write_final
 from learner.run.loop import Job, check_finite, due, run_job
 from learner.run.policy import response_forward
 from rollout.engine import Engine
@@ -86,6 +88,7 @@ class Run:
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     expected_version: int = 0  # the student engine weights_version an on-policy batch must come from
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
+    stop_ids: tuple[int, ...] = ()  # the chat template's end-of-turn token(s): generation stops there too
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
@@ -98,11 +101,12 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     run_dir.mkdir(parents=True, exist_ok=True)
     t_info, s_info, tok = check_teacher_student(cfg.teacher.model_dir, cfg.student.model_dir)
     train, held = load_examples(cfg)
-    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in train]
-    completion_ids = [tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, c in train]
-    if any(len(p) == 0 for p in prompt_ids) or any(not p for p, _ in held):
-        raise RefitError("a prompt tokenizes to nothing (empty prompt)")
-    eval_ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
+    stop_ids = end_of_turn_ids(tok)  # a chat template's end of turn: generation stops there, completions end there
+    what = cfg.data.dataset or cfg.dataset_file or cfg.data.task
+    prompt_ids = encode_prompts(tok, [p for p, _ in train], s_info.max_positions, cfg.max_new_tokens, what)
+    end = stop_ids[0] if stop_ids else tok.eos_token_id
+    completion_ids = [tok(c, add_special_tokens=False).input_ids + [end] for _, c in train]
+    eval_ids = encode_prompts(tok, [p for p, _ in held], s_info.max_positions, cfg.max_new_tokens, f"{what} (eval)")
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.max_new_tokens + 8
     rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     dist = dist or DistContext()
@@ -122,13 +126,13 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
     student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir)
     teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
-    eval_set = make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq)
+    eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = load_model(cfg.student.model_dir, s_info).to(device)
     optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
     run = Run(cfg, run_dir, tok, student, teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine,
               teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
-              s_info.padding_side, dist=dist)
+              s_info.padding_side, stop_ids=stop_ids, dist=dist)
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
         run.start_step = state["step"]
@@ -140,7 +144,8 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     run.expected_version = student_engine.weights_version
     probe_rows = prompt_ids[:min(cfg.rollout.probe_size, len(prompt_ids))]
-    run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True))
+    run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True,
+                                                                   stop_ids=stop_ids))
     return run
 
 
@@ -265,10 +270,19 @@ def _postfix(m: dict) -> dict:
     return {"loss": f"{m['loss']:.3f}", "src": src}
 
 
+def final(run: Run) -> None:
+    """The student out as OUTPUT_DIR/final (from_pretrained) and OUTPUT_DIR/final_engine (learner.run.final)."""
+    cfg = run.cfg
+    if cfg.export_final:
+        max_len = max(len(p) for p in run.prompt_ids) + cfg.max_new_tokens + 8
+        rows = max(cfg.run.batch_size, cfg.eval_size)
+        write_final(run.run_dir, run.student, run.tok, None, cfg.rollout.backend, rows, max_len, run.stop_ids)
+
+
 DISTILL_JOB = Job("distill", setup=setup, step=train_and_evaluate, save=save, postfix=_postfix, plot_panels=PLOT_PANELS,
                   # the student's engine first: with rollout_workers > 1 the teacher's pool (made first) owns Ray
                   engines=lambda run: [run.student_engine, run.teacher],
-                  initial=lambda run: {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)})
+                  initial=lambda run: {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)}, final=final)
 
 
 def run_distill(cfg: DistillConfig, resume: bool = False, log=print) -> Path:

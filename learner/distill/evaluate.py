@@ -33,11 +33,12 @@ class EvalSet:
     teacher_logits: torch.Tensor  # (E, Tr, V) PyTorch teacher, temperature 1
 
 
-def make_eval_set(cfg, tok, teacher_engine, teacher_model, held, seq2seq: bool) -> EvalSet:
-    """The held-out prompts' teacher samples (temperature 1, fixed seed) and their cached teacher logits."""
-    ids = [tok(p, add_special_tokens=False).input_ids for p, _ in held]
+def make_eval_set(cfg, teacher_engine, teacher_model, held, ids: list[list[int]], seq2seq: bool,
+                  stop_ids: tuple[int, ...] = ()) -> EvalSet:
+    """The held-out prompts' (``ids``: rendered, tokenized) teacher samples (temperature 1, fixed seed) and their
+    cached teacher logits."""
     batch = teacher_engine.generate(ids, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                                                        seed=cfg.run.seed * 1_000_003 + 977))
+                                                        seed=cfg.run.seed * 1_000_003 + 977, stop_ids=stop_ids))
     with torch.no_grad():
         logits = response_forward(teacher_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                   seq2seq).logits.cpu()
@@ -55,7 +56,7 @@ def evaluate(run: Run) -> dict[str, float]:
     kl = L.exact_kl_from_logits(e.teacher_logits, s_logits, e.batch.response_mask)
     t1 = time.perf_counter()
     out = run.student_engine.generate(e.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                                   greedy=True))
+                                                                   greedy=True, stop_ids=run.stop_ids))
     dt = time.perf_counter() - t1
     return {"eval/kl_to_teacher": float(L.masked_mean(kl, e.batch.response_mask)),
             "eval/accuracy": exact_match(run.tok, out, e.pairs),
@@ -75,7 +76,7 @@ def exact_match(tok, batch, pairs: list[tuple[str, str]]) -> float:
 def teacher_accuracy(run: Run) -> float:
     """Greedy exact match of the teacher engine on the held-out prompts (not a training pass; not counted)."""
     out = run.teacher.inner.generate(run.eval.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                                         greedy=True))
+                                                                         greedy=True, stop_ids=run.stop_ids))
     return exact_match(run.tok, out, run.eval.pairs)
 
 

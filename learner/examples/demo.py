@@ -21,23 +21,27 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from export.models import Geometry, build_model, build_tokenizer
+from export.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
 from export.parsing import opt, parse
 from learner.ppo.config import PPOConfig
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
 
-def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=print) -> Path:
-    """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder."""
+def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=print, chat: bool = False) -> Path:
+    """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder. ``chat``: the tokenizer has a
+    chat template and the warm-up sees each "a+b=" as a user message rendered by it (the answer follows the
+    generation prompt, then EOS)."""
     from export.checkpoint import load_model
     from learner.examples.sft import sft
     from learner.examples.tasks import addition
+    from learner.run.chat import render
 
-    tok = build_tokenizer()
+    tok = build_chat_tokenizer() if chat else build_tokenizer()
     raw = build_model(DEMO_POLICY, out / "init", seed=seed, tokenizer=tok)
     model = load_model(raw)
-    pairs = [(e.prompt, e.answer) for e in addition(2000, max_operand=max_operand, seed=seed + 1)]
+    user = (lambda p: render(tok, [{"role": "user", "content": p}])) if chat else (lambda p: p)  # noqa: E731
+    pairs = [(user(e.prompt), e.answer) for e in addition(2000, max_operand=max_operand, seed=seed + 1)]
     sft(model, tok, pairs, steps=sft_steps, batch_size=64, lr=2e-3, seed=seed, log=log)
     model.save_pretrained(str(out / "policy"))
     tok.save_pretrained(str(out / "policy"))
@@ -59,6 +63,8 @@ class DemoConfig:
     seed: int = opt(0, "seed for everything")
     progress: bool = opt(True, "show a progress bar (--no_progress or --no-progress: none)")
     policy_only: bool = opt(False, "only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
+    chat: bool = opt(False, "a chat policy: the tokenizer has a chat template and the warm-up sees templated user "
+                            "turns (with --policy_only, e.g. for examples/trl_chat)")
 
 
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     out = Path(a.out)
     t0 = time.perf_counter()
-    policy = build_policy(out, a.sft_steps, a.max_operand, a.seed)
+    policy = build_policy(out, a.sft_steps, a.max_operand, a.seed, chat=a.chat)
     if a.policy_only:
         print(policy)
         return 0

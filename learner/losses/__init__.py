@@ -3,6 +3,7 @@
 - :mod:`learner.losses.core`: masked reductions, log-probs, entropy, KL estimators k1/k2/k3, exact KL
 - :mod:`learner.losses.ppo`: GAE, clipped PPO policy/value losses, mismatch corrections, adaptive KL
 - :mod:`learner.losses.distill`: generalized JSD (GKD), forward/reverse KL, top-k KL, sequence-level KD CE
+- :mod:`learner.losses.advantages`: group baselines without a critic (RLOO leave-one-out, GRPO group mean/std)
 
 Everything is re-exported here, so ``from learner import losses as L`` reads ``L.kl_k3``, ``L.compute_gae``.
 """
@@ -10,3 +11,4 @@ Everything is re-exported here, so ``from learner import losses as L`` reads ``L
 from learner.losses.core import *  # noqa: F401,F403
 from learner.losses.distill import *  # noqa: F401,F403
 from learner.losses.ppo import *  # noqa: F401,F403
+from learner.losses.advantages import *  # noqa: F401,F403

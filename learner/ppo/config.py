@@ -22,9 +22,31 @@ class PPOConfig:
     ckpt: CheckpointSection = _f(help_="checkpoints", factory=lambda: CheckpointSection(save_steps=10))
     log: LogSection = _f(help_="logging", factory=LogSection)
     scale: ScaleSection = _f(help_="Ray rollout workers", factory=lambda: ScaleSection(worker_cpus=1.0))
-    reward: str = _f("exact_match", "'exact_match', 'module:function' or an HF sequence-classification folder")
-    prompts_file: str = _f("", "text file, one prompt per line (overrides data.task)")
+    reward: str = _f("exact_match", "'exact_match', 'module:function', 'path/to/file.py:function' (TRL's signature: "
+                                    "fn(prompts, completions, **columns) -> list[float | None]) or an HF "
+                                    "sequence-classification folder")
+    reward_funcs: tuple[str, ...] = _f((), "several rewards, each a spec as for `reward` (overrides it); summed with "
+                                           "reward_weights, None values left out (TRL's nansum); each one's mean "
+                                           "logged as reward/NAME/mean")
+    reward_weights: tuple[float, ...] = _f((), "one weight per reward function (default 1.0 each), as TRL's "
+                                               "GRPOConfig.reward_weights")
+    prompts_file: str = _f("", "text file, one prompt per line (overrides data.task; data.dataset overrides it)")
+    eval_steps: int = _f(0, "every N steps (a multiple of rollout.sync_every; also at step 0 and the last) generate "
+                            "the held-out prompts (data.eval_split / data.eval_fraction) greedily through the engine "
+                            "and log their rewards as eval/...; 0 = off")
+    eval_max_prompts: int = _f(0, "evaluate at most this many held-out prompts (a fixed seeded choice); 0 = all")
+    export_final: bool = _f(True, "at the end of the run write OUTPUT_DIR/final (save_pretrained folder with the "
+                                  "tokenizer and chat template), OUTPUT_DIR/final_engine (an engine folder for it) "
+                                  "and OUTPUT_DIR/final_value_head.safetensors; with --resume on a finished run "
+                                  "only that is done")
     num_generations: int = _f(1, "samples per prompt")
+    advantage_estimator: Literal["gae", "rloo", "grpo"] = _f(
+        "gae", "gae: per-token GAE with the value head (critic); rloo: REINFORCE leave-one-out over the "
+               "num_generations samples of a prompt; grpo: group mean/std (DeepSeekMath); rloo/grpo need "
+               "num_generations > 1 and skip the critic")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "grpo: divide by the group's std ('group', the paper), the batch's std ('batch') or not at all "
+                 "('none', Dr. GRPO; TRL's False); as TRL's GRPOConfig")
     num_ppo_epochs: int = _f(2, "passes over each rollout batch")
     num_mini_batches: int = _f(2, "minibatches per epoch (one optimizer step each)")
     cliprange: float = _f(0.2, "PPO policy ratio clip")
@@ -55,6 +77,14 @@ class PPOConfig:
     def __post_init__(self):
         rows = self.run.batch_size * self.num_generations
         check([
+            (self.advantage_estimator != "gae" and self.num_generations < 2,
+             f"advantage_estimator={self.advantage_estimator} needs num_generations >= 2 (a group per prompt)"),
+            (self.eval_steps < 0 or (self.eval_steps and self.eval_steps % self.rollout.sync_every),
+             "eval_steps must be >= 0 and a multiple of rollout.sync_every (evaluation runs through the engine)"),
+            (bool(self.data.eval_split) and self.data.eval_fraction > 0,
+             "give data.eval_split or data.eval_fraction, not both"),
+            (len(self.reward_weights) not in (0, len(self.reward_funcs) or 1),
+             "reward_weights needs one weight per reward function"),
             (rows % self.num_mini_batches != 0, "run.batch_size * num_generations must be divisible by "
                                                 "num_mini_batches"),
             ((rows // self.num_mini_batches) % self.optim.gradient_accumulation_steps,

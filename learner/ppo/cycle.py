@@ -26,11 +26,15 @@ from export.weight_map import canonical_params
 from learner import losses as L
 from learner.ppo.config import PPOConfig
 from learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
-from learner.ppo.rewards import RewardFn, load_reward
-from learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, make_advantages,
-                                per_token_rewards, score_batch)
+from learner.ppo.data import evaluate, load_prompt_sets, reward_inputs
+from learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
+from learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
+                                make_advantages, per_token_rewards, score_batch)
+from learner.run.chat import encode_prompts, end_of_turn_ids
 from learner.run.checkpoint import resume_latest, save_checkpoint
-from learner.run.data import decode_responses, prompt_indices
+from learner.run.data import prompt_indices
+from learner.run.dataset import PromptSet
+from learner.run.final import write_final
 from learner.run.distributed import DistContext
 from learner.run.engines import engine_for_model, pick_device, push_weights
 from learner.run.loop import Job, check_finite, due, run_job
@@ -38,23 +42,8 @@ from learner.run.policy import ValueHead, hidden_size
 from rollout.engine import Engine, check_version
 from rollout.types import RolloutBatch, SamplingParams
 
-PLOT_PANELS = {"reward": ["reward/mean"], "KL to reference": ["kl/k1", "kl/k3", "kl/exact"],
+PLOT_PANELS = {"reward": ["reward/mean", "eval/reward/mean"], "KL to reference": ["kl/k1", "kl/k3", "kl/exact"],
                "PPO": ["ppo/clipfrac", "ppo/approx_kl"], "engine vs learner": ["mismatch/max_abs_diff"]}
-
-
-def load_prompts(cfg) -> list[str]:
-    if cfg.prompts_file:
-        p = Path(cfg.prompts_file)
-        if not p.exists():
-            raise RefitError(f"prompts file {p} does not exist")
-        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-        if not lines:
-            raise RefitError(f"prompts file {p} holds no prompts")
-        return lines
-    from learner.examples.tasks import TASKS
-
-    kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
-    return [e.prompt for e in TASKS[cfg.data.task](cfg.data.num_prompts, seed=cfg.run.seed, **kw)]
 
 
 @dataclass
@@ -70,10 +59,14 @@ class Run:
     value_head: ValueHead
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    prompts: list[str]
-    prompt_ids: list[list[int]]
-    reward_fn: RewardFn
+    prompts: list  # training prompts: text or chat messages (data.prompts)
+    prompt_ids: list[list[int]]  # rendered (chat template) and tokenized
+    reward_fn: list[NamedReward]  # (a bare callable is taken as one reward: tests, library use)
     kl_coef: float
+    data: PromptSet | None = None  # the training prompts with their dataset columns
+    eval_set: PromptSet | None = None  # held-out prompts with their columns (eval_split / eval_fraction)
+    eval_ids: list[list[int]] = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()  # the chat template's end-of-turn token(s): generation stops there too
     start_step: int = 0
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     tis_warned: bool = False  # the small-TIS-weights warning is given once per run
@@ -91,25 +84,29 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     tok = load_tokenizer(cfg.model.model_dir, info)
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
     device = dist.device or pick_device(cfg.run.device)
-    prompts = load_prompts(cfg)
-    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-    if any(len(p) == 0 for p in prompt_ids):
-        raise RefitError("a prompt tokenizes to nothing (empty prompt)")
-    max_len = max(len(p) for p in prompt_ids) + cfg.response_length + 8
+    data, held = load_prompt_sets(cfg)
+    prompt_ids = encode_prompts(tok, data.prompts, info.max_positions, cfg.response_length, data.source)
+    eval_ids = encode_prompts(tok, held.prompts, info.max_positions, cfg.response_length, held.source) if held else []
+    if cfg.eval_steps and held is None:
+        raise RefitError("eval_steps needs held-out prompts: set data.eval_split or data.eval_fraction with a dataset")
+    max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.response_length + 8
     engine = None  # [dist] ranks > 0 hold no engine
     if dist.is_main:
         engine = engine_for_model(cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log)
     policy = load_model(cfg.model.model_dir, info).to(device)
     ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
-    value_head = ValueHead(hidden_size(policy)).to(device)
-    optimizer = torch.optim.AdamW(list(policy.parameters()) + list(value_head.parameters()),
+    critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
+    value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)
+    optimizer = torch.optim.AdamW(list(policy.parameters()) + (list(value_head.parameters()) if critic else []),
                                   lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                               num_training_steps=total)
-    run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, prompts, prompt_ids,
-              load_reward(cfg.reward), cfg.kl_coef, dist=dist)
+    rewards = load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
+    run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, data.prompts, prompt_ids,
+              rewards, cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids, stop_ids=end_of_turn_ids(tok),
+              dist=dist)
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
@@ -118,20 +115,21 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
             engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
                 f"engine weights_version {engine.weights_version})")
-    dist.wrap(policy, value_head)  # [dist] DDP (a no-op for one process)
+    dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
     if engine is None:
         return run
     run.expected_version = engine.weights_version
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
-                                SamplingParams(max_new_tokens=cfg.response_length, greedy=True))
+                                SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids))
     return run
 
 
 def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages."""
     cfg, t = run.cfg, run.cfg.rollout.temperature
-    sc = score_batch(run.policy, run.value_head, run.ref, rollout, t)  # one policy + one reference forward
+    critic = cfg.advantage_estimator == "gae"
+    sc = score_batch(run.policy, run.value_head if critic else None, run.ref, rollout, t)  # one policy + one ref fwd
     old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
     mask = rollout.response_mask.clone()
     stats = mismatch_stats(rollout, old_lp)
@@ -150,10 +148,16 @@ def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dic
         stats[f"kl/{k}"] = float(L.masked_mean(v, rollout.response_mask))
     stats["kl/k1_seq"] = float((kls["k1"] * rollout.response_mask).sum(-1).mean())
     penalty = kls[cfg.kl_estimator] if cfg.kl_penalty == "reward" else torch.zeros_like(old_lp)
-    rewards = per_token_rewards(scores, penalty, mask, run.kl_coef)
-    adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+    if critic:
+        rewards = per_token_rewards(scores, penalty, mask, run.kl_coef)
+        adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
+    else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
+        rewards = per_token_rewards(scores, penalty, rollout.response_mask, run.kl_coef)
+        adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
+        returns = torch.zeros_like(adv)
+        stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
     stats["policy/entropy"] = float(L.masked_mean(entropy, rollout.response_mask))
-    stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
     exp = Experience(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, mask, old_lp, ref_lp, values,
                      adv, returns, is_weights)
     return exp, stats
@@ -180,7 +184,7 @@ def update_settings(run: Run) -> UpdateSettings:
     return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.optim.gradient_accumulation_steps,
                           cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.optim.max_grad_norm,
                           cfg.rollout.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
-                          kl_estimator=cfg.kl_estimator,
+                          kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
                           autocast_bf16=cfg.run.bf16 and next(run.policy.parameters()).is_cuda)
 
 
@@ -197,14 +201,15 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
     run.data_position += cfg.run.batch_size
     sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature, top_k=cfg.top_k,
-                              top_p=cfg.top_p, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step)
+                              top_p=cfg.top_p, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
+                              stop_ids=run.stop_ids)
     rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
     check_version(rollout, run.expected_version)
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    row_prompts = [run.prompts[idx[i]] for i in rollout.prompt_index.tolist()]
-    responses = decode_responses(run.tok, rollout)
-    scores = torch.tensor(run.reward_fn(row_prompts, responses), dtype=torch.float32)
+    rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
+    data = run.data or PromptSet(run.prompts)
+    scores, reward_stats = score_rewards(as_rewards(run.reward_fn), *reward_inputs(run.tok, rollout, data, rows))
     exp, stats = experience(run, rollout, scores)
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()
@@ -228,7 +233,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     if stats["kl/k1"] < -1e-6:
         log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates))
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-            **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
+            **reward_stats, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
             "response/length": tokens / rollout.num_rows, "engine/weights_version": run.engine.weights_version,
             "tokens_per_s": tokens / max(timings["time/rollout"], 1e-9), **timings,
             "time/step": time.perf_counter() - t0}
@@ -241,11 +246,29 @@ def save(run: Run, step: int) -> Path:
                            state, run.cfg.ckpt.keep_checkpoints)
 
 
+def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:
+    """:func:`train_step`, plus the held-out evaluation every ``eval_steps`` steps and at the last (rank 0)."""
+    m = train_step(run, step, log)
+    if run.dist.is_main and run.cfg.eval_steps and due(step, run.cfg.eval_steps, run.cfg.run.steps):
+        m.update(evaluate(run))
+    return m
+
+
+def final(run: Run, log=print) -> None:
+    """OUTPUT_DIR/final (from_pretrained), final_engine/ and the value head beside them (learner.run.final)."""
+    cfg = run.cfg
+    if not cfg.export_final:
+        return
+    max_len = max(len(p) for p in run.prompt_ids + run.eval_ids) + cfg.response_length + 8
+    write_final(run.run_dir, run.policy, run.tok, run.value_head if cfg.advantage_estimator == "gae" else None,
+                cfg.rollout.backend, cfg.run.batch_size * cfg.num_generations, max_len, run.stop_ids, log)
+
+
 def ppo_job(log=print) -> Job:
-    return Job("ppo", setup=setup, step=partial(train_step, log=log), save=save,
+    return Job("ppo", setup=setup, step=partial(step_and_evaluate, log=log), save=save,
                engines=lambda run: [run.engine],
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
-               plot_panels=PLOT_PANELS)
+               plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))
 
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, log=print) -> Path:

@@ -1,31 +1,49 @@
-"""Rewards: a Python callable ``(prompts, responses) -> list[float]`` or an HF classifier folder.
+"""Rewards: Python functions in TRL's signature, or an HF sequence-classification folder; several, weighted.
 
-``load_reward(spec)``:
+A reward function is called as TRL's ``GRPOTrainer`` calls it::
+
+    fn(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float | None]
+
+``columns`` are the dataset's other columns for exactly those rows (``answer=[...]``, ...). For a text
+prompt the completion is the decoded text; for a chat prompt (a list of messages) it is
+``[{"role": "assistant", "content": text}]``, as in TRL. A function without ``**kwargs`` gets only the
+keywords it names; an older ``fn(prompts, responses)`` (no ``completions`` parameter) is called
+positionally. ``None`` means "not applicable to this row": it is left out of the weighted sum (TRL's
+``nansum``) and of that function's logged mean (``nanmean``).
+
+Specs (``reward`` / ``reward_funcs``):
 - ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`learner.examples.tasks`);
-- ``"package.module:function"``: any importable callable with that signature;
-- a folder path: an HF sequence-classification checkpoint; the reward is the logit of
-  ``label_index`` on ``prompt + response``.
+- ``"package.module:function"``, or a file ``"path/to/rewards.py:function"``;
+- a folder path: an HF sequence-classification checkpoint; the reward is the logit of ``label_index``.
+
+A function that raises, returns the wrong number of values, or returns NaN / inf / a non-number stops
+the run with one line naming it, before anything of that step is applied or saved.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from export.errors import RefitError
 
-RewardFn = Callable[[list[str], list[str]], list[float]]
+RewardFn = Callable[..., list]
 
 
 class ClassifierReward:
-    """Score ``prompt + response`` with an HF ``AutoModelForSequenceClassification`` folder.
+    """Score ``prompt + completion`` with an HF ``AutoModelForSequenceClassification`` folder.
 
-    The reward is the logit of ``label_index``. Texts are padded in batches of ``batch_size`` and cut to
-    the model's position limit (from the left, so the response is kept); the model pools the last
-    non-padding token as HF's sequence classifiers do.
+    The reward is the logit of ``label_index``. Chat prompts are rendered with the classifier tokenizer's chat
+    template (prompt messages + the assistant turn) when it has one, else their contents are joined. Texts are
+    padded in batches of ``batch_size`` and cut to the model's position limit (from the left, so the response is
+    kept); the model pools the last non-padding token as HF's sequence classifiers do.
     """
 
     def __init__(self, path: str, label_index: int = 0, batch_size: int = 32):
@@ -45,16 +63,48 @@ class ClassifierReward:
         self.max_length = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
         self.tok.truncation_side = "left"
         self.label_index, self.batch_size = label_index, batch_size
+        self.__name__ = Path(path).name
+
+    def _text(self, prompt, completion) -> str:
+        if isinstance(prompt, str):
+            return prompt + completion
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template(prompt + completion, tokenize=False)
+        return "\n".join(str(m["content"]) for m in prompt + completion)
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        texts = [p + r for p, r in zip(prompts, responses)]
+    def __call__(self, prompts: list, responses: list) -> list[float]:
+        texts = [self._text(p, r) for p, r in zip(prompts, responses)]
         out: list[float] = []
         for i in range(0, len(texts), self.batch_size):
             enc = self.tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
                            truncation=self.max_length is not None, max_length=self.max_length)
             out += self.model(**enc).logits[:, self.label_index].float().tolist()
         return out
+
+
+def _import_function(spec: str) -> RewardFn:
+    """``module:function`` or ``path/to/file.py:function``."""
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py") or "/" in where:
+        path = Path(where)
+        if not path.exists():
+            raise RefitError(f"reward {spec!r}: file {path} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"refit_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: one line
+            raise RefitError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise RefitError(f"cannot import reward {spec!r}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RefitError(f"reward {spec!r}: {where} has no function {name!r}")
+    return fn
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -65,9 +115,90 @@ def load_reward(spec: str) -> RewardFn:
     if Path(spec).is_dir():
         return ClassifierReward(spec)
     if ":" in spec:
-        mod, _, fn = spec.partition(":")
+        return _import_function(spec)
+    raise RefitError(f"reward {spec!r} is not 'exact_match', 'module:function', 'file.py:function' or a classifier "
+                     "folder")
+
+
+@dataclass
+class NamedReward:
+    name: str  # logged as reward/<name>/mean
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def load_rewards(specs: list[str], weights: list[float]) -> list[NamedReward]:
+    """The reward functions of ``specs`` with ``weights`` (empty: 1.0 each); names made unique."""
+    if weights and len(weights) != len(specs):
+        raise RefitError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions")
+    out: list[NamedReward] = []
+    for i, spec in enumerate(specs):
+        fn = load_reward(spec)
+        name = getattr(fn, "__name__", None) or f"reward{i}"
+        name = name if name not in {r.name for r in out} else f"{name}_{i}"
+        out.append(NamedReward(name, fn, float(weights[i]) if weights else 1.0))
+    return out
+
+
+def _call(fn: RewardFn, prompts: list, completions: list, extra: dict[str, Any]) -> Any:
+    """TRL's keyword call; a function that does not take everything gets what it names (see the module doc)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins, some callables: give it all
+        return fn(prompts=prompts, completions=completions, **extra)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(prompts=prompts, completions=completions, **extra)
+    named = {k: v for k, v in extra.items() if k in params}
+    if "completions" in params:
+        return fn(**({"prompts": prompts} if "prompts" in params else {}), completions=completions, **named)
+    return fn(prompts, completions, **named)  # an older (prompts, responses) function
+
+
+def call_reward(r: NamedReward, prompts: list, completions: list, extra: dict[str, Any]) -> torch.Tensor:
+    """(B,) float32 values of one reward function, NaN where it returned None; one line when it misbehaves."""
+    n = len(completions)
+    try:
+        out = _call(r.fn, prompts, completions, extra)
+    except RefitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function: one line, nothing of the step applied
+        raise RefitError(f"reward function {r.name!r} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                         ) from None
+    if not hasattr(out, "__len__") or len(out) != n:
+        got = len(out) if hasattr(out, "__len__") else type(out).__name__
+        raise RefitError(f"reward function {r.name!r} returned {got} values for {n} completions")
+    vals = []
+    for i, v in enumerate(out):
+        if v is None:
+            vals.append(math.nan)
+            continue
         try:
-            return getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError) as e:
-            raise RefitError(f"cannot import reward {spec!r}: {e}") from None
-    raise RefitError(f"reward {spec!r} is not 'exact_match', 'module:function' or a classifier folder")
+            f = float(v)
+        except (TypeError, ValueError):
+            raise RefitError(f"reward function {r.name!r} returned {type(v).__name__} {str(v)[:40]!r} for row {i}; "
+                             "expected a number or None") from None
+        if not math.isfinite(f):
+            raise RefitError(f"reward function {r.name!r} returned {f} for row {i}; use None for 'not applicable'")
+        vals.append(f)
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def score_rewards(rewards: list[NamedReward], prompts: list, completions: list, extra: dict[str, Any],
+                  prefix: str = "reward") -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted sum (B,) over functions, None rows left out (TRL ``nansum``), and each function's mean
+    (``nanmean``; None when it applied to no row) as ``{prefix}/{name}/mean``."""
+    per = torch.stack([call_reward(r, prompts, completions, extra) for r in rewards], 1)  # (B, F)
+    w = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+    total = torch.nansum(per * w, dim=1)
+    stats = {}
+    for j, r in enumerate(rewards):
+        col = per[:, j]
+        stats[f"{prefix}/{r.name}/mean"] = float(col.nanmean()) if (~col.isnan()).any() else None
+    return total, stats
+
+
+def as_rewards(obj) -> list[NamedReward]:
+    """A list of NamedReward as is; a bare callable (tests, library use) as one reward of weight 1."""
+    if isinstance(obj, list):
+        return obj
+    return [NamedReward(getattr(obj, "__name__", "reward") or "reward", obj, 1.0)]

@@ -33,8 +33,8 @@ class Experience:
     old_logprobs: torch.Tensor  # learner log-probs before the update
     ref_logprobs: torch.Tensor  # frozen reference log-probs
     values: torch.Tensor  # value head before the update
-    advantages: torch.Tensor  # whitened GAE advantages
-    returns: torch.Tensor  # GAE returns (value targets)
+    advantages: torch.Tensor  # whitened GAE advantages, or the RLOO / GRPO sequence advantage on every token
+    returns: torch.Tensor  # GAE returns (value targets); 0 without a critic
     is_weights: torch.Tensor | None  # truncated importance weights (tis) or None
 
 
@@ -60,11 +60,11 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
     for i in range(0, batch.num_rows, chunk):
         s = slice(i, i + chunk)
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
-        pol = response_forward(model, *args, value_head)
+        pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
         ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         parts["lp"].append(L.logprobs_from_logits(pol.logits, ids).cpu())
-        parts["v"].append(pol.values.float().cpu())
+        parts["v"].append(pol.values.float().cpu() if pol.values is not None else torch.zeros(ids.shape))
         parts["ent"].append(L.entropy_from_logits(pol.logits).cpu())
         parts["ref"].append(L.logprobs_from_logits(ref, ids).cpu())
         parts["kl"].append(L.exact_kl_from_logits(pol.logits, ref).cpu())
@@ -90,6 +90,22 @@ def make_advantages(rewards, values, mask, gamma: float, lam: float, whiten_rewa
     return L.masked_whiten(adv, mask) * mask, returns
 
 
+def group_advantages(rewards: torch.Tensor, mask: torch.Tensor, estimator: str, group_size: int,
+                     scale_rewards: str = "group") -> tuple[torch.Tensor, dict]:
+    """RLOO / GRPO advantages (B, Tr) from per-token rewards (B, Tr): each row's return is the sum of its
+    rewards (the score plus the per-token KL penalty, undiscounted: TRL RLOO's ``score - kl_coef * sum KL``),
+    the group baseline is taken over the ``group_size`` rows of a prompt (prompt-major), and the sequence
+    advantage is given to every response token of the row (``mask``; 0 elsewhere)."""
+    returns = rewards.sum(-1)  # (B,)
+    if estimator == "rloo":
+        adv, stats = L.rloo_advantages(returns, group_size)
+    elif estimator == "grpo":
+        adv, stats = L.grpo_advantages(returns, group_size, scale_rewards)
+    else:
+        raise RefitError(f"unknown group estimator {estimator!r} (rloo, grpo)")
+    return L.broadcast_to_tokens(adv, mask), stats
+
+
 @dataclass
 class UpdateSettings:
     """The PPO update's knobs (a view of PPOConfig, so losses never see a config object)."""
@@ -106,6 +122,7 @@ class UpdateSettings:
     kl_coef: float = 0.0  # used only when kl_in_loss
     kl_in_loss: bool = False  # GRPO-style: KL to the reference as a loss term (instead of a reward penalty)
     kl_estimator: str = "k3"  # the loss term's estimator: k1 | k2 | k3 | exact (exact needs ref_model)
+    use_critic: bool = True  # False (rloo / grpo): no value forward, no value loss
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
 
 
@@ -125,18 +142,21 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
     ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
     args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), s.temperature)
     with ctx:
-        out = response_forward(model, *args, value_head)
+        out = response_forward(model, *args, value_head if s.use_critic else None)
     dev = out.logits.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask = g(exp.mask)
     logprobs = L.logprobs_from_logits(out.logits, g(exp.response_ids))
     pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
                                    is_weights=g(exp.is_weights), num_tokens=n_tokens)
-    vf, vstats = L.ppo_value_loss(out.values.float(), g(exp.values), g(exp.returns), mask, s.cliprange_value,
-                                  num_tokens=n_tokens)
     ent = L.token_mean(L.entropy_from_logits(out.logits), mask, n_tokens)
-    loss = pg + s.vf_coef * vf - s.entropy_coef * ent
-    stats = {**pstats, **vstats, "entropy": ent.detach()}
+    loss = pg - s.entropy_coef * ent
+    stats = {**pstats, "entropy": ent.detach()}
+    if s.use_critic:
+        vf, vstats = L.ppo_value_loss(out.values.float(), g(exp.values), g(exp.returns), mask, s.cliprange_value,
+                                      num_tokens=n_tokens)
+        loss = loss + s.vf_coef * vf
+        stats.update(vstats)
     if s.kl_in_loss:
         ref_logits = None
         if s.kl_estimator == "exact":
@@ -177,7 +197,8 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
                          f"divisible by world_size {k} x gradient_accumulation_steps {s.gradient_accumulation_steps}")
     local = mb_size // k
     micro = local // s.gradient_accumulation_steps
-    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
+    heads = list(value_head.parameters()) if value_head is not None else []  # None: no critic under DDP
+    params = [p for p in list(model.parameters()) + heads if p.requires_grad]
     acc: dict[str, list[float]] = {}  # one value per minibatch
     for _ in range(s.num_ppo_epochs):
         perm = torch.randperm(b, generator=generator)  # the same on every rank

@@ -9,7 +9,8 @@ section     class                     fields
 ``run``     :class:`RunSection`       output_dir (``-o``), seed, steps, batch_size, device, bf16,
                                       max_steps_this_run
 ``model``   :class:`ModelSection`     model_dir, engine_dir (distill has two: ``student`` and ``teacher``)
-``data``    :class:`DataSection`      task, num_prompts, max_operand (the embedded task)
+``data``    :class:`DataSection`      dataset, dataset_split, prompt_column, dataset_text_field, eval_split,
+                                      eval_fraction (a local dataset); task, num_prompts, max_operand
 ``rollout`` :class:`RolloutSection`   backend, engine_threads, temperature, sync_every, probe_tol, probe_size
 ``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
                                       max_grad_norm, gradient_accumulation_steps
@@ -79,8 +80,20 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """The embedded task, used when no prompts/dataset file is given."""
+    """The prompts: a local dataset with columns (TRL's conventions, learner.run.dataset), else the embedded task."""
 
+    dataset: str = _f("", "local dataset (overrides the embedded task and any prompts/dataset file): a .jsonl / .json "
+                          "/ .parquet / .csv file or a datasets save_to_disk folder, loaded with the datasets "
+                          "library; a prompt column (text or chat messages) and any others, which PPO reward "
+                          "functions receive by name")
+    dataset_split: str = _f("train", "training split, datasets syntax ('train', 'train[:90%]'); a file is one "
+                                     "'train' split")
+    prompt_column: str = _f("prompt", "the column holding prompts: text, or a list of {role, content} messages "
+                                      "rendered with the tokenizer's chat template (add_generation_prompt=True)")
+    dataset_text_field: str = _f("", "TRL SFT's name for the prompt column; overrides prompt_column when set")
+    eval_split: str = _f("", "held-out split ('test', 'train[90%:]'); empty: none (PPO) or the last eval_size rows "
+                             "(distill), unless eval_fraction")
+    eval_fraction: float = _f(0.0, "hold out this share of the training split (seeded) when there is no eval_split")
     task: Task = _f("addition", "embedded task when no prompts or dataset file is given")
     num_prompts: int = _f(512, "embedded task: examples drawn (distill: distinct prompts kept, eval_size held out)")
     max_operand: int = _f(30, "embedded addition task: operands are in [0, max_operand]")

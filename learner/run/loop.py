@@ -9,7 +9,7 @@ returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_
     3. optional step-0 metrics (``Job.initial``, not on resume)
     4. for each step in [start + 1, last]: step -> metrics.jsonl / TensorBoard -> checkpoint when due
     5. close the progress bar, the metrics, the engines (in the job's order) and the process group;
-       plots (rank 0)
+       the job's final output (``Job.final``: OUTPUT_DIR/final, rank 0), plots (rank 0)
 
 Under ``torchrun`` only rank 0 writes; the other ranks run ``step`` (their slice of the update).
 """
@@ -39,7 +39,8 @@ class Job:
     engines: Callable[[Any], list]  # (state) -> engines to close, in order (None entries skipped)
     postfix: Callable[[dict], dict]  # metrics -> progress-bar postfix
     plot_panels: dict[str, list[str]] = field(default_factory=dict)
-    initial: Callable[[Any], dict] | None = None  # (state) -> step-0 metrics of a fresh run
+    initial: Callable[[Any], dict] | None = None  # (state) -> step-0 metrics of a fresh run ({}: no row)
+    final: Callable[[Any], Any] | None = None  # (state): after a run that ended without error (rank 0)
 
 
 def last_step(cfg, start_step: int) -> int:
@@ -78,8 +79,9 @@ def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
     state = job.setup(cfg, resume, log, dist)
     metrics = (MetricsLog(run_dir, cfg.log.tensorboard, resume_step=state.start_step if resume else None)
                if main else None)
-    if main and not resume and job.initial is not None:
-        metrics.log(0, job.initial(state))
+    first = job.initial(state) if main and not resume and job.initial is not None else {}
+    if first:
+        metrics.log(0, first)
     bar = _progress(cfg, state.start_step, job.name) if cfg.log.progress and main else None
     try:
         for step in range(state.start_step + 1, last_step(cfg, state.start_step) + 1):
@@ -101,6 +103,8 @@ def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
             if engine is not None:
                 engine.close()
         dist.close()  # [dist] waits for every rank, leaves the process group
+    if main and job.final is not None:
+        job.final(state)  # the trained model out (learner.run.final), after the engines are closed
     if main and cfg.log.plots:
         plot_metrics(run_dir, job.plot_panels)
     return run_dir, state

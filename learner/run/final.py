@@ -1,0 +1,65 @@
+"""The trained model out of a run, as a user loads it elsewhere:
+
+    OUTPUT_DIR/final/                         save_pretrained folder: config, weights, generation config,
+                                              tokenizer (with its chat template); AutoModelForCausalLM /
+                                              AutoModelForSeq2SeqLM.from_pretrained loads it as is
+    OUTPUT_DIR/final_engine/                  a fresh engine folder exported from final/ (parity-gated)
+    OUTPUT_DIR/final_value_head.safetensors   PPO's value head (``summary.weight``, ``summary.bias``), beside
+                                              the HF folder, never inside its weights
+
+``final/`` is written into a temporary folder and renamed, so a crash never leaves half a folder under that
+name. When the chat template ends turns with its own token, the generation config lists it as an EOS too,
+so ``model.generate`` stops where the engine stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+from export.build import ENGINE_BACKENDS, build
+from export.onnx_export import ExportOptions
+
+FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
+
+
+def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) -> Path:
+    """``model`` and ``tok`` as ``run_dir/final`` (atomic rename); the path."""
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / FINAL, run_dir / f".{FINAL}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and stop_ids:  # the saved generation config gets the end-of-turn token as an EOS too
+            gen = copy.deepcopy(gen)
+            eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+            gen.eos_token_id = [e for e in eos if e is not None] + [s for s in stop_ids if s not in eos]
+            gen.save_pretrained(str(tmp))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_final(run_dir: Path, model, tok, value_head=None, backend: str = "onnxruntime", rows: int = 64,
+                max_len: int = 128, stop_ids: tuple[int, ...] = (), log=print) -> Path:
+    """final/, final_engine/ (``backend``'s engine; ONNX for the PyTorch backends) and the value head; final/."""
+    from safetensors.torch import save_file
+
+    run_dir = Path(run_dir)
+    final = save_final_model(run_dir, model, tok, stop_ids)
+    if value_head is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in value_head.state_dict().items()},
+                  str(run_dir / VALUE_HEAD))
+    engine_backend = backend if backend in ENGINE_BACKENDS else "onnxruntime"
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
+    build(final, run_dir / FINAL_ENGINE, engine_backend, opts, log=log)
+    log(f"refit: final model {final} (from_pretrained), engine {run_dir / FINAL_ENGINE}"
+        + (f", value head {run_dir / VALUE_HEAD}" if value_head is not None else ""))
+    return final
