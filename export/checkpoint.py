@@ -7,32 +7,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from export.errors import RefitError
-from export.padding import DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE
-
-# model_type -> kind. Decoder-only types share the wrapper (HF causal LM with a Cache).
-SUPPORTED = {
-    "gpt2": "decoder", "llama": "decoder", "qwen2": "decoder", "mistral": "decoder",
-    "t5": "seq2seq",
-}
+from export.padding import native_padding_side
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the exporter and engines need to know about a checkpoint."""
+    """What the config says about a checkpoint (no weights read). The exporter's probe adds the rest
+    (:class:`export.capabilities.Capabilities`: cache geometry, positions, padding verified)."""
 
     path: Path
-    model_type: str  # HF config.model_type
-    kind: str  # "decoder" | "seq2seq"
+    model_type: str  # HF config.model_type (recorded, never branched on)
+    kind: str  # "decoder" (AutoModelForCausalLM) | "seq2seq" (AutoModelForSeq2SeqLM)
     architecture: str  # config.architectures[0] or the class built from the config
     vocab_size: int  # rows of the input embedding
-    n_layers: int  # decoder layers (KV cache entries = 2 * n_layers)
-    n_kv_heads: int
-    head_dim: int
-    max_positions: int | None  # learned-position limit, None for relative/rotary-only limits
+    max_positions: int | None  # the config's position limit (max_position_embeddings), None when absent
     pad_id: int
     eos_id: int
     decoder_start_id: int | None  # seq2seq only
-    padding_side: str  # prompt / encoder padding side
+    padding_side: str  # prompt / encoder padding side: left (decoder-only) or the tokenizer's own
 
 
 def read_config(path: str | Path) -> dict:
@@ -53,28 +45,49 @@ def read_config(path: str | Path) -> dict:
     return cfg
 
 
+def load_config(path: str | Path):
+    """The checkpoint's transformers config, checked to have an LM head class (causal or seq2seq)."""
+    from transformers import AutoConfig
+
+    raw = read_config(path)
+    try:
+        cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - an unknown model type or a bad field is one line
+        raise RefitError(f"cannot read the config of {path} (model_type {raw.get('model_type')!r}): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if _auto_class(cfg) is None:
+        head = "AutoModelForSeq2SeqLM" if cfg.is_encoder_decoder else "AutoModelForCausalLM"
+        raise RefitError(f"cannot export {path}: transformers has no {head} class for model_type "
+                         f"{cfg.model_type!r}; missing capability: a language-model head")
+    return cfg
+
+
+def _auto_class(cfg):
+    """AutoModelForSeq2SeqLM / AutoModelForCausalLM when it maps this config class, else None."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM
+    return auto if type(cfg) in auto._model_mapping else None
+
+
+def _first_id(x) -> int | None:
+    return x[0] if isinstance(x, list) else x
+
+
 def model_info(path: str | Path) -> ModelInfo:
-    cfg = read_config(path)
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED:
-        raise RefitError(f"unsupported architecture {mt!r} in {path}; supported: {', '.join(sorted(SUPPORTED))}")
-    kind = SUPPORTED[mt]
-    g = lambda *keys, default=None: next((cfg[k] for k in keys if cfg.get(k) is not None), default)  # noqa: E731
-    n_heads = g("n_head", "num_attention_heads", "num_heads")
-    d_model = g("n_embd", "hidden_size", "d_model")
-    eos = g("eos_token_id", default=0)
+    cfg = load_config(path)
+    seq2seq = bool(cfg.is_encoder_decoder)
+    text = cfg.get_text_config()
+    start = _first_id(getattr(cfg, "decoder_start_token_id", None))
     return ModelInfo(
-        path=Path(path), model_type=mt, kind=kind,
-        architecture=(cfg.get("architectures") or [mt])[0],
-        vocab_size=cfg["vocab_size"],
-        n_layers=g("num_decoder_layers", "n_layer", "num_hidden_layers", "num_layers"),
-        n_kv_heads=g("num_key_value_heads", "n_head", "num_attention_heads", "num_heads"),
-        head_dim=g("d_kv", "head_dim", default=d_model // n_heads),
-        max_positions=g("n_positions", "max_position_embeddings"),
-        pad_id=g("pad_token_id", default=0),
-        eos_id=eos[0] if isinstance(eos, list) else eos,
-        decoder_start_id=g("decoder_start_token_id") if kind == "seq2seq" else None,
-        padding_side=NATIVE_ENCODER_SIDE.get(mt, "right") if kind == "seq2seq" else DECODER_ONLY_SIDE,
+        path=Path(path), model_type=cfg.model_type, kind="seq2seq" if seq2seq else "decoder",
+        architecture=(cfg.architectures or [_auto_class(cfg)._model_mapping[type(cfg)].__name__])[0],
+        vocab_size=text.vocab_size,
+        max_positions=getattr(text, "max_position_embeddings", None),
+        pad_id=_first_id(getattr(cfg, "pad_token_id", None)) or 0,
+        eos_id=_first_id(getattr(cfg, "eos_token_id", None)) or 0,
+        decoder_start_id=start if seq2seq else None,
+        padding_side=native_padding_side(seq2seq, path),
     )
 
 
@@ -101,11 +114,17 @@ def load_model(path: str | Path, info: ModelInfo | None = None, dtype=None, attn
     """The PyTorch model in eval mode (eager attention: what the exporter traces and matches)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.utils import logging
 
     info = info or model_info(path)
     auto = AutoModelForSeq2SeqLM if info.kind == "seq2seq" else AutoModelForCausalLM
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # a "Loading weights" bar on stderr would break one-line errors after it
     try:
         model = auto.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation=attn)
     except Exception as e:  # noqa: BLE001
         raise RefitError(f"cannot load model weights from {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    finally:
+        if bar:
+            logging.enable_progress_bar()
     return model.eval()

@@ -14,9 +14,12 @@ from export.parsing import opt, parse
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Export an HF checkpoint folder (GPT-2, Llama/Qwen2/Mistral, T5) to an engine folder: ONNX graphs with a KV
-    cache, refittable external weights, and manifest.json (I/O names, shape profiles, HF->engine weight map,
-    hashes, parity figures). Re-exporting the same weights with the same options reuses the folder."""
+    """Export an HF checkpoint folder (any AutoModelForCausalLM or AutoModelForSeq2SeqLM whose forward keeps a
+    transformers Cache: GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, Phi, OPT, T5, BART, Marian, ...) to an engine
+    folder: ONNX graphs with a KV cache, refittable external weights, and manifest.json (I/O names, shape
+    profiles, HF->engine weight map, hashes, parity figures, what the probe found). A model without a capability
+    the engines need is refused in one line, before anything is written. Re-exporting the same weights with the
+    same options reuses the folder."""
 
     model_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL_DIR")] = opt(
         help_="HF checkpoint folder (config.json + model.safetensors + tokenizer)")

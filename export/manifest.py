@@ -131,6 +131,28 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What the exporter found in the checkpoint from its config and a probe (export/capabilities.py)."""
+
+    kind: str  # "decoder" | "seq2seq"
+    positions: str  # "rotary" | "learned" | "sinusoidal" | "relative" | "none"
+    position_offset: int  # rows of a learned table before position 0 (BART, OPT: 2)
+    rotary_fraction: float | None  # share of each head's dims that rotate (GPT-NeoX 0.25, Phi 0.5)
+    embed_scale: float  # factor on token embeddings (Marian: sqrt(d_model)); 1.0 when none
+    tied_head: bool  # lm_head shares the input embedding
+    final_logits_bias: bool  # a logits bias buffer that the weight map carries (BART, Marian)
+    n_heads: int  # query heads
+    n_kv_heads: int  # KV heads in the cache (< n_heads: grouped-query attention)
+    head_dim: int
+    n_layers: int  # decoder self-attention cache layers
+    hidden_size: int  # width of the (encoder) hidden states
+    sliding_window: int | None  # attention window; the engine keeps a full cache and HF's mask
+    logits_to_keep: bool  # forward takes logits_to_keep (else the wrapper picks the rows itself)
+    padding_side: str  # prompt / encoder input padding side, verified by the padding probe
+    decoder_start_id: int | None  # seq2seq: first decoder token
+
+
+@dataclass(frozen=True)
 class TrtDevice:
     name: str  # GPU name the plan was built on
     compute_capability: str  # "major.minor"; a plan only runs on this architecture
@@ -179,6 +201,7 @@ class Manifest:
     options: Mapping[str, object]  # ExportOptions as exported (asdict), kept as written: older option sets load
     versions: Mapping[str, str]  # {library: version} at export time
     trace_seconds: float  # tracing + writing the graphs, before the parity gate
+    capabilities: Capabilities | None = field(default=None, metadata=_OPTIONAL)  # the probe's findings
     parity: Parity | None = field(default=None, metadata=_OPTIONAL)  # added once the gate passed
     export_seconds: float | None = field(default=None, metadata=_OPTIONAL)  # whole export, gate included
     tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=_OPTIONAL)  # {graph: plan} once built
@@ -253,8 +276,8 @@ class Manifest:
 
     def problems(self) -> list[str]:
         """Everything inconsistent in this manifest, one line each; empty when it is usable."""
-        return (_scalar_problems(self) + _graph_problems(self) + _weight_map_problems(self)
-                + _profile_problems(self) + _plan_problems(self))
+        return (_scalar_problems(self) + _capability_problems(self) + _graph_problems(self)
+                + _weight_map_problems(self) + _profile_problems(self) + _plan_problems(self))
 
     def check(self, where: str = "manifest") -> None:
         """Raise RefitError (one line: the first problem, and how many more) unless :meth:`problems` is empty."""
@@ -284,6 +307,18 @@ def _scalar_problems(m: Manifest) -> list[str]:
     if m.kind == "seq2seq" and m.special_ids.decoder_start is None:
         p.append("special_ids.decoder_start is null, a seq2seq engine needs it")
     return p
+
+
+def _capability_problems(m: Manifest) -> list[str]:
+    """The probe's record (absent in folders exported before it) agrees with the geometry the engines use."""
+    c = m.capabilities
+    if c is None:
+        return []
+    pairs = [("kind", c.kind, m.kind), ("n_layers", c.n_layers, m.dims.n_layers),
+             ("n_kv_heads", c.n_kv_heads, m.dims.n_kv_heads), ("head_dim", c.head_dim, m.dims.head_dim),
+             ("padding_side", c.padding_side, m.padding.prompt_side),
+             ("decoder_start_id", c.decoder_start_id, m.special_ids.decoder_start)]
+    return [f"capabilities.{name} is {a!r}, the manifest says {b!r}" for name, a, b in pairs if a != b]
 
 
 def _graph_problems(m: Manifest) -> list[str]:
@@ -401,7 +436,8 @@ def _value(v: object, hint, path: str):
         return {k: _value(x, args[1], _at(path, k)) for k, x in v.items()}
     if hint is object:
         return v
-    ok = {int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+    ok = {bool: lambda x: isinstance(x, bool),
+          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
           str: lambda x: isinstance(x, str)}[hint]
     if not ok(v):

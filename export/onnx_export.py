@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.capabilities import Capabilities, detect
 from export.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from export.errors import RefitError
 from export.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
@@ -35,7 +36,7 @@ from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEnco
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
 OPSET = 18
-EXPORTER_VERSION = "3"  # bump when the graph layout changes, so cached engines are rebuilt
+EXPORTER_VERSION = "4"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,16 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
 
-def graph_specs(model, info: ModelInfo) -> list[dict]:
+def graph_specs(model, caps: Capabilities) -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
     D = torch.export.Dim
     batch, seq, past, total, enc, keep = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq"), D("keep")
-    L, H, Dh, B = info.n_layers, info.n_kv_heads, info.head_dim, 2
+    L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
     kv = lambda n: [torch.zeros(B, H, n, Dh, dtype=model.dtype) for _ in range(2 * L)]  # noqa: E731
-    if info.kind == "decoder":
+    if caps.kind == "decoder":
         ids = torch.full((B, 3), 5, dtype=torch.long)
         return [dict(
-            name="decoder", module=DecoderWithPast(model),
+            name="decoder", module=DecoderWithPast(model, caps.logits_to_keep),
             # logits_index: 2 of the 3 positions (not 1: torch.export specialises size-1 dims)
             args=(ids, torch.ones(B, 7, dtype=torch.long), torch.arange(4, 7).expand(B, 3).contiguous(),
                   torch.tensor([0, 2]), *kv(4)),
@@ -77,10 +78,10 @@ def graph_specs(model, info: ModelInfo) -> list[dict]:
         )]
     ids = torch.full((B, 5), 5, dtype=torch.long)
     return [
-        dict(name="encoder", module=Seq2SeqEncoder(model), args=(ids, torch.ones(B, 5, dtype=torch.long)),
+        dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id), args=(ids, torch.ones(B, 5, dtype=torch.long)),
              inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
              dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}}),
-        dict(name="decoder", module=Seq2SeqDecoderWithPast(model),
+        dict(name="decoder", module=Seq2SeqDecoderWithPast(model, L, caps.hidden_size),
              args=(torch.full((B, 2), 5, dtype=torch.long), torch.ones(B, 5, dtype=torch.long), *kv(5), *kv(3)),
              inputs=["decoder_input_ids", "encoder_attention_mask", *_kv_names("cross", L), *_kv_names("past", L)],
              outputs=["logits", *_kv_names("present", L)],
@@ -259,6 +260,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     t0 = time.perf_counter()
     dtype = DTYPES[opts.dtype]
     model = load_model(model_dir, info, dtype=dtype)
+    with torch.no_grad():  # refuses, in one line, a model without what the engines need; nothing written yet
+        caps = detect(model, info.kind, info.padding_side, info.pad_id, model_dir)
     params, tied = canonical_params(model)
     shadow = copy.deepcopy(model)
     fingerprint_(shadow)
@@ -269,7 +272,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        specs = graph_specs(shadow, info)
+        specs = graph_specs(shadow, caps)
         protos = {s["name"]: _trace(s) for s in specs}
         for p in protos.values():
             gemm_for_transposed_weights(p)
@@ -286,7 +289,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         tok.save_pretrained(str(tmp / "tokenizer"))
         shutil.copy(model_dir / "config.json", tmp / "config.json")
         export_s = time.perf_counter() - t0
-        manifest = _manifest(info, opts, key, graphs, wmap, tied, model_dir, export_s)
+        manifest = _manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, export_s)
         manifest.write(tmp)
         tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
         manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
@@ -301,8 +304,20 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     return out_dir
 
 
-def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict[str, GraphSpec], wmap: dict,
-              tied: dict[str, str], model_dir: Path, export_s: float) -> Manifest:
+def _position_limit(info: ModelInfo, caps: Capabilities) -> int | None:
+    """Tokens a table of positions covers (learned, sinusoidal); rotary and relative ones have no table."""
+    return info.max_positions if caps.positions in ("learned", "sinusoidal") else None
+
+
+def _position_rule(caps: Capabilities) -> str:
+    if caps.kind == "decoder":
+        return f"cumsum(attention_mask)-1, 1 on padding ({caps.positions} positions)"
+    return (f"{caps.positions} positions: encoder from 0 on its {caps.padding_side}-padded input, "
+            "decoder from the cache length")
+
+
+def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str, graphs: dict[str, GraphSpec],
+              wmap: dict, tied: dict[str, str], model_dir: Path, export_s: float) -> Manifest:
     from export.profiles import dynamic_dims, shape_profiles
 
     return Manifest(
@@ -310,16 +325,16 @@ def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict[str, 
         dtype=opts.dtype, opset=OPSET, source_model=str(model_dir.resolve()),
         padding=Padding(
             prompt_side=info.padding_side,
-            position_ids="cumsum(attention_mask)-1, 1 on padding" if info.kind == "decoder" else "relative (T5)",
+            position_ids=_position_rule(caps),
             response_side="right",
             rule="decoder-only: left-padded prompts; encoder-decoder: encoder padded on its native side"),
-        special_ids=SpecialIds(pad=info.pad_id, eos=info.eos_id, decoder_start=info.decoder_start_id),
-        dims=Dims(vocab_size=info.vocab_size, n_layers=info.n_layers, n_kv_heads=info.n_kv_heads,
-                  head_dim=info.head_dim, max_positions=info.max_positions,
+        special_ids=SpecialIds(pad=info.pad_id, eos=info.eos_id, decoder_start=caps.decoder_start_id),
+        dims=Dims(vocab_size=info.vocab_size, n_layers=caps.n_layers, n_kv_heads=caps.n_kv_heads,
+                  head_dim=caps.head_dim, max_positions=_position_limit(info, caps),
                   max_batch=opts.max_batch, max_len=opts.max_len),
         graphs=graphs,
-        dynamic_dims=dynamic_dims(info),
-        profiles=shape_profiles(info, opts.max_batch, opts.max_len),
+        dynamic_dims=dynamic_dims(caps),
+        profiles=shape_profiles(caps, opts.max_batch, opts.max_len),
         weight_map=wmap,
         tied=tied,
         hashes=Hashes(hf_weights_sha256=weights_hash(model_dir),
@@ -329,4 +344,5 @@ def _manifest(info: ModelInfo, opts: ExportOptions, key: str, graphs: dict[str, 
         options=asdict(opts),
         versions=_versions(),
         trace_seconds=round(export_s, 3),
+        capabilities=caps,
     )

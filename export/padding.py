@@ -3,10 +3,12 @@
 - Decoder-only models: prompts are LEFT-padded. ``attention_mask`` is 1 on real tokens;
   ``position_ids`` count real tokens only (:func:`position_ids_from_mask`), so a prompt gets the
   same positions alone or inside a padded batch. Generated tokens follow on the right.
-- Encoder-decoder models: the encoder input is padded on the model's native side (right for
-  T5, as its relative position bias assumes; forcing left padding there is the TRL negative-KL
-  bug, TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262, fixing
-  TRL issue #256). The decoder starts from ``decoder_start_token_id``, no padding.
+- Encoder-decoder models: the encoder input is padded on the model's native side, the side its
+  tokenizer pads on (right for T5, BART, Marian: the encoder takes no position ids, so learned
+  positions would shift under left padding; forcing left padding is the TRL negative-KL bug,
+  TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262, fixing TRL
+  issue #256). The exporter's probe checks the side (export.capabilities). The decoder starts
+  from ``decoder_start_token_id`` (Marian: the pad id), no padding.
 - Responses are RIGHT-padded: ``response_mask`` is 1 up to and including the first stop token.
 
 Everything here works on numpy arrays and torch tensors alike.
@@ -14,12 +16,33 @@ Everything here works on numpy arrays and torch tensors alike.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 DECODER_ONLY_SIDE = "left"
-NATIVE_ENCODER_SIDE = {"t5": "right", "mt5": "right", "bart": "right", "marian": "right"}
+DEFAULT_ENCODER_SIDE = "right"  # transformers' tokenizer default, and every seq2seq family's in it
+
+
+def native_padding_side(is_encoder_decoder: bool, model_dir: str | Path | None = None) -> str:
+    """Prompt padding side: left for decoder-only; for an encoder, the side its tokenizer pads on.
+
+    Read from ``tokenizer_config.json`` in ``model_dir`` (``padding_side``), else transformers'
+    default (right). No model type is consulted.
+    """
+    if not is_encoder_decoder:
+        return DECODER_ONLY_SIDE
+    f = Path(model_dir) / "tokenizer_config.json" if model_dir else None
+    if f is not None and f.is_file():
+        try:
+            side = json.loads(f.read_text()).get("padding_side")
+        except json.JSONDecodeError:
+            side = None
+        if side in ("left", "right"):
+            return side
+    return DEFAULT_ENCODER_SIDE
 
 
 def position_ids_from_mask(mask):

@@ -8,15 +8,14 @@ Each profile is ``{input: ShapeRange(min, opt, max)}`` (:class:`export.manifest.
 
 from __future__ import annotations
 
-from export.checkpoint import ModelInfo
-from export.manifest import Profiles, ShapeRange
+from export.manifest import Capabilities, Profiles, ShapeRange
 
 
-def dynamic_dims(info: ModelInfo) -> dict[str, str]:
+def dynamic_dims(caps: Capabilities) -> dict[str, str]:
     """Every named dynamic dimension and what it means."""
     dims = {"batch": "rows in the batch (prompts x samples)", "seq": "new tokens in this call",
             "past": "tokens already in the KV cache"}
-    if info.kind == "decoder":
+    if caps.kind == "decoder":
         dims["total"] = "past + seq: attention_mask length"
         dims["keep"] = "positions of the new tokens whose logits are returned (logits_index length, <= seq)"
     else:
@@ -24,22 +23,22 @@ def dynamic_dims(info: ModelInfo) -> dict[str, str]:
     return dims
 
 
-def _kv(info: ModelInfo, prefix: str, b: int, n: int) -> dict[str, list[int]]:
-    return {f"{prefix}.{i}.{k}": [b, info.n_kv_heads, n, info.head_dim]
-            for i in range(info.n_layers) for k in ("key", "value")}
+def _kv(caps: Capabilities, prefix: str, b: int, n: int) -> dict[str, list[int]]:
+    return {f"{prefix}.{i}.{k}": [b, caps.n_kv_heads, n, caps.head_dim]
+            for i in range(caps.n_layers) for k in ("key", "value")}
 
 
 def _profile(mins: dict, opts: dict, maxs: dict) -> dict[str, ShapeRange]:
     return {name: ShapeRange(tuple(mins[name]), tuple(opts[name]), tuple(maxs[name])) for name in mins}
 
 
-def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> Profiles:
+def shape_profiles(caps: Capabilities, max_batch: int, max_len: int) -> Profiles:
     """{graph: {profile_name: {input: ShapeRange}}}, profiles in TensorRT's order."""
     ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
-    if info.kind == "decoder":
+    if caps.kind == "decoder":
         def shapes(b, s, p, k):
             d = {"input_ids": [b, s], "attention_mask": [b, p + s], "position_ids": [b, s], "logits_index": [k]}
-            d.update(_kv(info, "past", b, p))
+            d.update(_kv(caps, "past", b, p))
             return d
         # prefill normally keeps 1 position (the last), a full-prompt score up to max_len; decode keeps [0]
         return {"decoder": {
@@ -52,8 +51,8 @@ def shape_profiles(info: ModelInfo, max_batch: int, max_len: int) -> Profiles:
 
     def dec(b, s, e, p):
         d = {"decoder_input_ids": [b, s], "encoder_attention_mask": [b, e]}
-        d.update(_kv(info, "cross", b, e))
-        d.update(_kv(info, "past", b, p))
+        d.update(_kv(caps, "cross", b, e))
+        d.update(_kv(caps, "past", b, p))
         return d
 
     return {

@@ -31,11 +31,19 @@ WeightMap = dict[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engin
 
 
 def canonical_params(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Unique trainable tensors by canonical HF name, and ``{alias: canonical}`` for tied ones."""
+    """Unique weight tensors by canonical HF name, and ``{alias: canonical}`` for tied ones.
+
+    Weights are the parameters (trainable or frozen, e.g. Marian's sinusoidal table) plus the
+    floating-point buffers saved in the checkpoint (BART/Marian ``final_logits_bias``): the graph
+    holds them like weights, so the map must carry them or a push would leave them stale.
+    Non-persistent buffers (rotary frequencies) are recomputed from the config and stay out.
+    """
     canon: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    saved = set(model.state_dict(keep_vars=True))
+    buffers = [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in saved and b.is_floating_point()]
+    for name, p in [*model.named_parameters(remove_duplicate=False), *buffers]:
         key = id(p)
         if key in seen:
             tied[name] = seen[key]

@@ -25,8 +25,7 @@ import torch
 
 from export.errors import RefitError
 from export.manifest import Manifest
-from export.padding import (DECODER_ONLY_SIDE, NATIVE_ENCODER_SIDE, check_left_padded, check_right_padded,
-                            pad_batch)
+from export.padding import check_left_padded, check_right_padded, native_padding_side, pad_batch
 from rollout.sampling import StepBuffers, make_generator, one_thread, sample_step
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
@@ -124,10 +123,12 @@ class ModelSpec:
                    max_len=min(limits) if limits else None)
 
     @classmethod
-    def from_config(cls, cfg, max_len: int | None = None) -> "ModelSpec":
+    def from_config(cls, cfg, max_len: int | None = None, model_dir=None) -> "ModelSpec":
+        """From an HF config; the encoder's padding side is its tokenizer's (``model_dir``, else the
+        folder the config was loaded from), as the exporter decides it (export.padding)."""
         seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
         eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-        side = NATIVE_ENCODER_SIDE.get(cfg.model_type, "right") if seq2seq else DECODER_ONLY_SIDE
+        side = native_padding_side(seq2seq, model_dir or getattr(cfg, "_name_or_path", None) or None)
         limit = max_len or getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         return cls(kind="seq2seq" if seq2seq else "decoder", pad_id=cfg.pad_token_id or 0, eos_id=eos,
                    decoder_start_id=getattr(cfg, "decoder_start_token_id", None) if seq2seq else None,

@@ -17,7 +17,7 @@ route, turning every initializer into a graph input bound per run, was measured 
 see docs/weight-push.md for the numbers.
 
 Decoding uses IO binding: the present K/V ``OrtValue``s of one step are bound as the next
-step's past (and T5's cross K/V for the whole batch) without numpy round trips; only the
+step's past (and the encoder's cross K/V for the whole batch) without numpy round trips; only the
 logits come back to the host, viewed as a torch tensor without a copy.
 """
 

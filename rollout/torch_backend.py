@@ -2,7 +2,7 @@
 
 No ``model.generate``: ``prefill`` and ``extend`` below drive the HF model with a
 ``DynamicCache`` (decoder-only: explicit ``position_ids`` from the mask, so left padding is
-invisible) or run the T5 encoder once and the decoder with an ``EncoderDecoderCache``. The
+invisible) or run the encoder once and the decoder with an ``EncoderDecoderCache``. The
 decode loop, stop handling and sampling are the shared ones in :mod:`rollout.engine` and
 :mod:`rollout.sampling`, so every other backend is compared with this one on logits alone.
 """
@@ -50,7 +50,7 @@ class _DecoderState:
 
 
 class _Seq2SeqState:
-    """Encoder output (computed once) and the decoder's self-attention cache of one T5 batch."""
+    """Encoder output (computed once) and the decoder's self-attention cache of one encoder-decoder batch."""
 
     def __init__(self, model, start_id: int):
         from transformers import DynamicCache, EncoderDecoderCache

@@ -3,9 +3,10 @@
 Padding rule (stated once; the source of truth is :mod:`export.padding`):
 
 - ``prompt_ids`` / ``prompt_mask`` (B, Tp): decoder-only prompts are LEFT-padded, with
-  positions counted over real tokens only; encoder-decoder (T5) prompts are the encoder input,
-  padded on the model's native side (RIGHT for T5 -- forcing left there is the TRL
-  negative-KL bug: TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262).
+  positions counted over real tokens only; encoder-decoder (T5, BART, Marian) prompts are the
+  encoder input, padded on the model's native side, its tokenizer's (RIGHT for all three --
+  forcing left there is the TRL negative-KL bug: TRL PR "[t5] Fix negative kl issue",
+  https://github.com/huggingface/trl/pull/262).
 - ``response_ids`` / ``response_mask`` (B, Tr): RIGHT-padded with the pad id; the mask is 1 up
   to AND INCLUDING the first stop token (EOS or ``SamplingParams.stop_ids``), then 0. A row that
   never stops is all ones. Every per-token float field is 0.0 where the mask is 0.
@@ -72,7 +73,7 @@ class RolloutBatch:
     prompt_index: torch.Tensor  # (B,) int64, row -> prompt; prompt-major (p0 s0..s(n-1), p1 s0, ...)
     weights_version: int  # engine weights_version the batch was generated with
     sampling: SamplingParams  # the params used
-    is_seq2seq: bool  # True: prompt_ids are the encoder input (T5)
+    is_seq2seq: bool  # True: prompt_ids are the encoder input (encoder-decoder model)
     topk_logprobs: torch.Tensor | None = None  # (B, Tr, k) float32, top-k plain log-probs, k = return_topk
     topk_ids: torch.Tensor | None = None  # (B, Tr, k) int64, their token ids (pad_id where masked)
     pad_id: int = 0  # the pad token of response_ids / prompt_ids

@@ -33,6 +33,19 @@ PAD_ATOL = {"fp32": 1e-5, "fp16": 1e-3}  # one backend: a prompt alone vs inside
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]  # four prompt lengths
 
 
+class BuiltOnce(dict):
+    """{geometry: folder}: each built on first use (``d["tiny-bart"]``) and kept for the session, so a
+    test run exports only the families its tests ask for, each once."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, geometry: str):
+        self[geometry] = self._make(geometry)
+        return self[geometry]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from export.models import build_tokenizer
@@ -42,11 +55,11 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory, tokenizer):
-    """{geometry: checkpoint folder} for tiny GPT-2, Llama and T5."""
+    """{geometry: checkpoint folder} for any geometry of export.models.GEOMETRIES (tiny GPT-2, ..., Marian)."""
     from export.models import build_model
 
     root = tmp_path_factory.mktemp("models")
-    return {g: build_model(g, root / g, seed=0, tokenizer=tokenizer) for g in ARCHS}
+    return BuiltOnce(lambda g: build_model(g, root / g, seed=0, tokenizer=tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +68,8 @@ def engine_dirs(tmp_path_factory, model_dirs):
     from export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("engines")
-    return {g: export_onnx(d, root / g, ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
-            for g, d in model_dirs.items()}
+    return BuiltOnce(lambda g: export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128),
+                                           log=lambda *_: None))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Export: parity for each geometry, padding invariance, weight map, cache reuse, bad input."""
+"""Export: parity for every family (export.families), padding invariance, capabilities, weight map,
+TensorRT CPU checks, cache reuse, bad input and refused models."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from export.checkpoint import load_model
 from export.errors import RefitError
+from export.families import FAMILIES, SEQ2SEQ
 from export.graph import open_session
 from export.manifest import Manifest
 from export.onnx_export import ExportOptions, export_onnx
@@ -19,16 +21,16 @@ from export.padding import pad_batch
 from export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
 from export.weight_map import canonical_params, engine_weights
 
-from conftest import ARCHS
+FAMILY_ARCHS = list(FAMILIES.values())  # every family (GPT-2 ... Marian), one tiny checkpoint each
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_export_parity_recorded(engine_dirs, arch):
     m = Manifest.read(engine_dirs[arch])
     p = m.parity
     assert p.max_abs_logprob_diff < 1e-4 and p.max_abs_logit_diff < 1e-4
     assert p.decode_steps >= 4 and len(set(p.prompt_lengths)) > 1
-    assert m.padding.prompt_side == ("right" if arch == "tiny-t5" else "left")
+    assert m.padding.prompt_side == ("right" if arch in SEQ2SEQ else "left")
     for g, spec in m.graphs.items():
         assert (engine_dirs[arch] / spec.file).exists() and (engine_dirs[arch] / spec.data).exists()
         assert spec.inputs and spec.outputs[0] in ("logits", "encoder_hidden_states")
@@ -36,7 +38,43 @@ def test_export_parity_recorded(engine_dirs, arch):
     assert m.hashes.hf_weights_sha256 and m.cache_key
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# What the probe must find per family (export.capabilities); the manifest records it.
+EXPECTED_CAPS = {
+    "tiny-gpt2": dict(positions="learned", position_offset=0, tied_head=True, n_kv_heads=4),
+    "tiny-llama": dict(positions="rotary", rotary_fraction=1.0, tied_head=False, n_heads=4, n_kv_heads=2),
+    "tiny-qwen2": dict(positions="rotary", tied_head=False, n_heads=4, n_kv_heads=2),
+    "tiny-mistral": dict(positions="rotary", n_heads=4, n_kv_heads=1, sliding_window=4),
+    "tiny-neox": dict(positions="rotary", rotary_fraction=0.25, tied_head=False),
+    "tiny-phi": dict(positions="rotary", rotary_fraction=0.5, tied_head=False),
+    "tiny-opt": dict(positions="learned", position_offset=2, tied_head=True),
+    "tiny-t5": dict(positions="relative", padding_side="right", decoder_start_id=0, final_logits_bias=False),
+    "tiny-bart": dict(positions="learned", position_offset=2, embed_scale=1.0, final_logits_bias=True,
+                      padding_side="right", decoder_start_id=1, tied_head=True),
+    "tiny-marian": dict(positions="sinusoidal", embed_scale=32 ** 0.5, final_logits_bias=True, padding_side="right",
+                        decoder_start_id=0, tied_head=True),
+}
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_capabilities_found_by_the_probe(engine_dirs, arch):
+    m = Manifest.read(engine_dirs[arch])  # read() checks the record against dims, padding and special ids
+    caps = m.capabilities
+    for key, want in EXPECTED_CAPS[arch].items():
+        assert getattr(caps, key) == pytest.approx(want), (arch, key, getattr(caps, key))
+    assert (caps.kind == "seq2seq") == (arch in SEQ2SEQ)
+    # a bias only BART-family models have is a weight of the map, fed to the decoder graph
+    assert ("final_logits_bias" in m.weight_map) == caps.final_logits_bias
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_trt_cpu_checks_pass(engine_dirs, arch):
+    """export.trt_check on each family's graphs: supported ops, covered profiles, 1:1 weight map."""
+    from export.trt_check import check_engine_folder
+
+    assert check_engine_folder(engine_dirs[arch]) == []
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_padding_invariance(engine_dirs, tokenizer, arch):
     """A prompt alone and inside a padded batch gives the same engine log-probs (1e-5)."""
     eng = engine_dirs[arch]
@@ -52,7 +90,7 @@ def test_padding_invariance(engine_dirs, tokenizer, arch):
 
 
 def test_weight_map_complete_and_one_to_one(engine_dirs, model_dirs):
-    for arch in ARCHS:
+    for arch in FAMILY_ARCHS:
         m = Manifest.read(engine_dirs[arch])
         model = load_model(model_dirs[arch])
         params, tied = canonical_params(model)
@@ -64,7 +102,7 @@ def test_weight_map_complete_and_one_to_one(engine_dirs, model_dirs):
     assert any(t.transform == "transpose" for ts in llama.values() for t in ts), "expected folded transposes"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_no_weight_feeds_a_transpose(engine_dirs, arch):
     """Tied lm_heads are Gemm(transB=1) on the stored weight (gemm_for_transposed_weights), so ONNX
     Runtime folds no transposed copy of a weight when a session opens (every weight push)."""
@@ -75,12 +113,12 @@ def test_no_weight_feeds_a_transpose(engine_dirs, arch):
         g = onnx.load(str(engine_dirs[arch] / spec.file), load_external_data=False).graph
         weights = {t.name for t in g.initializer}
         assert not [n.name for n in g.node if n.op_type == "Transpose" and n.input[0] in weights]
-    if arch != "tiny-llama":  # GPT-2 and T5 tie the lm_head to the embedding
+    if m.capabilities.tied_head:  # GPT-2, OPT, T5, BART, Marian tie the lm_head to the embedding
         dec = onnx.load(str(engine_dirs[arch] / "decoder.onnx"), load_external_data=False).graph
         assert any(n.op_type == "Gemm" and n.output[0].endswith("_gemm_y") for n in dec.node)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_replacing_weights_through_map_reproduces_torch(engine_dirs, model_dirs, tokenizer, arch):
     """New weights (every tensor perturbed) pushed through the map give PyTorch's output for them."""
     eng = engine_dirs[arch]
@@ -141,12 +179,46 @@ def test_bad_input_not_a_checkpoint(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_input_unsupported_architecture(tmp_path, model_dirs, fresh_copy):
+def test_bad_input_unknown_model_type(tmp_path, model_dirs, fresh_copy):
     d = fresh_copy(model_dirs["tiny-gpt2"], "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "mamba"
+    cfg["model_type"] = "not-a-model"
     (d / "config.json").write_text(json.dumps(cfg))
-    _one_line_error(_cli("export", str(d), "-o", str(tmp_path / "out")), "unsupported architecture", "gpt2", "t5")
+    _one_line_error(_cli("export", str(d), "-o", str(tmp_path / "out")), "cannot read the config", "not-a-model")
+    assert not (tmp_path / "out").exists()
+
+
+def _tiny_mamba(out, tokenizer):
+    """A real AutoModelForCausalLM whose cache holds SSM states, no attention keys/values."""
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from export.models import BOS_ID, EOS_ID, PAD_ID
+
+    cfg = MambaConfig(vocab_size=len(tokenizer), hidden_size=32, state_size=4, num_hidden_layers=2,
+                      pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_model_missing_a_capability_is_refused_before_writing(tmp_path, tokenizer):
+    """Mamba: loadable, but its cache keeps no attention K/V; refused in one line, nothing written."""
+    d = _tiny_mamba(tmp_path / "mamba", tokenizer)
+    r = _cli("export", str(d), "-o", str(tmp_path / "out"))
+    _one_line_error(r, "cannot export", "MambaForCausalLM", "missing capability: attention KV cache")
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mamba"], "no temporary folder left either"
+
+
+def test_encoder_padding_side_is_probed_not_assumed(tmp_path, model_dirs, fresh_copy):
+    """BART's encoder has learned positions and takes no position ids: a tokenizer that pads left
+    (the seed thread's forced left padding) would shift them, so the probe refuses it."""
+    d = fresh_copy(model_dirs["tiny-bart"], "m")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "padding_side": "left"}))
+    _one_line_error(_cli("export", str(d), "-o", str(tmp_path / "out")), "encoder output changes with left-padding",
+                    "missing capability: padding-invariant prompts")
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_input_corrupt_config(tmp_path, model_dirs, fresh_copy):
