@@ -14,8 +14,10 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# GPT-2 and Llama: decoder-only, prompts left-padded; T5: encoder-decoder, encoder input right-padded
-ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5"]
+# GPT-2 and Llama: decoder-only, prompts left-padded; T5, BART and Marian: encoder-decoder, encoder input
+# right-padded (BART: learned positions from offset 2; Marian: sinusoidal positions, scaled embeddings, the pad
+# id as decoder start; both: final_logits_bias). Every family of export.families: tests/test_export.py.
+ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5", "tiny-bart", "tiny-marian"]
 FP16_ARCHS = ["tiny-llama"]  # the fp16 export (:func:`fp16_engine_dir`)
 
 # Parity tolerance: backend -> engine dtype -> atol (rtol 0) on log-probs against the fp32 PyTorch

@@ -6,8 +6,8 @@ Dimensions (STYLE.md, torchtune ``test_reproducibility_batched``):
   ``tensorrt-stand-in`` (the TrtEngine code paths on the host stand-in of
   tests/tensorrt_standin.py); ``tensorrt`` itself skips with the reason where it cannot run;
 - dtype: fp32, and fp16 where the backend's row of ``conftest.ATOL`` has it (``FP16_ARCHS``);
-- architecture: ``conftest.ARCHS`` -- GPT-2 and Llama with left-padded prompts, T5 with a
-  right-padded encoder input; the prompts have four lengths, so every batch is padded;
+- architecture: ``conftest.ARCHS`` -- GPT-2 and Llama with left-padded prompts, T5, BART and
+  Marian with a right-padded encoder input; the prompts have four lengths, so every batch is padded;
 - decoding: greedy and seeded sampling with temperature/top-k/top-p truncation;
 - cache: generate (prefill + one-token cached steps) and score (prefill + chunks of 1, 3 or
   all positions through the cache) against one uncached HF forward over prompt + response.

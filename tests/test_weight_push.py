@@ -52,7 +52,7 @@ def _push_both(ort, ref, named):
 
 def _roundtrip(ort, ref, prompts, named_new):
     """Perturb -> changed and equal to the reference -> restore -> the original output."""
-    params = dict(ref.model.named_parameters(remove_duplicate=False))
+    params = {**dict(ref.model.named_buffers()), **dict(ref.model.named_parameters(remove_duplicate=False))}
     original = {n: params[n].detach().clone() for n in named_new}
     batch = _probe(ref, prompts)
     before = _score(ort, batch)
@@ -185,3 +185,22 @@ def test_failed_session_open_restores_the_engine(engine_dirs, model_dirs, prompt
         ort.update_weights({name: _noisy(dict(ref.model.named_parameters())[name], 8)})
     assert len(calls) == 2 and ort.weights_version == 0
     torch.testing.assert_close(_score(ort, batch), before, atol=0, rtol=0)
+
+
+def test_marian_push_every_weight_matches_torch(engine_dirs, model_dirs, prompts):
+    """Marian, the seed thread's family: the whole 1:1 map (shared embedding tied to both graphs and
+    the lm_head, sinusoidal tables, cross K/V projections in the encoder graph, final_logits_bias)
+    pushed perturbed changes the output and equals PyTorch; restored gives the original again."""
+    from export.weight_map import canonical_params
+
+    ort, ref = _pair("tiny-marian", engine_dirs, model_dirs)
+    params, _ = canonical_params(ref.model)
+    assert set(params) == set(ort.manifest.weight_map) and "final_logits_bias" in params
+    _roundtrip(ort, ref, prompts, {n: _noisy(t, i, scale=0.05) for i, (n, t) in enumerate(params.items())})
+
+
+def test_marian_final_logits_bias_alone(engine_dirs, model_dirs, prompts):
+    """A buffer only BART-family models have: pushing it alone must reach the engine's logits."""
+    ort, ref = _pair("tiny-marian", engine_dirs, model_dirs)
+    bias = dict(ref.model.named_buffers())["final_logits_bias"]
+    _roundtrip(ort, ref, prompts, {"final_logits_bias": _noisy(bias, 3)})
