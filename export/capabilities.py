@@ -188,14 +188,22 @@ def probe_padding(model, kind: str, side: str, pad_id: int, path) -> None:
                            "prompts")
 
 
-def _decoder_start(model, path) -> int:
+def decoder_start_id(model) -> int | None:
+    """The first decoder token: ``config.decoder_start_token_id``, else the generation config's.
+
+    The one rule the exporter, the torch reference and the learner share (Marian: the pad id)."""
     start = getattr(model.config, "decoder_start_token_id", None)
     if start is None:
         start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    return None if start is None else int(start)
+
+
+def _decoder_start(model, path) -> int:
+    start = decoder_start_id(model)
     if start is None:
         raise refuse(path, "an encoder-decoder config without decoder_start_token_id (in config.json or "
                            "generation_config.json); missing capability: decoder start token")
-    return int(start)
+    return start
 
 
 @contextlib.contextmanager

@@ -147,6 +147,25 @@ def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, en
         train_step(run, 1)
 
 
+@pytest.mark.parametrize("arch", ["tiny-bart", "tiny-marian"])
+@pytest.mark.parametrize("loss", ["topk_kl", "forward_kl"])
+def test_bart_family_distill_kl_is_zero_when_student_is_teacher(model_dirs, engine_dirs, tmp_path, arch, loss):
+    """Encoder-decoder distillation on BART / Marian: with the student equal to the teacher, the held-out
+    KL at step 0 and the loss of an on-policy (student-engine) step are 0 within 1e-6, whether the teacher
+    side comes from the teacher engine's top-k or from the PyTorch teacher; the pushed student engine
+    agrees with the learner after the first update."""
+    from learner.distill.evaluate import evaluate
+
+    cfg = _cfg(model_dirs, engine_dirs, tmp_path, teacher_model_dir=str(model_dirs[arch]),
+               student_model_dir=str(model_dirs[arch]), teacher_engine_dir=str(engine_dirs[arch]),
+               student_engine_dir=str(engine_dirs[arch]), lmbda=1.0, loss=loss)
+    run = setup(cfg, resume=False, **QUIET)
+    assert run.is_seq2seq and abs(evaluate(run)["eval/kl_to_teacher"]) <= 1e-6
+    m = train_step(run, 1)
+    assert m["student/generated"] == 1 and abs(m[f"distill/{loss}"]) <= 1e-6, m
+    assert m["probe/max_abs_logprob_diff"] < 1e-4
+
+
 def test_config_refuses_incoherent_modes():
     with pytest.raises(RefitError, match="loss=ce is sequence-level KD"):
         DistillConfig.from_flat(loss="ce", seq_kd=False)

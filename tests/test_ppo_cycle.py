@@ -45,6 +45,54 @@ def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs
     assert stats["mismatch/max_abs_diff"] < 1e-4
 
 
+def _kl_at_step_zero(run, rollout):
+    """Every KL estimator of the cycle's first experience, and its engine/learner mismatch."""
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    return {k: stats[f"kl/{k}"] for k in ("k1", "k2", "k3", "exact")}, stats["mismatch/max_abs_diff"]
+
+
+@pytest.mark.parametrize("arch", ["tiny-bart", "tiny-marian"])
+def test_bart_family_kl_is_zero_at_step_zero_with_top_p_and_top_k(model_dirs, engine_dirs, tmp_path, arch):
+    """BART (learned positions from offset 2, eos as decoder start) and Marian (sinusoidal positions,
+    scaled embeddings, pad as decoder start), both with final_logits_bias: top-k 20 and top-p 0.9
+    sampling on the engine, k1/k2/k3/exact KL 0 within 1e-6, engine and learner agree."""
+    run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8), resume=False, log=lambda *_: None)
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, top_k=20, top_p=0.9, seed=3))
+    assert (rollout.rollout_logprobs - rollout.rollout_plain_logprobs)[rollout.response_mask.bool()].max() > 0
+    kls, mismatch = _kl_at_step_zero(run, rollout)
+    for k, v in kls.items():
+        assert abs(v) <= 1e-6, (k, v)
+    assert mismatch < 1e-4
+
+
+SOURCE_SENTENCES = ["Refit trains language models.", "The engine samples.",
+                    "Generation runs on exported inference engines while the learner stays in PyTorch.", "Hello"]
+
+
+def test_seed_marian_right_padded_sources_top_p_kl_zero(model_dirs, engine_dirs, tmp_path):
+    """The seed thread's open case: a Marian-geometry policy, source sentences of different lengths
+    right-padded (the encoder's native side), top-p 0.9: KL at step 0 == 0. Forcing left padding on
+    the encoder instead (the bug the thread fixed for T5) moves Marian's positions: the learner's
+    log-probs would no longer be the engine's."""
+    from learner.run.policy import learner_view
+
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-marian", tmp_path), resume=False, log=lambda *_: None)
+    sources = [run.tok(s, add_special_tokens=False).input_ids for s in SOURCE_SENTENCES]
+    rollout = run.engine.generate(sources, SamplingParams(max_new_tokens=8, top_p=0.9, seed=0, n=2))
+    lengths = rollout.prompt_mask.sum(-1)
+    assert len(set(lengths.tolist())) == len(SOURCE_SENTENCES) and rollout.prompt_mask[:, 0].all(), "right-padded"
+    kls, mismatch = _kl_at_step_zero(run, rollout)
+    for k, v in kls.items():
+        assert abs(v) <= 1e-6, (k, v)
+    assert mismatch < 1e-4
+    flipped = copy.copy(rollout)  # the same rows, encoder input moved to the left
+    flipped.prompt_ids = torch.stack([r.roll(int(r.shape[0] - n)) for r, n in zip(rollout.prompt_ids, lengths)])
+    flipped.prompt_mask = torch.stack([r.roll(int(r.shape[0] - n)) for r, n in zip(rollout.prompt_mask, lengths)])
+    left_lp = learner_view(run.policy, None, flipped, 1.0)[0]
+    m = rollout.response_mask.bool()
+    assert (left_lp - rollout.rollout_plain_logprobs)[m].abs().max() > 1e-3
+
+
 @torch.no_grad()
 def _exact_kl_reference(model, ref_model, batch, temperature):
     """Per-token KL(pi || ref) from two separate forwards of the whole batch (B, Tr)."""
@@ -174,15 +222,16 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
     run.engine.close()
 
 
-def test_t5_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path):
-    out = run_ppo(_cfg(model_dirs, engine_dirs, "tiny-t5", tmp_path, steps=3, kl_estimator="exact",
+@pytest.mark.parametrize("arch", ["tiny-t5", "tiny-bart", "tiny-marian"])
+def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path, arch):
+    out = run_ppo(_cfg(model_dirs, engine_dirs, arch, tmp_path, steps=3, kl_estimator="exact",
                        reward="learner.examples.tasks:exact_match_reward", top_k=20, save_steps=1, export_final=True),
                   log=lambda *_: None)
     rows = read_metrics(out)
     from safetensors.torch import load_file
     from transformers import AutoModelForSeq2SeqLM
 
-    final = AutoModelForSeq2SeqLM.from_pretrained(out / "final").state_dict()  # the trained T5 out as an HF folder
+    final = AutoModelForSeq2SeqLM.from_pretrained(out / "final").state_dict()  # the trained model as an HF folder
     last = load_file(str(out / "checkpoints" / "step_000003" / "policy" / "model.safetensors"))
     assert all(torch.equal(final[k], v) for k, v in last.items()) and (out / "final_engine" / "manifest.json").exists()
     assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class DistillBatch:
     """One training batch, whichever source made it. Padding rule of :mod:`rollout.types`."""
 
-    prompt_ids: torch.Tensor  # (B, Tp) int64, left-padded (decoder-only) / native side (T5)
+    prompt_ids: torch.Tensor  # (B, Tp) int64, left-padded (decoder-only) / native side (encoder-decoder)
     prompt_mask: torch.Tensor  # (B, Tp) int64
     response_ids: torch.Tensor  # (B, Tr) int64, right-padded with pad_id
     response_mask: torch.Tensor  # (B, Tr) float32, 1 up to and including the stop token

@@ -2,8 +2,8 @@
 
 Used by the embedded defaults to make a starting policy (PPO demo) or a teacher (distillation
 demo) from a random-weight local model. Decoder-only models see ``prompt + answer + EOS``
-left-padded with positions from the mask; T5 sees the prompt as encoder input (right-padded)
-and ``answer + EOS`` as labels.
+left-padded with positions from the mask; an encoder-decoder model sees the prompt as encoder
+input, padded on its tokenizer's side (right for T5, BART, Marian), and ``answer + EOS`` as labels.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def sft_batch(tok, pairs: list[tuple[str, str]], seq2seq: bool):
     """Tensors for one batch; ``labels`` are -100 outside the answer."""
     eos, pad = tok.eos_token_id, tok.pad_token_id
     if seq2seq:
-        ids, mask = pad_batch([tok(p, add_special_tokens=False).input_ids for p, _ in pairs], pad, "right")
+        ids, mask = pad_batch([tok(p, add_special_tokens=False).input_ids for p, _ in pairs], pad, tok.padding_side)
         lab, lmask = pad_batch([tok(a, add_special_tokens=False).input_ids + [eos] for _, a in pairs], pad, "right")
         labels = torch.from_numpy(lab).masked_fill(torch.from_numpy(lmask) == 0, -100)
         return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask), "labels": labels}

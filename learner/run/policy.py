@@ -2,8 +2,10 @@
 
 ``response_forward`` rebuilds the exact inputs the engine saw for a :class:`RolloutBatch`:
 decoder-only prompts left-padded with positions from the attention mask, then the response;
-encoder-decoder prompts as the encoder input on its native padding side (right for T5) and the
-decoder fed ``[decoder_start] + response[:-1]``. Logits are divided by the same temperature.
+encoder-decoder prompts as the encoder input on its native padding side (its tokenizer's: right for
+T5, BART, Marian) and the decoder fed ``[decoder_start] + response[:-1]`` (the exporter's rule,
+:func:`export.capabilities.decoder_start_id`: Marian starts from the pad id). Family details
+(final_logits_bias, scaled embeddings, position offsets) are in the HF forward, as in the engine. Logits are divided by the same temperature.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from export.capabilities import decoder_start_id
 from export.padding import position_ids_from_mask
 from learner import losses as L
 
@@ -40,6 +43,11 @@ class ForwardOut:
     values: torch.Tensor | None  # (B, Tr) value of the state before each response token
 
 
+def _unwrap(model):
+    """The HF model inside a DDP wrapper (which has no ``config``)."""
+    return getattr(model, "module", model)
+
+
 def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      is_seq2seq: bool, temperature: float = 1.0, value_head: ValueHead | None = None,
                      ) -> ForwardOut:
@@ -49,7 +57,7 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     want_hidden = value_head is not None
     tr = response_ids.shape[1]
     if is_seq2seq:
-        start = torch.full_like(response_ids[:, :1], model.config.decoder_start_token_id)
+        start = torch.full_like(response_ids[:, :1], decoder_start_id(_unwrap(model)))
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                     decoder_input_ids=torch.cat([start, response_ids[:, :-1]], 1), output_hidden_states=want_hidden)
         logits, hidden = out.logits, (out.decoder_hidden_states[-1] if want_hidden else None)
