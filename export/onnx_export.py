@@ -78,7 +78,8 @@ def graph_specs(model, caps: Capabilities) -> list[dict]:
         )]
     ids = torch.full((B, 5), 5, dtype=torch.long)
     return [
-        dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id), args=(ids, torch.ones(B, 5, dtype=torch.long)),
+        dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id),
+             args=(ids, torch.ones(B, 5, dtype=torch.long)),
              inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
              dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}}),
         dict(name="decoder", module=Seq2SeqDecoderWithPast(model, L, caps.hidden_size),

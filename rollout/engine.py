@@ -123,15 +123,18 @@ class ModelSpec:
                    max_len=min(limits) if limits else None)
 
     @classmethod
-    def from_config(cls, cfg, max_len: int | None = None, model_dir=None) -> "ModelSpec":
+    def from_config(cls, cfg, max_len: int | None = None, model_dir=None,
+                    decoder_start: int | None = None) -> "ModelSpec":
         """From an HF config; the encoder's padding side is its tokenizer's (``model_dir``, else the
-        folder the config was loaded from), as the exporter decides it (export.padding)."""
+        folder the config was loaded from), as the exporter decides it (export.padding).
+        ``decoder_start`` overrides the config's (export.capabilities.decoder_start_id)."""
         seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
         eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
         side = native_padding_side(seq2seq, model_dir or getattr(cfg, "_name_or_path", None) or None)
         limit = max_len or getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         return cls(kind="seq2seq" if seq2seq else "decoder", pad_id=cfg.pad_token_id or 0, eos_id=eos,
-                   decoder_start_id=getattr(cfg, "decoder_start_token_id", None) if seq2seq else None,
+                   decoder_start_id=(decoder_start if decoder_start is not None
+                                     else getattr(cfg, "decoder_start_token_id", None)) if seq2seq else None,
                    prompt_side=side, vocab_size=cfg.vocab_size, max_len=limit)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from export.capabilities import decoder_start_id
 from export.errors import RefitError
 from export.padding import position_ids_from_mask
 from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
@@ -95,7 +96,8 @@ class TorchEngine:
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.model, engine_max_len = _load(source, dtype)
-        self.spec = ModelSpec.from_config(self.model.config, max_len=max_len or engine_max_len)
+        self.spec = ModelSpec.from_config(self.model.config, max_len=max_len or engine_max_len,
+                                          decoder_start=decoder_start_id(self.model))
         self._version = 0
 
     @property

@@ -224,8 +224,10 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
 
 @pytest.mark.parametrize("arch", ["tiny-t5", "tiny-bart", "tiny-marian"])
 def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path, arch):
+    """A dense reward moves the policy off the reference, so the exact KL after step 1 is > 0, never < 0."""
     out = run_ppo(_cfg(model_dirs, engine_dirs, arch, tmp_path, steps=3, kl_estimator="exact",
-                       reward="learner.examples.tasks:exact_match_reward", top_k=20, save_steps=1, export_final=True),
+                       reward="learner.examples.tasks:length_reward", top_k=20, top_p=0.9, save_steps=1,
+                       export_final=True),
                   log=lambda *_: None)
     rows = read_metrics(out)
     from safetensors.torch import load_file
@@ -235,7 +237,7 @@ def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path
     last = load_file(str(out / "checkpoints" / "step_000003" / "policy" / "model.safetensors"))
     assert all(torch.equal(final[k], v) for k, v in last.items()) and (out / "final_engine" / "manifest.json").exists()
     assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6
-    assert all(r["kl/exact"] >= 0 for r in rows)
+    assert all(r["kl/exact"] >= 0 for r in rows) and rows[-1]["kl/exact"] > 1e-8, [r["kl/exact"] for r in rows]
     assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows)
     for key in ("kl/k1", "kl/k2", "kl/k3", "ppo/clipfrac", "ppo/approx_kl", "ppo/vf_loss", "policy/entropy",
                 "value/explained_variance", "mismatch/token_mult_prob_error", "time/rollout", "time/score",

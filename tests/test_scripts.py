@@ -21,7 +21,7 @@ def _run(script, *args, timeout=600):
 
 
 @pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh",
-                                    "distill_batch.sh"])
+                                    "distill_batch.sh", "family_table.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -41,6 +41,22 @@ def test_train_ppo_script_default(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["min_exact_kl"] >= 0
+
+
+@pytest.mark.slow
+def test_family_table_script_one_family(tmp_path, monkeypatch):
+    """The table script on one family (Marian, the seed's): a row that passed every stage, written into
+    a README between the markers, and the JSON record last."""
+    monkeypatch.setenv("PYTHON", sys.executable)  # the script's interpreter: this one, not a .venv it looks for
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- families:start -->\nold\n<!-- families:end -->\nafter\n")
+    r = _run("family_table.sh", "--only", "Marian", "--readme", str(readme))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(r.stdout.strip().splitlines()[-1])[0]
+    assert rec["export"] == "ok" and rec["parity"] < 1e-4 and rec["trt_check"] == "ok"
+    assert abs(rec["ppo"]["kl0"]) <= 1e-6 and rec["ppo"]["min_exact_kl"] >= 0 and abs(rec["distill"]["kl0"]) <= 1e-6
+    text = readme.read_text()
+    assert "| Marian | sinusoidal" in text and "old" not in text and text.endswith("after\n")
 
 
 def test_unknown_argument_is_one_line(tmp_path):

@@ -48,3 +48,14 @@ def answer_of(prompt: str) -> str:
 def exact_match_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """1.0 when the response (stripped) equals the reference answer, else 0.0."""
     return [1.0 if r.strip() == answer_of(p) else 0.0 for p, r in zip(prompts, responses)]
+
+
+def length_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """Characters in the response / 32, at most 1: a dense toy reward for smoke runs.
+
+    A random-weight model almost never gets ``exact_match_reward``'s 1.0, and an all-zero reward
+    leaves the policy where it started; this one differs between any two samples whose tokens
+    spell strings of different lengths, so a few PPO steps move the policy off the reference and
+    the KL is exercised, not trivially 0.
+    """
+    return [min(len(r), 32) / 32 for r in responses]

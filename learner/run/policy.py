@@ -5,7 +5,8 @@ decoder-only prompts left-padded with positions from the attention mask, then th
 encoder-decoder prompts as the encoder input on its native padding side (its tokenizer's: right for
 T5, BART, Marian) and the decoder fed ``[decoder_start] + response[:-1]`` (the exporter's rule,
 :func:`export.capabilities.decoder_start_id`: Marian starts from the pad id). Family details
-(final_logits_bias, scaled embeddings, position offsets) are in the HF forward, as in the engine. Logits are divided by the same temperature.
+(final_logits_bias, scaled embeddings, position offsets) are in the HF forward, as in the engine.
+Logits are divided by the same temperature.
 """
 
 from __future__ import annotations

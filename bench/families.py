@@ -1,0 +1,162 @@
+"""The README's family table, from real runs: ``python -m bench.families [--only NAME ...] [--readme FILE]``.
+
+For each family of :data:`export.families.FAMILIES` (GPT-2 ... Marian): build its tiny checkpoint
+(random weights, the local tokenizer), export it through the parity gate, run the CPU-side
+TensorRT checks (``export.trt_check``), then two PPO steps (top-k 20, top-p 0.9, exact-KL
+penalty, a weight push and probe each step) and two distillation steps with the model as its own
+teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0) is the KL of the
+first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table
+(and, with ``--readme``, replaces the table between the README's ``families`` markers); the last
+stdout line is one JSON document with every record, as the benchmarks do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from export.families import FAMILIES, export_family
+
+MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
+SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
+
+
+def _quiet(*_):
+    pass
+
+
+def ppo_smoke(rec: dict, root: Path) -> dict:
+    """Two PPO steps on the family's engine (a dense reward, so step 2's policy has moved); KL(0), the
+    smallest and the last exact KL, the largest probe diff."""
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import run_ppo
+    from learner.run.metrics import read_metrics
+
+    cfg = PPOConfig(model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"),
+                    batch_size=4, num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
+                    kl_estimator="exact", reward="learner.examples.tasks:length_reward", max_operand=9,
+                    num_prompts=32, **SMOKE)
+    rows = read_metrics(run_ppo(cfg, log=_quiet))
+    return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
+            "last_exact_kl": rows[-1]["kl/exact"],
+            "probe": max(r["probe/max_abs_logprob_diff"] for r in rows), "steps": len(rows)}
+
+
+def distill_smoke(rec: dict, root: Path) -> dict:
+    """Two distillation steps, the model its own teacher: held-out KL at step 0, the loss of each step."""
+    from learner.distill.config import DistillConfig
+    from learner.distill.cycle import run_distill
+    from learner.run.metrics import read_metrics
+
+    cfg = DistillConfig(teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"],
+                        teacher_engine_dir=rec["engine_dir"], student_engine_dir=rec["engine_dir"],
+                        output_dir=str(root / "distill"), batch_size=4, eval_size=4, num_prompts=32,
+                        max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
+    rows = read_metrics(run_distill(cfg, log=_quiet))
+    steps = [r for r in rows if r["step"] > 0]
+    return {"kl0": rows[0]["eval/kl_to_teacher"], "step1_loss": steps[0]["loss"],
+            "probe": max(r["probe/max_abs_logprob_diff"] for r in steps), "steps": len(steps)}
+
+
+def _run(stage, rec: dict, root: Path) -> dict | str:
+    try:
+        return stage(rec, root)
+    except Exception as e:  # noqa: BLE001 - a failing family is a row of the table, not the end of the report
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def family_record(name: str, geometry: str, root: Path, tokenizer, log=print) -> dict:
+    t0 = time.perf_counter()
+    rec = {"family": name, **export_family(geometry, root, tokenizer, log=_quiet)}
+    if rec["export"] == "ok":
+        rec["ppo"] = _run(ppo_smoke, rec, root / "runs" / geometry)
+        rec["distill"] = _run(distill_smoke, rec, root / "runs" / geometry)
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"{name}: export {rec['export']}, {rec['seconds']} s")
+    return rec
+
+
+def _features(c: dict) -> str:
+    """What the probe found, in a few words (export.capabilities)."""
+    pos = c["positions"] + (f" from {c['position_offset']}" if c["position_offset"] else "")
+    if c["rotary_fraction"] not in (None, 1.0):
+        pos = f"{c['rotary_fraction']:g} rotary"
+    out = [pos]
+    if c["n_kv_heads"] < c["n_heads"]:
+        out.append(f"GQA {c['n_heads']}/{c['n_kv_heads']}")
+    if c["sliding_window"]:
+        out.append(f"window {c['sliding_window']}")
+    if c["embed_scale"] != 1.0:
+        out.append(f"embed x{c['embed_scale']:.2f}")
+    out.append("tied head" if c["tied_head"] else "untied head")
+    if c["final_logits_bias"]:
+        out.append("final_logits_bias")
+    if c["decoder_start_id"] is not None:
+        out.append(f"{c['padding_side']}-padded encoder, start id {c['decoder_start_id']}")
+    return ", ".join(out)
+
+
+def _cell(res, fmt) -> str:
+    return res if isinstance(res, str) else fmt(res)
+
+
+def _ppo_cell(r: dict) -> str:
+    ok = r["min_exact_kl"] >= 0 and abs(r["kl0"]) <= 1e-6
+    return f"{'ok' if ok else 'FAIL'}: KL(0) {r['kl0']:.1e}, step-2 exact KL {r['last_exact_kl']:.1e} (>= 0)"
+
+
+def _distill_cell(r: dict) -> str:
+    ok = abs(r["kl0"]) <= 1e-6 and abs(r["step1_loss"]) <= 1e-6
+    return f"{'ok' if ok else 'FAIL'}: KL(0) {r['kl0']:.1e}, step-1 loss {r['step1_loss']:.1e}"
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| family | what the probe found | export | parity max abs dlogprob | TensorRT CPU checks "
+             "| PPO (2 steps, top-k 20, top-p 0.9) | distill (2 steps, self-teacher) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["export"] != "ok":
+            lines.append(f"| {r['family']} | | {r['export']} | | | | |")
+            continue
+        lines.append(f"| {r['family']} | {_features(r['capabilities'])} | ok | {r['parity']:.1e} | {r['trt_check']} "
+                     f"| {_cell(r['ppo'], _ppo_cell)} | {_cell(r['distill'], _distill_cell)} |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{readme} has no {MARK_START} ... {MARK_END} markers")
+    readme.write_text(pattern.sub(lambda _: f"{MARK_START}\n{table}\n{MARK_END}", text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from export.models import build_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", default=None, help=f"families to run (default all: {', '.join(FAMILIES)})")
+    p.add_argument("--work-dir", default="", help="where checkpoints, engines and runs go (default: a temp folder)")
+    p.add_argument("--readme", default="", help="replace the table between the family markers of this file")
+    a = p.parse_args(argv)
+    chosen = {n: g for n, g in FAMILIES.items() if a.only is None or n in a.only or g in a.only}
+    if not chosen:
+        p.error(f"no family matches {a.only}; known: {', '.join(FAMILIES)}")
+    tok = build_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="refit-families-") as tmp:
+        root = Path(a.work_dir) if a.work_dir else Path(tmp)
+        records = [family_record(n, g, root, tok) for n, g in chosen.items()]
+    table = markdown(records)
+    print(table)
+    if a.readme:
+        update_readme(Path(a.readme), table)
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("model_dir", "engine_dir")} for r in records]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
