@@ -22,6 +22,7 @@ from pathlib import Path
 from export.families import FAMILIES, export_family
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
+# flat field names (learner.run.config.from_flat maps them to their sections)
 SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
 
 
@@ -36,10 +37,10 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
     from learner.ppo.cycle import run_ppo
     from learner.run.metrics import read_metrics
 
-    cfg = PPOConfig(model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"),
-                    batch_size=4, num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
-                    kl_estimator="exact", reward="learner.examples.tasks:length_reward", max_operand=9,
-                    num_prompts=32, **SMOKE)
+    cfg = PPOConfig.from_flat(
+        model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
+        num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9, kl_estimator="exact",
+        reward="learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
     rows = read_metrics(run_ppo(cfg, log=_quiet))
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],
@@ -52,10 +53,10 @@ def distill_smoke(rec: dict, root: Path) -> dict:
     from learner.distill.cycle import run_distill
     from learner.run.metrics import read_metrics
 
-    cfg = DistillConfig(teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"],
-                        teacher_engine_dir=rec["engine_dir"], student_engine_dir=rec["engine_dir"],
-                        output_dir=str(root / "distill"), batch_size=4, eval_size=4, num_prompts=32,
-                        max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
+    cfg = DistillConfig.from_flat(
+        teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
+        student_engine_dir=rec["engine_dir"], output_dir=str(root / "distill"), batch_size=4, eval_size=4,
+        num_prompts=32, max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
     rows = read_metrics(run_distill(cfg, log=_quiet))
     steps = [r for r in rows if r["step"] > 0]
     return {"kl0": rows[0]["eval/kl_to_teacher"], "step1_loss": steps[0]["loss"],
