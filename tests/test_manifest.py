@@ -89,19 +89,32 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     assert json.dumps(m.to_dict(), indent=1) == text
     old = _raw("t5" if arch == "tiny-t5" else "gpt2")
     old.pop("tensorrt", None)
-    assert _layout(json.loads(text)) == _layout(old)
+    fresh = json.loads(text)
+    caps = fresh.pop("capabilities")  # the one section added since (optional: old folders load without it)
+    assert _layout(fresh) == _layout(old) and caps["kind"] == fresh["kind"]
     m.write(tmp_path)
     assert (tmp_path / MANIFEST).read_text() == text and [p.name for p in tmp_path.iterdir()] == [MANIFEST]
 
 
 def test_unknown_top_level_section_is_preserved(tmp_path):
     raw = _raw("gpt2")
-    raw["capabilities"] = {"tied_head": True, "positions": "learned"}  # e.g. a newer exporter's section
+    raw["quantization"] = {"scheme": "int8", "per_channel": True}  # e.g. a newer exporter's section
     m = Manifest.from_dict(raw)
-    assert m.extra == {"capabilities": raw["capabilities"]} and m.to_dict() == raw
+    assert m.extra == {"quantization": raw["quantization"]} and m.to_dict() == raw
     replace(m, export_seconds=1.0).write(tmp_path)  # what build_engines does: rewrite with one field changed
     back = json.loads((tmp_path / MANIFEST).read_text())
-    assert back["capabilities"] == raw["capabilities"] and back["export_seconds"] == 1.0
+    assert back["quantization"] == raw["quantization"] and back["export_seconds"] == 1.0
+
+
+def test_capabilities_record_must_agree_with_the_geometry(engine_dirs):
+    """The probe's record is typed and checked: a capabilities block that contradicts dims is one line."""
+    raw = json.loads((engine_dirs["tiny-gpt2"] / MANIFEST).read_text())
+    assert Manifest.from_dict(raw).capabilities.tied_head is True
+    raw["capabilities"]["n_kv_heads"] = 3
+    _one_line_error(raw, "capabilities.n_kv_heads is 3")
+    raw["capabilities"]["tied_head"] = "yes"
+    with pytest.raises(RefitError, match="capabilities.tied_head: expected bool"):
+        Manifest.from_dict(raw)
 
 
 # ---------------------------------------------------------------------------- strict parsing
