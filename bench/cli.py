@@ -1,4 +1,4 @@
-"""``refit bench generate|refit|ppo|workers``: benchmarks whose last stdout line is one JSON document."""
+"""``refit bench generate|refit|ppo|workers|inflight``: benchmarks whose last stdout line is one JSON document."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ class BenchGenerate:
 
     machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
     source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
-    backends: str = opt("torch,onnxruntime", "comma list of Refit backends")
+    backends: str = opt("torch,onnxruntime,onnxruntime-plain",
+                        "comma list of Refit backends (onnxruntime: the engine folder, fused attention by default; "
+                        "onnxruntime-plain: the standard-op graph of the same model)")
     batch_sizes: str = opt("1,8,32", "comma list of batch sizes")
     prompt_len: int = opt(32, "prompt tokens per row")
     new_tokens: int = opt(64, "generated tokens per row")
@@ -73,7 +75,21 @@ class BenchWorkers:
     steps: int = opt(8, "PPO steps per run (the first 2 are not timed)")
 
 
-BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "workers": BenchWorkers}
+@dataclass(frozen=True)
+class BenchInflight:
+    """A variable-length workload: static batches vs in-flight batching (same rows, tokens/s, peak RSS)."""
+
+    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+    source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
+    rows: int = opt(128, "rows (prompts) in the workload")
+    slots: int = opt(32, "engine batch: slots (in-flight) or batch size (static)")
+    prompt_len: int = opt(32, "prompt tokens per row")
+    new_tokens: int = opt(128, "max new tokens per row")
+    stop_frac: float = opt(1 / 32, "fraction of the vocabulary whose tokens stop a row (mean length ~1/stop_frac)")
+
+
+BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "workers": BenchWorkers,
+           "inflight": BenchInflight}
 
 
 def _usage() -> str:
@@ -120,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(m, a.source)
         out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
+    elif which == "inflight":
+        from bench.inflight import bench_inflight
+
+        _, engine = _model_and_engine(m, a.source)
+        out = bench_inflight(engine, a.rows, a.slots, a.prompt_len, a.new_tokens, a.stop_frac, a.source.repeats,
+                             m.threads)
     elif which == "workers":
         from bench.workers import bench_workers
 

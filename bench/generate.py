@@ -119,9 +119,61 @@ def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: i
     return _summarise(calls, runs, len(prompts), new_tokens, mem.mb)
 
 
+def decode_step_gflop(model, batch: int, context: int) -> tuple[float, list[tuple[int, int]]]:
+    """GFLOP of one decode step of ``batch`` rows at ``context`` cached tokens, and the (in, out) weight shapes.
+
+    2 * rows * in * out per projection (every Linear/Conv1D, the lm_head included) plus the attention's
+    2 * 2 * rows * context * hidden per layer (scores and weighted sum).
+    """
+    shapes = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if w is None or w.dim() != 2 or isinstance(m, torch.nn.Embedding):
+            continue
+        shapes.append(tuple(w.shape) if type(m).__name__ == "Conv1D" else (w.shape[1], w.shape[0]))
+    cfg = model.config
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    flop = sum(2 * batch * i * o for i, o in shapes) + 4 * batch * context * hidden * layers
+    return flop / 1e9, shapes
+
+
+def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repeats: int = 5) -> float:
+    """GFLOP/s of plain ``torch.matmul`` (B, in) @ (in, out) over the decode step's weight shapes, on this
+    machine, now (median of ``repeats`` passes): the limit a decode step could reach on these cores."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(batch, i, generator=gen), torch.randn(i, o, generator=gen)) for i, o in set(shapes)]
+    count = {s: shapes.count(s) for s in set(shapes)}
+    flop = sum(2 * batch * i * o * count[(i, o)] for i, o in set(shapes))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for x, w in pairs:
+            for _ in range(count[tuple(w.shape)]):
+                torch.matmul(x, w)
+        times.append(time.perf_counter() - t0)
+    return flop / statistics.median(times[1:]) / 1e9
+
+
+def _plain_twin(model_dir: Path, engine_dir: Path, log) -> Path:
+    """The standard-op (plain attention) graph of the same model beside ``engine_dir`` (exported or reused)."""
+    from export.manifest import Manifest
+    from export.onnx_export import ExportOptions, export_onnx
+
+    m = Manifest.read(engine_dir)
+    out = engine_dir.with_name(engine_dir.name + "-plain")
+    return export_onnx(model_dir, out, ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
+                                                     attention="plain"), log=log)
+
+
 def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
                    new_tokens: int, repeats: int, threads: int, log=print) -> dict:
+    """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
+    standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
+    of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
     from export.checkpoint import load_model, model_info
+    from export.manifest import Manifest
     from rollout.engine import create_engine
 
     torch.set_num_threads(threads)
@@ -134,15 +186,25 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     hf = load_model(model_dir, info, attn="sdpa")
     engines = {}
     for b in backends:
-        engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
+        if b == "onnxruntime-plain":
+            engines[b] = create_engine("onnxruntime", _plain_twin(model_dir, engine_dir, log), threads=threads)
+        else:
+            engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
+    limits = {}
     for bs in batch_sizes:
         prompts = all_prompts[:bs]
+        gflop, shapes = decode_step_gflop(hf, bs, prompt_len + new_tokens // 2)
+        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": round(matmul_gflops(shapes, bs, threads), 2)}
+        log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP; torch.matmul of its shapes runs at "
+            f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here")
         r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id)
+        r["matmul_fraction"] = round(gflop / (r["decode_ms_p50"] / 1e3) / limits[bs]["matmul_gflops"], 3)
         results.append({"backend": "hf_generate", "batch": bs, **r})
         log(f"batch {bs:>3} hf_generate   {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
             f"decode p50 {r['decode_ms_p50']:6.1f} ms")
         for name, eng in engines.items():
             r = run_engine(eng, prompts, new_tokens, repeats)
+            r["matmul_fraction"] = round(gflop / (r["decode_ms_p50"] / 1e3) / limits[bs]["matmul_gflops"], 3)
             results.append({"backend": name, "batch": bs, **r})
             log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
                 f"decode p50 {r['decode_ms_p50']:6.1f} ms")
@@ -153,6 +215,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
                    for r in results if r["backend"] == b} for b in backends}
     return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
             "threads": threads, "repeats": repeats, "results": results, "speedup_vs_hf_generate": speedup,
+            "onnxruntime_attention": Manifest.read(engine_dir).attention or "plain", "matmul_limit": limits,
             "load_avg": _load(load_before)}
 
 

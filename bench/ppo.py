@@ -60,6 +60,8 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
     finally:
         for run in runs.values():
             run.engine.close()
+            if run.ref_engine is not None:
+                run.ref_engine.close()
     phases = {}
     for name in names:
         timed = rows[name][1:]  # the first iteration is the warm-up
@@ -70,7 +72,16 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "response_length": response_length, "threads": threads, "repeats": repeats,
             "phases_s": phases, "rollout_speedup": round(phases["hf"]["time/rollout"] / phases[backend]["time/rollout"], 3),
             "speedup": round(phases["hf"]["time/step"] / phases[backend]["time/step"], 3),
-            "speedup_per_iteration": [round(x, 3) for x in paired]}
+            "speedup_per_iteration": [round(x, 3) for x in paired],
+            "push_share_of_step": round(phases[backend]["time/weight_push"] / phases[backend]["time/step"], 4),
+            "engine_attention": _attention(engine), "ref_backend": {n: "onnxruntime" if runs[n].ref_engine is not None
+                                                                   else "torch" for n in names}}
+
+
+def _attention(engine: Path) -> str:
+    from export.manifest import Manifest
+
+    return Manifest.read(engine).attention or "plain"
 
 
 def length_reward(prompts: list[str], responses: list[str]) -> list[float]:

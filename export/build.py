@@ -22,15 +22,16 @@ ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported 
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 
-def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int) -> bool:
-    """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``."""
+def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime") -> bool:
+    """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
+    (for TensorRT: with the standard-op graph, not the fused-attention one)."""
     from export.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
         return False
     m = Manifest.read(engine_dir)
     return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
-            and m.dims.max_len >= max_len)
+            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused"))
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
@@ -43,11 +44,15 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     """
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     opts = opts or ExportOptions()
+    if backend == "tensorrt" and opts.attention == "auto":  # TensorRT builds from the standard-op graph
+        from dataclasses import replace
+
+        opts = replace(opts, attention="plain")
     if backend == "tensorrt":
         from export.tensorrt_build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits):
+    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
         export_onnx(model_dir, engine_dir, opts, log=log)

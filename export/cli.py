@@ -32,11 +32,15 @@ class ExportConfig:
     max_len: int = opt(512, "largest prompt + response length the engine accepts")
     parity_tol: float | None = opt(None, "max |log-prob| difference engine vs PyTorch (default: 1e-4 fp32, "
                                          "5e-2 fp16, 1e-1 bf16)")
+    attention: Literal["auto", "fused", "plain"] = opt(
+        "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
+                "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
+                "applies and passes the parity gate, else plain; recorded in the manifest)")
 
 
 def main(argv: list[str] | None = None) -> int:
     a, _ = parse(ExportConfig, argv, "refit export")
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
-                         parity_tol=a.parity_tol)
+                         parity_tol=a.parity_tol, attention=a.attention)
     print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
     return 0

@@ -205,6 +205,11 @@ class Manifest:
     parity: Parity | None = field(default=None, metadata=_OPTIONAL)  # added once the gate passed
     export_seconds: float | None = field(default=None, metadata=_OPTIONAL)  # whole export, gate included
     tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=_OPTIONAL)  # {graph: plan} once built
+    # decoder attention (export/fused.py): "fused" = GroupQueryAttention over a preallocated KV buffer
+    # (graph inputs seqlens_k/query_seqlens, compact rows); "plain" or None (folders exported before
+    # the field existed) = standard ops, concatenated cache, attention_mask input
+    attention: str | None = field(default=None, metadata=_OPTIONAL)
+    attention_reason: str | None = field(default=None, metadata=_OPTIONAL)  # why this attention was chosen
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 
     # ---------------------------------------------------------------------- file
@@ -304,6 +309,8 @@ def _scalar_problems(m: Manifest) -> list[str]:
     for name in ("pad", "eos"):
         if getattr(m.special_ids, name) < 0:
             p.append(f"special_ids.{name} is negative")
+    if m.attention not in (None, "plain", "fused"):
+        p.append(f"attention {m.attention!r} is not plain or fused")
     if m.kind == "seq2seq" and m.special_ids.decoder_start is None:
         p.append("special_ids.decoder_start is null, a seq2seq engine needs it")
     return p

@@ -48,6 +48,10 @@ class ExportOptions:
     max_batch: int = 64  # largest batch the engine accepts (TensorRT profile max)
     max_len: int = 512  # largest prompt + response length the engine accepts
     parity_tol: float | None = None  # max |logprob diff| allowed; default by dtype (fp32: 1e-4)
+    # decoder attention: "fused" (ORT GroupQueryAttention over a preallocated KV buffer, export/fused.py),
+    # "plain" (standard ops, concatenated cache; TensorRT and the fallback), "auto" (fused where it
+    # applies and passes the parity gate, else plain; the manifest records which and why)
+    attention: str = "auto"
 
 
 PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
@@ -57,8 +61,12 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
 
-def graph_specs(model, caps: Capabilities) -> list[dict]:
+def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
+    if attention == "fused":
+        from export.fused import fused_spec
+
+        return [fused_spec(model, caps)]
     D = torch.export.Dim
     batch, seq, past, total, enc, keep = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq"), D("keep")
     L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
@@ -100,6 +108,7 @@ def _trace(spec: dict):
         prog = torch.onnx.export(
             spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
             dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False,
+            custom_translation_table=spec.get("translation"),
         )
     return prog.model_proto
 
@@ -247,8 +256,6 @@ def _atomic_replace(tmp: Path, out_dir: Path) -> None:
 def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions = ExportOptions(),
                 log=print) -> Path:
     """Export ``model_dir`` to the engine folder ``out_dir`` (reused when weights and options match)."""
-    from export.parity import parity_gate
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     info = model_info(model_dir)
     tok = load_tokenizer(model_dir, info)
@@ -269,40 +276,82 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     fp_params, _ = canonical_params(shadow)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        specs = graph_specs(shadow, caps)
-        protos = {s["name"]: _trace(s) for s in specs}
-        for p in protos.values():
-            gemm_for_transposed_weights(p)
-        wmap = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()}, dtype)
-        check_one_to_one(wmap)
-        real = engine_weights(params, wmap, dtype)
-        graphs = {}
-        for s in specs:
-            path = tmp / f"{s['name']}.onnx"
-            _write_graph(protos[s["name"]], real.get(s["name"], {}), path)
-            graphs[s["name"]] = GraphSpec(
-                file=path.name, data=path.name + ".data", inputs=tuple(s["inputs"]), outputs=tuple(s["outputs"]),
-                sha256=_sha256_files([path]), weights_sha256=_sha256_files([tmp / (path.name + ".data")]))
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        shutil.copy(model_dir / "config.json", tmp / "config.json")
-        export_s = time.perf_counter() - t0
-        manifest = _manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, export_s)
-        manifest.write(tmp)
-        tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
-        manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
-                           export_seconds=round(time.perf_counter() - t0, 3))
-        manifest.write(tmp)
-        _atomic_replace(tmp, out_dir)
-    finally:
+    attention, why = choose_attention(model, caps, opts)
+    while True:
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            manifest = _export_to(tmp, (model, shadow, params, fp_params, tied), info, caps, tok, opts, key,
+                                  (attention, why), model_dir, t0)
+            _atomic_replace(tmp, out_dir)
+            break
+        except Exception as e:  # noqa: BLE001 - under "auto" a failing fused graph falls back to plain
+            if attention != "fused" or opts.attention != "auto":
+                raise
+            attention, why = "plain", f"fused graph failed ({str(e).splitlines()[0][:200]}); fell back to plain"
+            log(f"refit export: {why}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     p = manifest.parity
     log(f"refit export: wrote {out_dir} in {manifest.export_seconds:.1f} s; parity max|dlogit|="
-        f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {tol:g})")
+        f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
+        f"attention {manifest.attention})")
     return out_dir
+
+
+def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
+    """("fused" | "plain", why) for ``opts.attention``; RefitError when "fused" is asked for where it cannot run."""
+    from export.fused import supports_fused
+
+    if opts.attention not in ("auto", "fused", "plain"):
+        raise RefitError(f"unknown attention {opts.attention!r}; choose auto, fused or plain")
+    if opts.attention == "plain":
+        return "plain", "asked for (attention=plain)"
+    reason = supports_fused(model, caps, opts.backend, opts.dtype)
+    if reason is None:
+        return "fused", f"{opts.attention}: GroupQueryAttention over a preallocated KV buffer"
+    if opts.attention == "fused":
+        raise RefitError(f"attention=fused does not apply here: {reason}")
+    return "plain", reason
+
+
+def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions, key: str,
+               attention: tuple[str, str], model_dir: Path, t0: float) -> Manifest:
+    """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest."""
+    from export.parity import parity_gate
+
+    model, shadow, params, fp_params, tied = models
+    fused = attention[0] == "fused"
+    specs = graph_specs(copy.deepcopy(shadow) if fused else shadow, caps, attention[0])
+    protos = {s["name"]: _trace(s) for s in specs}
+    for p in protos.values():
+        gemm_for_transposed_weights(p)
+    wmap = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()}, DTYPES[opts.dtype])
+    check_one_to_one(wmap)
+    real = engine_weights(params, wmap, DTYPES[opts.dtype])
+    graphs = {}
+    for s in specs:
+        path = tmp / f"{s['name']}.onnx"
+        _write_graph(protos[s["name"]], real.get(s["name"], {}), path)
+        graphs[s["name"]] = GraphSpec(
+            file=path.name, data=path.name + ".data", inputs=tuple(s["inputs"]), outputs=tuple(s["outputs"]),
+            sha256=_sha256_files([path]), weights_sha256=_sha256_files([tmp / (path.name + ".data")]))
+    tok.save_pretrained(str(tmp / "tokenizer"))
+    shutil.copy(model_dir / "config.json", tmp / "config.json")
+    manifest = replace(_manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, time.perf_counter() - t0),
+                       attention=attention[0], attention_reason=attention[1])
+    if fused:
+        from export.fused import fused_dynamic_dims, fused_profiles
+
+        manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(),
+                           profiles=fused_profiles(caps, opts.max_batch, opts.max_len))
+    manifest.write(tmp)
+    tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
+    manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
+                       export_seconds=round(time.perf_counter() - t0, 3))
+    manifest.write(tmp)
+    return manifest
 
 
 def _position_limit(info: ModelInfo, caps: Capabilities) -> int | None:

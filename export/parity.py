@@ -38,8 +38,15 @@ def _np_dtype(manifest: Manifest):
 
 
 def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
-    """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed."""
+    """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed.
+
+    A fused-attention graph (manifest ``attention``) runs through :func:`export.fused.fused_greedy_logits`
+    on the same left-padded prompts."""
     sessions = {g: open_session(engine_dir / spec.file)[0] for g, spec in manifest.graphs.items()}
+    if manifest.attention == "fused":
+        from export.fused import fused_greedy_logits
+
+        return fused_greedy_logits(sessions["decoder"], manifest, ids, mask, n_decode)
     dt, b = _np_dtype(manifest), ids.shape[0]
     past = _empty_past(manifest, b, dt)
     steps, fed = [], []
@@ -94,7 +101,7 @@ def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: flo
     dlogp = float(np.abs(_log_softmax(eng) - _log_softmax(ref)).max())
     record = Parity(max_abs_logit_diff=dlogit, max_abs_logprob_diff=dlogp, tolerance_logprob=tol,
                     prompts=len(seqs), prompt_lengths=tuple(len(s) for s in seqs), decode_steps=n_decode,
-                    padding_side=manifest.padding.prompt_side, reference="PyTorch uncached forward")
+                    padding_side=manifest.padding.prompt_side, reference=f"PyTorch uncached forward; engine attention {manifest.attention or 'plain'}")
     if not np.isfinite(dlogp) or dlogp > tol:
         raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} "
                          f"(max |logit diff| {dlogit:.3e}); the engine does not compute what PyTorch computes")

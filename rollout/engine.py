@@ -26,7 +26,7 @@ import torch
 from export.errors import RefitError
 from export.manifest import Manifest
 from export.padding import check_left_padded, check_right_padded, native_padding_side, pad_batch
-from rollout.sampling import StepBuffers, make_generator, one_thread, sample_step
+from rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
 from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
@@ -222,24 +222,31 @@ class _PhaseClock:
         self.t = time.perf_counter()
 
 
+def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    """(prompt, sample) of each prompt-major row: the key of its random stream (rollout.sampling.RowStreams)."""
+    return [(int(p), i % n) for i, p in enumerate(index.tolist())]
+
+
 def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                spec: ModelSpec, on_step: StepHook | None = None) -> dict[str, torch.Tensor]:
+                spec: ModelSpec, on_step: StepHook | None = None,
+                keys: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
     """Generate up to ``max_new_tokens`` per row; finished rows are fed pad with mask 0.
 
     Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
     ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
+    ``keys`` (default: row i is (i, 0)) key each row's random stream (rollout.sampling.RowStreams).
     """
     b = ids.shape[0]
     clock = _PhaseClock(on_step) if on_step is not None else None
     stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
-    gen = make_generator(params.seed)
+    gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
     scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
     alive = torch.ones(b, dtype=torch.bool)
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
     # 1. prefill: the whole prompt through the model, logits for the first response token
     logits = state.prefill(ids, mask)
     for step in range(params.max_new_tokens):
-        # 2. sample (one draw per row per step, so the random stream is row-state free); the (B, V)
+        # 2. sample (one draw per row per step from the row's own stream); the (B, V)
         #    host work runs on one thread, see rollout.sampling.one_thread
         with one_thread():
             tok, proc, plain, top = sample_step(logits, params, gen, scratch)
@@ -271,8 +278,13 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
 
 
 def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: list[list[int]],
-                 sampling: SamplingParams, version: int, on_step: StepHook | None = None) -> RolloutBatch:
-    """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch."""
+                 sampling: SamplingParams, version: int, on_step: StepHook | None = None,
+                 slots: int | None = None, inflight: bool = True) -> RolloutBatch:
+    """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch.
+
+    ``slots`` < rows decodes at most that many rows at once (rollout.batching.schedule): in flight on a
+    state that supports slots, else in static batches of ``slots``. The rows are the same either way.
+    """
     if not isinstance(sampling, SamplingParams):
         raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     check_prompts(prompts, spec.max_len, sampling.max_new_tokens, spec.vocab_size)
@@ -281,8 +293,10 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
                          f"({spec.vocab_size})")
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
     # no_grad, not inference_mode: inference tensors would break the learner's autograd later
+    from rollout.batching import schedule  # rollout.batching imports this module's decode_loop
+
     with torch.no_grad():
-        out = decode_loop(new_state(), ids, mask, sampling, spec, on_step)
+        out = schedule(new_state, ids, mask, sampling, spec, row_keys(index, sampling.n), slots, inflight, on_step)
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,
                          sampling=sampling, is_seq2seq=spec.kind == "seq2seq", pad_id=spec.pad_id,
                          eos_id=spec.eos_id, **out)

@@ -138,12 +138,15 @@ class _OrtSeq2SeqState:
 class OrtEngine:
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
+    ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
+    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``: consecutive static
+    batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
-                 keep_heap: bool = True):
+                 keep_heap: bool = True, slots: int | None = None, inflight: bool = True):
         from export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
@@ -163,6 +166,19 @@ class OrtEngine:
         self.weights = read_engine_weights(self.engine_dir, self.manifest)  # the held set: our own buffers
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
+        self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
+        self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
+        self._kv_pool = None
+        if self.manifest.attention == "fused":  # rollout/ort_fused.py: GroupQueryAttention, shared KV buffers
+            if device != "cpu":
+                raise RefitError(f"{self.engine_dir} has the fused-attention graph, run here on the CPU provider "
+                                 "only (not tested on CUDA); use device='cpu' or re-export with attention=plain")
+            from rollout.ort_fused import KVPool
+
+            d = self.manifest.dims
+            names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
+            np_dtype = np.float16 if self._dtype == torch.float16 else np.float32
+            self._kv_pool = KVPool(names, d.n_kv_heads, d.head_dim, np_dtype, d.max_len)
 
     def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
         """{graph: session} over each graph file: ``new[graph]`` weights, the held ones for the rest.
@@ -191,17 +207,25 @@ class OrtEngine:
     def weights_version(self) -> int:
         return self._version
 
-    def _new_state(self):
+    def _new_state(self, capacity: int = 0):
+        """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
+        if self._kv_pool is not None:
+            from rollout.ort_fused import FusedDecoderState
+
+            return FusedDecoderState(self.sessions["decoder"], self._kv_pool, capacity)
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
                  on_step: StepHook | None = None) -> RolloutBatch:
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
+        cap = max((len(p) for p in prompts), default=0) + sampling.max_new_tokens
+        return run_generate(lambda: self._new_state(cap), self.spec, prompts, sampling, self._version, on_step,
+                            self.slots, self.inflight)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
               topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
-        return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
-                         temperature, topk, chunk_size)
+        cap = prompt_ids.shape[-1] + response_ids.shape[-1]
+        return run_score(lambda: self._new_state(cap), self.spec, prompt_ids, prompt_mask, response_ids,
+                         response_mask, temperature, topk, chunk_size)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1.
@@ -242,4 +266,4 @@ class OrtEngine:
         self._version = next_version(self._version, version)
 
     def close(self) -> None:
-        self.sessions, self.weights = {}, {}
+        self.sessions, self.weights, self._kv_pool = {}, {}, None

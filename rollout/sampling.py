@@ -1,8 +1,9 @@
 """Logit processing and sampling, shared by every backend (gpt-fast style small functions).
 
-Every backend feeds its float32 logits through these functions with one ``torch.Generator``
-per ``generate`` call, so the same seed gives the same tokens on any backend whose logits
-agree. Semantics follow HF's ``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` ->
+Every backend feeds its float32 logits through these functions with one random stream per row
+(:class:`RowStreams`, keyed by (prompt, sample)), so the same seed gives the same tokens on any
+backend whose logits agree, and a row's tokens do not depend on the batch it is decoded in.
+Semantics follow HF's ``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` ->
 ``TopPLogitsWarper`` (ties at the k-th value are kept; top-p keeps the smallest set whose
 cumulative probability reaches ``top_p`` and always the most likely token).
 
@@ -42,6 +43,41 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(int(seed))
     return g
+
+
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """The seed of row (prompt, sample) of a call seeded with ``seed``: a SeedSequence hash, 63 bits."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), int(prompt), int(sample)]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class RowStreams:
+    """One random stream per row, keyed by (prompt, sample), so a row's tokens do not depend on the batch.
+
+    Each row draws from its own ``torch.Generator`` seeded by :func:`row_seed`; the k-th sampled
+    token of a row uses the k-th draw of its stream whatever the slot it sits in, the other rows,
+    or the order rows arrive in (in-flight batching, rollout/batching.py). ``seed=None`` picks a
+    random base seed once per call. A slot's stream is replaced when a new row takes the slot.
+    """
+
+    def __init__(self, seed: int | None, keys: list[tuple[int, int]]):
+        self.base = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.gens = [self._gen(k) for k in keys]
+
+    def _gen(self, key: tuple[int, int]) -> torch.Generator:
+        return make_generator(row_seed(self.base, *key))
+
+    def assign(self, slot: int, key: tuple[int, int]) -> None:
+        """Slot ``slot`` now holds row ``key``: a fresh stream for it."""
+        self.gens[slot] = self._gen(key)
+
+    def exponential(self, n: int) -> torch.Tensor:
+        """(rows, n) float64 Exp(1) draws, row i from stream i (each stream advances by n)."""
+        out = torch.empty(len(self.gens), n, dtype=torch.float64)
+        for i, g in enumerate(self.gens):
+            out[i].exponential_(generator=g)
+        return out
 
 
 def plain_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -127,7 +163,7 @@ def one_thread():
 RACE_BLOCK = 256  # tokens per block of the two-level race (~sqrt(V) for a 50k vocabulary)
 
 
-def _race(scores: torch.Tensor, generator: torch.Generator,
+def _race(scores: torch.Tensor, generator: "torch.Generator | RowStreams",
           buffers: StepBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw from softmax(scores) (B, V), -inf = never: (ids (B,), row max (B, 1), float64 sum of exp (B, 1)).
 
@@ -143,7 +179,10 @@ def _race(scores: torch.Tensor, generator: torch.Generator,
     if full < v:
         mass = torch.cat([mass, w[:, full:].sum(-1, keepdim=True)], 1)  # (B, n_blocks)
     mass = mass.double()
-    log_e = torch.empty(b, n_blocks + RACE_BLOCK, dtype=torch.float64).exponential_(generator=generator)
+    if isinstance(generator, RowStreams):
+        log_e = generator.exponential(n_blocks + RACE_BLOCK)  # (B, n_blocks + RACE_BLOCK), one stream per row
+    else:
+        log_e = torch.empty(b, n_blocks + RACE_BLOCK, dtype=torch.float64).exponential_(generator=generator)
     log_e = log_e.clamp_(min=1e-300).log_()  # an E of exactly 0 would make a -inf key NaN
     block = (mass.log() - log_e[:, :n_blocks]).argmax(-1, keepdim=True)  # (B, 1)
     idx = block * RACE_BLOCK + torch.arange(RACE_BLOCK)  # (B, RACE_BLOCK) token ids of the block

@@ -65,8 +65,9 @@ def model_dirs(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
-def engine_dirs(tmp_path_factory, model_dirs):
-    """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs`."""
+def default_engine_dirs(tmp_path_factory, model_dirs):
+    """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs` with the
+    default options: the fused-attention decoder graph for GPT-2 and Llama, the plain one for T5."""
     from export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("engines")
@@ -172,3 +173,22 @@ def fresh_copy(tmp_path):
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def engine_dirs(default_engine_dirs):
+    """{geometry: engine folder} most tests run on (a test module may override it, see test_tensorrt.py)."""
+    return default_engine_dirs
+
+
+@pytest.fixture(scope="session")
+def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
+    """{geometry: engine folder with the standard-op (plain attention) decoder graph}: what TensorRT builds
+    from. engine_dirs holds the default export, the fused-attention graph for decoder-only models."""
+    from export.manifest import Manifest
+    from export.onnx_export import ExportOptions, export_onnx
+
+    root = tmp_path_factory.mktemp("plain-engines")
+    return {g: d if Manifest.read(d).attention != "fused" else
+            export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128, attention="plain"),
+                        log=lambda *_: None) for g, d in default_engine_dirs.items()}

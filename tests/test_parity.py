@@ -59,7 +59,8 @@ def engine(request, engine_dirs, trt_folders):
     def get(backend: str, dtype: str, arch: str):
         if (backend, dtype, arch) not in made:
             src = engine_dirs[arch] if dtype == "fp32" else request.getfixturevalue("fp16_engine_dir")
-            if backend.startswith("tensorrt"):
+            if backend.startswith("tensorrt"):  # TensorRT builds from the standard-op graph
+                src = request.getfixturevalue("plain_engine_dirs")[arch] if dtype == "fp32" else src
                 folders = trt_folders("stand-in" if backend == "tensorrt-stand-in" else "tensorrt")
                 made[backend, dtype, arch] = folders.open(folders.get(f"{arch}-{dtype}", src))
             else:

@@ -41,6 +41,13 @@ from tensorrt_standin import TRT_REASON, use_stand_in
 GPU_ONLY = [pytest.mark.tensorrt, pytest.mark.gpu]
 
 
+@pytest.fixture(scope="session")
+def engine_dirs(plain_engine_dirs):
+    """TensorRT builds from the standard-op graph (the fused graph's contrib op is ONNX Runtime's): the engine
+    folders here are the plain-attention exports."""
+    return plain_engine_dirs
+
+
 def _raw(d: Path) -> dict:
     """The manifest JSON of ``d`` as a plain dict, to plant a fault in (then ``Manifest.from_dict``)."""
     return json.loads((d / "manifest.json").read_text())

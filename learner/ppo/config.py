@@ -71,6 +71,10 @@ class PPOConfig:
     tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "
                                     "scales the policy gradient, falls below this")
     seq_mask_threshold: float = _f(1.0, "seq_mask: drop sequences whose max |logprob diff| exceeds this")
+    ref_backend: Literal["auto", "torch", "onnxruntime"] = _f(
+        "auto", "where the frozen reference scores ref_logprobs (and the exact KL): 'onnxruntime' on the exported "
+                "reference engine (the policy's engine folder, never pushed), 'torch' a PyTorch forward; auto: "
+                "onnxruntime when rollout.backend is an engine (onnxruntime, tensorrt)")
 
     from_flat = classmethod(from_flat)
 

@@ -72,6 +72,7 @@ class Run:
     tis_warned: bool = False  # the small-TIS-weights warning is given once per run
     expected_version: int = 0  # the engine weights_version a rollout must come from
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
+    ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
@@ -119,17 +120,31 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if engine is None:
         return run
     run.expected_version = engine.weights_version
+    run.ref_engine = reference_engine(cfg, run_dir)
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
                                 SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids))
     return run
 
 
+def reference_engine(cfg: PPOConfig, run_dir: Path) -> Engine | None:
+    """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
+    policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``."""
+    from rollout.engine import create_engine
+
+    engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
+    if cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and not engine_backend):
+        return None
+    folder = Path(cfg.model.engine_dir or run_dir / "engine")
+    return create_engine("onnxruntime", folder, threads=cfg.rollout.engine_threads or None)
+
+
 def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages."""
     cfg, t = run.cfg, run.cfg.rollout.temperature
     critic = cfg.advantage_estimator == "gae"
-    sc = score_batch(run.policy, run.value_head if critic else None, run.ref, rollout, t)  # one policy + one ref fwd
+    ref = run.ref_engine if run.ref_engine is not None else run.ref
+    sc = score_batch(run.policy, run.value_head if critic else None, ref, rollout, t)  # one policy + one ref fwd
     old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
     mask = rollout.response_mask.clone()
     stats = mismatch_stats(rollout, old_lp)
@@ -266,7 +281,7 @@ def final(run: Run, log=print) -> None:
 
 def ppo_job(log=print) -> Job:
     return Job("ppo", setup=setup, step=partial(step_and_evaluate, log=log), save=save,
-               engines=lambda run: [run.engine],
+               engines=lambda run: [run.engine, run.ref_engine],
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
                plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))
 

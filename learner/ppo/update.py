@@ -49,19 +49,37 @@ class Scored:
     exact_kl: torch.Tensor  # KL(pi || ref) over the full vocabulary; >= 0 by construction
 
 
+def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
+    """(b, Tr, V) reference log-probs of rows ``s`` at ``temperature``, scored on a frozen reference engine.
+
+    ``Engine.score`` with ``topk = V`` returns every token's plain log-prob (sorted); they are put back
+    in vocabulary order. Same padding and positions as the learner's forward (the engine's padding
+    rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
+    """
+    out = ref_engine.score(batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
+                           batch.response_mask[s], temperature=temperature, topk=vocab)
+    return torch.zeros(out.topk_logprobs.shape).scatter_(-1, out.topk_ids, out.topk_logprobs)
+
+
 @torch.no_grad()
 def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = 16) -> Scored:
     """Everything the PPO step needs from the learner, from ONE policy and ONE reference forward per chunk.
 
     Same inputs (padding, positions, temperature) as :func:`learner_view`, which it equals
     field by field; the exact KL is taken from the same logits instead of two extra forwards.
+    ``ref_model`` is the frozen reference as a PyTorch module, or an Engine over the reference's
+    engine folder (``ref_backend: onnxruntime``): its full-vocabulary log-probs then stand in for the
+    reference logits (log_softmax of log-probs is themselves).
     """
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "v", "ent", "ref", "kl")}
     for i in range(0, batch.num_rows, chunk):
         s = slice(i, i + chunk)
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
         pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
-        ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
+        if isinstance(ref_model, torch.nn.Module):
+            ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
+        else:
+            ref = engine_ref_logprobs(ref_model, batch, s, temperature, pol.logits.shape[-1]).to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         parts["lp"].append(L.logprobs_from_logits(pol.logits, ids).cpu())
         parts["v"].append(pol.values.float().cpu() if pol.values is not None else torch.zeros(ids.shape))

@@ -1,0 +1,351 @@
+"""Fused-attention decoder graphs: ONNX Runtime's ``com.microsoft.GroupQueryAttention`` over one
+preallocated KV buffer per layer, past and present sharing memory.
+
+The plain graph (:mod:`export.wrappers`) takes the cache as ``past`` (B, H_kv, P, D) and returns
+``present`` (B, H_kv, P+T, D): every decode step concatenates, i.e. copies, the whole cache.
+Here, as in onnxruntime-genai's ``past_present_share_buffer``, ``past.{i}.key`` is a buffer of the
+engine's capacity ``C`` (B, H_kv, C, D) and the engine binds ``present.{i}.key`` to the same
+memory: the op writes the new positions in place and copies nothing.
+
+Layout (the op's contract, ORT >= 1.32 CPU): each row's tokens sit at buffer positions
+``[0, T_b)`` with ``T_b = seqlens_k[b] + 1``; a step's chunk (B, S) is right-padded, its first
+``query_seqlens[b]`` rows valid (0 = an idle row whose cache is left unchanged). Rows are thus
+*compact*, not left-padded: position ids are the row's own token count, which equals the plain
+graph's ``cumsum(attention_mask) - 1`` on a left-padded prompt, so the log-prob contract holds
+unchanged. The caller keeps ``T_b`` per row; no attention mask is an input.
+
+How it is exported: a transformers attention function (``AttentionInterface``) calls the torch
+custom op ``refit::gqa`` (a reference implementation in PyTorch, used by the tests), and the
+dynamo exporter's ``custom_translation_table`` lowers that op to the contrib op. The rest of the
+model (embeddings, learned or rotary positions, MLP, lm_head) is HF's own code, so the weight
+map is built by content exactly as for the plain graph and stays 1:1.
+
+Not covered: T5's decoder. Its attention (transformers 5.24 ``T5Attention``) does not go through
+``AttentionInterface`` and adds a relative position bias; GroupQueryAttention's
+``attention_bias`` input could take that bias, but that needs a T5-specific wrapper (not done).
+Encoder-decoder engines keep the plain graph; ``attention="fused"`` on them is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+ATTN_NAME = "refit_gqa"  # the transformers attention implementation registered here
+
+_ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and the presents it collects
+
+
+@torch.library.custom_op("refit::gqa", mutates_args=())
+def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
+        past_value: torch.Tensor, seqlens_k: torch.Tensor, total_len: torch.Tensor, query_seqlens: torch.Tensor,
+        num_heads: int, kv_num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GroupQueryAttention's contract in PyTorch (the reference the ONNX graph is tested against).
+
+    query (B, S, N*D), key/value (B, S, H_kv*D), past_key/value (B, H_kv, C, D); seqlens_k and
+    query_seqlens (B,) int32; total_len () int32 (an upper bound of seqlens_k + 1, unused here).
+    Row b: T = seqlens_k[b] + 1 tokens after the step, Q = query_seqlens[b] of them new, written at
+    [T - Q, T); query row s < Q attends causally to buffer positions [0, T - Q + s]. Returns
+    (output (B, S, N*D), present_key, present_value); output rows >= Q are 0.
+    """
+    b, s, _ = query.shape
+    c, d = past_key.shape[2], past_key.shape[3]
+    q = query.view(b, s, num_heads, d).transpose(1, 2)  # (B, N, S, D)
+    k = key.view(b, s, kv_num_heads, d).transpose(1, 2)  # (B, H_kv, S, D)
+    v = value.view(b, s, kv_num_heads, d).transpose(1, 2)
+    pk, pv = past_key.clone(), past_value.clone()
+    out = torch.zeros(b, num_heads, s, d, dtype=query.dtype)
+    rep = num_heads // kv_num_heads
+    for i in range(b):
+        t, n = int(seqlens_k[i]) + 1, int(query_seqlens[i])
+        if n == 0:
+            continue
+        pk[i, :, t - n:t], pv[i, :, t - n:t] = k[i, :, :n], v[i, :, :n]
+        keys = pk[i, :, :t].repeat_interleave(rep, 0)  # (N, T, D)
+        vals = pv[i, :, :t].repeat_interleave(rep, 0)
+        scores = q[i, :, :n] @ keys.transpose(-1, -2) * scale  # (N, Q, T)
+        causal = torch.arange(t)[None, :] > (t - n + torch.arange(n))[:, None]  # (Q, T)
+        out[i, :, :n] = scores.masked_fill(causal, float("-inf")).softmax(-1) @ vals
+    assert c >= 1
+    return out.transpose(1, 2).reshape(b, s, num_heads * d), pk, pv
+
+
+@gqa.register_fake
+def _(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, num_heads, kv_num_heads,
+      scale):
+    return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+_GQA_INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+               "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
+               "k_norm_weight", "query_seqlens"]  # ORT 1.32's input order
+
+
+def _register_onnx_schema() -> None:
+    """Teach ``onnx.defs`` the contrib op's signature (the part used here), so onnxscript can build the node.
+
+    ONNX Runtime owns the real schema; onnx's Python registry does not know ``com.microsoft``.
+    """
+    from onnx import defs
+
+    if defs.has("GroupQueryAttention", "com.microsoft"):
+        return
+    S = defs.OpSchema
+    types = {"seqlens_k": "M", "total_sequence_length": "M", "query_seqlens": "M", "position_ids": "I"}
+    single = {"query", "seqlens_k", "total_sequence_length"}
+    inputs = [S.FormalParameter(n, types.get(n, "T"), param_option=S.FormalParameterOption.Single if n in single
+                                else S.FormalParameterOption.Optional) for n in _GQA_INPUTS]
+    outputs = [S.FormalParameter(n, "T") for n in ("output", "present_key", "present_value")]
+    defs.register_schema(S(
+        "GroupQueryAttention", "com.microsoft", 1, inputs=inputs, outputs=outputs,
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], ""),
+                          ("I", ["tensor(int64)"], "")],
+        attributes=[S.Attribute("num_heads", S.AttrType.INT), S.Attribute("kv_num_heads", S.AttrType.INT),
+                    S.Attribute("scale", S.AttrType.FLOAT, required=False)]))
+
+
+def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens,
+              num_heads: int, kv_num_heads: int, scale: float):
+    """``refit::gqa`` -> com.microsoft.GroupQueryAttention (opset 1), inputs by the op's schema order."""
+    import onnxscript
+
+    msft = onnxscript.values.Opset("com.microsoft", 1)
+    return msft.GroupQueryAttention(
+        query, key, value, past_key, past_value, seqlens_k, total_len,
+        None, None, None, None, None, None, None, None, None, query_seqlens,  # cos..k_norm_weight unused
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
+
+
+def translation_table() -> dict:
+    """For ``torch.onnx.export(custom_translation_table=...)``."""
+    _register_onnx_schema()
+    return {torch.ops.refit.gqa.default: _gqa_onnx}
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: (B, N, S, D) q, (B, H_kv, S, D) k/v of the new tokens only
+    (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers and lengths
+    come from the fused call in progress (:class:`FusedDecoder`)."""
+    st = _ACTIVE[-1]
+    i = module.layer_idx
+    b, n, s, d = query.shape
+    h = key.shape[1]
+    out, pk, pv = torch.ops.refit.gqa(
+        query.transpose(1, 2).reshape(b, s, n * d), key.transpose(1, 2).reshape(b, s, h * d),
+        value.transpose(1, 2).reshape(b, s, h * d), st["past"][2 * i], st["past"][2 * i + 1],
+        st["seqlens_k"], st["total_len"], st["query_seqlens"], n, h, float(scaling if scaling is not None else d ** -0.5))
+    st["present"][2 * i], st["present"][2 * i + 1] = pk, pv
+    return out.view(b, s, n, d), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the op masks by seqlens_k / query_seqlens; no (B, 1, S, T) mask is built
+
+
+def register() -> None:
+    """Register the attention function and its (empty) mask with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+@contextlib.contextmanager
+def _active(state: dict):
+    _ACTIVE.append(state)
+    try:
+        yield state
+    finally:
+        _ACTIVE.pop()
+
+
+class FusedDecoder(torch.nn.Module):
+    """(input_ids (B,S), position_ids (B,S), seqlens_k (B,), query_seqlens (B,), total_len (),
+    logits_index (B,K), *past (B,H_kv,C,D)) -> (logits (B,K,V), *present (B,H_kv,C,D)).
+
+    ``logits_index`` picks, per row, the chunk positions whose logits are computed (prefill: each
+    row's last valid position; decode: 0; score: every position). The model's attention
+    implementation is switched to :data:`ATTN_NAME` for the wrapper's lifetime.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        register()
+        self.model = model
+        model.config._attn_implementation = ATTN_NAME
+        for m in model.modules():  # sub-configs cache the implementation too (transformers 5)
+            if hasattr(m, "config") and hasattr(m.config, "_attn_implementation"):
+                m.config._attn_implementation = ATTN_NAME
+        self.n_layers = model.config.num_hidden_layers
+
+    def forward(self, input_ids, position_ids, seqlens_k, query_seqlens, total_len, logits_index, *past):
+        state = dict(past=past, present=[None] * (2 * self.n_layers), seqlens_k=seqlens_k,
+                     query_seqlens=query_seqlens, total_len=total_len)
+        with _active(state):
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        b, k = logits_index.shape
+        picked = hidden.gather(1, logits_index[:, :, None].expand(b, k, hidden.shape[-1]))  # (B, K, H)
+        logits = self.model.get_output_embeddings()(picked)
+        return (logits, *state["present"])
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
+    """None when the fused graph applies to this export, else the reason it does not (one line).
+
+    Decided from what the model does, not its type: a decoder-only model whose attention layers go
+    through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
+    (``layer_idx``), no sliding window. Whether the graph computes what PyTorch computes is the parity
+    gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
+    """
+    if backend != "onnx":
+        return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
+    if caps.kind != "decoder":
+        return "encoder-decoder: the fused graph covers decoder-only models (T5: see export/fused.py)"
+    if dtype != "fp32":
+        return f"dtype {dtype}: the fused graph is exported and gated in fp32 only (fp16 not measured here)"
+    if caps.sliding_window:
+        return f"sliding-window attention ({caps.sliding_window}): the op's local_window_size is not wired here"
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
+    attn = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if not attn or any(getattr(m, "layer_idx", None) is None for m in attn):
+        return "an attention module does not know its layer index (layer_idx)"
+    return None
+
+
+def fused_spec(model, caps) -> dict:
+    """The decoder graph spec (as :func:`export.onnx_export.graph_specs` returns) of the fused graph."""
+    D = torch.export.Dim
+    batch, seq, cap, keep = D("batch"), D("seq"), D("cap"), D("keep")
+    L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
+    names = [f"past.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
+    args = (torch.full((B, 3), 5, dtype=torch.long), torch.arange(3).expand(B, 3).contiguous(),
+            torch.tensor([2, 1], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
+            torch.tensor(8, dtype=torch.int32), torch.tensor([[2, 1], [1, 0]]),  # keep 2, not 1: export specialises 1
+            *[torch.zeros(B, H, 8, Dh, dtype=model.dtype) for _ in range(2 * L)])
+    return dict(
+        name="decoder", module=FusedDecoder(model), args=args,
+        inputs=["input_ids", "position_ids", "seqlens_k", "query_seqlens", "total_sequence_length", "logits_index",
+                *names],
+        outputs=["logits", *[n.replace("past", "present", 1) for n in names]],
+        dynamic={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}, "seqlens_k": {0: batch},
+                 "query_seqlens": {0: batch}, "total_len": None, "logits_index": {0: batch, 1: keep},
+                 "past": tuple({0: batch, 2: cap} for _ in range(2 * L))},
+        translation=translation_table())
+
+
+def fused_profiles(caps, max_batch: int, max_len: int) -> dict:
+    """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph)."""
+    from export.manifest import ShapeRange
+
+    def shapes(b, s, c, k):
+        d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
+             "total_sequence_length": [], "logits_index": [b, k]}
+        d.update({f"past.{i}.{kv}": [b, caps.n_kv_heads, c, caps.head_dim]
+                  for i in range(caps.n_layers) for kv in ("key", "value")})
+        return d
+
+    def profile(lo, opt, hi):
+        return {n: ShapeRange(min=tuple(lo[n]), opt=tuple(opt[n]), max=tuple(hi[n])) for n in lo}
+
+    ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
+    return {"decoder": {
+        "prefill": profile(shapes(1, 1, 1, 1), shapes(ob, ol, max_len, 1), shapes(max_batch, max_len, max_len, max_len)),
+        "decode": profile(shapes(1, 1, 1, 1), shapes(ob, 1, max_len, 1), shapes(max_batch, 1, max_len, 1)),
+    }}
+
+
+def fused_dynamic_dims() -> dict[str, str]:
+    return {"batch": "rows in the batch (engine slots)", "seq": "chunk length (right-padded per row)",
+            "cap": "KV buffer capacity: positions per row, past and present share it",
+            "keep": "positions per row whose logits are returned (logits_index width)"}
+
+
+# ----------------------------------------------------------------------------- running the graph
+
+
+def compact(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded (B, T) prompts -> right-padded ids (B, T), positions (B, T) and lengths (B,) int32.
+
+    Row b's ``n_b`` real tokens move to ``[0, n_b)``; its positions are ``0..n_b-1``, the plain graph's
+    ``cumsum(mask) - 1`` at those tokens.
+    """
+    n = mask.sum(1).astype(np.int32)
+    t = ids.shape[1]
+    src = (t - n)[:, None] + np.arange(t)[None, :]  # (B, T): where token j of the compact row comes from
+    valid = np.arange(t)[None, :] < n[:, None]
+    out = np.where(valid, np.take_along_axis(ids, np.minimum(src, t - 1), 1), 0).astype(np.int64)
+    pos = np.where(valid, np.arange(t)[None, :], 0).astype(np.int64)
+    return out, pos, n
+
+
+class KVBuffers:
+    """One (B, H_kv, C, D) buffer per layer and K/V, as numpy arrays and the OrtValues over their memory.
+
+    Bound as both ``past`` and ``present`` of every run, so GroupQueryAttention writes in place.
+    Positions at or beyond a row's length are never read (the op bounds each row by ``seqlens_k``),
+    so a buffer is reused across batches without clearing it.
+    """
+
+    def __init__(self, names: list[str], batch: int, n_kv_heads: int, capacity: int, head_dim: int, dtype):
+        import onnxruntime as ort
+
+        self.batch, self.capacity = batch, capacity
+        self.arrays = {n: np.zeros((batch, n_kv_heads, capacity, head_dim), dtype) for n in names}
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
+
+    def rows(self, start: int, stop: int) -> dict:
+        """OrtValues over rows [start, stop) of every buffer (a view: same memory)."""
+        import onnxruntime as ort
+
+        return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
+
+
+def run_fused(sess, host: dict[str, np.ndarray], kv: dict) -> np.ndarray:
+    """One run with ``kv`` ({past name: OrtValue}) bound as past and present; returns the logits (B, K, V)."""
+    io = sess.io_binding()
+    for name, arr in host.items():
+        io.bind_cpu_input(name, np.ascontiguousarray(arr))
+    for name, val in kv.items():
+        io.bind_ortvalue_input(name, val)
+        io.bind_ortvalue_output(name.replace("past", "present", 1), val)
+    io.bind_output("logits", "cpu")
+    sess.run_with_iobinding(io)
+    return io.get_outputs()[-1].numpy()
+
+
+def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """Host inputs of one fused step: chunk ``ids`` (B, S) right-padded, rows holding ``start`` (B,) tokens
+    before it and ``n_new`` (B,) valid new ones (0: idle row), logits at ``keep`` (B, K) chunk positions."""
+    s = ids.shape[1]
+    total = start + n_new
+    return {"input_ids": ids.astype(np.int64), "position_ids": (start[:, None] + np.arange(s)[None, :]).astype(np.int64),
+            "seqlens_k": np.maximum(total - 1, 0).astype(np.int32), "query_seqlens": n_new.astype(np.int32),
+            "total_sequence_length": np.array(max(int(total.max()), 1), np.int32), "logits_index": keep.astype(np.int64)}
+
+
+def fused_greedy_logits(sess, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
+    """The parity gate's engine side on a fused graph's session, as ``export.parity.engine_greedy_logits``:
+    the same left-padded prompts (compacted here), prefill + ``n_decode`` greedy cached steps, shared buffers."""
+    g = manifest.graphs["decoder"]
+    dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]
+    b = ids.shape[0]
+    kv = KVBuffers([n for n in g.inputs if n.startswith("past.")], b, manifest.dims.n_kv_heads,
+                   ids.shape[1] + n_decode + 1, manifest.dims.head_dim, dt)
+    cids, _, n = compact(ids, mask)
+    logits = run_fused(sess, step_inputs(cids, np.zeros(b, np.int32), n, (n - 1)[:, None]), kv.values)
+    steps, fed = [], []
+    for _ in range(n_decode + 1):
+        last = logits[:, -1].astype(np.float32)
+        steps.append(last)
+        nxt = last.argmax(-1)[:, None].astype(np.int64)
+        fed.append(nxt)
+        logits = run_fused(sess, step_inputs(nxt, n, np.ones(b, np.int32), np.zeros((b, 1))), kv.values)
+        n = n + 1
+    return np.stack(steps, 1), np.concatenate(fed, 1)

@@ -1,0 +1,130 @@
+"""In-flight (continuous) batching: a fixed number of slots; when a row stops, the next waiting row
+(the next prompt, or the next sample of a prompt) is prefilled into its slot while the others keep
+decoding. vLLM's and SGLang's schedulers do this per step; here the slot count is the engine's
+batch, and the rows wait in prompt-major order.
+
+A row's result does not depend on the slot count or the arrival order: its random stream is keyed
+by (prompt, sample) (:class:`rollout.sampling.RowStreams`), its KV positions are its own (a fused
+engine's rows are compact, rollout/ort_fused.py), and its position ids are its own token count.
+The output is the same record as the static loop's (:func:`rollout.engine.decode_loop`): rows in
+input order, responses right-padded to the longest, log-probs 0.0 on padding.
+
+A state that supports slots has, besides ``extend``, ``open(slots)`` (buffers for that many rows,
+all idle) and ``admit(slot, ids (1, Tp), mask (1, Tp)) -> (V,)`` (prefill one left-padded prompt
+into a slot; the logits after its last token). An idle slot is fed mask 0 and keeps its cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
+from rollout.types import SamplingParams
+
+
+def supports_slots(state) -> bool:
+    return hasattr(state, "admit") and hasattr(state, "open")
+
+
+def schedule(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,
+             keys: list[tuple[int, int]], slots: int | None, inflight: bool = True,
+             on_step=None) -> dict[str, torch.Tensor]:
+    """Decode rows (N, Tp) with at most ``slots`` at once: one static batch when ``slots`` is None or >= N;
+    in flight when ``inflight`` and the backend's state supports slots; else consecutive static batches
+    of ``slots`` rows, each decoded until its longest row ends (rows keep their keys either way).
+    ``on_step`` (rollout.engine.StepHook) is called by the static loop; the in-flight loop mixes prefills
+    and decode steps in one step, so it reports nothing."""
+    from rollout.engine import decode_loop
+
+    n = ids.shape[0]
+    if not slots or slots >= n:
+        return decode_loop(new_state(), ids, mask, params, spec, on_step, keys)
+    state = new_state()
+    if inflight and supports_slots(state):
+        return inflight_loop(state, ids, mask, params, spec, slots, keys)
+    outs = [decode_loop(state if i == 0 else new_state(), ids[i:i + slots], mask[i:i + slots], params, spec,
+                        on_step, keys[i:i + slots]) for i in range(0, n, slots)]
+    return _concat(outs, spec.pad_id)
+
+
+def _concat(outs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Row-wise concatenation of decode-loop dicts, right-padding each to the longest response."""
+    tr = max(o["response_ids"].shape[1] for o in outs)
+    fill = {"response_ids": pad_id, "topk_ids": pad_id}
+    res = {}
+    for k in outs[0]:
+        parts = []
+        for o in outs:
+            t = o[k]
+            pad = torch.full((t.shape[0], tr - t.shape[1], *t.shape[2:]), fill.get(k, 0), dtype=t.dtype)
+            parts.append(torch.cat([t, pad], 1))
+        res[k] = torch.cat(parts)
+    return res
+
+
+def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec, slots: int,
+                  keys: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Decode every row of the left-padded ``ids``/``mask`` (N, Tp) through ``slots`` slots.
+
+    ``keys[r]`` = (prompt, sample) of row r seeds its stream. Returns the decode loop's dict.
+    """
+    n_rows = ids.shape[0]
+    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
+    streams = RowStreams(params.seed, [keys[0]] * slots)
+    scratch = StepBuffers()
+    waiting = deque(range(n_rows))
+    row = torch.full((slots,), -1, dtype=torch.int64)  # row held by each slot; -1 = idle
+    length = torch.zeros(slots, dtype=torch.int64)  # tokens the slot's row has emitted
+    log: list[tuple[torch.Tensor, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
+
+    def admit(slot: int) -> None:
+        r = waiting.popleft()
+        row[slot], length[slot] = r, 0
+        streams.assign(slot, keys[r])
+        logits[slot] = state.admit(slot, ids[r:r + 1], mask[r:r + 1])
+
+    state.open(slots)
+    logits = torch.zeros(slots, spec.vocab_size)
+    # 1. fill the slots with waiting rows (a prefill gives the logits of the row's first token)
+    for s in range(min(slots, n_rows)):
+        admit(s)
+    while (row >= 0).any():
+        live = row >= 0
+        # 2. sample every slot (idle ones too: their draws go unused), one stream per row
+        with one_thread():
+            tok, proc, plain, top = sample_step(logits, params, streams, scratch)
+        log.append((row[live].clone(), length[live].clone(), tok[live], proc[live], plain[live],
+                    None if top is None else top[0][live], None if top is None else top[1][live]))
+        # 3. stop bookkeeping: the stop token stays inside the mask; a row also ends at max_new_tokens
+        length += live.long()
+        done = live & (torch.isin(tok, stops) | (length >= params.max_new_tokens))
+        row[done] = -1
+        cont = row >= 0
+        # 4. decode one token for the rows that go on; the others idle (mask 0, cache untouched)
+        if cont.any():
+            logits = state.extend(torch.where(cont, tok, spec.pad_id)[:, None], cont[:, None].long())[:, -1].clone()
+        # 5. refill freed slots from the queue (prefill into the slot while the others' caches stay)
+        for s in torch.nonzero(done).flatten().tolist():
+            if waiting:
+                admit(s)
+    return _assemble(log, n_rows, spec.pad_id, params.return_topk)
+
+
+def _assemble(log: list, n_rows: int, pad_id: int, k: int) -> dict[str, torch.Tensor]:
+    """Per-step records -> (N, Tr) tensors in row order, right-padded (pad id, mask 0, log-probs 0)."""
+    tr = max(int(steps.max()) + 1 for _, steps, *_ in log)
+    out = {"response_ids": torch.full((n_rows, tr), pad_id, dtype=torch.int64),
+           "response_mask": torch.zeros(n_rows, tr), "rollout_logprobs": torch.zeros(n_rows, tr),
+           "rollout_plain_logprobs": torch.zeros(n_rows, tr)}
+    if k:
+        out["topk_logprobs"] = torch.zeros(n_rows, tr, k)
+        out["topk_ids"] = torch.full((n_rows, tr, k), pad_id, dtype=torch.int64)
+    for rows, steps, tok, proc, plain, tk_lp, tk_ids in log:
+        at = (rows, steps)
+        out["response_ids"][at], out["response_mask"][at] = tok, 1.0
+        out["rollout_logprobs"][at], out["rollout_plain_logprobs"][at] = proc.float(), plain.float()
+        if k:
+            out["topk_logprobs"][at], out["topk_ids"][at] = tk_lp.float(), tk_ids.long()
+    return out

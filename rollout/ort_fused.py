@@ -1,0 +1,88 @@
+"""Stepping a fused-attention engine (export/fused.py) on ONNX Runtime: one preallocated KV buffer per
+layer and K/V, written in place by GroupQueryAttention, reused from batch to batch.
+
+Rows are compact in the buffer: row b's tokens sit at positions ``[0, n_b)``. A left-padded prompt
+batch (the padding rule every caller keeps) is compacted on the way in; its positions are
+``0..n_b-1``, the plain graph's ``cumsum(mask) - 1``. A step's chunk (B, c) carries, per row, the
+count of valid tokens (its mask's sum; the mask is right-padded): 0 makes the row idle, its cache
+untouched, so a finished row costs no cache position. Logits at chunk positions past a row's valid
+count are unspecified by the op and set to 0 here, so a masked position is never NaN.
+
+The buffer is sized per call (longest prompt + new tokens, rounded up to ``CAPACITY_STEP``) and kept
+by the engine while batches fit in it; stale positions beyond a row's length are never read
+(tested: a batch after a longer one gives the same tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from export.errors import RefitError
+from export.fused import KVBuffers, compact, run_fused, step_inputs
+
+CAPACITY_STEP = 64  # buffer capacity granularity: fewer reallocations across calls of similar lengths
+
+
+class KVPool:
+    """The engine's buffer set: one :class:`KVBuffers`, reallocated only when a call needs more rows or length."""
+
+    def __init__(self, names: list[str], n_kv_heads: int, head_dim: int, dtype, max_len: int):
+        self.names, self.h, self.d, self.dtype, self.max_len = names, n_kv_heads, head_dim, dtype, max_len
+        self.kv: KVBuffers | None = None
+
+    def get(self, batch: int, capacity: int) -> KVBuffers:
+        """Buffers of exactly ``batch`` rows and at least ``capacity`` positions (contents: stale, never read)."""
+        if self.kv is None or self.kv.batch != batch or self.kv.capacity < capacity:
+            cap = min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, max(self.max_len, capacity))
+            self.kv = None  # free the old set before allocating the new one
+            self.kv = KVBuffers(self.names, batch, self.h, cap, self.d, self.dtype)
+        return self.kv
+
+
+class FusedDecoderState:
+    """:class:`rollout.engine.StepState` over a fused decoder graph."""
+
+    def __init__(self, sess, pool: KVPool, capacity: int):
+        self.sess, self.pool, self.capacity = sess, pool, capacity
+        self.kv: KVBuffers | None = None
+        self.n: np.ndarray | None = None  # (B,) int32 tokens held per row
+
+    def _run(self, ids: np.ndarray, valid: np.ndarray, keep: np.ndarray) -> torch.Tensor:
+        """One step: chunk ``ids`` (B, S), ``valid`` (B,) new tokens per row, logits at ``keep`` (B, K)."""
+        if int(self.n.max()) + ids.shape[1] > self.kv.capacity:
+            raise RefitError(f"fused engine: {int(self.n.max())} + {ids.shape[1]} tokens exceed the KV buffer "
+                             f"({self.kv.capacity} positions)")
+        out = run_fused(self.sess, step_inputs(ids, self.n, valid, keep), self.kv.values)
+        self.n = self.n + valid.astype(np.int32)
+        logits = torch.from_numpy(out)  # (B, K, V), engine dtype, a view of ORT's output
+        bad = torch.from_numpy(keep >= valid[:, None])  # (B, K) positions the op leaves unspecified
+        return logits.float().masked_fill_(bad[..., None], 0.0) if bad.any() else logits.float()
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, Tp) left-padded prompt -> (B, V) logits after each row's last token."""
+        self.kv = self.pool.get(ids.shape[0], self.capacity)
+        cids, _, n = compact(ids.numpy(), mask.numpy())
+        self.n = np.zeros(ids.shape[0], np.int32)
+        return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
+
+    def open(self, slots: int) -> None:
+        """In-flight batching (rollout/batching.py): buffers for ``slots`` rows, every one idle."""
+        self.kv = self.pool.get(slots, self.capacity)
+        self.n = np.zeros(slots, np.int32)
+
+    def admit(self, slot: int, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Prefill one left-padded prompt (1, Tp) into ``slot`` (a batch-1 run on that row of the buffers;
+        the other slots' caches are not touched) -> (V,) logits after its last token."""
+        cids, _, n = compact(ids.numpy(), mask.numpy())
+        s = self.kv.rows(slot, slot + 1)
+        out = run_fused(self.sess, step_inputs(cids[:, :int(n[0])], np.zeros(1, np.int32), n, (n - 1)[:, None]), s)
+        self.n[slot] = n[0]
+        return torch.from_numpy(out[0, -1]).float()
+
+    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, c) tokens, (B, c) right-padded 0/1 mask -> (B, c, V) logits (0 where the mask is 0)."""
+        b, c = ids.shape
+        valid = mask.numpy().sum(1).astype(np.int32)
+        keep = np.broadcast_to(np.arange(c, dtype=np.int64), (b, c))
+        return self._run(ids.numpy(), valid, keep)

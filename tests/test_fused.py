@@ -1,0 +1,169 @@
+"""Fused-attention engines (export/fused.py, rollout/ort_fused.py) and in-flight batching (rollout/batching.py).
+
+Parity matrix: fused graph vs plain graph vs the PyTorch reference, on each decoder-only family
+(GPT-2 learned positions, Llama rotary + grouped KV heads), padded batch, greedy and sampled with
+truncation, incremental decode and score(). T5 keeps the plain graph (the fused one is refused).
+Then: the KV buffer reused across batches reads no stale position, rows are the same whatever the
+slot count, and a weight push into a fused engine matches the reference (a perturbed one differs).
+Tolerance: 1e-4 on log-probs across graphs/backends (the export gate's fp32 tolerance); rows of one
+engine under different slot counts must be identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from export.errors import RefitError
+from export.manifest import Manifest
+from rollout.engine import create_engine
+from rollout.types import SamplingParams
+
+DECODERS = ["tiny-gpt2", "tiny-llama"]
+TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7", "1+1=", "sort 55 = "]
+TOL = 1e-4
+SAMPLED = SamplingParams(max_new_tokens=12, seed=3, temperature=0.9, top_k=50, top_p=0.95)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def plain_dirs(plain_engine_dirs):
+    """The standard-op graph of each model (the session's engine_dirs hold the fused one)."""
+    return plain_engine_dirs
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(t).input_ids for t in TEXTS]
+
+
+def _same(a, b, tol=TOL):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=tol, rtol=0)
+    torch.testing.assert_close(a.rollout_plain_logprobs, b.rollout_plain_logprobs, atol=tol, rtol=0)
+
+
+def test_manifest_records_the_attention(engine_dirs, plain_dirs):
+    for g in DECODERS:
+        m = Manifest.read(engine_dirs[g])
+        assert m.attention == "fused" and m.parity.max_abs_logprob_diff < TOL, g
+        assert "GroupQueryAttention" in (engine_dirs[g] / "decoder.onnx").read_bytes().decode("latin-1")
+        assert Manifest.read(plain_dirs[g]).attention == "plain"
+    t5 = Manifest.read(engine_dirs["tiny-t5"])
+    assert t5.attention == "plain" and "encoder-decoder" in t5.attention_reason
+
+
+def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
+    from export.onnx_export import ExportOptions, export_onnx
+
+    with pytest.raises(RefitError, match="attention=fused does not apply"):
+        export_onnx(model_dirs["tiny-t5"], tmp_path / "t5", ExportOptions(attention="fused"), log=lambda *_: None)
+    with pytest.raises(RefitError, match="unknown attention"):
+        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(attention="flash"), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=10, greedy=True), SAMPLED], ids=["greedy", "sampled"])
+def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params):
+    fused, plain = create_engine("onnxruntime", engine_dirs[arch]), create_engine("onnxruntime", plain_dirs[arch])
+    ref = create_engine("torch", engine_dirs[arch])
+    a = fused.generate(prompts, params)
+    assert a.prompt_mask.min() == 0, "the batch really is padded"
+    _same(a, plain.generate(prompts, params))
+    _same(a, ref.generate(prompts, params))
+    args = (a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask)
+    t = 1.0 if params.greedy else params.temperature
+    s_fused, s_ref = fused.score(*args, t, chunk_size=3), ref.score(*args, t)  # prefill + chunked cached steps
+    torch.testing.assert_close(s_fused.logprobs, s_ref.logprobs, atol=TOL, rtol=0)
+    assert torch.isfinite(s_fused.logprobs).all()
+    torch.testing.assert_close(s_fused.logprobs, a.rollout_plain_logprobs, atol=TOL, rtol=0)
+
+
+def test_gqa_reference_op_matches_hf(model_dirs):
+    """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows."""
+    from export.checkpoint import load_model, model_info
+    from export.fused import FusedDecoder
+    from export.padding import position_ids_from_mask
+
+    info = model_info(model_dirs["tiny-llama"])
+    ref = load_model(model_dirs["tiny-llama"], info)
+    wrapped = FusedDecoder(load_model(model_dirs["tiny-llama"], info))
+    lens = [5, 2, 7]
+    rows = [torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
+    ids, pos = torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, dtype=torch.long)
+    left, lmask = torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], pos[i, :len(r)] = r, torch.arange(len(r))
+        left[i, 7 - len(r):], lmask[i, 7 - len(r):] = r, 1
+    n = torch.tensor(lens, dtype=torch.int32)
+    past = [torch.zeros(3, info.n_kv_heads, 9, info.head_dim) for _ in range(2 * info.n_layers)]
+    with torch.no_grad():
+        out = wrapped(ids, pos, n - 1, n, torch.tensor(9, dtype=torch.int32), (n - 1).long()[:, None], *past)
+        want = ref(input_ids=left, attention_mask=lmask, position_ids=torch.from_numpy(
+            position_ids_from_mask(lmask.numpy()))).logits[:, -1]
+    torch.testing.assert_close(out[0][:, 0], want, atol=1e-5, rtol=0)
+    assert int((out[1][:, :, 7:] != 0).sum()) == 0, "nothing written past the longest row"
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
+    """A batch decoded after a longer one in the same (reused, uncleared) buffers gives a fresh engine's rows."""
+    eng = create_engine("onnxruntime", engine_dirs[arch])
+    short = SamplingParams(max_new_tokens=6, seed=1)
+    eng.generate([p * 3 for p in prompts], SamplingParams(max_new_tokens=20, seed=9))  # fills the buffer deep
+    kv = eng._kv_pool.kv
+    assert kv is not None and float(abs(next(iter(kv.arrays.values()))).sum()) > 0
+    again = eng.generate(prompts, short)
+    assert eng._kv_pool.kv is kv, "the buffer was reused, not reallocated"
+    _same(again, create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, short), tol=0)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_rows_do_not_depend_on_slot_count(engine_dirs, prompts, arch):
+    """One static batch, 4 / 32 / 1 in-flight slots, static batches of 5: identical rows (tokens and
+    log-probs), rows stopping at spread lengths."""
+    params = SamplingParams(max_new_tokens=12, seed=5, temperature=0.9, top_k=50, n=2, return_topk=3,
+                            stop_ids=tuple(range(5, 40)))
+    rows = {s: create_engine("onnxruntime", engine_dirs[arch], slots=s).generate(prompts, params)
+            for s in (None, 4, 32, 1)}
+    rows["static-5"] = create_engine("onnxruntime", engine_dirs[arch], slots=5, inflight=False).generate(prompts, params)
+    lengths = rows[None].response_mask.sum(1)
+    assert lengths.min() < lengths.max(), "rows stop at different lengths, so slots are refilled"
+    for s in (4, 32, 1, "static-5"):
+        _same(rows[None], rows[s], tol=0)
+        assert torch.equal(rows[None].topk_ids, rows[s].topk_ids)
+    _same(rows[None], create_engine("torch", engine_dirs[arch]).generate(prompts, params))
+
+
+def test_row_stream_is_keyed_by_prompt_and_sample(engine_dirs, prompts):
+    """A row keeps its tokens when other prompts are dropped around it (its key is (prompt, sample))."""
+    eng = create_engine("onnxruntime", engine_dirs["tiny-gpt2"])
+    params = SamplingParams(max_new_tokens=8, seed=2)
+    full = eng.generate(prompts[:2], params)
+    assert not torch.equal(full.response_ids[0], full.response_ids[1]) or prompts[0] != prompts[1]
+    alone = eng.generate(prompts[:1], params)
+    assert torch.equal(full.response_ids[0, :alone.response_ids.shape[1]], alone.response_ids[0])
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts, arch):
+    """Perturbed weights change the fused engine's output and match the reference holding them; restored
+    weights give the original output."""
+    from rollout.torch_backend import TorchEngine
+
+    eng, ref = create_engine("onnxruntime", engine_dirs[arch]), TorchEngine(model_dirs[arch])
+    probe = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
+    args = (probe.prompt_ids, probe.prompt_mask, probe.response_ids, probe.response_mask)
+    before = eng.score(*args).logprobs
+    params = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    eng.update_weights(new)
+    ref.update_weights(new)
+    after = eng.score(*args).logprobs
+    assert (after - before).abs().max() > 1e-2, "the push changed the output"
+    torch.testing.assert_close(after, ref.score(*args).logprobs, atol=TOL, rtol=0)
+    eng.update_weights(params)
+    torch.testing.assert_close(eng.score(*args).logprobs, before, atol=1e-6, rtol=0)
