@@ -20,10 +20,13 @@ dynamo exporter's ``custom_translation_table`` lowers that op to the contrib op.
 model (embeddings, learned or rotary positions, MLP, lm_head) is HF's own code, so the weight
 map is built by content exactly as for the plain graph and stays 1:1.
 
-Not covered: T5's decoder. Its attention (transformers 5.24 ``T5Attention``) does not go through
-``AttentionInterface`` and adds a relative position bias; GroupQueryAttention's
-``attention_bias`` input could take that bias, but that needs a T5-specific wrapper (not done).
-Encoder-decoder engines keep the plain graph; ``attention="fused"`` on them is refused.
+Not covered yet: T5's decoder; encoder-decoder engines keep the plain graph and ``attention="fused"``
+on them is refused. The op allows it (its ``attention_bias`` input, (B, N, S, total), indexed by
+absolute key position, can carry T5's relative position bias; T5's ``scale`` is 1), but HF's T5
+computes that bias from its own cache length (``compute_bias(q, k, past_seen_tokens)``), which is 0
+here (no HF cache), and every row needs its own bias once finished rows idle; the cross-attention
+over the encoder's K/V goes through the same attention function and must stay a plain attention.
+That is a T5-specific wrapper (bias from the rows' lengths, self vs cross dispatch), not written yet.
 """
 
 from __future__ import annotations
@@ -327,7 +330,8 @@ def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.
     total = start + n_new
     return {"input_ids": ids.astype(np.int64), "position_ids": (start[:, None] + np.arange(s)[None, :]).astype(np.int64),
             "seqlens_k": np.maximum(total - 1, 0).astype(np.int32), "query_seqlens": n_new.astype(np.int32),
-            "total_sequence_length": np.array(max(int(total.max()), 1), np.int32), "logits_index": keep.astype(np.int64)}
+            # an upper bound of every row's total (query_seqlens given); the op also wants it >= the chunk length
+            "total_sequence_length": np.array(max(int(total.max()), s), np.int32), "logits_index": keep.astype(np.int64)}
 
 
 def fused_greedy_logits(sess, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):

@@ -64,6 +64,7 @@ class FusedDecoderState:
         self.kv = self.pool.get(ids.shape[0], self.capacity)
         cids, _, n = compact(ids.numpy(), mask.numpy())
         self.n = np.zeros(ids.shape[0], np.int32)
+        cids = cids[:, :int(n.max())]  # a slice of a wider padded batch may be all padding on the left
         return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
 
     def open(self, slots: int) -> None:

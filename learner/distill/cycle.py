@@ -53,7 +53,7 @@ from learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, 
 from learner.run.chat import encode_prompts, end_of_turn_ids
 from learner.run.checkpoint import resume_latest, save_checkpoint
 from learner.run.distributed import DistContext, reduce_stats
-from learner.run.engines import CountingEngine, engine_for_model, pick_device, push_weights
+from learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
 from learner.run.final import write_final
 from learner.run.loop import Job, check_finite, due, run_job
 from learner.run.policy import response_forward
@@ -144,8 +144,8 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     run.expected_version = student_engine.weights_version
     probe_rows = prompt_ids[:min(cfg.rollout.probe_size, len(prompt_ids))]
-    run.probe = student_engine.generate(probe_rows, SamplingParams(max_new_tokens=cfg.max_new_tokens, greedy=True,
-                                                                   stop_ids=stop_ids))
+    run.probe = student_engine.generate(probe_rows, SamplingParams(
+        max_new_tokens=probe_length(cfg.rollout, cfg.max_new_tokens), greedy=True, stop_ids=stop_ids))
     return run
 
 

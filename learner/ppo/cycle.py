@@ -36,7 +36,7 @@ from learner.run.data import prompt_indices
 from learner.run.dataset import PromptSet
 from learner.run.final import write_final
 from learner.run.distributed import DistContext
-from learner.run.engines import engine_for_model, pick_device, push_weights
+from learner.run.engines import engine_for_model, pick_device, probe_length, push_weights
 from learner.run.loop import Job, check_finite, due, run_job
 from learner.run.policy import ValueHead, hidden_size
 from rollout.engine import Engine, check_version
@@ -123,7 +123,8 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     run.ref_engine = reference_engine(cfg, run_dir)
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
-                                SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids))
+                                SamplingParams(max_new_tokens=probe_length(cfg.rollout, cfg.response_length),
+                                               greedy=True, stop_ids=run.stop_ids))
     return run
 
 

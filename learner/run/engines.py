@@ -80,6 +80,11 @@ class CountingEngine:
         return getattr(self.inner, name)
 
 
+def probe_length(rollout, response_length: int) -> int:
+    """Response tokens of the probe batch: ``rollout.probe_tokens`` (0: all), at most ``response_length``."""
+    return min(response_length, rollout.probe_tokens) if rollout.probe_tokens > 0 else response_length
+
+
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
                 run_dir: Path, label: str = "engine") -> float:
     """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``."""
