@@ -22,10 +22,12 @@ def _bench(tmp_path, *args):
 def test_bench_generate_json(tmp_path):
     out = _bench(tmp_path, "generate", "--batch-sizes", "1,2", "--new-tokens", "4", "--prompt-len", "8")
     backends = {(r["backend"], r["batch"]) for r in out["results"]}
-    assert backends == {(b, n) for b in ("hf_generate", "torch", "onnxruntime") for n in (1, 2)}
+    assert backends == {(b, n) for b in ("hf_generate", "torch", "onnxruntime", "onnxruntime-plain") for n in (1, 2)}
+    assert out["onnxruntime_attention"] == "fused" and out["matmul_limit"]["2"]["matmul_gflops"] > 0
     for r in out["results"]:  # phase times from the engines' on_step hook (HF: its HFStepClock)
         assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["decode_ms_p95"] >= r["decode_ms_p50"] > 0
         assert r["ttft_ms"] < 1e3 * r["call_s"], "the first token comes before the call ends"
+        assert r["matmul_fraction"] > 0
     assert set(out["speedup_vs_hf_generate"]["onnxruntime"]) == {"1", "2"}
 
 
@@ -39,6 +41,16 @@ def test_bench_ppo_json(tmp_path):
     assert out["speedup"] > 0 and set(out["phases_s"]) == {"onnxruntime", "hf"}
     assert len(out["speedup_per_iteration"]) == out["repeats"] and min(out["speedup_per_iteration"]) > 0
     assert set(out["phases_s"]["hf"]) >= {"time/rollout", "time/score", "time/update", "time/weight_push"}
+    assert out["ref_backend"] == {"onnxruntime": "onnxruntime", "hf": "torch"} and out["engine_attention"] == "fused"
+    assert 0 < out["push_share_of_step"] < 1
+
+
+def test_bench_inflight_json(tmp_path):
+    out = _bench(tmp_path, "inflight", "--rows", "12", "--slots", "4", "--new-tokens", "12", "--prompt-len", "6",
+                 "--stop-frac", "0.2")
+    assert out["rows_identical"] and set(out["results"]) == {"static", "inflight"}
+    assert out["length_min"] < out["length_max"] and out["generated_tokens"] > 0
+    assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 for r in out["results"].values())
 
 
 @pytest.mark.slow
