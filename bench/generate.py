@@ -11,6 +11,11 @@ for HF ``generate()`` from the same events, emitted by :class:`rollout.hf_backen
 HF runs with ``min_new_tokens = new_tokens``; Refit's engines stop a row only at EOS, which a
 random-weight 50257-way model samples with probability ~2e-5 per token, and tokens/s counts the
 decode steps actually run, so the work compared is the same.
+Engines: ``onnxruntime`` is the engine folder (the fused-attention graph by default),
+``onnxruntime-plain`` the standard-op graph of the same model, exported beside it. Each row carries
+``matmul_fraction``: the decode step's FLOPs (:func:`decode_step_gflop`) over its median time, divided
+by the GFLOP/s that plain ``torch.matmul`` of the same shapes reaches here in the same run
+(:func:`matmul_gflops`): how far the step is from the cores' matmul limit.
 The last stdout line is one JSON document; it carries the load averages at the start and end
 (``load_avg``), since the CPU is shared.
 """
@@ -138,22 +143,37 @@ def decode_step_gflop(model, batch: int, context: int) -> tuple[float, list[tupl
     return flop / 1e9, shapes
 
 
-def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repeats: int = 5) -> float:
+def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repeats: int = 5) -> dict[int, float]:
     """GFLOP/s of plain ``torch.matmul`` (B, in) @ (in, out) over the decode step's weight shapes, on this
-    machine, now (median of ``repeats`` passes): the limit a decode step could reach on these cores."""
-    torch.set_num_threads(threads)
+    machine, now: {intra-op threads: best of ``repeats`` passes}, for 1 and ``threads`` threads. The best
+    pass and the better thread count are the closest to what the cores can do: on 2 shared cores a
+    second OpenMP thread is often descheduled (measured 5 GFLOP/s with 2 threads vs 21 with 1 under load)."""
     gen = torch.Generator().manual_seed(0)
     pairs = [(torch.randn(batch, i, generator=gen), torch.randn(i, o, generator=gen)) for i, o in set(shapes)]
     count = {s: shapes.count(s) for s in set(shapes)}
     flop = sum(2 * batch * i * o * count[(i, o)] for i, o in set(shapes))
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        for x, w in pairs:
-            for _ in range(count[tuple(w.shape)]):
-                torch.matmul(x, w)
-        times.append(time.perf_counter() - t0)
-    return flop / statistics.median(times[1:]) / 1e9
+    before, out = torch.get_num_threads(), {}
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                for x, w in pairs:
+                    for _ in range(count[tuple(w.shape)]):
+                        torch.matmul(x, w)
+                times.append(time.perf_counter() - t0)
+            out[t] = float(f"{flop / min(times[1:]) / 1e9:.4g}")
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None:
+    """The share of the matmul limit a decode step reached: (GFLOP / step seconds) / limit GFLOP/s."""
+    if not (step_ms > 0 and limit_gflops > 0):
+        return None
+    return float(f"{gflop / (step_ms / 1e3) / limit_gflops:.4g}")
 
 
 def _plain_twin(model_dir: Path, engine_dir: Path, log) -> Path:
@@ -194,17 +214,19 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     for bs in batch_sizes:
         prompts = all_prompts[:bs]
         gflop, shapes = decode_step_gflop(hf, bs, prompt_len + new_tokens // 2)
-        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": round(matmul_gflops(shapes, bs, threads), 2)}
+        by_threads = matmul_gflops(shapes, bs, threads)
+        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": max(by_threads.values()),
+                      "matmul_gflops_by_threads": by_threads}
         log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP; torch.matmul of its shapes runs at "
-            f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here")
+            f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here (threads: {by_threads})")
         r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id)
-        r["matmul_fraction"] = round(gflop / (r["decode_ms_p50"] / 1e3) / limits[bs]["matmul_gflops"], 3)
+        r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
         results.append({"backend": "hf_generate", "batch": bs, **r})
         log(f"batch {bs:>3} hf_generate   {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
             f"decode p50 {r['decode_ms_p50']:6.1f} ms")
         for name, eng in engines.items():
             r = run_engine(eng, prompts, new_tokens, repeats)
-            r["matmul_fraction"] = round(gflop / (r["decode_ms_p50"] / 1e3) / limits[bs]["matmul_gflops"], 3)
+            r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
             results.append({"backend": name, "batch": bs, **r})
             log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
                 f"decode p50 {r['decode_ms_p50']:6.1f} ms")

@@ -10,8 +10,9 @@ The output is the same record as the static loop's (:func:`rollout.engine.decode
 input order, responses right-padded to the longest, log-probs 0.0 on padding.
 
 A state that supports slots has, besides ``extend``, ``open(slots)`` (buffers for that many rows,
-all idle) and ``admit(slot, ids (1, Tp), mask (1, Tp)) -> (V,)`` (prefill one left-padded prompt
-into a slot; the logits after its last token). An idle slot is fed mask 0 and keeps its cache.
+all idle) and ``admit(slots list, ids (k, Tp), mask (k, Tp)) -> (k, V)`` (prefill k left-padded prompts
+into those slots; the logits after each one's last token). An idle slot is fed mask 0 and keeps its
+cache.
 """
 
 from __future__ import annotations
@@ -65,11 +66,16 @@ def _concat(outs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch
 
 
 def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec, slots: int,
-                  keys: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+                  keys: list[tuple[int, int]], admit_min: int | None = None) -> dict[str, torch.Tensor]:
     """Decode every row of the left-padded ``ids``/``mask`` (N, Tp) through ``slots`` slots.
 
-    ``keys[r]`` = (prompt, sample) of row r seeds its stream. Returns the decode loop's dict.
+    ``keys[r]`` = (prompt, sample) of row r seeds its stream. Freed slots are refilled together, in one
+    prefill run, once ``admit_min`` (default ``slots // 8``, at least 1) are free or no row is left
+    decoding: a run costs a fixed overhead besides its rows, which a small model's step is mostly made
+    of. When rows are admitted changes no row (their streams and positions are their own). Returns the
+    decode loop's dict.
     """
+    admit_min = admit_min or max(1, slots // 8)
     n_rows = ids.shape[0]
     stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     streams = RowStreams(params.seed, [keys[0]] * slots)
@@ -79,17 +85,18 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
     length = torch.zeros(slots, dtype=torch.int64)  # tokens the slot's row has emitted
     log: list[tuple[torch.Tensor, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
 
-    def admit(slot: int) -> None:
-        r = waiting.popleft()
-        row[slot], length[slot] = r, 0
-        streams.assign(slot, keys[r])
-        logits[slot] = state.admit(slot, ids[r:r + 1], mask[r:r + 1])
+    def admit(free: list[int]) -> None:
+        free = free[:len(waiting)]
+        rs = [waiting.popleft() for _ in free]
+        for s, r in zip(free, rs):
+            row[s], length[s] = r, 0
+            streams.assign(s, keys[r])
+        logits[free] = state.admit(free, ids[rs], mask[rs])
 
     state.open(slots)
     logits = torch.zeros(slots, spec.vocab_size)
-    # 1. fill the slots with waiting rows (a prefill gives the logits of the row's first token)
-    for s in range(min(slots, n_rows)):
-        admit(s)
+    # 1. fill the slots with waiting rows (a prefill gives the logits of each row's first token)
+    admit(list(range(slots)))
     while (row >= 0).any():
         live = row >= 0
         # 2. sample every slot (idle ones too: their draws go unused), one stream per row
@@ -105,10 +112,10 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
         # 4. decode one token for the rows that go on; the others idle (mask 0, cache untouched)
         if cont.any():
             logits = state.extend(torch.where(cont, tok, spec.pad_id)[:, None], cont[:, None].long())[:, -1].clone()
-        # 5. refill freed slots from the queue (prefill into the slot while the others' caches stay)
-        for s in torch.nonzero(done).flatten().tolist():
-            if waiting:
-                admit(s)
+        # 5. refill the free slots from the queue, together (the other slots' caches stay untouched)
+        free = torch.nonzero(row < 0).flatten().tolist()
+        if waiting and (len(free) >= admit_min or not cont.any()):
+            admit(free)
     return _assemble(log, n_rows, spec.pad_id, params.return_topk)
 
 

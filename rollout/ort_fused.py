@@ -72,14 +72,27 @@ class FusedDecoderState:
         self.kv = self.pool.get(slots, self.capacity)
         self.n = np.zeros(slots, np.int32)
 
-    def admit(self, slot: int, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Prefill one left-padded prompt (1, Tp) into ``slot`` (a batch-1 run on that row of the buffers;
-        the other slots' caches are not touched) -> (V,) logits after its last token."""
+    def admit(self, slots: list[int], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Prefill k left-padded prompts (k, Tp) into ``slots`` -> (k, V) logits after each one's last token.
+
+        One run: a single slot is prefilled in place (a view of its rows of the buffers); several into
+        a scratch buffer of k rows, whose positions are then copied into their slots (per row
+        2 x layers x H_kv x n x D values). The other slots' caches are not touched.
+        """
         cids, _, n = compact(ids.numpy(), mask.numpy())
-        s = self.kv.rows(slot, slot + 1)
-        out = run_fused(self.sess, step_inputs(cids[:, :int(n[0])], np.zeros(1, np.int32), n, (n - 1)[:, None]), s)
-        self.n[slot] = n[0]
-        return torch.from_numpy(out[0, -1]).float()
+        cids = cids[:, :int(n.max())]
+        host = step_inputs(cids, np.zeros(len(slots), np.int32), n, (n - 1)[:, None])
+        if len(slots) == 1:
+            out = run_fused(self.sess, host, self.kv.rows(slots[0], slots[0] + 1))
+        else:
+            k, a = len(slots), next(iter(self.kv.arrays.values()))
+            tmp = KVBuffers(list(self.kv.arrays), k, a.shape[1], cids.shape[1], a.shape[3], a.dtype)
+            out = run_fused(self.sess, host, tmp.values)
+            for name, buf in self.kv.arrays.items():
+                for j, s in enumerate(slots):
+                    buf[s, :, :n[j]] = tmp.arrays[name][j, :, :n[j]]
+        self.n[slots] = n
+        return torch.from_numpy(out[:, -1]).float()
 
     def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, c) tokens, (B, c) right-padded 0/1 mask -> (B, c, V) logits (0 where the mask is 0)."""

@@ -137,6 +137,22 @@ def test_rows_do_not_depend_on_slot_count(engine_dirs, prompts, arch):
     _same(rows[None], create_engine("torch", engine_dirs[arch]).generate(prompts, params))
 
 
+def test_deferred_batched_admission_gives_the_same_rows(engine_dirs, prompts):
+    """Slots refilled three at a time (one prefill run into a scratch buffer, copied into the slots)."""
+    from rollout.batching import inflight_loop
+    from rollout.engine import pad_prompts, row_keys
+
+    params = SamplingParams(max_new_tokens=10, seed=7, n=3, stop_ids=tuple(range(5, 60)))
+    eng = create_engine("onnxruntime", engine_dirs["tiny-llama"])
+    want = eng.generate(prompts, params)
+    ids, mask, index = pad_prompts(prompts, params.n, eng.spec)
+    with torch.no_grad():
+        got = inflight_loop(eng._new_state(ids.shape[1] + 10), ids, mask, params, eng.spec, 5,
+                            row_keys(index, params.n), admit_min=3)
+    assert torch.equal(got["response_ids"], want.response_ids)
+    assert torch.equal(got["rollout_plain_logprobs"], want.rollout_plain_logprobs)
+
+
 def test_row_stream_is_keyed_by_prompt_and_sample(engine_dirs, prompts):
     """A row keeps its tokens when other prompts are dropped around it (its key is (prompt, sample))."""
     eng = create_engine("onnxruntime", engine_dirs["tiny-gpt2"])
