@@ -81,6 +81,31 @@ def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params
     torch.testing.assert_close(s_fused.logprobs, a.rollout_plain_logprobs, atol=TOL, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def qwen2_dirs(tmp_path_factory, tokenizer):
+    """A tiny Qwen2 (q/k/v biases, grouped KV heads, tied embeddings), exported with the default options."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from export.onnx_export import ExportOptions, export_onnx
+
+    root = tmp_path_factory.mktemp("qwen2")
+    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=256,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(str(root / "model"))
+    tokenizer.save_pretrained(str(root / "model"))
+    return root / "model", export_onnx(root / "model", root / "engine", ExportOptions(max_batch=16, max_len=128),
+                                       log=lambda *_: None)
+
+
+def test_qwen2_fused_matches_torch(qwen2_dirs, prompts):
+    model_dir, engine_dir = qwen2_dirs
+    assert Manifest.read(engine_dir).attention == "fused"
+    a = create_engine("onnxruntime", engine_dir).generate(prompts, SAMPLED)
+    _same(a, create_engine("torch", model_dir).generate(prompts, SAMPLED))
+
+
 def test_gqa_reference_op_matches_hf(model_dirs):
     """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows."""
     from export.checkpoint import load_model, model_info
