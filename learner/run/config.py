@@ -110,10 +110,11 @@ class RolloutSection:
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
-    probe_size: int = _f(8, "rows in the fixed probe batch")
+    probe_size: int = _f(4, "rows in the fixed probe batch")
     probe_tokens: int = _f(16, "response tokens per probe row (0: the full response length). The probe's learner "
-                               "forward is most of a push's cost (measured: 1.0-1.4 s of 1.2-2.3 s for 8 x 192 "
-                               "tokens); 16 tokens still run every weight and check every push")
+                               "forward is most of a push's cost: 8 x 192 tokens took 1.0-1.4 s of a 1.2-2.3 s push "
+                               "(bench ppo workload, 2 threads); 4 x 16 tokens still run every weight and check "
+                               "every push")
 
 
 @dataclass(frozen=True)
