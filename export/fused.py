@@ -54,7 +54,7 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
     (output (B, S, N*D), present_key, present_value); output rows >= Q are 0.
     """
     b, s, _ = query.shape
-    c, d = past_key.shape[2], past_key.shape[3]
+    d = past_key.shape[3]
     q = query.view(b, s, num_heads, d).transpose(1, 2)  # (B, N, S, D)
     k = key.view(b, s, kv_num_heads, d).transpose(1, 2)  # (B, H_kv, S, D)
     v = value.view(b, s, kv_num_heads, d).transpose(1, 2)
@@ -71,7 +71,6 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
         scores = q[i, :, :n] @ keys.transpose(-1, -2) * scale  # (N, Q, T)
         causal = torch.arange(t)[None, :] > (t - n + torch.arange(n))[:, None]  # (Q, T)
         out[i, :, :n] = scores.masked_fill(causal, float("-inf")).softmax(-1) @ vals
-    assert c >= 1
     return out.transpose(1, 2).reshape(b, s, num_heads * d), pk, pv
 
 
