@@ -67,7 +67,7 @@ def model_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def default_engine_dirs(tmp_path_factory, model_dirs):
     """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs` with the
-    default options: the fused-attention decoder graph for GPT-2 and Llama, the plain one for T5."""
+    default options: the fused-attention decoder graph for decoder-only models, the plain one for seq2seq."""
     from export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("engines")
@@ -189,6 +189,12 @@ def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
     from export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("plain-engines")
-    return {g: d if Manifest.read(d).attention != "fused" else
-            export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128, attention="plain"),
-                        log=lambda *_: None) for g, d in default_engine_dirs.items()}
+
+    def make(g):
+        d = default_engine_dirs[g]
+        if Manifest.read(d).attention != "fused":
+            return d
+        return export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128, attention="plain"),
+                           log=lambda *_: None)
+
+    return BuiltOnce(make)

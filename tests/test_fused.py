@@ -20,6 +20,7 @@ from rollout.engine import create_engine
 from rollout.types import SamplingParams
 
 DECODERS = ["tiny-gpt2", "tiny-llama"]
+FAMILIES = DECODERS + ["tiny-qwen2", "tiny-neox", "tiny-phi", "tiny-opt"]  # every decoder-only family built here
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7", "1+1=", "sort 55 = "]
 TOL = 1e-4
 SAMPLED = SamplingParams(max_new_tokens=12, seed=3, temperature=0.9, top_k=50, top_p=0.95)
@@ -46,13 +47,15 @@ def _same(a, b, tol=TOL):
 
 
 def test_manifest_records_the_attention(engine_dirs, plain_dirs):
-    for g in DECODERS:
+    for g in FAMILIES:
         m = Manifest.read(engine_dirs[g])
         assert m.attention == "fused" and m.parity.max_abs_logprob_diff < TOL, g
         assert "GroupQueryAttention" in (engine_dirs[g] / "decoder.onnx").read_bytes().decode("latin-1")
         assert Manifest.read(plain_dirs[g]).attention == "plain"
     t5 = Manifest.read(engine_dirs["tiny-t5"])
     assert t5.attention == "plain" and "encoder-decoder" in t5.attention_reason
+    mistral = Manifest.read(engine_dirs["tiny-mistral"])  # sliding window 4: the op's window is not wired
+    assert mistral.attention == "plain" and "sliding-window" in mistral.attention_reason
 
 
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
@@ -64,7 +67,7 @@ def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(attention="flash"), log=lambda *_: None)
 
 
-@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=10, greedy=True), SAMPLED], ids=["greedy", "sampled"])
 def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params):
     fused, plain = create_engine("onnxruntime", engine_dirs[arch]), create_engine("onnxruntime", plain_dirs[arch])
@@ -81,31 +84,6 @@ def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params
     torch.testing.assert_close(s_fused.logprobs, a.rollout_plain_logprobs, atol=TOL, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def qwen2_dirs(tmp_path_factory, tokenizer):
-    """A tiny Qwen2 (q/k/v biases, grouped KV heads, tied embeddings), exported with the default options."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from export.onnx_export import ExportOptions, export_onnx
-
-    root = tmp_path_factory.mktemp("qwen2")
-    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=256,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(str(root / "model"))
-    tokenizer.save_pretrained(str(root / "model"))
-    return root / "model", export_onnx(root / "model", root / "engine", ExportOptions(max_batch=16, max_len=128),
-                                       log=lambda *_: None)
-
-
-def test_qwen2_fused_matches_torch(qwen2_dirs, prompts):
-    model_dir, engine_dir = qwen2_dirs
-    assert Manifest.read(engine_dir).attention == "fused"
-    a = create_engine("onnxruntime", engine_dir).generate(prompts, SAMPLED)
-    _same(a, create_engine("torch", model_dir).generate(prompts, SAMPLED))
-
-
 def test_gqa_reference_op_matches_hf(model_dirs):
     """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows."""
     from export.checkpoint import load_model, model_info
@@ -115,6 +93,8 @@ def test_gqa_reference_op_matches_hf(model_dirs):
     info = model_info(model_dirs["tiny-llama"])
     ref = load_model(model_dirs["tiny-llama"], info)
     wrapped = FusedDecoder(load_model(model_dirs["tiny-llama"], info))
+    cfg = ref.config
+    n_kv, head_dim, n_layers = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
     lens = [5, 2, 7]
     rows = [torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
     ids, pos = torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, dtype=torch.long)
@@ -123,7 +103,7 @@ def test_gqa_reference_op_matches_hf(model_dirs):
         ids[i, :len(r)], pos[i, :len(r)] = r, torch.arange(len(r))
         left[i, 7 - len(r):], lmask[i, 7 - len(r):] = r, 1
     n = torch.tensor(lens, dtype=torch.int32)
-    past = [torch.zeros(3, info.n_kv_heads, 9, info.head_dim) for _ in range(2 * info.n_layers)]
+    past = [torch.zeros(3, n_kv, 9, head_dim) for _ in range(2 * n_layers)]
     with torch.no_grad():
         out = wrapped(ids, pos, n - 1, n, torch.tensor(9, dtype=torch.int32), (n - 1).long()[:, None], *past)
         want = ref(input_ids=left, attention_mask=lmask, position_ids=torch.from_numpy(
