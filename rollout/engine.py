@@ -322,6 +322,8 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
 
     Only (B, chunk_size, V) logits exist at a time; log-probs are of the plain policy
     log_softmax(logits / temperature), 0.0 where ``response_mask`` is 0.
+    ``topk`` equal to the vocabulary size returns the whole distribution without a sort: log-probs in
+    vocabulary order and ``topk_ids`` a broadcast view of ``arange(V)`` (no (B, Tr, V) int64 tensor).
     """
     if temperature <= 0 or chunk_size < 1 or not 0 <= topk <= spec.vocab_size:
         raise RefitError(f"score: need temperature > 0, chunk_size >= 1, 0 <= topk <= {spec.vocab_size} "
@@ -345,7 +347,9 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
             lp = torch.log_softmax(logits.float() / temperature, -1)  # (B, c, V), c <= chunk_size
             c = lp.shape[1]
             lps.append(lp.gather(-1, resp[:, pos:pos + c, None]).squeeze(-1))
-            if topk:
+            if topk == spec.vocab_size:  # every token: no sort, no ids
+                tk_lp.append(lp)
+            elif topk:
                 v, i = lp.topk(topk, dim=-1)
                 tk_lp.append(v)
                 tk_ids.append(i)
@@ -359,6 +363,9 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
     if not topk:
         return ScoreResult(logprobs=logprobs)
     on = rmask[..., None] > 0
+    if topk == spec.vocab_size:
+        return ScoreResult(logprobs=logprobs, topk_logprobs=torch.cat(tk_lp, 1) * on,
+                           topk_ids=torch.arange(topk).expand(b, tr, topk))
     return ScoreResult(logprobs=logprobs, topk_logprobs=torch.cat(tk_lp, 1) * on,
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
 

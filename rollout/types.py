@@ -159,3 +159,4 @@ class ScoreResult:
     logprobs: torch.Tensor  # (B, Tr) float32, log_softmax(logits/temperature) at each response token; 0 where masked
     topk_logprobs: torch.Tensor | None = field(default=None)  # (B, Tr, k) float32, top-k of the same distribution
     topk_ids: torch.Tensor | None = field(default=None)  # (B, Tr, k) int64, their token ids
+    # k == V (the whole vocabulary): topk_logprobs in vocabulary order, topk_ids a broadcast arange(V), no sort

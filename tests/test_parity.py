@@ -214,6 +214,23 @@ def test_score_matches_uncached_forward(engine, reference, backend, dtype, arch,
         _assert_topk_close(batch.topk_logprobs, batch.topk_ids, *gen.topk(SAMPLED.return_topk, dim=-1), m, tol)
 
 
+@pytest.mark.parametrize("backend,dtype,arch", _cases([REFERENCE, *OTHERS]))
+def test_score_full_vocabulary_is_the_distribution_in_vocab_order(engine, reference, backend, dtype, arch):
+    """topk = V (the engine reference's exact-KL input): every token's log-prob in vocabulary order, equal
+    to the uncached forward's log_softmax, 0 on padding, ids a broadcast arange (no sort, no int64 copy)."""
+    _, batch = reference(arch)
+    ref = engine(REFERENCE, "fp32", arch)
+    want = _uncached_logprobs(ref.model, batch, ref.spec.decoder_start_id, SCORE_TEMP)  # (B, Tr, V)
+    m = batch.response_mask > 0
+    v = want.shape[-1]
+    s = engine(backend, dtype, arch).score(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                           batch.response_mask, temperature=SCORE_TEMP, topk=v)
+    torch.testing.assert_close(s.topk_logprobs[m], want[m], atol=_tol(backend, dtype), rtol=0)
+    assert (s.topk_logprobs[~m] == 0).all()
+    assert s.topk_ids.shape == want.shape and s.topk_ids.stride() == (0, 0, 1)
+    assert torch.equal(s.topk_ids[0, 0], torch.arange(v))
+
+
 # ----------------------------------------------------------------------------- padding
 
 

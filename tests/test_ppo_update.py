@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from export.checkpoint import load_model
+from export.errors import RefitError
 from learner.ppo.update import Experience, UpdateSettings, _micro_loss, ppo_update
 from learner.run.policy import ValueHead, hidden_size
 
@@ -133,3 +134,63 @@ def test_tis_warning_fires_once_on_a_planted_top_k_case(model_dirs, engine_dirs,
     assert m1["mismatch/tis_grad_scale"] == pytest.approx(m1["ppo/is_weights_mean"], rel=1e-4)  # one minibatch
     warned = [ln for ln in lines if "tis_warn_below" in ln]
     assert len(warned) == 1 and "top_k=5" in warned[0] and "step 1" in warned[0]
+
+
+def _ppo_run(model_dirs, engine_dirs, tmp_path, single: bool, critic: bool = True):
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import setup
+
+    extra = {} if critic else dict(advantage_estimator="rloo", num_generations=2)
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+                              output_dir=str(tmp_path / f"single-{single}"), steps=2, batch_size=4,
+                              num_mini_batches=1, num_ppo_epochs=1, response_length=6, probe_size=2,
+                              progress=False, tensorboard=False, plots=False, num_prompts=16, max_operand=9,
+                              learning_rate=1e-3, single_pass=single, **({"num_generations": 1} | extra))
+    return setup(cfg, resume=False, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("critic", [True, False], ids=["gae", "rloo"])
+def test_single_pass_equals_separate_scoring_forward(model_dirs, engine_dirs, tmp_path, critic):
+    """One epoch, one minibatch: the update's forward also gives the old log-probs, values and entropy. The
+    step's metrics and the updated weights equal those of the two-forward path (a separate no-grad scoring
+    forward in chunks, then the update's forward) up to float summation order; one policy forward fewer."""
+    from learner.ppo.cycle import train_step
+
+    results = {}
+    for single in (False, True):
+        run = _ppo_run(model_dirs, engine_dirs, tmp_path, single, critic)
+        calls = []
+        hook = run.policy.register_forward_hook(lambda *_: calls.append(1))
+        m = train_step(run, 1, log=lambda *_: None)
+        hook.remove()
+        run.engine.close()
+        if run.ref_engine is not None:
+            run.ref_engine.close()
+        results[single] = (m, [p.detach().clone() for p in run.policy.parameters()], len(calls))
+    (m2, p2, n2), (m1, p1, n1) = results[False], results[True]
+    assert n1 == n2 - 1  # the probe after the push forwards the policy once on both paths
+    for key in ("kl/k1", "kl/exact", "ppo/pg_loss", "ppo/approx_kl", "ppo/clipfrac", "policy/entropy",
+                "reward/mean") + (("ppo/vf_loss", "value/explained_variance") if critic else ()):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert m1["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-6)  # old log-probs ARE the update's
+    moved = max(float((b - a).abs().max()) for a, b in zip(p1, p2))
+    step = max(float((a - b).abs().max()) for a, b in zip(p1, [p.detach() for p in load_model(
+        model_dirs["tiny-gpt2"]).parameters()]))
+    assert step > 1e-4 and moved < 1e-3 * step  # both paths took the same (non-zero) step
+
+
+def test_precomputed_forward_needs_single_pass_settings(models):
+    policy, ref, vh = models
+    exp = _experience(policy, ref, 1.0)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    s = UpdateSettings(2, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9, 1.0)
+    from types import SimpleNamespace
+
+    from learner.ppo.update import policy_forward
+
+    rows = SimpleNamespace(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask, response_ids=exp.response_ids,
+                           is_seq2seq=False)
+    fwd = policy_forward(policy, vh, rows, s)
+    with pytest.raises(RefitError, match="single_pass"):
+        ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0), forward=fwd)

@@ -75,6 +75,10 @@ class PPOConfig:
         "auto", "where the frozen reference scores ref_logprobs (and the exact KL): 'onnxruntime' on the exported "
                 "reference engine (the policy's engine folder, never pushed), 'torch' a PyTorch forward; auto: "
                 "onnxruntime when rollout.backend is an engine (onnxruntime, tensorrt)")
+    single_pass: bool = _f(True, "with one epoch, one minibatch, no accumulation, one process and no bf16 autocast, "
+                                 "take the old log-probs, values and entropy from the update's own forward (run "
+                                 "before any optimizer step, so they are the same numbers) instead of a separate "
+                                 "scoring forward: one policy forward per iteration saved; false: always two")
 
     from_flat = classmethod(from_flat)
 

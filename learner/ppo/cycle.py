@@ -29,7 +29,7 @@ from learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, 
 from learner.ppo.data import evaluate, load_prompt_sets, reward_inputs
 from learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
 from learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
-                                make_advantages, per_token_rewards, score_batch)
+                                make_advantages, per_token_rewards, policy_forward, score_batch, single_pass)
 from learner.run.chat import encode_prompts, end_of_turn_ids
 from learner.run.checkpoint import resume_latest, save_checkpoint
 from learner.run.data import prompt_indices
@@ -38,7 +38,7 @@ from learner.run.final import write_final
 from learner.run.distributed import DistContext
 from learner.run.engines import engine_for_model, pick_device, probe_length, push_weights
 from learner.run.loop import Job, check_finite, due, run_job
-from learner.run.policy import ValueHead, hidden_size
+from learner.run.policy import ForwardOut, ValueHead, hidden_size
 from rollout.engine import Engine, check_version
 from rollout.types import RolloutBatch, SamplingParams
 
@@ -140,12 +140,16 @@ def reference_engine(cfg: PPOConfig, run_dir: Path) -> Engine | None:
     return create_engine("onnxruntime", folder, threads=cfg.rollout.engine_threads or None)
 
 
-def experience(run: Run, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
-    """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages."""
+def experience(run: Run, rollout, scores: torch.Tensor,
+               policy_out: ForwardOut | None = None) -> tuple[Experience, dict[str, float]]:
+    """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages.
+
+    ``policy_out``: the update's forward, already run (single pass); else the policy is scored here."""
     cfg, t = run.cfg, run.cfg.rollout.temperature
     critic = cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
-    sc = score_batch(run.policy, run.value_head if critic else None, ref, rollout, t)  # one policy + one ref fwd
+    # one policy forward (or none: policy_out) + one reference forward
+    sc = score_batch(run.policy, run.value_head if critic else None, ref, rollout, t, policy_out=policy_out)
     old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
     mask = rollout.response_mask.clone()
     stats = mismatch_stats(rollout, old_lp)
@@ -226,12 +230,17 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
     data = run.data or PromptSet(run.prompts)
     scores, reward_stats = score_rewards(as_rewards(run.reward_fn), *reward_inputs(run.tok, rollout, data, rows))
-    exp, stats = experience(run, rollout, scores)
+    settings = update_settings(run)
+    # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
+    fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
+           if cfg.single_pass and single_pass(settings, run.dist.enabled) else None)
+    exp, stats = experience(run, rollout, scores, fwd)
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     exp, _ = run.dist.share((exp, run.kl_coef))  # [dist] to ranks > 0 (no-op for one process)
     upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                 update_settings(run), update_gen, ref_model=run.ref)  # [dist] one process: plain
+                                 settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process: plain
+    del fwd  # its autograd graph is freed by the backward; drop the logits too
     check_finite(upd, f"loss at step {step}", run.run_dir)
     timings["time/update"] = time.perf_counter() - t2
     if cfg.adap_kl_ctrl:

@@ -19,7 +19,7 @@ import torch
 from export.errors import RefitError
 from learner import losses as L
 from learner.run.distributed import reduce_stats
-from learner.run.policy import ValueHead, response_forward
+from learner.run.policy import ForwardOut, ValueHead, response_forward
 
 
 @dataclass
@@ -52,17 +52,18 @@ class Scored:
 def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
     """(b, Tr, V) reference log-probs of rows ``s`` at ``temperature``, scored on a frozen reference engine.
 
-    ``Engine.score`` with ``topk = V`` returns every token's plain log-prob (sorted); they are put back
-    in vocabulary order. Same padding and positions as the learner's forward (the engine's padding
+    ``Engine.score`` with ``topk = V`` returns every token's plain log-prob in vocabulary order (no sort,
+    see :class:`rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the engine's padding
     rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
     """
     out = ref_engine.score(batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
                            batch.response_mask[s], temperature=temperature, topk=vocab)
-    return torch.zeros(out.topk_logprobs.shape).scatter_(-1, out.topk_ids, out.topk_logprobs)
+    return out.topk_logprobs
 
 
 @torch.no_grad()
-def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = 16) -> Scored:
+def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = 16,
+                policy_out: ForwardOut | None = None) -> Scored:
     """Everything the PPO step needs from the learner, from ONE policy and ONE reference forward per chunk.
 
     Same inputs (padding, positions, temperature) as :func:`learner_view`, which it equals
@@ -70,12 +71,18 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
     ``ref_model`` is the frozen reference as a PyTorch module, or an Engine over the reference's
     engine folder (``ref_backend: onnxruntime``): its full-vocabulary log-probs then stand in for the
     reference logits (log_softmax of log-probs is themselves).
+    ``policy_out``: the policy's forward over the whole batch, already run (:func:`single_pass`: the
+    update's own forward); its rows are used, detached, instead of a policy forward here.
     """
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "v", "ent", "ref", "kl")}
     for i in range(0, batch.num_rows, chunk):
         s = slice(i, i + chunk)
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
-        pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
+        if policy_out is None:
+            pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
+        else:
+            pol = ForwardOut(policy_out.logits[s].detach(),
+                             None if policy_out.values is None else policy_out.values[s].detach())
         if isinstance(ref_model, torch.nn.Module):
             ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
         else:
@@ -144,6 +151,21 @@ class UpdateSettings:
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
 
 
+def single_pass(s: UpdateSettings, distributed: bool) -> bool:
+    """True when the update's one forward can also serve as the scoring forward: one epoch, one minibatch
+    and no accumulation (the only forward of every row runs before the only optimizer step, so its
+    log-probs, values and entropy ARE the pre-update ones), one process (under torchrun rank 0 scores rows
+    that other ranks update) and no bf16 autocast (the contract's old log-probs are fp32, as the reference's)."""
+    return (s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and s.gradient_accumulation_steps == 1
+            and not distributed and not s.autocast_bf16)
+
+
+def policy_forward(model, value_head, batch, s: UpdateSettings) -> ForwardOut:
+    """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`)."""
+    return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
+                            s.temperature, value_head if s.use_critic else None)
+
+
 def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
                  logits: torch.Tensor | None = None, ref_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || ref) (B, Tr) for the loss, by ``kind``; ``exact`` sums over the vocabulary and
@@ -155,12 +177,15 @@ def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     return L.kl_estimate(logprobs, ref_logprobs, kind)
 
 
-def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings, ref_model=None):
+def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings, ref_model=None,
+                out: ForwardOut | None = None):
+    """The micro-batch's loss and stats; ``out``: its forward, already run (rows ``idx``), else run here."""
     dev_type = next(model.parameters()).device.type
     ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
     args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), s.temperature)
-    with ctx:
-        out = response_forward(model, *args, value_head if s.use_critic else None)
+    if out is None:
+        with ctx:
+            out = response_forward(model, *args, value_head if s.use_critic else None)
     dev = out.logits.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask = g(exp.mask)
@@ -194,7 +219,8 @@ def _is_s2s(model) -> bool:
 
 
 def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-               generator: torch.Generator, shard=None, ref_model=None) -> dict[str, float]:
+               generator: torch.Generator, shard=None, ref_model=None,
+               forward: ForwardOut | None = None) -> dict[str, float]:
     """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
     micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing).
 
@@ -206,8 +232,14 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
 
     Stats: per minibatch, the loss terms (``TOKEN_SUM_STATS``) are the minibatch's own values (the
     micro-batches' partial sums added), whatever the accumulation; then averaged over minibatches.
+
+    ``forward`` (:func:`single_pass` settings only): the policy's forward over the whole batch in row order,
+    already run with autograd (its detached outputs made ``exp``); it is the one micro-batch's forward.
     """
     k, r = (shard.world_size, shard.rank) if shard is not None else (1, 0)
+    if forward is not None and not single_pass(s, shard is not None):
+        raise RefitError("ppo_update: a precomputed forward needs one epoch, one minibatch, no gradient "
+                         "accumulation, one process and no autocast (single_pass)")
     b = exp.response_ids.shape[0]
     mb_size = b // s.num_mini_batches
     if mb_size % (k * s.gradient_accumulation_steps):
@@ -222,6 +254,8 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
         perm = torch.randperm(b, generator=generator)  # the same on every rank
         for m in range(s.num_mini_batches):
             mine = perm[m * mb_size:(m + 1) * mb_size][r * local:(r + 1) * local]
+            if forward is not None:  # the forward's rows in batch order: the same rows, the same loss (a sum)
+                mine = torch.arange(b)
             n_tokens = exp.mask[mine].sum()
             n_tokens = (shard.all_reduce(n_tokens) if shard is not None else n_tokens).clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
@@ -230,7 +264,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
                 idx = mine[a * micro:(a + 1) * micro]
                 last = a == s.gradient_accumulation_steps - 1
                 with (shard.no_sync(last) if shard is not None else contextlib.nullcontext()):
-                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s, ref_model)
+                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s, ref_model, forward)
                     (loss * k).backward()
                 for key, v in stats.items():
                     mb.setdefault(key, []).append(float(v))
@@ -258,14 +292,16 @@ def _combine(key: str, values: list[float], over_micro_batches: bool = False) ->
 
 
 def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: Experience, s: UpdateSettings,
-                           generator: torch.Generator, ref_model=None) -> dict[str, float]:
+                           generator: torch.Generator, ref_model=None, forward: ForwardOut | None = None,
+                           ) -> dict[str, float]:
     """:func:`ppo_update` for one process, or under torchrun over this rank's slice of every global minibatch
     (``ctx``: a :class:`learner.run.distributed.DistContext` after ``wrap``), stats reduced across ranks.
 
     ``exp`` is the full batch on every rank; only this rank's rows go through the model.
     """
     if not ctx.enabled:
-        return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator, ref_model=ref_model)
+        return ppo_update(policy, value_head, optimizer, scheduler, exp, s, generator, ref_model=ref_model,
+                          forward=forward)
     if ctx.policy_ddp is None:
         raise RefitError("distributed_ppo_update: call DistContext.wrap(policy, value_head) first")
     stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx,
