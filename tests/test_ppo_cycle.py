@@ -176,12 +176,22 @@ def test_microbatch_split_gives_same_update(model_dirs, engine_dirs, tmp_path):
         assert abs(logged[0][key] - logged[1][key]) <= 1e-5 * max(1.0, abs(logged[0][key])), (key, logged)
 
 
-def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path):
-    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
+@pytest.mark.parametrize("on_rollout", [True, False], ids=["next-rollout", "probe-batch"])
+def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dirs, tmp_path, on_rollout):
+    """A push that does not take stops the run in one line: on the probe batch right after the push, or
+    (probe_on_rollout) on the next step's rollout, before that step's update touches the policy."""
+    run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, probe_on_rollout=on_rollout), resume=False,
+                log=lambda *_: None)
     push = run.engine.update_weights
     run.engine.update_weights = corrupting(push)
-    with pytest.raises(RefitError, match="parity probe failed"):
-        train_step(run, 1, log=lambda *_: None)
+    if on_rollout:
+        m = train_step(run, 1, log=lambda *_: None)  # pushed, not yet checked
+        assert "probe/max_abs_logprob_diff" not in m and run.unchecked_push
+        before = [p.detach().clone() for p in run.policy.parameters()]
+    with pytest.raises(RefitError, match="parity probe failed.*" + ("first rollout" if on_rollout else "probe batch")):
+        train_step(run, 2 if on_rollout else 1, log=lambda *_: None)
+    if on_rollout:
+        assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))  # no update from it
     run.engine.update_weights = push
     push({n: p for n, p in run.policy.named_parameters()})
     assert probe_check(run.engine, run.policy, run.probe, 1.0, 1e-3, run.run_dir) < 1e-4
@@ -242,7 +252,8 @@ def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path
     assert all(torch.equal(final[k], v) for k, v in last.items()) and (out / "final_engine" / "manifest.json").exists()
     assert len(rows) == 3 and abs(rows[0]["kl/exact"]) < 1e-6
     assert all(r["kl/exact"] >= 0 for r in rows) and rows[-1]["kl/exact"] > 1e-8, [r["kl/exact"] for r in rows]
-    assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows)
+    # every push checked: steps 1-2's on the next rollout, the last one on the probe batch
+    assert "probe/max_abs_logprob_diff" not in rows[0] and all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows[1:])
     for key in ("kl/k1", "kl/k2", "kl/k3", "ppo/clipfrac", "ppo/approx_kl", "ppo/vf_loss", "policy/entropy",
                 "value/explained_variance", "mismatch/token_mult_prob_error", "time/rollout", "time/score",
                 "time/update", "time/weight_push", "tokens_per_s"):

@@ -75,6 +75,11 @@ class PPOConfig:
         "auto", "where the frozen reference scores ref_logprobs (and the exact KL): 'onnxruntime' on the exported "
                 "reference engine (the policy's engine folder, never pushed), 'torch' a PyTorch forward; auto: "
                 "onnxruntime when rollout.backend is an engine (onnxruntime, tensorrt)")
+    probe_on_rollout: bool = _f(True, "check each weight push on the first rollout after it: the engine's plain "
+                                      "log-probs vs the learner's old log-probs on every response token (computed "
+                                      "anyway, so the check is free), stopping before the update when they differ "
+                                      "by more than rollout.probe_tol; the run's last push is checked on the fixed "
+                                      "greedy probe batch; false: the probe batch after every push")
     single_pass: bool = _f(True, "with one epoch, one minibatch, no accumulation, one process and no bf16 autocast, "
                                  "take the old log-probs, values and entropy from the update's own forward (run "
                                  "before any optimizer step, so they are the same numbers) instead of a separate "

@@ -3,7 +3,8 @@
     export (or reuse) the policy engine
     -> every step: 1. generate on the engine   2. reward + learner log-probs (policy, reference)
                    3. PPO update                4. every ``sync_every`` steps push weights into the
-                   engine and score a fixed probe batch on both sides (stop on disagreement)
+                   engine; the next rollout's log-probs vs the learner's check it (the last push: a
+                   fixed probe batch scored on both sides); stop on disagreement
                    5. checkpoint every ``save_steps`` steps (atomic)   6. metrics.jsonl / TensorBoard
 
 Every random choice of step ``s`` (prompt order, sampling seed, minibatch order) is derived
@@ -36,7 +37,7 @@ from learner.run.data import prompt_indices
 from learner.run.dataset import PromptSet
 from learner.run.final import write_final
 from learner.run.distributed import DistContext
-from learner.run.engines import engine_for_model, pick_device, probe_length, push_weights
+from learner.run.engines import check_parity, engine_for_model, pick_device, probe_length, push_weights
 from learner.run.loop import Job, check_finite, due, run_job
 from learner.run.policy import ForwardOut, ValueHead, hidden_size
 from rollout.engine import Engine, check_version
@@ -71,6 +72,7 @@ class Run:
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     tis_warned: bool = False  # the small-TIS-weights warning is given once per run
     expected_version: int = 0  # the engine weights_version a rollout must come from
+    unchecked_push: bool = False  # a push whose parity check is the next rollout's (probe_on_rollout)
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
@@ -114,6 +116,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
             engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
+            run.unchecked_push = cfg.probe_on_rollout  # checked by the first rollout (else by no probe until a push)
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
                 f"engine weights_version {engine.weights_version})")
     dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
@@ -235,6 +238,11 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
            if cfg.single_pass and single_pass(settings, run.dist.enabled) else None)
     exp, stats = experience(run, rollout, scores, fwd)
+    if run.unchecked_push:  # the first rollout after a push is its parity probe, before any update uses it
+        stats["probe/max_abs_logprob_diff"] = check_parity(
+            stats["mismatch/max_abs_diff"], cfg.rollout.probe_tol, rollout.weights_version, run.run_dir,
+            where=f"the first rollout after it, {int(rollout.response_mask.sum())} response tokens")
+        run.unchecked_push = False
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     exp, _ = run.dist.share((exp, run.kl_coef))  # [dist] to ranks > 0 (no-op for one process)
@@ -247,8 +255,13 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
     t3 = time.perf_counter()
     if due(step, cfg.rollout.sync_every, cfg.run.steps):
-        run.expected_version, stats["probe/max_abs_logprob_diff"] = push_weights(
-            run.engine, run.policy, run.probe, cfg.rollout.temperature, cfg.rollout.probe_tol, run.run_dir)
+        if cfg.probe_on_rollout and step < cfg.run.steps:  # checked by the next step's rollout
+            run.engine.update_weights(canonical_params(run.policy)[0])
+            run.expected_version, run.unchecked_push = run.engine.weights_version, True
+        else:
+            run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.rollout.temperature,
+                                                      cfg.rollout.probe_tol, run.run_dir)
+            stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())
     warn_small_tis_weights(run, step, stats, sampling, log)

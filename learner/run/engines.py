@@ -92,8 +92,14 @@ def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, tem
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
     mine = learner_view(model, None, p, temperature)[0]
     diff = float(((eng - mine).abs() * p.response_mask).max())
+    return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
+
+
+def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: str = "engine",
+                 where: str = "the probe batch") -> float:
+    """``diff`` (max |engine - learner log-prob| after a push) if within ``tol``, else one RefitError line."""
     if not diff <= tol:
-        raise RefitError(f"parity probe failed after weight push ({label} weights_version {engine.weights_version}): "
+        raise RefitError(f"parity probe failed after weight push ({label} weights_version {version}, on {where}): "
                          f"max |logprob diff| {diff:.3e} > {tol:g}; the engine did not take the new weights. "
                          f"Last checkpoint: {latest_checkpoint(run_dir)}")
     return diff
