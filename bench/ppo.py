@@ -1,8 +1,10 @@
 """``refit bench ppo``: one PPO iteration with engine rollouts against the same learner with HF ``generate()``.
 
 Both runs use one config (same model, prompts, batch, response length, PPO settings, a weight
-push and parity probe every step); each backend runs a warm-up iteration, then ``repeats`` timed
-ones, and the median wall time per phase is reported (rollout, score, update, weight push).
+push every step, each one checked on the next rollout: ``probe_on_rollout``); each backend runs a
+warm-up iteration, then ``repeats`` timed ones, and the median wall time per phase is reported
+(rollout, score, update, weight push). The run is one step longer than the iterations timed, so
+every timed one is a steady-state iteration (only a run's last push is checked on the probe batch).
 
 Default workload: the ``small-gpt2`` geometry (4 layers x 128, local tokenizer), 8 rows, 192 new
 tokens: long responses from a small batch, so that generation is the largest phase of the HF
@@ -48,7 +50,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
         cfg = PPOConfig.from_flat(
             model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
             backend=name, prompts_file=str(prompts), reward="bench.ppo:length_reward",
-            steps=repeats + 1, batch_size=batch_size, num_generations=1, response_length=response_length,
+            steps=repeats + 2, batch_size=batch_size, num_generations=1, response_length=response_length,
             num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
             tensorboard=False, plots=False, save_steps=1000)
         runs[name] = setup(cfg, resume=False, log=lambda *_: None)
