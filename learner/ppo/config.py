@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from export.parsing import FLAT
-
 from learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from rollout.config import Sampling
