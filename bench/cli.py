@@ -7,12 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import tyro
 
 from export.errors import RefitError
-from export.parsing import opt, parse
-
-FLAT = tyro.conf.arg(name="")  # a section whose flags keep no prefix (--work_dir, --geometry)
+from export.parsing import FLAT, opt, parse
 
 
 @dataclass(frozen=True)
@@ -34,11 +31,23 @@ class Source:
 
 
 @dataclass(frozen=True)
-class BenchGenerate:
-    """Generation latency: HF generate() vs Refit engines."""
+class OnMachine:
+    """The section every bench starts with: its flags keep no prefix (--work_dir, --threads)."""
 
     machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
+
+
+@dataclass(frozen=True)
+class OnModel(OnMachine):
+    """The sections of a bench on one model and its engine (--model, --geometry, --engine, --repeats)."""
+
     source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
+
+
+@dataclass(frozen=True)
+class BenchGenerate(OnModel):
+    """Generation latency: HF generate() vs Refit engines."""
+
     backends: str = opt("torch,onnxruntime,onnxruntime-plain",
                         "comma list of Refit backends (onnxruntime: the engine folder, fused attention by default; "
                         "onnxruntime-plain: the standard-op graph of the same model)")
@@ -48,18 +57,14 @@ class BenchGenerate:
 
 
 @dataclass(frozen=True)
-class BenchRefit:
+class BenchRefit(OnModel):
     """update_weights vs a full re-export."""
-
-    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
-    source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
 
 
 @dataclass(frozen=True)
-class BenchPPO:
+class BenchPPO(OnModel):
     """One PPO iteration with engine rollouts vs HF generate() rollouts."""
 
-    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
     source: Annotated[Source, FLAT] = opt(help_="", factory=lambda: Source(geometry="small-gpt2"))
     batch_size: int = opt(8, "rows per PPO iteration")
     response_length: int = opt(192, "generated tokens per row")
@@ -67,20 +72,17 @@ class BenchPPO:
 
 
 @dataclass(frozen=True)
-class BenchWorkers:
+class BenchWorkers(OnMachine):
     """A demo-sized PPO iteration with 1 vs N Ray rollout workers (always the embedded demo's policy)."""
 
-    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
     workers: int = opt(2, "rollout workers compared with one engine")
     steps: int = opt(8, "PPO steps per run (the first 2 are not timed)")
 
 
 @dataclass(frozen=True)
-class BenchInflight:
+class BenchInflight(OnModel):
     """A variable-length workload: static batches vs in-flight batching (same rows, tokens/s, peak RSS)."""
 
-    machine: Annotated[Machine, FLAT] = opt(help_="", factory=Machine)
-    source: Annotated[Source, FLAT] = opt(help_="", factory=Source)
     rows: int = opt(128, "rows (prompts) in the workload")
     slots: int = opt(32, "engine batch: slots (in-flight) or batch size (static)")
     prompt_len: int = opt(32, "prompt tokens per row")

@@ -10,6 +10,9 @@ the bottom package, because ``refit export`` uses it and nothing below ``learner
   Flags are printed with underscores, as the YAML keys and the Python names; hyphens are accepted too.
 - Bools are flags (``--log.progress``, ``--log.no_progress``) and also take a value
   (``--progress false``, as HfArgumentParser's did).
+- A section annotated ``tyro.conf.arg(name="")`` (:data:`FLAT`) keeps no prefix: its fields are
+  spelled as the job's own fields in flags, YAML and the saved config (``--top_k``, ``top_k: 5``), though
+  the Python path is ``sampling.top_k`` (:func:`flat_leaves`).
 - ``legacy`` maps old flat names (``rollout_workers``) to their dotted paths (``scale.workers``): in YAML
   and on the command line they still work, with one deprecation line on stderr naming the new spelling.
 """
@@ -24,11 +27,14 @@ from pathlib import Path
 from types import SimpleNamespace, UnionType
 from typing import Annotated, Any, Literal
 
+import tyro
 import yaml
 
 from export.errors import RefitError
 
 BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+FLAT = tyro.conf.arg(name="")  # Annotated[Section, FLAT]: a section whose fields keep no prefix (--top_k, --work_dir)
 
 
 def opt(default: Any = dataclasses.MISSING, help_: str = "", *, factory=None) -> Any:
@@ -45,6 +51,20 @@ def _hints(cls) -> dict[str, Any]:
 def _strip(tp):
     """``Annotated[X, ...]`` -> ``X``."""
     return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+def _flat_sections(cls) -> list[str]:
+    """Names of the top-level fields of ``cls`` that are :data:`FLAT` sections."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return [f.name for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Annotated and dataclasses.is_dataclass(_strip(hints[f.name]))
+            and any(getattr(m, "name", None) == "" for m in typing.get_args(hints[f.name])[1:])]
+
+
+def flat_leaves(cls) -> dict[str, str]:
+    """The spelled name -> dotted path of every field in a :data:`FLAT` section (``top_k`` -> ``sampling.top_k``)."""
+    flat = tuple(f"{s}." for s in _flat_sections(cls))
+    return {path.rpartition(".")[2]: path for path in leaves(cls) if path.startswith(flat)} if flat else {}
 
 
 def leaves(cls, prefix: str = "") -> dict[str, Any]:
@@ -66,8 +86,6 @@ def _default(f: dataclasses.Field):
         return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
-    import tyro
-
     return tyro.MISSING  # a required field (tyro asks for it on the command line)
 
 
@@ -86,10 +104,10 @@ def build(cls, values: dict[str, Any], base=None, prefix: str = ""):
 
 def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
     """Dotted or old flat names -> dotted paths of ``cls``; (values, deprecation notes); unknown: one line."""
-    known, out, notes, unknown = leaves(cls), {}, [], []
+    known, flat, out, notes, unknown = leaves(cls), flat_leaves(cls), {}, [], []
     for key, v in values.items():
-        if key in known:
-            out[key] = v
+        if key in known or key in flat:
+            out[flat.get(key, key)] = v
             continue
         section, _, leaf = key.rpartition(".")
         old = next((k for k in (f"{section}_{leaf}" if section else "", leaf) if k in legacy), None)
@@ -154,7 +172,11 @@ def load_yaml(cls, path: str | Path, legacy: dict[str, str] | None = None):
 
 def save_yaml(cfg, path: Path) -> str:
     """The resolved config in its sectioned layout (loads back through ``--config`` to an equal config)."""
-    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    flat = set(_flat_sections(type(cfg)))
+    layout = {}
+    for k, v in dataclasses.asdict(cfg).items():  # a FLAT section's fields in its place, unprefixed
+        layout.update(v if k in flat else {k: v})
+    text = yaml.safe_dump(layout, sort_keys=False)
     path.write_text(text)
     return text
 
@@ -172,7 +194,7 @@ def _negate(path: str) -> str:
 
 def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]) -> tuple[list[str], list[str]]:
     """Old flat flags -> dotted ones (with notes); ``--flag true|false`` -> ``--flag`` / ``--no_flag``."""
-    known = set(leaves(cls)) | bools
+    known = set(leaves(cls)) | set(flat_leaves(cls)) | bools
     out, notes, i = [], [], 0
     while i < len(argv):
         tok, i = argv[i], i + 1
@@ -217,13 +239,13 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
     ``options``: ``(name, type, field)`` triples for run options that are not part of the saved config
     (``--resume``, ``--build_models``); ``--config`` is always one of them.
     """
-    import tyro
-
     legacy = legacy or {}
     opts = (CONFIG_OPTION, *options)
     args = dataclasses.make_dataclass(
-        "Args", [("cfg", Annotated[cls, tyro.conf.arg(name="")], dataclasses.field()), *opts], frozen=True)
-    bools = {p for p, tp in leaves(cls).items() if tp is bool} | {n for n, tp, _ in opts if tp is bool}
+        "Args", [("cfg", Annotated[cls, FLAT], dataclasses.field()), *opts], frozen=True)
+    types = leaves(cls)
+    bools = ({p for p, tp in types.items() if tp is bool} | {n for n, tp, _ in opts if tp is bool}
+             | {n for n, p in flat_leaves(cls).items() if types[p] is bool})
     argv, notes = normalise_argv(list(sys.argv[1:] if argv is None else argv), cls, legacy, bools)
     default, path = None, _config_path(argv)
     if path:

@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 import tyro
 
 from export.errors import RefitError
-from export.parsing import opt, parse
+from export.parsing import FLAT, opt, parse
+from rollout.config import Sampling
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,7 @@ class GenerateConfig:
     device: Literal["cpu", "cuda"] = opt("cpu", "onnxruntime execution device")
     max_new_tokens: int = opt(32, "most tokens generated per completion")
     temperature: float = opt(1.0, "divide the logits by this before sampling (> 0)")
-    top_k: int = opt(0, "sample among the k most likely tokens only (0: off)")
-    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability (1: off)")
+    sampling: Annotated[Sampling, FLAT] = opt(help_="", factory=Sampling)  # --top_k, --top_p
     greedy: bool = opt(False, "take the most likely token at every step (no sampling)")
     n: int = opt(1, "completions per prompt")
     seed: int | None = opt(None, "sampling seed (same seed, same tokens); default: random")
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     a, _ = parse(GenerateConfig, argv, "refit generate")
     engine_dir = Path(a.engine_dir)
     try:
-        sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                  top_p=a.top_p, greedy=a.greedy, n=a.n, seed=a.seed)
+        sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.sampling.top_k,
+                                  top_p=a.sampling.top_p, greedy=a.greedy, n=a.n, seed=a.seed)
     except ValueError as e:
         raise RefitError(str(e)) from None
     texts = _prompts(a)

@@ -303,6 +303,50 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
     return batch.check()
 
 
+class LoopEngine:
+    """The Engine methods every loop-driven backend shares; a backend supplies only what differs.
+
+    A subclass sets ``spec`` (:class:`ModelSpec`) and ``_version`` in ``__init__`` and defines
+    ``_new_state(capacity)`` -> a fresh :class:`StepState` (``capacity``: tokens per row the call may
+    hold, for a backend that preallocates its KV buffer; the others ignore it). Optional: ``slots``
+    and ``inflight`` (see :func:`run_generate`); ``max_batch`` with ``_check_rows(rows)`` to refuse a
+    batch before any work. ``update_weights`` and ``close`` stay the backend's own; the
+    :class:`Engine` protocol remains the public contract.
+    """
+
+    spec: ModelSpec
+    _version: int = 0
+    slots: int | None = None  # at most this many rows decoded at once; None: all rows in one batch
+    inflight: bool = True  # with slots: refill a slot as soon as its row stops; False: static batches
+    max_batch: int | None = None  # most rows one call may run; None: unchecked (no _check_rows call)
+
+    def _new_state(self, capacity: int = 0) -> StepState:
+        raise NotImplementedError
+
+    def _check_rows(self, rows: int) -> None:
+        """Raise RefitError when ``rows`` exceeds ``max_batch``; called only where ``max_batch`` is set."""
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
+                 on_step: StepHook | None = None) -> RolloutBatch:
+        if self.max_batch is not None:
+            self._check_rows(len(prompts) * getattr(sampling, "n", 1))
+        # capacity computed when a state is made: run_generate has checked prompts and sampling by then
+        return run_generate(lambda: self._new_state(max(len(p) for p in prompts) + sampling.max_new_tokens),
+                            self.spec, prompts, sampling, self._version, on_step, self.slots, self.inflight)
+
+    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+              response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,
+              chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
+        if self.max_batch is not None:
+            self._check_rows(int(prompt_ids.shape[0]))
+        return run_score(lambda: self._new_state(prompt_ids.shape[-1] + response_ids.shape[-1]), self.spec,
+                         prompt_ids, prompt_mask, response_ids, response_mask, temperature, topk, chunk_size)
+
+
 def _check_score_padding(spec: ModelSpec, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
     """score() inputs must follow the padding rule (types.py); one RefitError line otherwise."""
     try:
@@ -370,6 +414,6 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
 
 
-__all__ = ["Engine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version",
+__all__ = ["Engine", "LoopEngine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version",
            "create_engine", "decode_loop", "next_version", "pad_prompts", "register_backend", "resolve_names", "run_generate",
            "run_score"]

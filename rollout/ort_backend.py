@@ -33,9 +33,8 @@ from export.graph import open_session
 from export.manifest import Manifest
 from export.padding import position_ids_from_mask
 from export.weight_map import engine_weights
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
+from rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 from rollout.sampling import one_thread
-from rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
@@ -135,7 +134,7 @@ class _OrtSeq2SeqState:
         return _logits(outs["logits"]).float()
 
 
-class OrtEngine:
+class OrtEngine(LoopEngine):
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
@@ -203,10 +202,6 @@ class OrtEngine:
         return {f"{prefix}.{i}.{k}": ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
                 for i in range(d.n_layers) for k in ("key", "value")}
 
-    @property
-    def weights_version(self) -> int:
-        return self._version
-
     def _new_state(self, capacity: int = 0):
         """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
         if self._kv_pool is not None:
@@ -214,18 +209,6 @@ class OrtEngine:
 
             return FusedDecoderState(self.sessions["decoder"], self._kv_pool, capacity)
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
-                 on_step: StepHook | None = None) -> RolloutBatch:
-        cap = max((len(p) for p in prompts), default=0) + sampling.max_new_tokens
-        return run_generate(lambda: self._new_state(cap), self.spec, prompts, sampling, self._version, on_step,
-                            self.slots, self.inflight)
-
-    def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
-              topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
-        cap = prompt_ids.shape[-1] + response_ids.shape[-1]
-        return run_score(lambda: self._new_state(cap), self.spec, prompt_ids, prompt_mask, response_ids,
-                         response_mask, temperature, topk, chunk_size)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Push HF-named tensors: map to engine weights, reopen the touched graphs' sessions, version += 1.

@@ -16,8 +16,7 @@ import torch
 from export.capabilities import decoder_start_id
 from export.errors import RefitError
 from export.padding import position_ids_from_mask
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
-from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+from rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 
 
 def prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,7 +87,7 @@ def _load(source, dtype):
     return load_model(path, dtype=dtype), None
 
 
-class TorchEngine:
+class TorchEngine(LoopEngine):
     """Reference engine over an HF model (an ``nn.Module``, an HF folder, or an engine folder's source)."""
 
     def __init__(self, source, max_len: int | None = None, dtype: torch.dtype | None = None,
@@ -100,23 +99,11 @@ class TorchEngine:
                                           decoder_start=decoder_start_id(self.model))
         self._version = 0
 
-    @property
-    def weights_version(self) -> int:
-        return self._version
-
-    def _new_state(self):
+    def _new_state(self, capacity: int = 0):
+        """A fresh StepState (generate/score come from LoopEngine); the HF caches grow, ``capacity`` is unused."""
         if self.spec.kind == "seq2seq":
             return _Seq2SeqState(self.model, self.spec.decoder_start_id)
         return _DecoderState(self.model)
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
-                 on_step: StepHook | None = None) -> RolloutBatch:
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
-
-    def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
-              topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
-        return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
-                         temperature, topk, chunk_size)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:

@@ -36,8 +36,7 @@ from export.errors import RefitError
 from export.manifest import Manifest, ShapeRange
 from export.padding import position_ids_from_mask
 from export.weight_map import apply_transform
-from rollout.engine import DEFAULT_SCORE_CHUNK, ModelSpec, StepHook, next_version, resolve_names, run_generate, run_score
-from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+from rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -238,7 +237,7 @@ class _TrtSeq2SeqState:
         return next(iter(self.past.values())).shape[2]
 
 
-class TrtEngine:
+class TrtEngine(LoopEngine):
     """Engine over an engine folder's TensorRT plans (``refit export --backend tensorrt``)."""
 
     def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING"):
@@ -281,34 +280,19 @@ class TrtEngine:
             if not (self.engine_dir / rec.plan).is_file():
                 raise RefitError(f"TensorRT plan {self.engine_dir / rec.plan} is missing")
 
-    @property
-    def weights_version(self) -> int:
-        return self._version
-
     def empty_kv(self, batch: int) -> dict[str, torch.Tensor]:
         """Zero-length past K/V ``{past.i.key|value: (B, H_kv, 0, D)}`` on the device."""
         d = self.manifest.dims
         return {f"past.{i}.{k}": torch.empty((batch, d.n_kv_heads, 0, d.head_dim), dtype=self._dtype,
                                              device=self.device) for i in range(d.n_layers) for k in ("key", "value")}
 
-    def _new_state(self):
+    def _new_state(self, capacity: int = 0):  # generate/score come from LoopEngine; capacity unused
         return _TrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _TrtDecoderState(self)
 
     def _check_rows(self, rows: int) -> None:
         if rows > self.max_batch:
             raise RefitError(f"{rows} rows exceed the TensorRT engine's max batch {self.max_batch} "
                              "(split the batch or re-export with a larger --max-batch)")
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
-                 on_step: StepHook | None = None) -> RolloutBatch:
-        self._check_rows(len(prompts) * getattr(sampling, "n", 1))
-        return run_generate(self._new_state, self.spec, prompts, sampling, self._version, on_step)
-
-    def score(self, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
-              topk: int = 0, chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
-        self._check_rows(int(prompt_ids.shape[0]))
-        return run_score(self._new_state, self.spec, prompt_ids, prompt_mask, response_ids, response_mask,
-                         temperature, topk, chunk_size)
 
     # ------------------------------------------------------------------------------ refit
 

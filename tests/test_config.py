@@ -12,7 +12,7 @@ import pytest
 from bench.cli import BENCHES
 from export.cli import ExportConfig
 from export.errors import RefitError
-from export.parsing import leaves
+from export.parsing import flat_leaves, leaves, parse
 from learner.cli import main as refit
 from learner.distill.config import DistillConfig
 from learner.examples.demo import DemoConfig
@@ -104,10 +104,9 @@ def test_help_lists_every_field_with_its_help(argv, cls, capsys):
         refit([*argv, "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())
-    flat_sections = {f.name for f in dataclasses.fields(cls) if f.name in ("machine", "source")}  # bench: no prefix
+    flat = {path: name for name, path in flat_leaves(cls).items()}  # FLAT sections (bench, sampling): no prefix
     for path in leaves(cls):
-        section, _, leaf = path.rpartition(".")
-        flag = leaf if section in flat_sections else path
+        flag = flat.get(path, path)
         field = _field(cls, path)
         assert f"--{flag}" in text or field.name in ("model_dir", "engine_dir") and "DIR" in text, path
         assert " ".join(field.metadata["help"].split()) in text, path
@@ -133,3 +132,17 @@ def test_saved_config_yaml_loads_back_equal(cls, kw, tmp_path, capsys):
     assert "optim:\n" in text and "scale:\n" in text  # the sectioned layout
     back, _ = parse_job(cls, ["--config", str(tmp_path / "config.yaml")], "refit")
     assert back == cfg and capsys.readouterr().err == ""  # no deprecation: the saved layout is the new one
+
+
+def test_flat_sampling_section_keeps_its_spellings(tmp_path, capsys):
+    """top_k/top_p live in the shared Sampling section (a FLAT one): flags, YAML keys, from_flat and the saved
+    config.yaml spell them as before, unprefixed and with no deprecation line."""
+    want = PPOConfig.from_flat(top_k=5, top_p=0.9)
+    assert (want.sampling.top_k, want.sampling.top_p) == (5, 0.9)
+    assert parse_job(PPOConfig, ["--top_k", "5", "--top-p", "0.9"], "refit ppo")[0] == want
+    assert parse_job(PPOConfig, ["--config", _yaml(tmp_path, "top_k: 5\ntop_p: 0.9\n")], "refit ppo")[0] == want
+    text = save_config(want, tmp_path / "config.yaml")
+    assert "\ntop_k: 5\ntop_p: 0.9\n" in text and "sampling" not in text
+    g, _ = parse(GenerateConfig, ["e", "--top_k", "3", "--config", _yaml(tmp_path, "top_p: 0.5\n")], "refit generate")
+    assert (g.sampling.top_k, g.sampling.top_p) == (3, 0.5)
+    assert capsys.readouterr().err == ""

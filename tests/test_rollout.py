@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from export.errors import RefitError
-from rollout.engine import Engine, backends, check_version, create_engine, register_backend
+from rollout.engine import (Engine, LoopEngine, ModelSpec, backends, check_version, create_engine, next_version,
+                            register_backend)
 from rollout.types import SamplingParams
 
 from conftest import ARCHS
@@ -165,3 +166,63 @@ def test_cli_smoke(engine_dirs, capsys, tmp_path):
     assert len(out) == 2 and "mean log-prob" in out[0]
     with pytest.raises(RefitError):
         main([d, "--max-new-tokens", "2"])
+
+
+class _CountingState:
+    """A toy StepState: logits favour token (last fed id + 1) % V, so greedy decoding counts up."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def _logits(self, ids):
+        return torch.nn.functional.one_hot((ids + 1) % self.vocab, self.vocab).float() * 10
+
+    def prefill(self, ids, mask):
+        return self._logits(ids[:, -1])
+
+    def extend(self, ids, mask):
+        return self._logits(ids)
+
+
+class _ToyEngine(LoopEngine):
+    """A backend built from the shared piece: only a spec, a version and a state factory."""
+
+    def __init__(self, max_batch=None):
+        self.spec = ModelSpec(kind="decoder", pad_id=0, eos_id=15, decoder_start_id=None, prompt_side="left",
+                              vocab_size=16, max_len=None)
+        self._version, self.max_batch, self.capacities, self.checked = 3, max_batch, [], []
+
+    def _new_state(self, capacity=0):
+        self.capacities.append(capacity)
+        return _CountingState(self.spec.vocab_size)
+
+    def _check_rows(self, rows):
+        self.checked.append(rows)
+        if rows > self.max_batch:
+            raise RefitError(f"{rows} rows exceed {self.max_batch}")
+
+    def update_weights(self, named_tensors, version=None):  # the backend's own, as in every real one
+        self._version = next_version(self._version, version)
+
+    def close(self):
+        pass
+
+
+def test_loop_engine_shared_generate_and_score():
+    """LoopEngine's generate/score: the batch carries weights_version, on_step sees every phase, the
+    state factory gets the call's capacity, and max_batch is checked before any work."""
+    eng = _ToyEngine()
+    assert isinstance(eng, Engine) and eng.weights_version == 3
+    events = []
+    batch = eng.generate([[1, 2], [4]], SamplingParams(max_new_tokens=3, greedy=True), on_step=events.append)
+    assert batch.weights_version == 3 and batch.response_ids.tolist() == [[3, 4, 5], [5, 6, 7]]
+    assert [(e.phase, e.step, e.tokens) for e in events] == [("prefill", 0, 2), ("decode", 1, 2), ("decode", 2, 2)]
+    assert eng.capacities == [2 + 3] and eng.checked == []  # no max_batch: _check_rows is not called
+    scored = eng.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    assert scored.logprobs.shape == (2, 3) and eng.capacities[-1] == 2 + 3
+    eng.update_weights({})
+    assert eng.weights_version == 4 and eng.generate([[1]], SamplingParams(max_new_tokens=1)).weights_version == 4
+    limited = _ToyEngine(max_batch=3)
+    with pytest.raises(RefitError, match="4 rows exceed 3"):
+        limited.generate([[1], [2]], SamplingParams(n=2, max_new_tokens=1))
+    assert limited.checked == [4] and limited.capacities == []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+from export.parsing import FLAT
 from learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
+from rollout.config import Sampling
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,7 @@ class PPOConfig:
     target: float = _f(6.0, "adaptive KL: target KL per sequence")
     horizon: float = _f(10000.0, "adaptive KL: horizon")
     response_length: int = _f(8, "max new tokens per response")
-    top_k: int = _f(0, "sampling top-k (0 = off); corrected for by mismatch_correction")
-    top_p: float = _f(1.0, "sampling top-p (1 = off)")
+    sampling: Annotated[Sampling, FLAT] = _f(help_="", factory=Sampling)  # --top_k, --top_p (no prefix)
     mismatch_correction: Literal["none", "tis", "seq_mask"] = _f("none", "rollout/learner mismatch correction")
     tis_cap: float = _f(2.0, "truncated importance sampling cap C")
     tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "

@@ -46,7 +46,7 @@ from typing import Annotated, Literal
 import tyro
 
 from export.errors import RefitError
-from export.parsing import build, leaves, opt, parse, resolve, save_yaml
+from export.parsing import build, flat_leaves, leaves, opt, parse, resolve, save_yaml
 
 _f = opt
 Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]
@@ -167,11 +167,12 @@ _RENAMED = {"scale.workers": "rollout_workers", "scale.worker_cpus": "rollout_wo
 def flat_names(cls) -> dict[str, str]:
     """Old flat name -> dotted path, for every section field of ``cls`` (``learning_rate`` ->
     ``optim.learning_rate``; ``student_model_dir`` -> ``student.model_dir``: a model section other than
-    ``model`` had its role as prefix; ``rollout_workers`` -> ``scale.workers``)."""
-    out = {}
+    ``model`` had its role as prefix; ``rollout_workers`` -> ``scale.workers``). A FLAT section's fields
+    (``top_k``) are spelled without prefix already: not old names."""
+    out, flat = {}, set(flat_leaves(cls).values())
     for path in leaves(cls):
         section, _, leaf = path.partition(".")
-        if leaf:
+        if leaf and path not in flat:
             old = _RENAMED.get(path) or (f"{section}_{leaf}" if section in ("student", "teacher") else leaf)
             out[old] = path
     return out
