@@ -223,9 +223,9 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     t0 = time.perf_counter()
     idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
     run.data_position += cfg.run.batch_size
-    sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature, top_k=cfg.sampling.top_k,
-                              top_p=cfg.sampling.top_p, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
-                              stop_ids=run.stop_ids)
+    sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature,
+                              top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, n=cfg.num_generations,
+                              seed=cfg.run.seed * 1_000_003 + step, stop_ids=run.stop_ids)
     rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
     check_version(rollout, run.expected_version)
     timings["time/rollout"] = time.perf_counter() - t0
