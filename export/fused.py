@@ -322,11 +322,14 @@ class KVBuffers:
         return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
 
 
-def run_fused(sess, host: dict[str, np.ndarray], kv: dict) -> np.ndarray:
-    """One run with ``kv`` ({past name: OrtValue}) bound as past and present; returns the logits (B, K, V)."""
+def run_fused(sess, host: dict[str, np.ndarray], kv: dict, bound: dict | None = None) -> np.ndarray:
+    """One run with ``kv`` ({past name: OrtValue}) bound as past and present, ``bound`` OrtValues as inputs
+    only (a seq2seq decoder's cross K/V); returns the logits (B, K, V)."""
     io = sess.io_binding()
     for name, arr in host.items():
         io.bind_cpu_input(name, np.ascontiguousarray(arr))
+    for name, val in (bound or {}).items():
+        io.bind_ortvalue_input(name, val)
     for name, val in kv.items():
         io.bind_ortvalue_input(name, val)
         io.bind_ortvalue_output(name.replace("past", "present", 1), val)

@@ -210,8 +210,10 @@ class OrtEngine:
     def _new_state(self, capacity: int = 0):
         """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
         if self._kv_pool is not None:
-            from rollout.ort_fused import FusedDecoderState
+            from rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
 
+            if self.spec.kind == "seq2seq":
+                return FusedSeq2SeqState(self, self._kv_pool, capacity)
             return FusedDecoderState(self.sessions["decoder"], self._kv_pool, capacity)
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
 
