@@ -20,13 +20,11 @@ dynamo exporter's ``custom_translation_table`` lowers that op to the contrib op.
 model (embeddings, learned or rotary positions, MLP, lm_head) is HF's own code, so the weight
 map is built by content exactly as for the plain graph and stays 1:1.
 
-Not covered yet: T5's decoder; encoder-decoder engines keep the plain graph and ``attention="fused"``
-on them is refused. The op allows it (its ``attention_bias`` input, (B, N, S, total), indexed by
-absolute key position, can carry T5's relative position bias; T5's ``scale`` is 1), but HF's T5
-computes that bias from its own cache length (``compute_bias(q, k, past_seen_tokens)``), which is 0
-here (no HF cache), and every row needs its own bias once finished rows idle; the cross-attention
-over the encoder's K/V goes through the same attention function and must stay a plain attention.
-That is a T5-specific wrapper (bias from the rows' lengths, self vs cross dispatch), not written yet.
+Encoder-decoder models: T5's decoder has its own wrapper, :mod:`export.fused_seq2seq` (the same op and
+buffers, T5's relative position bias as the op's ``attention_bias`` computed from each row's positions,
+``scale`` 1, the cross-attention plain over the encoder graph's K/V); HF's T5 computes that bias from its
+own cache length, one for all rows, which compact rows with idle finished rows cannot use. BART and
+Marian keep the plain graph: their decoders embed absolute positions from one shared cache length.
 """
 
 from __future__ import annotations
@@ -217,6 +215,8 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
     if dtype != "fp32":
         return f"dtype {dtype}: the fused graph is exported and gated in fp32 only (fp16 not measured here)"
+    if caps.head_dim % 8:
+        return f"head_dim {caps.head_dim}: ONNX Runtime's GroupQueryAttention CPU kernel needs a multiple of 8"
     if caps.kind != "decoder":
         from export.fused_seq2seq import seq2seq_refusal
 
@@ -252,25 +252,35 @@ def fused_spec(model, caps) -> dict:
         translation=translation_table())
 
 
-def fused_profiles(caps, max_batch: int, max_len: int) -> dict:
-    """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph)."""
-    from export.manifest import ShapeRange
+def fused_profiles(caps, max_batch: int, max_len: int, seq2seq: bool = False) -> dict:
+    """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph).
 
-    def shapes(b, s, c, k):
+    ``seq2seq`` (export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
+    ``e``), its prefill is the start token; the plain encoder graph keeps its profile."""
+    from export.manifest import ShapeRange
+    from export.profiles import shape_profiles
+
+    def shapes(b, s, c, k, e):
         d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
              "total_sequence_length": [], "logits_index": [b, k]}
-        d.update({f"past.{i}.{kv}": [b, caps.n_kv_heads, c, caps.head_dim]
-                  for i in range(caps.n_layers) for kv in ("key", "value")})
+        if seq2seq:
+            d["encoder_attention_mask"] = [b, e]
+        for p, n in ((("cross", e),) if seq2seq else ()) + (("past", c),):
+            d.update({f"{p}.{i}.{kv}": [b, caps.n_kv_heads, n, caps.head_dim]
+                      for i in range(caps.n_layers) for kv in ("key", "value")})
         return d
 
     def profile(lo, opt, hi):
         return {n: ShapeRange(min=tuple(lo[n]), opt=tuple(opt[n]), max=tuple(hi[n])) for n in lo}
 
     ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
-    return {"decoder": {
-        "prefill": profile(shapes(1, 1, 1, 1), shapes(ob, ol, max_len, 1), shapes(max_batch, max_len, max_len, max_len)),
-        "decode": profile(shapes(1, 1, 1, 1), shapes(ob, 1, max_len, 1), shapes(max_batch, 1, max_len, 1)),
-    }}
+    lo, big = shapes(1, 1, 1, 1, 1), max_len
+    out = {"encoder": shape_profiles(caps, max_batch, max_len)["encoder"]} if seq2seq else {}
+    out["decoder"] = {
+        "prefill": profile(lo, shapes(ob, 1 if seq2seq else ol, big, 1, ol), shapes(max_batch, big, big, big, big)),
+        "decode": profile(lo, shapes(ob, 1, big, 1, ol), shapes(max_batch, 1, big, 1, big)),
+    }
+    return out
 
 
 def fused_dynamic_dims(seq2seq: bool = False) -> dict[str, str]:

@@ -178,30 +178,6 @@ def fused_seq2seq_spec(model, caps) -> dict:
         translation=translation_table())
 
 
-def fused_seq2seq_profiles(caps, max_batch: int, max_len: int) -> dict:
-    """The manifest's shape ranges: the plain encoder's profile and the fused decoder's prefill/decode."""
-    from export.manifest import ShapeRange
-    from export.profiles import shape_profiles
-
-    def shapes(b, s, e, c, k):
-        d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
-             "total_sequence_length": [], "logits_index": [b, k], "encoder_attention_mask": [b, e]}
-        for p, n in (("cross", e), ("past", c)):
-            d.update({f"{p}.{i}.{kv}": [b, caps.n_kv_heads, n, caps.head_dim]
-                      for i in range(caps.n_layers) for kv in ("key", "value")})
-        return d
-
-    def profile(lo, opt, hi):
-        return {n: ShapeRange(min=tuple(lo[n]), opt=tuple(opt[n]), max=tuple(hi[n])) for n in lo}
-
-    ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
-    lo = shapes(1, 1, 1, 1, 1)
-    return {"encoder": shape_profiles(caps, max_batch, max_len)["encoder"], "decoder": {
-        "prefill": profile(lo, shapes(ob, 1, ol, max_len, 1), shapes(max_batch, max_len, max_len, max_len, max_len)),
-        "decode": profile(lo, shapes(ob, 1, ol, max_len, 1), shapes(max_batch, 1, max_len, max_len, 1)),
-    }}
-
-
 # ----------------------------------------------------------------------------- running the graph
 
 

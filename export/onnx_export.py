@@ -36,7 +36,7 @@ from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEnco
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
 OPSET = 18
-EXPORTER_VERSION = "4"  # bump when the graph layout changes, so cached engines are rebuilt
+EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
 @dataclass(frozen=True)
@@ -348,11 +348,10 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
                        attention=attention[0], attention_reason=attention[1])
     if fused:
         from export.fused import fused_dynamic_dims, fused_profiles
-        from export.fused_seq2seq import fused_seq2seq_profiles
 
         seq2seq = caps.kind != "decoder"
-        profiles = (fused_seq2seq_profiles if seq2seq else fused_profiles)(caps, opts.max_batch, opts.max_len)
-        manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq), profiles=profiles)
+        manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq),
+                           profiles=fused_profiles(caps, opts.max_batch, opts.max_len, seq2seq))
     manifest.write(tmp)
     tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
     manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),

@@ -139,8 +139,8 @@ class OrtEngine:
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
-    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``: consecutive static
-    batches of ``slots`` rows); rows are the same as without.
+    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``, and always on an
+    encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
     """
