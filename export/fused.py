@@ -20,13 +20,11 @@ dynamo exporter's ``custom_translation_table`` lowers that op to the contrib op.
 model (embeddings, learned or rotary positions, MLP, lm_head) is HF's own code, so the weight
 map is built by content exactly as for the plain graph and stays 1:1.
 
-Not covered yet: T5's decoder; encoder-decoder engines keep the plain graph and ``attention="fused"``
-on them is refused. The op allows it (its ``attention_bias`` input, (B, N, S, total), indexed by
-absolute key position, can carry T5's relative position bias; T5's ``scale`` is 1), but HF's T5
-computes that bias from its own cache length (``compute_bias(q, k, past_seen_tokens)``), which is 0
-here (no HF cache), and every row needs its own bias once finished rows idle; the cross-attention
-over the encoder's K/V goes through the same attention function and must stay a plain attention.
-That is a T5-specific wrapper (bias from the rows' lengths, self vs cross dispatch), not written yet.
+Encoder-decoder models: T5's decoder has its own wrapper, :mod:`export.fused_seq2seq` (the same op and
+buffers, T5's relative position bias as the op's ``attention_bias`` computed from each row's positions,
+``scale`` 1, the cross-attention plain over the encoder graph's K/V); HF's T5 computes that bias from its
+own cache length, one for all rows, which compact rows with idle finished rows cannot use. BART and
+Marian keep the plain graph: their decoders embed absolute positions from one shared cache length.
 """
 
 from __future__ import annotations
@@ -44,13 +42,16 @@ _ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and
 @torch.library.custom_op("refit::gqa", mutates_args=())
 def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
         past_value: torch.Tensor, seqlens_k: torch.Tensor, total_len: torch.Tensor, query_seqlens: torch.Tensor,
-        num_heads: int, kv_num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attention_bias: torch.Tensor | None, num_heads: int, kv_num_heads: int,
+        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GroupQueryAttention's contract in PyTorch (the reference the ONNX graph is tested against).
 
     query (B, S, N*D), key/value (B, S, H_kv*D), past_key/value (B, H_kv, C, D); seqlens_k and
     query_seqlens (B,) int32; total_len () int32 (an upper bound of seqlens_k + 1, unused here).
     Row b: T = seqlens_k[b] + 1 tokens after the step, Q = query_seqlens[b] of them new, written at
-    [T - Q, T); query row s < Q attends causally to buffer positions [0, T - Q + s]. Returns
+    [T - Q, T); query row s < Q attends causally to buffer positions [0, T - Q + s]. ``attention_bias``
+    (B or 1, N or 1, S, total_len) or None is added to the scaled scores, indexed by absolute key
+    position (its last dim must equal total_len, as the ORT kernel checks). Returns
     (output (B, S, N*D), present_key, present_value); output rows >= Q are 0.
     """
     b, s, _ = query.shape
@@ -69,14 +70,16 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
         keys = pk[i, :, :t].repeat_interleave(rep, 0)  # (N, T, D)
         vals = pv[i, :, :t].repeat_interleave(rep, 0)
         scores = q[i, :, :n] @ keys.transpose(-1, -2) * scale  # (N, Q, T)
+        if attention_bias is not None:
+            scores = scores + attention_bias[i if attention_bias.shape[0] > 1 else 0, :, :n, :t]
         causal = torch.arange(t)[None, :] > (t - n + torch.arange(n))[:, None]  # (Q, T)
         out[i, :, :n] = scores.masked_fill(causal, float("-inf")).softmax(-1) @ vals
     return out.transpose(1, 2).reshape(b, s, num_heads * d), pk, pv
 
 
 @gqa.register_fake
-def _(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, num_heads, kv_num_heads,
-      scale):
+def _(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias, num_heads,
+      kv_num_heads, scale):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -108,7 +111,7 @@ def _register_onnx_schema() -> None:
                     S.Attribute("scale", S.AttrType.FLOAT, required=False)]))
 
 
-def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens,
+def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias,
               num_heads: int, kv_num_heads: int, scale: float):
     """``refit::gqa`` -> com.microsoft.GroupQueryAttention (opset 1), inputs by the op's schema order."""
     import onnxscript
@@ -116,7 +119,7 @@ def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, que
     msft = onnxscript.values.Opset("com.microsoft", 1)
     return msft.GroupQueryAttention(
         query, key, value, past_key, past_value, seqlens_k, total_len,
-        None, None, None, None, None, None, None, None, None, query_seqlens,  # cos..k_norm_weight unused
+        None, None, None, attention_bias, None, None, None, None, None, query_seqlens,  # rotary, sink, quant: unused
         num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
 
 
@@ -128,8 +131,8 @@ def translation_table() -> dict:
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: (B, N, S, D) q, (B, H_kv, S, D) k/v of the new tokens only
-    (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers and lengths
-    come from the fused call in progress (:class:`FusedDecoder`)."""
+    (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers, lengths and
+    attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress."""
     st = _ACTIVE[-1]
     i = module.layer_idx
     b, n, s, d = query.shape
@@ -137,7 +140,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out, pk, pv = torch.ops.refit.gqa(
         query.transpose(1, 2).reshape(b, s, n * d), key.transpose(1, 2).reshape(b, s, h * d),
         value.transpose(1, 2).reshape(b, s, h * d), st["past"][2 * i], st["past"][2 * i + 1],
-        st["seqlens_k"], st["total_len"], st["query_seqlens"], n, h, float(scaling if scaling is not None else d ** -0.5))
+        st["seqlens_k"], st["total_len"], st["query_seqlens"], st.get("bias"), n, h,
+        float(scaling if scaling is not None else d ** -0.5))
     st["present"][2 * i], st["present"][2 * i + 1] = pk, pv
     return out.view(b, s, n, d), None
 
@@ -202,15 +206,21 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
 
     Decided from what the model does, not its type: a decoder-only model whose attention layers go
     through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
-    (``layer_idx``), no sliding window. Whether the graph computes what PyTorch computes is the parity
-    gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
+    (``layer_idx``), no sliding window; an encoder-decoder one whose decoder has T5's relative position
+    bias and no absolute positions (:func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph
+    computes what PyTorch computes is the parity gate's call: under ``attention=auto`` a fused export
+    that fails it falls back to plain.
     """
     if backend != "onnx":
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
-    if caps.kind != "decoder":
-        return "encoder-decoder: the fused graph covers decoder-only models (T5: see export/fused.py)"
     if dtype != "fp32":
         return f"dtype {dtype}: the fused graph is exported and gated in fp32 only (fp16 not measured here)"
+    if caps.head_dim % 8:
+        return f"head_dim {caps.head_dim}: ONNX Runtime's GroupQueryAttention CPU kernel needs a multiple of 8"
+    if caps.kind != "decoder":
+        from export.fused_seq2seq import seq2seq_refusal
+
+        return seq2seq_refusal(model)
     if caps.sliding_window:
         return f"sliding-window attention ({caps.sliding_window}): the op's local_window_size is not wired here"
     if not getattr(model, "_supports_attention_backend", False):
@@ -242,31 +252,44 @@ def fused_spec(model, caps) -> dict:
         translation=translation_table())
 
 
-def fused_profiles(caps, max_batch: int, max_len: int) -> dict:
-    """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph)."""
-    from export.manifest import ShapeRange
+def fused_profiles(caps, max_batch: int, max_len: int, seq2seq: bool = False) -> dict:
+    """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph).
 
-    def shapes(b, s, c, k):
+    ``seq2seq`` (export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
+    ``e``), its prefill is the start token; the plain encoder graph keeps its profile."""
+    from export.manifest import ShapeRange
+    from export.profiles import shape_profiles
+
+    def shapes(b, s, c, k, e):
         d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
              "total_sequence_length": [], "logits_index": [b, k]}
-        d.update({f"past.{i}.{kv}": [b, caps.n_kv_heads, c, caps.head_dim]
-                  for i in range(caps.n_layers) for kv in ("key", "value")})
+        if seq2seq:
+            d["encoder_attention_mask"] = [b, e]
+        for p, n in ((("cross", e),) if seq2seq else ()) + (("past", c),):
+            d.update({f"{p}.{i}.{kv}": [b, caps.n_kv_heads, n, caps.head_dim]
+                      for i in range(caps.n_layers) for kv in ("key", "value")})
         return d
 
     def profile(lo, opt, hi):
         return {n: ShapeRange(min=tuple(lo[n]), opt=tuple(opt[n]), max=tuple(hi[n])) for n in lo}
 
     ob, ol = max(1, max_batch // 2), max(1, max_len // 2)
-    return {"decoder": {
-        "prefill": profile(shapes(1, 1, 1, 1), shapes(ob, ol, max_len, 1), shapes(max_batch, max_len, max_len, max_len)),
-        "decode": profile(shapes(1, 1, 1, 1), shapes(ob, 1, max_len, 1), shapes(max_batch, 1, max_len, 1)),
-    }}
+    lo, big = shapes(1, 1, 1, 1, 1), max_len
+    out = {"encoder": shape_profiles(caps, max_batch, max_len)["encoder"]} if seq2seq else {}
+    out["decoder"] = {
+        "prefill": profile(lo, shapes(ob, 1 if seq2seq else ol, big, 1, ol), shapes(max_batch, big, big, big, big)),
+        "decode": profile(lo, shapes(ob, 1, big, 1, ol), shapes(max_batch, 1, big, 1, big)),
+    }
+    return out
 
 
-def fused_dynamic_dims() -> dict[str, str]:
-    return {"batch": "rows in the batch (engine slots)", "seq": "chunk length (right-padded per row)",
+def fused_dynamic_dims(seq2seq: bool = False) -> dict[str, str]:
+    dims = {"batch": "rows in the batch (engine slots)", "seq": "chunk length (right-padded per row)",
             "cap": "KV buffer capacity: positions per row, past and present share it",
             "keep": "positions per row whose logits are returned (logits_index width)"}
+    if seq2seq:
+        dims["enc_seq"] = "encoder input length"
+    return dims
 
 
 # ----------------------------------------------------------------------------- running the graph
@@ -309,11 +332,14 @@ class KVBuffers:
         return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
 
 
-def run_fused(sess, host: dict[str, np.ndarray], kv: dict) -> np.ndarray:
-    """One run with ``kv`` ({past name: OrtValue}) bound as past and present; returns the logits (B, K, V)."""
+def run_fused(sess, host: dict[str, np.ndarray], kv: dict, bound: dict | None = None) -> np.ndarray:
+    """One run with ``kv`` ({past name: OrtValue}) bound as past and present, ``bound`` OrtValues as inputs
+    only (a seq2seq decoder's cross K/V); returns the logits (B, K, V)."""
     io = sess.io_binding()
     for name, arr in host.items():
         io.bind_cpu_input(name, np.ascontiguousarray(arr))
+    for name, val in (bound or {}).items():
+        io.bind_ortvalue_input(name, val)
     for name, val in kv.items():
         io.bind_ortvalue_input(name, val)
         io.bind_ortvalue_output(name.replace("past", "present", 1), val)

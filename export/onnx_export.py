@@ -36,7 +36,7 @@ from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEnco
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
 OPSET = 18
-EXPORTER_VERSION = "4"  # bump when the graph layout changes, so cached engines are rebuilt
+EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
 
 def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
-    if attention == "fused":
+    if attention == "fused" and caps.kind == "decoder":
         from export.fused import fused_spec
 
         return [fused_spec(model, caps)]
@@ -85,11 +85,16 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
                      "past": tuple({0: batch, 2: past} for _ in range(2 * L))},
         )]
     ids = torch.full((B, 5), 5, dtype=torch.long)
+    encoder = dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id),
+                   args=(ids, torch.ones(B, 5, dtype=torch.long)),
+                   inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
+                   dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
+    if attention == "fused":  # the plain encoder, T5's fused decoder (export/fused_seq2seq.py)
+        from export.fused_seq2seq import fused_seq2seq_spec
+
+        return [encoder, fused_seq2seq_spec(model, caps)]
     return [
-        dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id),
-             args=(ids, torch.ones(B, 5, dtype=torch.long)),
-             inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
-             dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}}),
+        encoder,
         dict(name="decoder", module=Seq2SeqDecoderWithPast(model, L, caps.hidden_size),
              args=(torch.full((B, 2), 5, dtype=torch.long), torch.ones(B, 5, dtype=torch.long), *kv(5), *kv(3)),
              inputs=["decoder_input_ids", "encoder_attention_mask", *_kv_names("cross", L), *_kv_names("past", L)],
@@ -344,8 +349,9 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
     if fused:
         from export.fused import fused_dynamic_dims, fused_profiles
 
-        manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(),
-                           profiles=fused_profiles(caps, opts.max_batch, opts.max_len))
+        seq2seq = caps.kind != "decoder"
+        manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq),
+                           profiles=fused_profiles(caps, opts.max_batch, opts.max_len, seq2seq))
     manifest.write(tmp)
     tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
     manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),

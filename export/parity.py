@@ -43,10 +43,14 @@ def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, 
     A fused-attention graph (manifest ``attention``) runs through :func:`export.fused.fused_greedy_logits`
     on the same left-padded prompts."""
     sessions = {g: open_session(engine_dir / spec.file)[0] for g, spec in manifest.graphs.items()}
-    if manifest.attention == "fused":
+    if manifest.attention == "fused" and manifest.kind == "decoder":
         from export.fused import fused_greedy_logits
 
         return fused_greedy_logits(sessions["decoder"], manifest, ids, mask, n_decode)
+    if manifest.attention == "fused":
+        from export.fused_seq2seq import fused_seq2seq_greedy_logits
+
+        return fused_seq2seq_greedy_logits(sessions, manifest, ids, mask, n_decode)
     dt, b = _np_dtype(manifest), ids.shape[0]
     past = _empty_past(manifest, b, dt)
     steps, fed = [], []

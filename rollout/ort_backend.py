@@ -138,8 +138,8 @@ class OrtEngine(LoopEngine):
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
-    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``: consecutive static
-    batches of ``slots`` rows); rows are the same as without.
+    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``, and always on an
+    encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
     """
@@ -205,8 +205,10 @@ class OrtEngine(LoopEngine):
     def _new_state(self, capacity: int = 0):
         """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
         if self._kv_pool is not None:
-            from rollout.ort_fused import FusedDecoderState
+            from rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
 
+            if self.spec.kind == "seq2seq":
+                return FusedSeq2SeqState(self, self._kv_pool, capacity)
             return FusedDecoderState(self.sessions["decoder"], self._kv_pool, capacity)
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
 

@@ -1,5 +1,5 @@
-"""Stepping a fused-attention engine (export/fused.py) on ONNX Runtime: one preallocated KV buffer per
-layer and K/V, written in place by GroupQueryAttention, reused from batch to batch.
+"""Stepping a fused-attention engine (export/fused.py; T5: export/fused_seq2seq.py) on ONNX Runtime: one
+preallocated KV buffer per layer and K/V, written in place by GroupQueryAttention, reused from batch to batch.
 
 Rows are compact in the buffer: row b's tokens sit at positions ``[0, n_b)``. A left-padded prompt
 batch (the padding rule every caller keeps) is compacted on the way in; its positions are
@@ -40,24 +40,41 @@ class KVPool:
         return self.kv
 
 
-class FusedDecoderState:
-    """:class:`rollout.engine.StepState` over a fused decoder graph."""
+class _FusedSteps:
+    """What both fused states share: the buffers, each row's token count, one run, ``extend``."""
 
     def __init__(self, sess, pool: KVPool, capacity: int):
         self.sess, self.pool, self.capacity = sess, pool, capacity
         self.kv: KVBuffers | None = None
         self.n: np.ndarray | None = None  # (B,) int32 tokens held per row
 
+    def _host(self, ids: np.ndarray, valid: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
+        return step_inputs(ids, self.n, valid, keep)
+
+    def _bound(self) -> dict:
+        return {}  # OrtValues bound as inputs besides the KV buffers
+
     def _run(self, ids: np.ndarray, valid: np.ndarray, keep: np.ndarray) -> torch.Tensor:
         """One step: chunk ``ids`` (B, S), ``valid`` (B,) new tokens per row, logits at ``keep`` (B, K)."""
         if int(self.n.max()) + ids.shape[1] > self.kv.capacity:
             raise RefitError(f"fused engine: {int(self.n.max())} + {ids.shape[1]} tokens exceed the KV buffer "
                              f"({self.kv.capacity} positions)")
-        out = run_fused(self.sess, step_inputs(ids, self.n, valid, keep), self.kv.values)
+        out = run_fused(self.sess, self._host(ids, valid, keep), self.kv.values, self._bound())
         self.n = self.n + valid.astype(np.int32)
         logits = torch.from_numpy(out)  # (B, K, V), engine dtype, a view of ORT's output
         bad = torch.from_numpy(keep >= valid[:, None])  # (B, K) positions the op leaves unspecified
         return logits.float().masked_fill_(bad[..., None], 0.0) if bad.any() else logits.float()
+
+    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, c) tokens, (B, c) right-padded 0/1 mask -> (B, c, V) logits (0 where the mask is 0)."""
+        b, c = ids.shape
+        valid = mask.numpy().sum(1).astype(np.int32)
+        keep = np.broadcast_to(np.arange(c, dtype=np.int64), (b, c))
+        return self._run(ids.numpy(), valid, keep)
+
+
+class FusedDecoderState(_FusedSteps):
+    """:class:`rollout.engine.StepState` over a fused decoder-only graph, with slots (in-flight batching)."""
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, Tp) left-padded prompt -> (B, V) logits after each row's last token."""
@@ -94,9 +111,41 @@ class FusedDecoderState:
         self.n[slots] = n
         return torch.from_numpy(out[:, -1]).float()
 
-    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, c) tokens, (B, c) right-padded 0/1 mask -> (B, c, V) logits (0 where the mask is 0)."""
-        b, c = ids.shape
-        valid = mask.numpy().sum(1).astype(np.int32)
-        keep = np.broadcast_to(np.arange(c, dtype=np.int64), (b, c))
-        return self._run(ids.numpy(), valid, keep)
+
+class FusedSeq2SeqState(_FusedSteps):
+    """:class:`rollout.engine.StepState` over an encoder-decoder engine with the fused decoder graph
+    (export/fused_seq2seq.py, T5): the encoder runs once per batch as on the plain engine; its cross K/V
+    (OrtValues) and mask feed every decoder step; the decoder's self-attention K/V live in the shared
+    buffers, compact from position 0 (the decoder start token). A finished row is fed mask 0 and idles.
+
+    No slots: the cross K/V are one encoder run's, (B, H, Se, D) for that batch, so rows cannot be
+    admitted into a running batch; ``slots`` gives static batches (rollout/batching.py) that reuse the buffers.
+    """
+
+    def __init__(self, eng, pool: KVPool, capacity: int):
+        super().__init__(eng.sessions["decoder"], pool, capacity)
+        self.eng = eng
+        self.cross: dict = {}
+        self.enc_mask: np.ndarray | None = None
+
+    def _host(self, ids, valid, keep):
+        from export.fused_seq2seq import seq2seq_step_inputs
+
+        return seq2seq_step_inputs(ids, self.n, valid, keep, self.enc_mask, self.kv.capacity)
+
+    def _bound(self) -> dict:
+        return self.cross
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, Se) encoder input (padded on its native side) -> (B, V) logits after the decoder start token."""
+        from rollout.ort_backend import run_bound
+
+        self.enc_mask = mask.numpy().astype(np.int64)
+        enc = run_bound(self.eng.sessions["encoder"], self.eng.device,
+                        {"input_ids": ids.numpy(), "attention_mask": self.enc_mask}, {},
+                        self.eng.manifest.graphs["encoder"].outputs)
+        self.cross = {n: v for n, v in enc.items() if n.startswith("cross.")}
+        b = ids.shape[0]
+        self.kv, self.n = self.pool.get(b, self.capacity), np.zeros(b, np.int32)
+        start = np.full((b, 1), self.eng.spec.decoder_start_id, dtype=np.int64)
+        return self._run(start, np.ones(b, np.int32), np.zeros((b, 1), np.int64))[:, -1]

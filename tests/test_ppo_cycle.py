@@ -36,10 +36,12 @@ def _cfg(model_dirs, engine_dirs, arch, out, **kw):
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
 def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs, tmp_path, arch, ref_backend):
     """policy == reference: k1, k2, k3 and exact KL are 0 within 1e-6 though sampling used top-k and top-p,
-    with the reference as a PyTorch forward and on the exported reference engine."""
+    with the reference as a PyTorch forward and on the exported reference engine; both engines run the
+    fused-attention graph (T5's: export/fused_seq2seq.py)."""
     run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8, ref_backend=ref_backend), resume=False,
                 log=lambda *_: None)
     assert (run.ref_engine is not None) == (ref_backend == "onnxruntime")
+    assert all(e.manifest.attention == "fused" for e in (run.engine, run.ref_engine) if e is not None)
     prompts = run.prompt_ids[:8]
     rollout = run.engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=5, top_p=0.8, seed=3))
     assert (rollout.rollout_logprobs - rollout.rollout_plain_logprobs)[rollout.response_mask.bool()].max() > 0

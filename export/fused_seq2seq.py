@@ -1,0 +1,216 @@
+"""The fused-attention decoder graph of an encoder-decoder model with T5's relative position bias.
+
+The encoder graph is the plain one (:class:`export.wrappers.Seq2SeqEncoder`: encoder hidden states and
+the cross-attention K/V ``cross.{i}.key/value``). The decoder graph is :class:`FusedSeq2SeqDecoder`:
+
+- self-attention: ``refit::gqa`` -> ``com.microsoft.GroupQueryAttention`` over one preallocated KV buffer
+  per layer, past and present bound to the same memory (as :mod:`export.fused`), T5's ``scale`` 1.0
+  (HF's ``T5Attention.scaling``: no 1/sqrt(d));
+- T5's relative position bias as the op's ``attention_bias``, computed in the graph per row: query
+  position = the row's token count before the chunk + s (the ``position_ids`` input), key positions
+  ``0..C-1`` (C: the buffer's capacity), HF's own ``_relative_position_bucket`` (unidirectional) and
+  the decoder's ``relative_attention_bias`` embedding (the same parameter, so the weight map stays 1:1).
+  HF's own bias (``compute_bias(q, k, past_seen_tokens)``) assumes one cache length for every row and is
+  dead code here;
+- cross-attention: plain attention math over the ``cross.*`` inputs and the encoder mask (the K/V HF
+  would project from the encoder output are dead code, the graph holds no cross K/V projection).
+
+Self vs cross is told apart by the attention module's ``is_causal`` (T5: the decoder's
+``SelfAttention`` True, ``EncDecAttention`` False). Measured on ORT 1.32's CPU kernel (a standalone
+one-node model, B=2, N=2, D=8, rows of 5 and 2 tokens in a buffer of 8): ``attention_bias`` is
+accepted with GroupQueryAttention and ``query_seqlens``, of shape (B, N, S, total), (1, N, S, total)
+or (B, 1, S, total), indexed by absolute key position, max |diff| 8e-7 to a NumPy reference; its last
+dim must equal ``total_sequence_length`` ("attention_bias dimension 3 must be equal to
+total_sequence_length") and ``total_sequence_length`` may be the buffer capacity C, so the graph builds
+the bias over C positions and the engine passes ``total_sequence_length = C``. The kernel wants
+``head_size % 8 == 0``.
+
+Not covered: BART and Marian. Their decoders embed absolute positions from one cache length shared by
+every row (``embed_positions(input, cache.get_seq_length())``), and their forward takes no per-row
+positions; compact rows of different lengths (idle finished rows) need each row's own positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from export.errors import RefitError
+from export.fused import _ACTIVE, _active, _attention, _no_mask, translation_table
+
+ATTN_S2S = "refit_gqa_seq2seq"  # the transformers attention implementation of the fused seq2seq decoder
+
+
+def _cross_attention(query, key, value, enc_mask, scaling):
+    """Plain attention of (B, N, S, D) queries over the encoder's (B, H, Se, D) K/V, padding masked out."""
+    n = query.shape[1]
+    if key.shape[1] != n:
+        key, value = key.repeat_interleave(n // key.shape[1], 1), value.repeat_interleave(n // key.shape[1], 1)
+    scores = query @ key.transpose(-1, -2) * scaling  # (B, N, S, Se)
+    scores = scores.masked_fill(enc_mask[:, None, None, :] == 0, torch.finfo(scores.dtype).min)
+    return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+
+
+def _seq2seq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Decoder self-attention -> GroupQueryAttention with the state's per-row bias; cross -> plain math.
+
+    HF's ``attention_mask`` and ``position_bias`` are ignored: the op masks by lengths, the bias and the
+    encoder mask come from the fused call in progress."""
+    st = _ACTIVE[-1]
+    if not module.is_causal:
+        i = module.layer_idx
+        return _cross_attention(query, st["cross"][2 * i], st["cross"][2 * i + 1], st["enc_mask"],
+                                scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return _attention(module, query, key, value, None, scaling=scaling)
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_S2S, _seq2seq_attention)
+    AttentionMaskInterface.register(ATTN_S2S, _no_mask)
+
+
+def _bias_module(model):
+    """The decoder's one attention module holding the relative position bias (T5: block 0's), or None."""
+    mods = [m for m in model.get_decoder().modules() if getattr(m, "has_relative_attention_bias", False)]
+    return mods[0] if len(mods) == 1 and hasattr(mods[0], "_relative_position_bucket") else None
+
+
+def relative_bias(attn, position_ids: torch.Tensor, capacity) -> torch.Tensor:
+    """(B, N, S, capacity) T5 decoder bias: query at ``position_ids`` (B, S), keys at 0..capacity-1."""
+    rel = torch.arange(capacity, device=position_ids.device)[None, None, :] - position_ids[:, :, None]
+    bucket = attn._relative_position_bucket(rel, bidirectional=False, num_buckets=attn.relative_attention_num_buckets,
+                                            max_distance=attn.relative_attention_max_distance)
+    return attn.relative_attention_bias(bucket).permute(0, 3, 1, 2)
+
+
+@contextlib.contextmanager
+def _implementation(config, name: str):
+    """The decoder config's attention implementation switched to ``name`` for the block (the encoder's
+    config is another object and keeps its own)."""
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
+class FusedSeq2SeqDecoder(torch.nn.Module):
+    """(input_ids (B,S), position_ids (B,S), seqlens_k (B,), query_seqlens (B,), total_len () = C,
+    logits_index (B,K), encoder_attention_mask (B,Se), *cross (B,H,Se,D), *past (B,H,C,D))
+    -> (logits (B,K,V), *present (B,H,C,D)).
+
+    HF's own forward (embeddings, norms, FF, output scaling, lm_head) with the attention function
+    switched to :data:`ATTN_S2S` on the decoder's config for the duration of a call.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        register()
+        self.model, self.rel = model, _bias_module(model)
+        if self.rel is None:
+            raise RefitError(f"{type(model).__name__}: no single decoder relative_attention_bias (T5's) to fuse")
+        self.n_layers, self.hidden = model.config.num_decoder_layers, model.config.d_model
+
+    def forward(self, input_ids, position_ids, seqlens_k, query_seqlens, total_len, logits_index,
+                encoder_attention_mask, *flat):
+        n = 2 * self.n_layers
+        cross, past = flat[:n], flat[n:]
+        state = dict(past=past, present=[None] * n, seqlens_k=seqlens_k, query_seqlens=query_seqlens,
+                     total_len=total_len, cross=cross, enc_mask=encoder_attention_mask,
+                     bias=relative_bias(self.rel, position_ids, past[0].shape[2]))
+        b, _, s, _ = cross[0].shape
+        enc_hidden = cross[0].new_zeros(b, s, self.hidden)  # for HF's shapes only: cross K/V are inputs
+        with _active(state), _implementation(self.model.get_decoder().config, ATTN_S2S):
+            logits = self.model(encoder_outputs=(enc_hidden,), attention_mask=encoder_attention_mask,
+                                decoder_input_ids=input_ids, use_cache=False).logits
+        if any(p is None for p in state["present"]):
+            raise RefitError(f"{type(self.model).__name__} does not route its decoder self-attention through "
+                             "transformers' AttentionInterface")
+        k = logits_index.shape[1]
+        picked = logits.gather(1, logits_index[:, :, None].expand(b, k, logits.shape[-1]))  # (B, K, V)
+        return (picked, *state["present"])
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def seq2seq_refusal(model) -> str | None:
+    """None when :class:`FusedSeq2SeqDecoder` applies to this encoder-decoder model, else why not (one line)."""
+    dec = model.get_decoder()
+    if any(hasattr(m, "embed_positions") for m in dec.modules()):
+        return (f"{type(model).__name__}: its decoder embeds absolute positions from one cache length shared by "
+                "every row and takes no per-row positions (compact rows need their own; see export/fused_seq2seq.py)")
+    if _bias_module(model) is None:
+        return f"{type(model).__name__}: no single decoder relative_attention_bias (the T5 bias the fused graph computes)"
+    attn = [m for m in dec.modules() if hasattr(m, "is_causal") and type(m).__name__.endswith("Attention")]
+    if not attn or any(getattr(m, "layer_idx", None) is None for m in attn):
+        return "a decoder attention module does not know its layer index (layer_idx)"
+    return None
+
+
+def fused_seq2seq_spec(model, caps) -> dict:
+    """The fused decoder graph spec (as :func:`export.onnx_export.graph_specs` returns)."""
+    D = torch.export.Dim
+    batch, seq, cap, keep, enc = D("batch"), D("seq"), D("cap"), D("keep"), D("enc_seq")
+    L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
+    kv = lambda p: [f"{p}.{i}.{k}" for i in range(L) for k in ("key", "value")]  # noqa: E731
+    args = (torch.full((B, 3), 5, dtype=torch.long), torch.arange(3).expand(B, 3).contiguous(),
+            torch.tensor([2, 1], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
+            torch.tensor(8, dtype=torch.int32), torch.tensor([[2, 1], [1, 0]]), torch.ones(B, 5, dtype=torch.long),
+            *[torch.zeros(B, H, 5, Dh, dtype=model.dtype) for _ in range(2 * L)],
+            *[torch.zeros(B, H, 8, Dh, dtype=model.dtype) for _ in range(2 * L)])
+    past = kv("past")
+    return dict(
+        name="decoder", module=FusedSeq2SeqDecoder(model), args=args,
+        inputs=["input_ids", "position_ids", "seqlens_k", "query_seqlens", "total_sequence_length", "logits_index",
+                "encoder_attention_mask", *kv("cross"), *past],
+        outputs=["logits", *[n.replace("past", "present", 1) for n in past]],
+        dynamic={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}, "seqlens_k": {0: batch},
+                 "query_seqlens": {0: batch}, "total_len": None, "logits_index": {0: batch, 1: keep},
+                 "encoder_attention_mask": {0: batch, 1: enc},
+                 "flat": tuple([{0: batch, 2: enc}] * (2 * L) + [{0: batch, 2: cap}] * (2 * L))},
+        translation=translation_table())
+
+
+# ----------------------------------------------------------------------------- running the graph
+
+
+def seq2seq_step_inputs(ids, start, n_new, keep, enc_mask, capacity: int) -> dict[str, np.ndarray]:
+    """Host inputs of one fused seq2seq decoder step (:func:`export.fused.step_inputs` plus the encoder mask);
+    ``total_sequence_length`` is the buffer's ``capacity``, the bias's key length."""
+    from export.fused import step_inputs
+
+    host = step_inputs(ids, start, n_new, keep)
+    host["total_sequence_length"] = np.array(capacity, np.int32)
+    host["encoder_attention_mask"] = enc_mask.astype(np.int64)
+    return host
+
+
+def fused_seq2seq_greedy_logits(sessions, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
+    """The parity gate's engine side (as ``export.parity.engine_greedy_logits``) on a fused seq2seq engine:
+    encoder once, then the decoder start token and ``n_decode`` greedy steps through shared buffers."""
+    from export.fused import KVBuffers, run_fused
+
+    g = manifest.graphs["decoder"]
+    dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]
+    b = ids.shape[0]
+    enc = sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
+    cross = dict(zip(manifest.graphs["encoder"].outputs[1:], enc[1:]))
+    kv = KVBuffers([n for n in g.inputs if n.startswith("past.")], b, manifest.dims.n_kv_heads, n_decode + 2,
+                   manifest.dims.head_dim, dt)
+    tok = np.full((b, 1), manifest.special_ids.decoder_start, np.int64)
+    n, one, steps, fed = np.zeros(b, np.int32), np.ones(b, np.int32), [], []
+    for _ in range(n_decode + 1):
+        host = {**seq2seq_step_inputs(tok, n, one, np.zeros((b, 1)), mask, kv.capacity), **cross}
+        last = run_fused(sessions["decoder"], host, kv.values)[:, -1].astype(np.float32)
+        steps.append(last)
+        tok = last.argmax(-1)[:, None].astype(np.int64)
+        fed.append(tok)
+        n = n + 1
+    return np.stack(steps, 1), np.concatenate(fed, 1)
