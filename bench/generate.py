@@ -104,8 +104,10 @@ def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: i
     from export.padding import pad_batch
     from rollout.hf_backend import HFStepClock
 
-    ids, mask = pad_batch(prompts, pad_id, "left")
+    s2s = bool(getattr(model.config, "is_encoder_decoder", False))
+    ids, mask = pad_batch(prompts, pad_id, "right" if s2s else "left")  # the encoder's native side (T5: right)
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    start = 1 if s2s else ids.shape[1]  # where the response begins in generate()'s input_ids
     kw = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens, pad_token_id=pad_id)
     no_stops = torch.zeros(0, dtype=torch.int64)  # min_new_tokens: every row runs to the end
@@ -117,7 +119,7 @@ def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: i
                 torch.manual_seed(r)
                 events: list = []
                 t0 = time.perf_counter()
-                clock = LogitsProcessorList([HFStepClock(events.append, ids.shape[1], no_stops)])
+                clock = LogitsProcessorList([HFStepClock(events.append, start, no_stops)])
                 model.generate(ids, logits_processor=clock, **kw)
                 calls.append(time.perf_counter() - t0)
                 runs.append(events)

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 
-def _bench(tmp_path, *args):
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", *args, "--geometry", "tiny-gpt2",
+def _bench(tmp_path, *args, geometry: str = "tiny-gpt2"):
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", *args, "--geometry", geometry,
                         "--work-dir", str(tmp_path), "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -29,6 +29,15 @@ def test_bench_generate_json(tmp_path):
         assert r["ttft_ms"] < 1e3 * r["call_s"], "the first token comes before the call ends"
         assert r["matmul_fraction"] > 0
     assert set(out["speedup_vs_hf_generate"]["onnxruntime"]) == {"1", "2"}
+
+
+def test_bench_generate_encoder_decoder(tmp_path):
+    """T5: HF generate() on the encoder's native (right) padding, its clock from the decoder's start token."""
+    out = _bench(tmp_path, "generate", "--batch-sizes", "2", "--new-tokens", "4", "--prompt-len", "8",
+                 "--backends", "onnxruntime", geometry="tiny-t5")
+    assert {r["backend"] for r in out["results"]} == {"hf_generate", "onnxruntime"}
+    assert all(r["ttft_ms"] > 0 and r["decode_ms_p50"] > 0 for r in out["results"])
+    assert out["onnxruntime_attention"] == "fused"
 
 
 def test_bench_refit_json(tmp_path):
