@@ -42,8 +42,8 @@ _ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and
 @torch.library.custom_op("refit::gqa", mutates_args=())
 def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
         past_value: torch.Tensor, seqlens_k: torch.Tensor, total_len: torch.Tensor, query_seqlens: torch.Tensor,
-        attention_bias: torch.Tensor | None, num_heads: int, kv_num_heads: int,
-        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attention_bias: torch.Tensor | None, num_heads: int, kv_num_heads: int, scale: float,
+        local_window: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GroupQueryAttention's contract in PyTorch (the reference the ONNX graph is tested against).
 
     query (B, S, N*D), key/value (B, S, H_kv*D), past_key/value (B, H_kv, C, D); seqlens_k and
@@ -51,7 +51,10 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
     Row b: T = seqlens_k[b] + 1 tokens after the step, Q = query_seqlens[b] of them new, written at
     [T - Q, T); query row s < Q attends causally to buffer positions [0, T - Q + s]. ``attention_bias``
     (B or 1, N or 1, S, total_len) or None is added to the scaled scores, indexed by absolute key
-    position (its last dim must equal total_len, as the ORT kernel checks). Returns
+    position (its last dim must equal total_len, as the ORT kernel checks). ``local_window`` >= 1 (the
+    op's ``local_window_size``): a query at position p sees keys [p - local_window + 1, p] only, a
+    sliding window of local_window tokens (-1: none; measured on ORT 1.32 CPU against this function:
+    the window counts the query's own token, HF Mistral's ``sliding_window``). Returns
     (output (B, S, N*D), present_key, present_value); output rows >= Q are 0.
     """
     b, s, _ = query.shape
@@ -72,14 +75,17 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
         scores = q[i, :, :n] @ keys.transpose(-1, -2) * scale  # (N, Q, T)
         if attention_bias is not None:
             scores = scores + attention_bias[i if attention_bias.shape[0] > 1 else 0, :, :n, :t]
-        causal = torch.arange(t)[None, :] > (t - n + torch.arange(n))[:, None]  # (Q, T)
+        pos = t - n + torch.arange(n)[:, None]  # (Q, 1) each query's absolute position
+        causal = torch.arange(t)[None, :] > pos  # (Q, T)
+        if local_window >= 1:
+            causal = causal | (torch.arange(t)[None, :] <= pos - local_window)
         out[i, :, :n] = scores.masked_fill(causal, float("-inf")).softmax(-1) @ vals
     return out.transpose(1, 2).reshape(b, s, num_heads * d), pk, pv
 
 
 @gqa.register_fake
 def _(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias, num_heads,
-      kv_num_heads, scale):
+      kv_num_heads, scale, local_window=-1):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -108,11 +114,12 @@ def _register_onnx_schema() -> None:
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], ""),
                           ("I", ["tensor(int64)"], "")],
         attributes=[S.Attribute("num_heads", S.AttrType.INT), S.Attribute("kv_num_heads", S.AttrType.INT),
-                    S.Attribute("scale", S.AttrType.FLOAT, required=False)]))
+                    S.Attribute("scale", S.AttrType.FLOAT, required=False),
+                    S.Attribute("local_window_size", S.AttrType.INT, required=False)]))
 
 
 def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias,
-              num_heads: int, kv_num_heads: int, scale: float):
+              num_heads: int, kv_num_heads: int, scale: float, local_window: int = -1):
     """``refit::gqa`` -> com.microsoft.GroupQueryAttention (opset 1), inputs by the op's schema order."""
     import onnxscript
 
@@ -120,7 +127,7 @@ def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, que
     return msft.GroupQueryAttention(
         query, key, value, past_key, past_value, seqlens_k, total_len,
         None, None, None, attention_bias, None, None, None, None, None, query_seqlens,  # rotary, sink, quant: unused
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, local_window_size=local_window, _outputs=3)
 
 
 def translation_table() -> dict:
@@ -135,13 +142,14 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress."""
     st = _ACTIVE[-1]
     i = module.layer_idx
+    window = kwargs.get("sliding_window")  # HF (Mistral): query q sees keys (q - window, q], i.e. window tokens
     b, n, s, d = query.shape
     h = key.shape[1]
     out, pk, pv = torch.ops.refit.gqa(
         query.transpose(1, 2).reshape(b, s, n * d), key.transpose(1, 2).reshape(b, s, h * d),
         value.transpose(1, 2).reshape(b, s, h * d), st["past"][2 * i], st["past"][2 * i + 1],
         st["seqlens_k"], st["total_len"], st["query_seqlens"], st.get("bias"), n, h,
-        float(scaling if scaling is not None else d ** -0.5))
+        float(scaling if scaling is not None else d ** -0.5), int(window) if window else -1)
     st["present"][2 * i], st["present"][2 * i + 1] = pk, pv
     return out.view(b, s, n, d), None
 
@@ -206,8 +214,8 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
 
     Decided from what the model does, not its type: a decoder-only model whose attention layers go
     through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
-    (``layer_idx``), no sliding window; an encoder-decoder one whose decoder has T5's relative position
-    bias and no absolute positions (:func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph
+    (``layer_idx``), a sliding window (Mistral) given to the op as ``local_window_size``; an encoder-decoder
+    one whose decoder has T5's relative position bias and no absolute positions (:func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph
     computes what PyTorch computes is the parity gate's call: under ``attention=auto`` a fused export
     that fails it falls back to plain.
     """
@@ -221,8 +229,8 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
         from export.fused_seq2seq import seq2seq_refusal
 
         return seq2seq_refusal(model)
-    if caps.sliding_window:
-        return f"sliding-window attention ({caps.sliding_window}): the op's local_window_size is not wired here"
+    if caps.sliding_window is not None and caps.sliding_window < 1:
+        return f"sliding window {caps.sliding_window}: the op's local_window_size must be >= 1"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     attn = [m for m in model.modules() if type(m).__name__.endswith("Attention")]

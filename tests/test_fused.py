@@ -21,7 +21,8 @@ from rollout.engine import create_engine
 from rollout.types import SamplingParams
 
 DECODERS = ["tiny-gpt2", "tiny-llama"]
-FAMILIES = DECODERS + ["tiny-qwen2", "tiny-neox", "tiny-phi", "tiny-opt"]  # every decoder-only family built here
+# every decoder-only family built here; Mistral's window (4 tokens) is shorter than the prompts
+FAMILIES = DECODERS + ["tiny-qwen2", "tiny-mistral", "tiny-neox", "tiny-phi", "tiny-opt"]
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7", "1+1=", "sort 55 = "]
 TOL = 1e-4
 SAMPLED = SamplingParams(max_new_tokens=12, seed=3, temperature=0.9, top_k=50, top_p=0.95)
@@ -53,8 +54,6 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
         assert m.attention == "fused" and m.parity.max_abs_logprob_diff < TOL, g
         assert "GroupQueryAttention" in (engine_dirs[g] / "decoder.onnx").read_bytes().decode("latin-1")
         assert Manifest.read(plain_dirs[g]).attention == "plain"
-    mistral = Manifest.read(engine_dirs["tiny-mistral"])  # sliding window 4: the op's window is not wired
-    assert mistral.attention == "plain" and "sliding-window" in mistral.attention_reason
 
 
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
@@ -83,15 +82,17 @@ def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params
     torch.testing.assert_close(s_fused.logprobs, a.rollout_plain_logprobs, atol=TOL, rtol=0)
 
 
-def test_gqa_reference_op_matches_hf(model_dirs):
-    """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows."""
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-mistral"])
+def test_gqa_reference_op_matches_hf(model_dirs, arch):
+    """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows
+    (Mistral: rows of 5 and 7 tokens against its 4-token sliding window)."""
     from export.checkpoint import load_model, model_info
     from export.fused import FusedDecoder
     from export.padding import position_ids_from_mask
 
-    info = model_info(model_dirs["tiny-llama"])
-    ref = load_model(model_dirs["tiny-llama"], info)
-    wrapped = FusedDecoder(load_model(model_dirs["tiny-llama"], info))
+    info = model_info(model_dirs[arch])
+    ref = load_model(model_dirs[arch], info)
+    wrapped = FusedDecoder(load_model(model_dirs[arch], info))
     cfg = ref.config
     n_kv, head_dim, n_layers = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
     lens = [5, 2, 7]
@@ -187,3 +188,37 @@ def test_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts, arch):
     torch.testing.assert_close(after, ref.score(*args).logprobs, atol=TOL, rtol=0)
     eng.update_weights(params)
     torch.testing.assert_close(eng.score(*args).logprobs, before, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chunk,start", [(7, 0), (1, 6), (3, 4)], ids=["prefill", "decode", "chunk"])
+def test_onnxruntime_local_window_matches_the_reference_op(chunk, start):
+    """One GroupQueryAttention node with local_window_size 3 on ONNX Runtime == ``refit::gqa`` with window 3
+    (the op counts the query's own token in the window, as HF's sliding_window); rows of different lengths."""
+    import onnxruntime as ort
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    from export.fused import gqa
+
+    n, d, cap, b, window = 2, 8, 12, 2, 3
+    vi = h.make_tensor_value_info
+    ins = [vi(x, TP.FLOAT, ["b", "s", n * d]) for x in "qkv"] + [vi(x, TP.FLOAT, ["b", n, "c", d]) for x in ("pk", "pv")]
+    ins += [vi("sk", TP.INT32, ["b"]), vi("tot", TP.INT32, []), vi("qs", TP.INT32, ["b"])]
+    node = h.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sk", "tot"] + [""] * 9 + ["qs"],
+                       ["o", "ok", "ov"], domain="com.microsoft", num_heads=n, kv_num_heads=n, local_window_size=window)
+    graph = h.make_graph([node], "g", ins, [vi(x, TP.FLOAT, None) for x in ("o", "ok", "ov")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(chunk)
+    q, k, v = (torch.randn(b, chunk, n * d, generator=g) for _ in range(3))
+    pk, pv = torch.randn(b, n, cap, d, generator=g), torch.randn(b, n, cap, d, generator=g)
+    qs = torch.tensor([chunk, max(chunk - 2, 1)], dtype=torch.int32)  # the second row: fewer new tokens
+    sk = start + qs - 1
+    tot = torch.tensor(start + chunk, dtype=torch.int32)
+    feed = dict(q=q, k=k, v=v, pk=pk.clone(), pv=pv.clone(), sk=sk, tot=tot, qs=qs)
+    got = torch.from_numpy(sess.run(["o"], {x: t.numpy() for x, t in feed.items()})[0])
+    want = gqa(q, k, v, pk, pv, sk, tot, qs, None, n, n, d ** -0.5, window)[0]
+    unwindowed = gqa(q, k, v, pk, pv, sk, tot, qs, None, n, n, d ** -0.5)[0]
+    for i in range(b):
+        torch.testing.assert_close(got[i, :qs[i]], want[i, :qs[i]], atol=1e-5, rtol=0)
+    assert (got[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3  # the window changed the last query's output
