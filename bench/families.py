@@ -44,7 +44,9 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
     rows = read_metrics(run_ppo(cfg, log=_quiet))
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],
-            "probe": max(r["probe/max_abs_logprob_diff"] for r in rows), "steps": len(rows)}
+            # pushes are checked on the next rollout (the last one on the probe batch): not every row has one
+            "probe": max(r["probe/max_abs_logprob_diff"] for r in rows if "probe/max_abs_logprob_diff" in r),
+            "steps": len(rows)}
 
 
 def distill_smoke(rec: dict, root: Path) -> dict:
