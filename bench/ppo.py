@@ -76,6 +76,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "speedup": round(phases["hf"]["time/step"] / phases[backend]["time/step"], 3),
             "speedup_per_iteration": [round(x, 3) for x in paired],
             "push_share_of_step": round(phases[backend]["time/weight_push"] / phases[backend]["time/step"], 4),
+            "learner": {k: getattr(runs[backend].cfg, k) for k in ("single_pass", "probe_on_rollout")},
             "engine_attention": _attention(engine), "ref_backend": {n: "onnxruntime" if runs[n].ref_engine is not None
                                                                    else "torch" for n in names}}
 

@@ -51,6 +51,7 @@ def test_bench_ppo_json(tmp_path):
     assert len(out["speedup_per_iteration"]) == out["repeats"] and min(out["speedup_per_iteration"]) > 0
     assert set(out["phases_s"]["hf"]) >= {"time/rollout", "time/score", "time/update", "time/weight_push"}
     assert out["ref_backend"] == {"onnxruntime": "onnxruntime", "hf": "torch"} and out["engine_attention"] == "fused"
+    assert out["learner"] == {"single_pass": True, "probe_on_rollout": True}
     assert 0 < out["push_share_of_step"] < 1
 
 
