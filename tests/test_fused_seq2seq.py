@@ -1,6 +1,7 @@
-"""T5's fused decoder graph (export/fused_seq2seq.py) and its engine state (rollout/ort_fused.FusedSeq2SeqState).
+"""Fused encoder-decoder graphs (export/fused_seq2seq.py) and their engine state (rollout/ort_fused.FusedSeq2SeqState):
+T5 (relative position bias), BART and Marian (absolute positions, per row).
 
-Fused graph vs plain graph vs the PyTorch reference on the tiny T5 (encoder inputs of six lengths,
+Fused graph vs plain graph vs the PyTorch reference on the tiny T5, BART and Marian (encoder inputs of six lengths,
 right-padded on the encoder's native side; decoder rows compact in the buffers, finished rows idle),
 greedy and sampled, incremental decode and chunked score(); the eager wrapper (``refit::gqa`` with the
 bias as ``attention_bias``) against HF's own forward, row by row; the KV buffer reused across batches;
@@ -18,6 +19,7 @@ from rollout.engine import create_engine
 from rollout.types import SamplingParams
 
 ARCH = "tiny-t5"
+ARCHS = [ARCH, "tiny-bart", "tiny-marian"]
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7", "1+1=", "sort 55 = "]
 TOL = 1e-4
 
@@ -54,13 +56,15 @@ def test_t5_export_is_fused_and_gated(engine_dirs):
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=10, greedy=True),
                                     SamplingParams(max_new_tokens=12, seed=3, temperature=0.9, top_k=50, top_p=0.95,
                                                    stop_ids=tuple(range(5, 60)))], ids=["greedy", "sampled"])
-def test_t5_fused_plain_torch_parity(engine_dirs, plain_engine_dirs, prompts, params):
-    fused = create_engine("onnxruntime", engine_dirs[ARCH])
-    plain, ref = create_engine("onnxruntime", plain_engine_dirs[ARCH]), create_engine("torch", engine_dirs[ARCH])
-    assert Manifest.read(plain_engine_dirs[ARCH]).attention == "plain"
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seq2seq_fused_plain_torch_parity(engine_dirs, plain_engine_dirs, prompts, params, arch):
+    fused = create_engine("onnxruntime", engine_dirs[arch])
+    plain, ref = create_engine("onnxruntime", plain_engine_dirs[arch]), create_engine("torch", engine_dirs[arch])
+    assert Manifest.read(engine_dirs[arch]).attention == "fused"
+    assert Manifest.read(plain_engine_dirs[arch]).attention == "plain"
     a, p, r = fused.generate(prompts, params), plain.generate(prompts, params), ref.generate(prompts, params)
     assert a.prompt_mask.min() == 0 and len(set(a.prompt_mask.sum(1).tolist())) > 3, "encoder inputs are padded"
-    print(f"\nT5 {'greedy' if params.greedy else 'sampled'} max|dlogprob| fused-plain "
+    print(f"\n{arch} {'greedy' if params.greedy else 'sampled'} max|dlogprob| fused-plain "
           f"{_max_diff(a.rollout_plain_logprobs, p.rollout_plain_logprobs):.2e} fused-torch "
           f"{_max_diff(a.rollout_plain_logprobs, r.rollout_plain_logprobs):.2e}")
     _same(a, p)
@@ -68,7 +72,7 @@ def test_t5_fused_plain_torch_parity(engine_dirs, plain_engine_dirs, prompts, pa
     args = (a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask)
     t = 1.0 if params.greedy else params.temperature
     s_fused, s_ref = fused.score(*args, t, chunk_size=3), ref.score(*args, t)  # decoder start + chunks of 3
-    print(f"T5 score max|dlogprob| fused-torch {_max_diff(s_fused.logprobs, s_ref.logprobs):.2e}")
+    print(f"{arch} score max|dlogprob| fused-torch {_max_diff(s_fused.logprobs, s_ref.logprobs):.2e}")
     torch.testing.assert_close(s_fused.logprobs, s_ref.logprobs, atol=TOL, rtol=0)
     torch.testing.assert_close(s_fused.logprobs, a.rollout_plain_logprobs, atol=TOL, rtol=0)
 
@@ -115,16 +119,17 @@ def test_t5_reference_op_matches_hf(model_dirs):
     assert int((past[0][:, :, max(lens):] != 0).sum()) == 0, "nothing written past the longest row"
 
 
-def test_t5_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seq2seq_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
     """A short batch decoded after a longer one in the same (reused, uncleared) buffers gives a fresh engine's rows."""
-    eng = create_engine("onnxruntime", engine_dirs[ARCH])
+    eng = create_engine("onnxruntime", engine_dirs[arch])
     short = SamplingParams(max_new_tokens=6, seed=1)
     eng.generate([p * 3 for p in prompts], SamplingParams(max_new_tokens=30, seed=9))  # fills the buffer deep
     kv = eng._kv_pool.kv
     assert kv is not None and float(abs(next(iter(kv.arrays.values()))[:, :, 20:]).sum()) > 0
     again = eng.generate(prompts, short)
     assert eng._kv_pool.kv is kv, "the buffer was reused, not reallocated"
-    _same(again, create_engine("onnxruntime", engine_dirs[ARCH]).generate(prompts, short), tol=0)
+    _same(again, create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, short), tol=0)
 
 
 def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):
@@ -139,26 +144,28 @@ def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):
     _same(one.generate(prompts, params), four.generate(prompts, params), tol=0)
 
 
-def test_t5_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts):
-    """Perturbed weights (the relative-bias table included) change the fused engine's output and match the
-    reference holding them; restored weights give the original output."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seq2seq_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts, arch):
+    """Perturbed weights (T5: the relative-bias table first, alone) change the fused engine's output and match
+    the reference holding them; restored weights give the original output."""
     from rollout.torch_backend import TorchEngine
 
-    eng, ref = create_engine("onnxruntime", engine_dirs[ARCH]), TorchEngine(model_dirs[ARCH])
+    eng, ref = create_engine("onnxruntime", engine_dirs[arch]), TorchEngine(model_dirs[arch])
     probe = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
     args = (probe.prompt_ids, probe.prompt_mask, probe.response_ids, probe.response_mask)
     before = eng.score(*args).logprobs
     params = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
-    bias = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     g = torch.Generator().manual_seed(0)  # random per bucket and head (a constant shift is softmax-invariant)
-    eng.update_weights({bias: params[bias] + torch.randn(params[bias].shape, generator=g)})
-    assert _max_diff(eng.score(*args).logprobs, before) > 1e-3, "the decoder bias table is a live engine weight"
+    if arch == ARCH:
+        bias = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        eng.update_weights({bias: params[bias] + torch.randn(params[bias].shape, generator=g)})
+        assert _max_diff(eng.score(*args).logprobs, before) > 1e-3, "the decoder bias table is a live engine weight"
     new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in params.items()}
     eng.update_weights(new)
     ref.update_weights(new)
     after = eng.score(*args).logprobs
     assert _max_diff(after, before) > 1e-2, "the push changed the output"
-    print(f"\nT5 pushed weights max|dlogprob| fused-torch {_max_diff(after, ref.score(*args).logprobs):.2e}")
+    print(f"\n{arch} pushed weights max|dlogprob| fused-torch {_max_diff(after, ref.score(*args).logprobs):.2e}")
     torch.testing.assert_close(after, ref.score(*args).logprobs, atol=TOL, rtol=0)
     eng.update_weights(params)
     torch.testing.assert_close(eng.score(*args).logprobs, before, atol=1e-6, rtol=0)
