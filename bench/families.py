@@ -125,7 +125,8 @@ def markdown(records: list[dict]) -> str:
         if r["export"] != "ok":
             lines.append(f"| {r['family']} | | {r['export']} | | | | |")
             continue
-        lines.append(f"| {r['family']} | {_features(r['capabilities'])} | ok | {r['parity']:.1e} | {r['trt_check']} "
+        lines.append(f"| {r['family']} | {_features(r['capabilities'])} | ok, {r['attention']} attention "
+                     f"| {r['parity']:.1e} | {r['trt_check']} "
                      f"| {_cell(r['ppo'], _ppo_cell)} | {_cell(r['distill'], _distill_cell)} |")
     return "\n".join(lines)
 

@@ -47,8 +47,14 @@ def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
         export_onnx(model_dir, engine_dir, ExportOptions(max_batch=16, max_len=128), log=log)
     except RefitError as e:
         return {**rec, "export": f"refused: {e}"}
+    export_s = round(time.perf_counter() - t0, 1)
     m = Manifest.read(engine_dir)
-    problems = check_engine_folder(engine_dir)
-    return {**rec, "export": "ok", "export_s": round(time.perf_counter() - t0, 1),
-            "parity": m.parity.max_abs_logprob_diff, "capabilities": asdict(m.capabilities),
+    trt_dir = engine_dir  # TensorRT builds from the standard-op graph: check that one (a plain twin if fused)
+    if m.attention == "fused":
+        trt_dir = root / "engines" / f"{geometry}-plain"
+        export_onnx(model_dir, trt_dir, ExportOptions(max_batch=16, max_len=128, attention="plain"), log=log)
+    problems = check_engine_folder(trt_dir)
+    return {**rec, "export": "ok", "export_s": export_s,
+            "parity": m.parity.max_abs_logprob_diff, "attention": m.attention or "plain",
+            "capabilities": asdict(m.capabilities),
             "trt_check": "ok" if not problems else f"{len(problems)} problem(s): {problems[0]}"}
