@@ -98,15 +98,16 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) 
     return _summarise(calls, runs, len(prompts), min(ran), mem.mb)
 
 
-def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int) -> dict:
+def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int,
+                    side: str = "left") -> dict:
     from transformers import LogitsProcessorList
 
     from export.padding import pad_batch
     from rollout.hf_backend import HFStepClock
 
-    s2s = bool(getattr(model.config, "is_encoder_decoder", False))
-    ids, mask = pad_batch(prompts, pad_id, "right" if s2s else "left")  # the encoder's native side (T5: right)
+    ids, mask = pad_batch(prompts, pad_id, side)  # the padding rule (export.padding): the engines' too
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    s2s = bool(getattr(model.config, "is_encoder_decoder", False))
     start = 1 if s2s else ids.shape[1]  # where the response begins in generate()'s input_ids
     kw = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens, pad_token_id=pad_id)
@@ -178,24 +179,15 @@ def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None
     return float(f"{gflop / (step_ms / 1e3) / limit_gflops:.4g}")
 
 
-def _plain_twin(model_dir: Path, engine_dir: Path, log) -> Path:
-    """The standard-op (plain attention) graph of the same model beside ``engine_dir`` (exported or reused)."""
-    from export.manifest import Manifest
-    from export.onnx_export import ExportOptions, export_onnx
-
-    m = Manifest.read(engine_dir)
-    out = engine_dir.with_name(engine_dir.name + "-plain")
-    return export_onnx(model_dir, out, ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
-                                                     attention="plain"), log=log)
-
-
 def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
                    new_tokens: int, repeats: int, threads: int, log=print) -> dict:
     """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
     standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
     of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
+    from export.build import plain_twin
     from export.checkpoint import load_model, model_info
     from export.manifest import Manifest
+    from export.padding import native_padding_side
     from rollout.engine import create_engine
 
     torch.set_num_threads(threads)
@@ -206,10 +198,11 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     all_prompts = rng.integers(lo, info.vocab_size, size=(max(batch_sizes), prompt_len)).tolist()
     results = []
     hf = load_model(model_dir, info, attn="sdpa")
+    side = native_padding_side(bool(getattr(hf.config, "is_encoder_decoder", False)), model_dir)
     engines = {}
     for b in backends:
         if b == "onnxruntime-plain":
-            engines[b] = create_engine("onnxruntime", _plain_twin(model_dir, engine_dir, log), threads=threads)
+            engines[b] = create_engine("onnxruntime", plain_twin(model_dir, engine_dir, log=log), threads=threads)
         else:
             engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
     limits = {}
@@ -221,7 +214,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
                       "matmul_gflops_by_threads": by_threads}
         log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP; torch.matmul of its shapes runs at "
             f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here (threads: {by_threads})")
-        r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id)
+        r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id, side)
         r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
         results.append({"backend": "hf_generate", "batch": bs, **r})
         log(f"batch {bs:>3} hf_generate   {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "

@@ -76,3 +76,18 @@ def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, r
     if backend in TORCH_BACKENDS:
         return Path(model_dir)
     return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log)
+
+
+def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | None = None, log=print) -> Path:
+    """The standard-op (plain attention) graphs of ``engine_dir``'s model, the ones TensorRT builds from:
+    ``engine_dir`` itself when it already holds them, else exported (or reused: the exporter's cache key)
+    into ``out`` (default: beside it, ``<engine_dir>-plain``) with the same batch and length limits."""
+    from export.manifest import Manifest
+
+    engine_dir = Path(engine_dir)
+    m = Manifest.read(engine_dir)
+    if m.attention != "fused":
+        return engine_dir
+    out = Path(out) if out is not None else engine_dir.with_name(engine_dir.name + "-plain")
+    return export_onnx(model_dir, out, ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
+                                                     attention="plain"), log=log)

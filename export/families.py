@@ -33,6 +33,7 @@ SEQ2SEQ = ("tiny-t5", "tiny-bart", "tiny-marian")
 
 def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     """Build ``geometry``'s checkpoint under ``root``, export it, run trt_check; one record for the table."""
+    from export.build import plain_twin
     from export.errors import RefitError
     from export.manifest import Manifest
     from export.models import build_model
@@ -49,11 +50,7 @@ def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
         return {**rec, "export": f"refused: {e}"}
     export_s = round(time.perf_counter() - t0, 1)
     m = Manifest.read(engine_dir)
-    trt_dir = engine_dir  # TensorRT builds from the standard-op graph: check that one (a plain twin if fused)
-    if m.attention == "fused":
-        trt_dir = root / "engines" / f"{geometry}-plain"
-        export_onnx(model_dir, trt_dir, ExportOptions(max_batch=16, max_len=128, attention="plain"), log=log)
-    problems = check_engine_folder(trt_dir)
+    problems = check_engine_folder(plain_twin(model_dir, engine_dir, log=log))  # what TensorRT builds from
     return {**rec, "export": "ok", "export_s": export_s,
             "parity": m.parity.max_abs_logprob_diff, "attention": m.attention or "plain",
             "capabilities": asdict(m.capabilities),

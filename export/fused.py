@@ -215,9 +215,9 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     Decided from what the model does, not its type: a decoder-only model whose attention layers go
     through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
     (``layer_idx``), a sliding window (Mistral) given to the op as ``local_window_size``; an encoder-decoder
-    one whose decoder has T5's relative position bias and no absolute positions (:func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph
-    computes what PyTorch computes is the parity gate's call: under ``attention=auto`` a fused export
-    that fails it falls back to plain.
+    one whose decoder has either T5's relative position bias or one absolute position embedding (BART, Marian;
+    :func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph computes what PyTorch computes is
+    the parity gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
     """
     if backend != "onnx":
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"

@@ -4,8 +4,8 @@ The encoder graph is the plain one (:class:`export.wrappers.Seq2SeqEncoder`: enc
 the cross-attention K/V ``cross.{i}.key/value``). The decoder graph is :class:`FusedSeq2SeqDecoder`:
 
 - self-attention: ``refit::gqa`` -> ``com.microsoft.GroupQueryAttention`` over one preallocated KV buffer
-  per layer, past and present bound to the same memory (as :mod:`export.fused`), T5's ``scale`` 1.0
-  (HF's ``T5Attention.scaling``: no 1/sqrt(d));
+  per layer, past and present bound to the same memory (as :mod:`export.fused`), at HF's own ``scaling``
+  (T5: 1.0, no 1/sqrt(d));
 - T5's relative position bias as the op's ``attention_bias``, computed in the graph per row: query
   position = the row's token count before the chunk + s (the ``position_ids`` input), key positions
   ``0..C-1`` (C: the buffer's capacity), HF's own ``_relative_position_bucket`` (unidirectional) and

@@ -89,7 +89,7 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
                    args=(ids, torch.ones(B, 5, dtype=torch.long)),
                    inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
                    dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
-    if attention == "fused":  # the plain encoder, T5's fused decoder (export/fused_seq2seq.py)
+    if attention == "fused":  # the plain encoder, the fused decoder (export/fused_seq2seq.py)
         from export.fused_seq2seq import fused_seq2seq_spec
 
         return [encoder, fused_seq2seq_spec(model, caps)]

@@ -414,6 +414,6 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))
 
 
-__all__ = ["Engine", "LoopEngine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts", "check_version",
-           "create_engine", "decode_loop", "next_version", "pad_prompts", "register_backend", "resolve_names", "run_generate",
-           "run_score"]
+__all__ = ["Engine", "LoopEngine", "ModelSpec", "StepEvent", "StepHook", "StepState", "backends", "check_prompts",
+           "check_version", "create_engine", "decode_loop", "next_version", "pad_prompts", "register_backend",
+           "resolve_names", "run_generate", "run_score"]

@@ -1,4 +1,4 @@
-"""Stepping a fused-attention engine (export/fused.py; T5: export/fused_seq2seq.py) on ONNX Runtime: one
+"""Stepping a fused-attention engine (export/fused.py; T5, BART, Marian: export/fused_seq2seq.py) on ONNX Runtime: one
 preallocated KV buffer per layer and K/V, written in place by GroupQueryAttention, reused from batch to batch.
 
 Rows are compact in the buffer: row b's tokens sit at positions ``[0, n_b)``. A left-padded prompt
@@ -114,7 +114,7 @@ class FusedDecoderState(_FusedSteps):
 
 class FusedSeq2SeqState(_FusedSteps):
     """:class:`rollout.engine.StepState` over an encoder-decoder engine with the fused decoder graph
-    (export/fused_seq2seq.py, T5): the encoder runs once per batch as on the plain engine; its cross K/V
+    (export/fused_seq2seq.py: T5, BART, Marian): the encoder runs once per batch as on the plain engine; its cross K/V
     (OrtValues) and mask feed every decoder step; the decoder's self-attention K/V live in the shared
     buffers, compact from position 0 (the decoder start token). A finished row is fed mask 0 and idles.
 

@@ -119,6 +119,16 @@ def tiny_distill_config(model_dirs, engine_dirs, out, **kw):
     return DistillConfig.from_flat(**{**base, **kw})
 
 
+def same_rows(a, b, tol: float) -> None:
+    """Two RolloutBatches give the same tokens and mask, and both log-prob kinds within ``tol``."""
+    import torch
+
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=tol, rtol=0)
+    torch.testing.assert_close(a.rollout_plain_logprobs, b.rollout_plain_logprobs, atol=tol, rtol=0)
+
+
 def corrupting(push):
     """Wrap an engine's ``update_weights`` so every push carries noise on one MLP weight (probe tests)."""
 
@@ -184,17 +194,12 @@ def engine_dirs(default_engine_dirs):
 @pytest.fixture(scope="session")
 def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
     """{geometry: engine folder with the standard-op (plain attention) decoder graph}: what TensorRT builds
-    from. engine_dirs holds the default export, the fused-attention graph for decoder-only models."""
-    from export.manifest import Manifest
-    from export.onnx_export import ExportOptions, export_onnx
+    from. engine_dirs holds the default export, the fused-attention graph wherever it applies."""
+    from export.build import plain_twin
 
     root = tmp_path_factory.mktemp("plain-engines")
 
     def make(g):
-        d = default_engine_dirs[g]
-        if Manifest.read(d).attention != "fused":
-            return d
-        return export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128, attention="plain"),
-                           log=lambda *_: None)
+        return plain_twin(model_dirs[g], default_engine_dirs[g], root / g, log=lambda *_: None)
 
     return BuiltOnce(make)

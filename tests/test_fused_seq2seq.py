@@ -4,8 +4,8 @@ T5 (relative position bias), BART and Marian (absolute positions, per row).
 Fused graph vs plain graph vs the PyTorch reference on the tiny T5, BART and Marian (encoder inputs of six lengths,
 right-padded on the encoder's native side; decoder rows compact in the buffers, finished rows idle),
 greedy and sampled, incremental decode and chunked score(); the eager wrapper (``refit::gqa`` with the
-bias as ``attention_bias``) against HF's own forward, row by row; the KV buffer reused across batches;
-static slot batches; a weight push. Tolerance: 1e-4 on log-probs (the export gate's fp32 tolerance).
+bias as ``attention_bias``) against HF's own forward, row by row; static slot batches; a weight push
+(the KV buffer reused across batches: tests/test_fused.py, with the decoder-only engines). Tolerance: 1e-4 on log-probs (the export gate's fp32 tolerance).
 The KL-at-step-0 tests of tests/test_ppo_cycle.py run on this engine (engine_dirs["tiny-t5"] is fused).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import same_rows
 from export.manifest import Manifest
 from rollout.engine import create_engine
 from rollout.types import SamplingParams
@@ -36,10 +37,7 @@ def _max_diff(a, b) -> float:
 
 
 def _same(a, b, tol=TOL):
-    assert torch.equal(a.response_ids, b.response_ids)
-    assert torch.equal(a.response_mask, b.response_mask)
-    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=tol, rtol=0)
-    torch.testing.assert_close(a.rollout_plain_logprobs, b.rollout_plain_logprobs, atol=tol, rtol=0)
+    same_rows(a, b, tol)
 
 
 def test_t5_export_is_fused_and_gated(engine_dirs):
@@ -117,19 +115,6 @@ def test_t5_reference_op_matches_hf(model_dirs):
     assert n.tolist() == lens, "every row decoded to its end, the shorter ones idling meanwhile"
     assert worst < 1e-5, worst
     assert int((past[0][:, :, max(lens):] != 0).sum()) == 0, "nothing written past the longest row"
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_seq2seq_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
-    """A short batch decoded after a longer one in the same (reused, uncleared) buffers gives a fresh engine's rows."""
-    eng = create_engine("onnxruntime", engine_dirs[arch])
-    short = SamplingParams(max_new_tokens=6, seed=1)
-    eng.generate([p * 3 for p in prompts], SamplingParams(max_new_tokens=30, seed=9))  # fills the buffer deep
-    kv = eng._kv_pool.kv
-    assert kv is not None and float(abs(next(iter(kv.arrays.values()))[:, :, 20:]).sum()) > 0
-    again = eng.generate(prompts, short)
-    assert eng._kv_pool.kv is kv, "the buffer was reused, not reallocated"
-    _same(again, create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, short), tol=0)
 
 
 def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):

@@ -53,8 +53,8 @@ def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: 
     """(b, Tr, V) reference log-probs of rows ``s`` at ``temperature``, scored on a frozen reference engine.
 
     ``Engine.score`` with ``topk = V`` returns every token's plain log-prob in vocabulary order (no sort,
-    see :class:`rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the engine's padding
-    rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
+    see :class:`rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the
+    engine's padding rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
     """
     out = ref_engine.score(batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
                            batch.response_mask[s], temperature=temperature, topk=vocab)
