@@ -153,6 +153,9 @@ class OrtEngine(LoopEngine):
         self.spec = ModelSpec.from_manifest(self.manifest)
         if device not in ("cpu", "cuda"):
             raise RefitError(f"onnxruntime backend: device must be 'cpu' or 'cuda', got {device!r}")
+        if self.manifest.attention == "fused" and device != "cpu":  # before any provider or session work
+            raise RefitError(f"{self.engine_dir} has the fused-attention graph, run here on the CPU provider "
+                             "only (not tested on CUDA); use device='cpu' or re-export with attention=plain")
         if self.manifest.dtype not in _TORCH_DTYPE:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
                              f"{self.manifest.dtype} (use the tensorrt backend or re-export)")
@@ -169,9 +172,6 @@ class OrtEngine(LoopEngine):
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
         self._kv_pool = None
         if self.manifest.attention == "fused":  # rollout/ort_fused.py: GroupQueryAttention, shared KV buffers
-            if device != "cpu":
-                raise RefitError(f"{self.engine_dir} has the fused-attention graph, run here on the CPU provider "
-                                 "only (not tested on CUDA); use device='cpu' or re-export with attention=plain")
             from rollout.ort_fused import KVPool
 
             d = self.manifest.dims

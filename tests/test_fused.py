@@ -222,3 +222,11 @@ def test_onnxruntime_local_window_matches_the_reference_op(chunk, start):
     for i in range(b):
         torch.testing.assert_close(got[i, :qs[i]], want[i, :qs[i]], atol=1e-5, rtol=0)
     assert (got[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3  # the window changed the last query's output
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_fused_engine_refused_off_the_cpu_provider(engine_dirs, arch):
+    """The fused graph has only run on ONNX Runtime's CPU provider: asking for CUDA is one line, before any
+    provider lookup or session (so the same line on a machine without CUDA)."""
+    with pytest.raises(RefitError, match="fused-attention graph, run here on the CPU provider only"):
+        create_engine("onnxruntime", engine_dirs[arch], device="cuda")
