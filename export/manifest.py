@@ -42,7 +42,7 @@ KINDS = ("decoder", "seq2seq")
 GRAPHS_OF_KIND = {"decoder": ("decoder",), "seq2seq": ("encoder", "decoder")}
 DTYPES = ("fp32", "fp16", "bf16")
 SIDES = ("left", "right")
-TRANSFORMS = ("identity", "transpose")  # HF tensor -> the tensor the engine stores
+TRANSFORMS = ("identity", "transpose", "affine")  # HF tensor -> the tensor the engine stores
 
 _OPTIONAL = {"omit_if_none": True}  # field metadata: a None value is left out of the JSON
 
@@ -97,7 +97,12 @@ class WeightTarget:
 
     engine: str  # ONNX initializer name, which is also the TensorRT refit name
     graph: str  # the graph holding it (a key of Manifest.graphs)
-    transform: str  # "identity" | "transpose": HF tensor -> stored tensor
+    transform: str  # "identity" | "transpose" | "affine" (scale * w + shift): HF tensor -> stored tensor
+    # "affine" only: the exporter folded an elementwise transform of the weight into the graph (Gemma's
+    # RMSNorm stores 1 + w); a push writes scale * w + shift, computed in stored_dtype
+    scale: float | None = field(default=None, metadata=_OPTIONAL)
+    shift: float | None = field(default=None, metadata=_OPTIONAL)
+    stored_dtype: str | None = field(default=None, metadata=_OPTIONAL)  # "fp32"|"fp16"|"bf16"; None: the engine's
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,10 @@ class Manifest:
     # the field existed) = standard ops, concatenated cache, attention_mask input
     attention: str | None = field(default=None, metadata=_OPTIONAL)
     attention_reason: str | None = field(default=None, metadata=_OPTIONAL)  # why this attention was chosen
+    # {graph: {initializer: what it is}}: float initializers that no weight feeds, e.g. a rotary
+    # ``inv_freq`` buffer or a folded scale; constants of the graph that training never changes
+    # (export/weight_map.py decides by provenance: no HF parameter reaches them)
+    constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=_OPTIONAL)
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 
     # ---------------------------------------------------------------------- file
@@ -354,6 +363,10 @@ def _weight_map_problems(m: Manifest) -> list[str]:
                 p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine} names no graph of this manifest")
             if t.transform not in TRANSFORMS:
                 p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine} has unknown transform {t.transform!r}")
+            elif (t.transform == "affine") != (t.scale is not None and t.shift is not None):
+                p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine}: scale and shift go with transform affine")
+            if t.stored_dtype is not None and t.stored_dtype not in DTYPES:
+                p.append(f"weight map: {hf_name} -> {t.graph}:{t.engine} has unknown stored_dtype {t.stored_dtype!r}")
             first = owners.setdefault((t.graph, t.engine), hf_name)
             if first != hf_name:
                 p.append(f"weight map: engine weight {t.graph}:{t.engine} is fed by both {first} and {hf_name}")

@@ -30,7 +30,8 @@ from export.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from export.errors import RefitError
 from export.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
 from export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
-                               fingerprint_, tensor_bytes)
+                               fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
+                               weight_digests)
 from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -104,18 +105,25 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
     ]
 
 
-def _trace(spec: dict):
-    """torch.onnx.export of one wrapper; returns the ONNX ModelProto (weights inline)."""
+def _trace(spec: dict, weights: set[str]):
+    """torch.onnx.export of one wrapper: (ONNX ModelProto with weights inline, provenance).
+
+    Exported unoptimised first, so :func:`export.weight_map.weight_derived_values` can see which values
+    the weights (content digests ``weights``) reach before constant folding hides it; then optimised
+    exactly as ``torch.onnx.export(optimize=True)`` does.
+    """
     import warnings
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
             spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
-            dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False,
+            dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False, optimize=False,
             custom_translation_table=spec.get("translation"),
         )
-    return prog.model_proto
+        provenance = weight_derived_values(prog.model.graph, weights)
+        prog.optimize()
+    return prog.model_proto, provenance
 
 
 def gemm_for_transposed_weights(proto) -> int:
@@ -329,10 +337,14 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
     model, shadow, params, fp_params, tied = models
     fused = attention[0] == "fused"
     specs = graph_specs(copy.deepcopy(shadow) if fused else shadow, caps, attention[0])
-    protos = {s["name"]: _trace(s) for s in specs}
+    digests = {d for d, (_, how) in weight_digests(fp_params, DTYPES[opts.dtype]).items() if how == "identity"}
+    traced = {s["name"]: _trace(s, digests) for s in specs}
+    protos = {g: proto for g, (proto, _) in traced.items()}
     for p in protos.values():
         gemm_for_transposed_weights(p)
-    wmap = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()}, DTYPES[opts.dtype])
+    wmap, constants = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()},
+                                       DTYPES[opts.dtype], {g: prov for g, (_, prov) in traced.items()},
+                                       graph_buffers(model, params))
     check_one_to_one(wmap)
     real = engine_weights(params, wmap, DTYPES[opts.dtype])
     graphs = {}
@@ -345,7 +357,7 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
     tok.save_pretrained(str(tmp / "tokenizer"))
     shutil.copy(model_dir / "config.json", tmp / "config.json")
     manifest = replace(_manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, time.perf_counter() - t0),
-                       attention=attention[0], attention_reason=attention[1])
+                       attention=attention[0], attention_reason=attention[1], constants=constants or None)
     if fused:
         from export.fused import fused_dynamic_dims, fused_profiles
 

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from export.errors import RefitError
-from export.manifest import Manifest, TrtDevice, TrtPlan
+from export.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
 
 INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
 
@@ -68,13 +68,13 @@ def trt_weight_name(onnx_initializer: str) -> str:
     return onnx_initializer
 
 
-def refit_targets(manifest: Manifest, graph: str) -> dict[str, list[tuple[str, str]]]:
-    """{hf_name: [(trt_weight_name, transform)]} for one graph, from the manifest's weight map."""
-    out: dict[str, list[tuple[str, str]]] = {}
+def refit_targets(manifest: Manifest, graph: str) -> dict[str, list[tuple[str, WeightTarget]]]:
+    """{hf_name: [(trt_weight_name, its WeightTarget)]} for one graph, from the manifest's weight map."""
+    out: dict[str, list[tuple[str, WeightTarget]]] = {}
     for hf_name, targets in manifest.weight_map.items():
         for t in targets:
             if t.graph == graph:
-                out.setdefault(hf_name, []).append((trt_weight_name(t.engine), t.transform))
+                out.setdefault(hf_name, []).append((trt_weight_name(t.engine), t))
     return out
 
 

@@ -8,6 +8,18 @@ a copy whose every parameter holds distinct random values (:func:`fingerprint_`)
 initializer is then matched by content to the HF tensor it came from, as is or transposed, and
 the real weights are written through the map (:func:`engine_weights`).
 
+What an initializer that is not such a copy is, is decided by provenance, not size:
+:func:`weight_derived_values` walks the *unoptimised* exported graph (before constant folding)
+and marks every value that a weight reaches; the optimiser names a folded initializer after the
+value it replaces, so after folding each float initializer is one of
+
+- a copy or transpose of one HF tensor: mapped (``identity`` / ``transpose``);
+- an elementwise affine transform of one HF tensor, ``scale * w + shift`` (Gemma's RMSNorm folds
+  ``1 + w``): mapped with ``affine``, so a push writes the transformed value and stays exact;
+- a value no weight reaches (a rotary ``inv_freq`` buffer, a causal mask, an epsilon, a folded
+  scale): a constant of the graph, recorded in the manifest's ``constants``, never pushed;
+- anything else derived from a weight: refused in one line (a push would leave it stale).
+
 The map is ``{hf_name: (WeightTarget(engine, graph, transform), ...)}``, the manifest's
 ``weight_map`` (:class:`export.manifest.WeightTarget`; on disk a list of
 ``{"engine", "graph", "transform"}`` objects per HF name).
@@ -20,12 +32,14 @@ recorded in ``tied``.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from export.errors import RefitError
-from export.manifest import TRANSFORMS, WeightTarget
+from export.manifest import WeightTarget
 
 WeightMap = dict[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engine weights}
 
@@ -53,6 +67,12 @@ def canonical_params(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
     return canon, tied
 
 
+def graph_buffers(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's buffers that are not weights (rotary ``inv_freq``, position ids, masks): graph constants."""
+    held = {id(p) for p in params.values()}
+    return {n: b for n, b in model.named_buffers(remove_duplicate=False) if id(b) not in held}
+
+
 @torch.no_grad()
 def fingerprint_(model: torch.nn.Module, seed: int = 1234) -> None:
     """Overwrite every parameter in place with distinct random values (so no two match)."""
@@ -71,49 +91,164 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def apply_transform(t: torch.Tensor, transform: str) -> torch.Tensor:
-    """HF tensor -> the tensor the engine stores."""
-    if transform == "identity":
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def apply_transform(t: torch.Tensor, target: WeightTarget) -> torch.Tensor:
+    """HF tensor (already in the engine's dtype) -> the tensor ``target`` stores."""
+    if target.stored_dtype is not None:
+        t = t.to(_TORCH_DTYPES[target.stored_dtype])
+    if target.transform == "identity":
         return t
-    if transform == "transpose":
+    if target.transform == "transpose":
         return t.t()
-    raise ValueError(f"unknown transform {transform!r}")
+    if target.transform == "affine":  # two rounded ops, as the exporter's constant folding computed them
+        return t * target.scale + target.shift
+    raise ValueError(f"unknown transform {target.transform!r}")
 
 
-def build_weight_map(
-    params: dict[str, torch.Tensor], initializers: dict[str, dict[str, np.ndarray]], dtype: torch.dtype
-) -> WeightMap:
-    """Match fingerprinted ``params`` to ONNX ``initializers`` ({graph: {name: array}}) by content.
+def _np_digest(arr: np.ndarray) -> str:
+    return _digest(np.ascontiguousarray(arr).tobytes(), arr.shape)
 
-    Raises :class:`RefitError` if a trainable tensor is in no graph, or if the exporter
-    derived a large initializer from the weights that is neither a copy nor a transpose.
+
+# ops whose output reads only the shape or dtype of some inputs: {op: the inputs whose values it reads}
+_VALUE_INPUTS = {"Shape": slice(0), "Size": slice(0), "CastLike": slice(1)}
+
+
+def weight_derived_values(graph, weight_digests: set[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """(values a weight reaches, every value) of an unoptimised exported ``onnx_ir`` graph.
+
+    Before optimisation the graph's initializers are the traced module's parameters and buffers as
+    they are; those whose content digest is in ``weight_digests`` are the weights. A node's outputs
+    are weight-derived when any input is, or when a node of its subgraphs (If/Loop bodies) reads one;
+    ``Shape``, ``Size`` and ``CastLike``'s second input read only a shape or a dtype (a weight's row count
+    is a constant).
     """
+    import onnx_ir as ir
+
+    tainted = set()
+    for name, v in graph.initializers.items():
+        t = v.const_value
+        if t is not None and _np_digest(t.numpy()) in weight_digests:
+            tainted.add(name)
+    names = set(graph.initializers) | {v.name for v in graph.inputs}
+
+    def reads_weight(node) -> bool:
+        read = _VALUE_INPUTS.get(node.op_type, slice(None)) if node.domain in ("", "ai.onnx") else slice(None)
+        if any(v is not None and v.name in tainted for v in node.inputs[read]):
+            return True
+        for attr in node.attributes.values():
+            subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+            if any(reads_weight(n) for g in subs for n in g):
+                return True
+        return False
+
+    for node in graph:
+        outs = {v.name for v in node.outputs}
+        names |= outs
+        if reads_weight(node):
+            tainted |= outs
+    return frozenset(tainted), frozenset(names)
+
+
+def _affine_of(arr: np.ndarray, candidates: list[tuple[str, torch.Tensor]]) -> tuple[str, WeightTarget] | None:
+    """(hf_name, target) when ``arr`` is exactly ``scale * w + shift`` of one candidate ``w`` (same shape)."""
+    a = arr.astype(np.float64).reshape(-1)
+    for hf_name, w in candidates:
+        w64 = w.detach().double().reshape(-1).numpy()
+        if w64.size < 2 or w64.max() == w64.min():
+            continue
+        scale, shift = np.polyfit(w64, a, 1)  # least squares over every element: the rounding averages out
+        if not np.allclose(a, scale * w64 + shift, rtol=1e-3, atol=1e-3 * max(1.0, abs(shift))):
+            continue
+        want = np.ascontiguousarray(arr).tobytes()
+        stored = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16"}.get(arr.dtype, "bf16")
+        stored_dtype = None if _TORCH_DTYPES[stored] == w.dtype else stored  # None: the engine's dtype
+        for s in _nearby(scale):  # the fit is approximate; the folded bytes are exact
+            for b in _nearby(shift):
+                tgt = WeightTarget(engine="", graph="", transform="affine", scale=s, shift=b, stored_dtype=stored_dtype)
+                if tensor_bytes(apply_transform(w.reshape(arr.shape), tgt)) == want:
+                    return hf_name, tgt
+    return None
+
+
+def _nearby(x: float) -> list[float]:
+    """Round values near a fitted coefficient: a short decimal (1.0, 48.0), its float32, and 1-ulp neighbours."""
+    f = np.float32(x)
+    out = [float(np.float32(round(x, 4))), float(np.float32(round(x, 6))), float(f), float(np.nextafter(f, np.float32(np.inf))),
+           float(np.nextafter(f, np.float32(-np.inf)))]
+    return list(dict.fromkeys(out))
+
+
+class MappedGraphs(NamedTuple):
+    weight_map: WeightMap  # {canonical HF name: its engine weights}
+    constants: dict[str, dict[str, str]]  # {graph: {initializer: what it is}}: no weight reaches them
+
+
+def weight_digests(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tuple[str, str]]:
+    """{content digest: (hf_name, transform)} of each (fingerprinted) tensor as is and transposed."""
     by_digest: dict[str, tuple[str, str]] = {}
     for hf_name, p in params.items():
         a = p.detach().to(dtype).cpu()
-        for transform in TRANSFORMS:
+        for transform in ("identity", "transpose"):
             if transform == "transpose" and a.dim() != 2:
                 continue
-            t = apply_transform(a, transform)
+            t = a.t() if transform == "transpose" else a
             by_digest.setdefault(_digest(tensor_bytes(t), t.shape), (hf_name, transform))
+    return by_digest
+
+
+def build_weight_map(
+    params: dict[str, torch.Tensor], initializers: dict[str, dict[str, np.ndarray]], dtype: torch.dtype,
+    provenance: dict[str, tuple[frozenset[str], frozenset[str]]], buffers: dict[str, torch.Tensor] | None = None,
+) -> MappedGraphs:
+    """Match fingerprinted ``params`` to ONNX ``initializers`` ({graph: {name: array}}) by content.
+
+    ``provenance``: {graph: :func:`weight_derived_values` of its unoptimised graph}; ``buffers``: the
+    model's tensors that are not weights (rotary frequencies...), to name the constants that copy one.
+    Raises :class:`RefitError` if a weight is in no graph, or if the exporter derived an initializer
+    from the weights that is neither a copy, a transpose nor an elementwise affine transform of one.
+    """
+    by_digest = weight_digests(params, dtype)
+    buffer_names: dict[str, str] = {}
+    for n, b in (buffers or {}).items():
+        if b.is_floating_point():
+            buffer_names.setdefault(_digest(tensor_bytes(b), b.shape), n)
+    by_numel: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for hf_name, p in params.items():
+        by_numel.setdefault(p.numel(), []).append((hf_name, p.detach().to(dtype).cpu()))
     wmap: dict[str, list[WeightTarget]] = {name: [] for name in params}
-    unmatched = []
+    constants: dict[str, dict[str, str]] = {}
+    unmapped = []
     for graph, inits in initializers.items():
+        derived, known = provenance[graph]
         for name, arr in inits.items():
-            hit = by_digest.get(_digest(np.ascontiguousarray(arr).tobytes(), arr.shape))
+            hit = by_digest.get(_np_digest(arr))
             if hit is not None:
                 wmap[hit[0]].append(WeightTarget(engine=name, graph=graph, transform=hit[1]))
-            elif arr.dtype.kind == "f" and arr.size >= 16:
-                unmatched.append(f"{graph}:{name}{list(arr.shape)}")
+                continue
+            if arr.dtype.kind != "f":
+                continue  # shapes, indices, masks: no weight is an integer or boolean tensor
+            buffer = buffer_names.get(_np_digest(arr))
+            if name in known and name not in derived or buffer is not None:
+                constants.setdefault(graph, {})[name] = f"buffer {buffer}" if buffer else "constant"
+                continue
+            affine = _affine_of(arr, by_numel.get(arr.size, []))
+            if affine is not None:
+                wmap[affine[0]].append(replace(affine[1], engine=name, graph=graph))
+            else:
+                unmapped.append(f"{graph}:{name}{list(arr.shape)}" + ("" if name in known else " (unknown provenance)"))
     missing = [n for n, v in wmap.items() if not v]
+    if unmapped:
+        raise RefitError(
+            f"exporter derived {len(unmapped)} engine weights from the model's weights that the map cannot express "
+            f"(not a copy, transpose or elementwise scale/shift of one tensor), e.g. {unmapped[:3]}; "
+            "a weight push would leave them stale")
     if missing:
         raise RefitError(f"weight map incomplete: {len(missing)} HF tensors are in no engine graph, e.g. {missing[:3]}")
-    if unmatched:
-        raise RefitError(
-            f"exporter derived {len(unmatched)} weights the map cannot express (not a copy or transpose), "
-            f"e.g. {unmatched[:3]}; refit would leave them stale"
-        )
-    return {name: tuple(targets) for name, targets in wmap.items()}
+    return MappedGraphs({name: tuple(targets) for name, targets in wmap.items()}, constants)
 
 
 def check_one_to_one(wmap: WeightMap) -> None:
@@ -138,5 +273,5 @@ def engine_weights(
             raise RefitError(f"{hf_name!r} is not in the engine's weight map")
         src = t.detach().to(device="cpu", dtype=dtype)
         for tgt in targets:
-            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(src, tgt.transform).contiguous()
+            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(src, tgt).contiguous()
     return out

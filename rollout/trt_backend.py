@@ -307,11 +307,11 @@ class TrtEngine(LoopEngine):
                 if hf_name not in named:
                     continue
                 src = named[hf_name].detach().to(device=self.device, dtype=self._dtype)
-                for trt_name, transform in targets:
+                for trt_name, target in targets:
                     if trt_name in folded:
                         raise RefitError(f"update_weights: {hf_name} -> {g}:{trt_name} was constant-folded by "
                                          "TensorRT at build time and cannot be refitted")
-                    t = apply_transform(src, transform).contiguous()
+                    t = apply_transform(src, target).contiguous()
                     held = self.weights[g].get(trt_name)
                     if held is None or tuple(held.shape) != tuple(t.shape):
                         raise RefitError(f"update_weights: {hf_name} -> {g}:{trt_name} expects "
