@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Annotated
 
 
-from export.errors import RefitError
-from export.parsing import FLAT, opt, parse
+from refit.core.errors import RefitError
+from refit.core.parsing import FLAT, opt, parse
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,9 @@ def _usage() -> str:
 
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
-    from export.build import build
-    from export.models import build_model
-    from export.onnx_export import ExportOptions
+    from refit.export.build import build
+    from refit.learner.examples.models import build_model
+    from refit.export.onnx_export import ExportOptions
 
     work = Path(m.work_dir)
     model = Path(s.model) if s.model else work / s.geometry
@@ -128,28 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
     m = a.machine
     if which == "generate":
-        from bench.generate import bench_generate
+        from refit.bench.generate import bench_generate
 
         model, engine = _model_and_engine(m, a.source, a.backends)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.source.repeats, m.threads)
     elif which == "refit":
-        from bench.generate import bench_refit
+        from refit.bench.generate import bench_refit
 
         model, engine = _model_and_engine(m, a.source)
         out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
     elif which == "inflight":
-        from bench.inflight import bench_inflight
+        from refit.bench.inflight import bench_inflight
 
         _, engine = _model_and_engine(m, a.source)
         out = bench_inflight(engine, a.rows, a.slots, a.prompt_len, a.new_tokens, a.stop_frac, a.source.repeats,
                              m.threads)
     elif which == "workers":
-        from bench.workers import bench_workers
+        from refit.bench.workers import bench_workers
 
         out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
     else:
-        from bench.ppo import bench_ppo
+        from refit.bench.ppo import bench_ppo
 
         model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),

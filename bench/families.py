@@ -1,8 +1,8 @@
-"""The README's family table, from real runs: ``python -m bench.families [--only NAME ...] [--readme FILE]``.
+"""The README's family table, from real runs: ``python -m refit.bench.families [--only NAME ...] [--readme FILE]``.
 
-For each family of :data:`export.families.FAMILIES` (GPT-2 ... Marian): build its tiny checkpoint
+For each family of :data:`refit.bench.export_families.FAMILIES` (GPT-2 ... Marian): build its tiny checkpoint
 (random weights, the local tokenizer), export it through the parity gate, run the CPU-side
-TensorRT checks (``export.trt_check``), then two PPO steps (top-k 20, top-p 0.9, exact-KL
+TensorRT checks (``refit.export.trt_check``), then two PPO steps (top-k 20, top-p 0.9, exact-KL
 penalty, a weight push and probe each step) and two distillation steps with the model as its own
 teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0) is the KL of the
 first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table
@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from export.families import FAMILIES, export_family
+from refit.bench.export_families import FAMILIES, export_family
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
-# flat field names (learner.run.config.from_flat maps them to their sections)
+# flat field names (refit.learner.run.config.from_flat maps them to their sections)
 SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
 
 
@@ -33,14 +33,14 @@ def _quiet(*_):
 def ppo_smoke(rec: dict, root: Path) -> dict:
     """Two PPO steps on the family's engine (a dense reward, so step 2's policy has moved); KL(0), the
     smallest and the last exact KL, the largest probe diff."""
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import run_ppo
-    from learner.run.metrics import read_metrics
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.metrics import read_metrics
 
     cfg = PPOConfig.from_flat(
         model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
         num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9, kl_estimator="exact",
-        reward="learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
+        reward="refit.learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
     rows = read_metrics(run_ppo(cfg, log=_quiet))
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],
@@ -51,9 +51,9 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
 
 def distill_smoke(rec: dict, root: Path) -> dict:
     """Two distillation steps, the model its own teacher: held-out KL at step 0, the loss of each step."""
-    from learner.distill.config import DistillConfig
-    from learner.distill.cycle import run_distill
-    from learner.run.metrics import read_metrics
+    from refit.learner.distill.config import DistillConfig
+    from refit.learner.distill.cycle import run_distill
+    from refit.learner.run.metrics import read_metrics
 
     cfg = DistillConfig.from_flat(
         teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
@@ -84,7 +84,7 @@ def family_record(name: str, geometry: str, root: Path, tokenizer, log=print) ->
 
 
 def _features(c: dict) -> str:
-    """What the probe found, in a few words (export.capabilities)."""
+    """What the probe found, in a few words (refit.export.capabilities)."""
     pos = c["positions"] + (f" from {c['position_offset']}" if c["position_offset"] else "")
     if c["rotary_fraction"] not in (None, 1.0):
         pos = f"{c['rotary_fraction']:g} rotary"
@@ -140,9 +140,9 @@ def update_readme(readme: Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export.models import build_tokenizer
+    from refit.learner.examples.models import build_tokenizer
 
-    p = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m refit.bench.families", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", default=None, help=f"families to run (default all: {', '.join(FAMILIES)})")
     p.add_argument("--work-dir", default="", help="where checkpoints, engines and runs go (default: a temp folder)")
     p.add_argument("--readme", default="", help="replace the table between the family markers of this file")

@@ -5,8 +5,8 @@
 size: warm-up, then ``repeats`` timed runs; it reports the median of time to first token
 (prefill + first sample), per-token decode latency p50/p95 (the steps after the first),
 tokens/s over the whole call, and the peak resident memory growth during the runs. Phase times
-come from the engines' public ``generate(..., on_step=)`` hook (:class:`rollout.engine.StepEvent`);
-for HF ``generate()`` from the same events, emitted by :class:`rollout.hf_backend.HFStepClock`
+come from the engines' public ``generate(..., on_step=)`` hook (:class:`refit.rollout.engine.StepEvent`);
+for HF ``generate()`` from the same events, emitted by :class:`refit.rollout.hf_backend.HFStepClock`
 (its time to first token also counts ``generate()``'s own set-up, part of what users pay).
 HF runs with ``min_new_tokens = new_tokens``; Refit's engines stop a row only at EOS, which a
 random-weight 50257-way model samples with probability ~2e-5 per token, and tokens/s counts the
@@ -67,7 +67,7 @@ def _load(before: tuple[float, float, float]) -> dict:
 
 
 def _summarise(t_calls: list[float], runs: list[list], rows: int, new_tokens: int, mem: float) -> dict:
-    """Medians over ``runs`` (one list of :class:`rollout.engine.StepEvent` per timed call)."""
+    """Medians over ``runs`` (one list of :class:`refit.rollout.engine.StepEvent` per timed call)."""
     assert all(r and r[0].phase == "prefill" for r in runs), "every call reports its prefill first"
     ttft = [r[0].seconds for r in runs]
     gaps = [e.seconds for r in runs for e in r[1:]]
@@ -82,7 +82,7 @@ def _summarise(t_calls: list[float], runs: list[list], rows: int, new_tokens: in
 
 
 def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    from rollout.types import SamplingParams
+    from refit.rollout.types import SamplingParams
 
     calls, runs, ran = [], [], []
     engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))  # warm-up
@@ -102,10 +102,10 @@ def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: i
                     side: str = "left") -> dict:
     from transformers import LogitsProcessorList
 
-    from export.padding import pad_batch
-    from rollout.hf_backend import HFStepClock
+    from refit.core.padding import pad_batch
+    from refit.rollout.hf_backend import HFStepClock
 
-    ids, mask = pad_batch(prompts, pad_id, side)  # the padding rule (export.padding): the engines' too
+    ids, mask = pad_batch(prompts, pad_id, side)  # the padding rule (refit.core.padding): the engines' too
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
     s2s = bool(getattr(model.config, "is_encoder_decoder", False))
     start = 1 if s2s else ids.shape[1]  # where the response begins in generate()'s input_ids
@@ -184,11 +184,11 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
     standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
     of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
-    from export.build import plain_twin
-    from export.checkpoint import load_model, model_info
-    from export.manifest import Manifest
-    from export.padding import native_padding_side
-    from rollout.engine import create_engine
+    from refit.export.build import plain_twin
+    from refit.core.checkpoint import load_model, model_info
+    from refit.core.manifest import Manifest
+    from refit.core.padding import native_padding_side
+    from refit.rollout.engine import create_engine
 
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -241,10 +241,10 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
     """Median ``update_weights`` time (all weights, perturbed) against one full re-export of the same model."""
     import shutil
 
-    from export.checkpoint import load_model
-    from export.onnx_export import ExportOptions, export_onnx
-    from export.weight_map import canonical_params
-    from rollout.engine import create_engine
+    from refit.core.checkpoint import load_model
+    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.weight_map import canonical_params
+    from refit.rollout.engine import create_engine
 
     torch.set_num_threads(threads)
     load_before = os.getloadavg()

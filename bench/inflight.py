@@ -37,9 +37,9 @@ def _rows(out) -> list[tuple[list[int], list[float]]]:
 
 def bench_inflight(engine_dir: Path, rows: int, slots: int, prompt_len: int, max_new_tokens: int, stop_frac: float,
                    repeats: int, threads: int, log=print) -> dict:
-    from bench.generate import PeakRSS
-    from rollout.engine import create_engine
-    from rollout.types import SamplingParams
+    from refit.bench.generate import PeakRSS
+    from refit.rollout.engine import create_engine
+    from refit.rollout.types import SamplingParams
 
     torch.set_num_threads(threads)
     load_before = os.getloadavg()

@@ -40,8 +40,8 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
               work: Path, repeats: int = 2, log=print) -> dict:
     """Both runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
     a change in the machine's load during the benchmark falls on both alike; one warm-up iteration each."""
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import setup, train_step
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup, train_step
     torch.set_num_threads(threads)
     prompts = _prompts_file(work, 4 * batch_size, 32)
     names = (backend, "hf")
@@ -49,7 +49,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
     for name in names:
         cfg = PPOConfig.from_flat(
             model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
-            backend=name, prompts_file=str(prompts), reward="bench.ppo:length_reward",
+            backend=name, prompts_file=str(prompts), reward="refit.bench.ppo:length_reward",
             steps=repeats + 2, batch_size=batch_size, num_generations=1, response_length=response_length,
             num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
             tensorboard=False, plots=False, save_steps=1000)
@@ -82,7 +82,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
 
 
 def _attention(engine: Path) -> str:
-    from export.manifest import Manifest
+    from refit.core.manifest import Manifest
 
     return Manifest.read(engine).attention or "plain"
 

@@ -6,7 +6,7 @@ run with ``scale.workers=1`` (one engine in this process, ``threads`` intra-op t
 ``scale.workers=N`` (N Ray actors, ``scale.worker_cpus`` each, one engine thread each). The
 first ``warmup`` steps of each run are dropped (engine and actor start-up), the median of the rest
 reported. A pool samples in fixed chunks of prompts, so its tokens are the same for any N (see
-:mod:`rollout.ray_pool`) but not those of the in-process engine, which samples the batch in one
+:mod:`refit.rollout.ray_pool`) but not those of the in-process engine, which samples the batch in one
 piece: the mean rewards of the two runs differ a little for that reason alone.
 """
 
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from bench.ppo import PHASES
+from refit.bench.ppo import PHASES
 
 
 def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: int = 2, log=print) -> dict:
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import run_ppo
-    from learner.examples.demo import build_policy
-    from learner.run.metrics import read_metrics
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.examples.demo import build_policy
+    from refit.learner.run.metrics import read_metrics
 
     torch.set_num_threads(threads)
     policy = work / "policy"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from export.onnx_export import ExportOptions, export_onnx, weights_hash
+from refit.export.onnx_export import ExportOptions, export_onnx, weights_hash
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
@@ -25,7 +25,7 @@ TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime") -> bool:
     """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
     (for TensorRT: with the standard-op graph, not the fused-attention one)."""
-    from export.manifest import MANIFEST, Manifest
+    from refit.core.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
         return False
@@ -49,7 +49,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
 
         opts = replace(opts, attention="plain")
     if backend == "tensorrt":
-        from export.tensorrt_build import require_tensorrt
+        from refit.export.tensorrt_build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
     if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
@@ -57,7 +57,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     else:
         export_onnx(model_dir, engine_dir, opts, log=log)
     if backend == "tensorrt":
-        from export.tensorrt_build import build_engines
+        from refit.export.tensorrt_build import build_engines
 
         build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
     return engine_dir
@@ -82,7 +82,7 @@ def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | 
     """The standard-op (plain attention) graphs of ``engine_dir``'s model, the ones TensorRT builds from:
     ``engine_dir`` itself when it already holds them, else exported (or reused: the exporter's cache key)
     into ``out`` (default: beside it, ``<engine_dir>-plain``) with the same batch and length limits."""
-    from export.manifest import Manifest
+    from refit.core.manifest import Manifest
 
     engine_dir = Path(engine_dir)
     m = Manifest.read(engine_dir)

@@ -15,7 +15,7 @@ to be told is measured on the loaded model:
 - encoder-decoder: ``decoder_start_token_id`` (Marian starts from the pad id, BART from eos).
 
 A model that lacks one is refused by :func:`detect` in one line naming the missing capability,
-before the exporter writes anything. The parity gate (:mod:`export.parity`) stays the judge of
+before the exporter writes anything. The parity gate (:mod:`refit.export.parity`) stays the judge of
 what the engine computes.
 """
 
@@ -26,8 +26,8 @@ import inspect
 
 import torch
 
-from export.errors import RefitError
-from export.manifest import Capabilities
+from refit.core.errors import RefitError
+from refit.core.manifest import Capabilities
 
 PROBE_TOL = 1e-4  # max |logit| / |hidden| difference a padding probe allows (fp32)
 _PROBE_IDS = [5, 6, 7]  # any ids >= 4 (past the special tokens) of any vocabulary
@@ -166,7 +166,7 @@ def probe_cache(model, kind: str, start_id: int | None, path) -> dict:
 @torch.no_grad()
 def probe_padding(model, kind: str, side: str, pad_id: int, path) -> None:
     """Refuse unless padding (decoder-only: left, positions from the mask; encoder: ``side``) is invisible."""
-    from export.padding import pad_batch, position_ids_from_mask
+    from refit.core.padding import pad_batch, position_ids_from_mask
 
     ids, mask = (torch.from_numpy(a) for a in pad_batch([_PROBE_IDS, _PROBE_IDS + [8, 9]], pad_id,
                                                         "left" if kind == "decoder" else side))

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 import tyro
 
-from export.build import build
-from export.onnx_export import ExportOptions
-from export.parsing import opt, parse
+from refit.export.build import build
+from refit.export.onnx_export import ExportOptions
+from refit.core.parsing import opt, parse
 
 
 @dataclass(frozen=True)

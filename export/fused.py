@@ -1,7 +1,7 @@
 """Fused-attention decoder graphs: ONNX Runtime's ``com.microsoft.GroupQueryAttention`` over one
 preallocated KV buffer per layer, past and present sharing memory.
 
-The plain graph (:mod:`export.wrappers`) takes the cache as ``past`` (B, H_kv, P, D) and returns
+The plain graph (:mod:`refit.export.wrappers`) takes the cache as ``past`` (B, H_kv, P, D) and returns
 ``present`` (B, H_kv, P+T, D): every decode step concatenates, i.e. copies, the whole cache.
 Here, as in onnxruntime-genai's ``past_present_share_buffer``, ``past.{i}.key`` is a buffer of the
 engine's capacity ``C`` (B, H_kv, C, D) and the engine binds ``present.{i}.key`` to the same
@@ -20,7 +20,7 @@ dynamo exporter's ``custom_translation_table`` lowers that op to the contrib op.
 model (embeddings, learned or rotary positions, MLP, lm_head) is HF's own code, so the weight
 map is built by content exactly as for the plain graph and stays 1:1.
 
-Encoder-decoder models: T5's decoder has its own wrapper, :mod:`export.fused_seq2seq` (the same op and
+Encoder-decoder models: T5's decoder has its own wrapper, :mod:`refit.export.fused_seq2seq` (the same op and
 buffers, T5's relative position bias as the op's ``attention_bias`` computed from each row's positions,
 ``scale`` 1, the cross-attention plain over the encoder graph's K/V); HF's T5 computes that bias from its
 own cache length, one for all rows, which compact rows with idle finished rows cannot use. BART and
@@ -216,7 +216,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
     (``layer_idx``), a sliding window (Mistral) given to the op as ``local_window_size``; an encoder-decoder
     one whose decoder has either T5's relative position bias or one absolute position embedding (BART, Marian;
-    :func:`export.fused_seq2seq.seq2seq_refusal`). Whether the graph computes what PyTorch computes is
+    :func:`refit.export.fused_seq2seq.seq2seq_refusal`). Whether the graph computes what PyTorch computes is
     the parity gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
     """
     if backend != "onnx":
@@ -226,7 +226,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     if caps.head_dim % 8:
         return f"head_dim {caps.head_dim}: ONNX Runtime's GroupQueryAttention CPU kernel needs a multiple of 8"
     if caps.kind != "decoder":
-        from export.fused_seq2seq import seq2seq_refusal
+        from refit.export.fused_seq2seq import seq2seq_refusal
 
         return seq2seq_refusal(model)
     if caps.sliding_window is not None and caps.sliding_window < 1:
@@ -240,7 +240,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
 
 
 def fused_spec(model, caps) -> dict:
-    """The decoder graph spec (as :func:`export.onnx_export.graph_specs` returns) of the fused graph."""
+    """The decoder graph spec (as :func:`refit.export.onnx_export.graph_specs` returns) of the fused graph."""
     D = torch.export.Dim
     batch, seq, cap, keep = D("batch"), D("seq"), D("cap"), D("keep")
     L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
@@ -265,8 +265,8 @@ def fused_profiles(caps, max_batch: int, max_len: int, seq2seq: bool = False) ->
 
     ``seq2seq`` (export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
     ``e``), its prefill is the start token; the plain encoder graph keeps its profile."""
-    from export.manifest import ShapeRange
-    from export.profiles import shape_profiles
+    from refit.core.manifest import ShapeRange
+    from refit.export.profiles import shape_profiles
 
     def shapes(b, s, c, k, e):
         d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
@@ -368,7 +368,7 @@ def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.
 
 
 def fused_greedy_logits(sess, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
-    """The parity gate's engine side on a fused graph's session, as ``export.parity.engine_greedy_logits``:
+    """The parity gate's engine side on a fused graph's session, as ``refit.export.parity.engine_greedy_logits``:
     the same left-padded prompts (compacted here), prefill + ``n_decode`` greedy cached steps, shared buffers."""
     g = manifest.graphs["decoder"]
     dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]

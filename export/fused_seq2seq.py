@@ -1,10 +1,10 @@
 """The fused-attention decoder graph of an encoder-decoder model: T5 (relative position bias), BART, Marian.
 
-The encoder graph is the plain one (:class:`export.wrappers.Seq2SeqEncoder`: encoder hidden states and
+The encoder graph is the plain one (:class:`refit.export.wrappers.Seq2SeqEncoder`: encoder hidden states and
 the cross-attention K/V ``cross.{i}.key/value``). The decoder graph is :class:`FusedSeq2SeqDecoder`:
 
 - self-attention: ``refit::gqa`` -> ``com.microsoft.GroupQueryAttention`` over one preallocated KV buffer
-  per layer, past and present bound to the same memory (as :mod:`export.fused`), at HF's own ``scaling``
+  per layer, past and present bound to the same memory (as :mod:`refit.export.fused`), at HF's own ``scaling``
   (T5: 1.0, no 1/sqrt(d));
 - T5's relative position bias as the op's ``attention_bias``, computed in the graph per row: query
   position = the row's token count before the chunk + s (the ``position_ids`` input), key positions
@@ -40,8 +40,8 @@ import contextlib
 import numpy as np
 import torch
 
-from export.errors import RefitError
-from export.fused import _ACTIVE, _active, _attention, _no_mask, translation_table
+from refit.core.errors import RefitError
+from refit.export.fused import _ACTIVE, _active, _attention, _no_mask, translation_table
 
 ATTN_S2S = "refit_gqa_seq2seq"  # the transformers attention implementation of the fused seq2seq decoder
 
@@ -181,7 +181,7 @@ def seq2seq_refusal(model) -> str | None:
 
 
 def fused_seq2seq_spec(model, caps) -> dict:
-    """The fused decoder graph spec (as :func:`export.onnx_export.graph_specs` returns)."""
+    """The fused decoder graph spec (as :func:`refit.export.onnx_export.graph_specs` returns)."""
     D = torch.export.Dim
     batch, seq, cap, keep, enc = D("batch"), D("seq"), D("cap"), D("keep"), D("enc_seq")
     L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
@@ -208,9 +208,9 @@ def fused_seq2seq_spec(model, caps) -> dict:
 
 
 def seq2seq_step_inputs(ids, start, n_new, keep, enc_mask, capacity: int) -> dict[str, np.ndarray]:
-    """Host inputs of one fused seq2seq decoder step (:func:`export.fused.step_inputs` plus the encoder mask);
+    """Host inputs of one fused seq2seq decoder step (:func:`refit.export.fused.step_inputs` plus the encoder mask);
     ``total_sequence_length`` is the buffer's ``capacity``, the bias's key length."""
-    from export.fused import step_inputs
+    from refit.export.fused import step_inputs
 
     host = step_inputs(ids, start, n_new, keep)
     host["total_sequence_length"] = np.array(capacity, np.int32)
@@ -219,9 +219,9 @@ def seq2seq_step_inputs(ids, start, n_new, keep, enc_mask, capacity: int) -> dic
 
 
 def fused_seq2seq_greedy_logits(sessions, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
-    """The parity gate's engine side (as ``export.parity.engine_greedy_logits``) on a fused seq2seq engine:
+    """The parity gate's engine side (as ``refit.export.parity.engine_greedy_logits``) on a fused seq2seq engine:
     encoder once, then the decoder start token and ``n_decode`` greedy steps through shared buffers."""
-    from export.fused import KVBuffers, run_fused
+    from refit.export.fused import KVBuffers, run_fused
 
     g = manifest.graphs["decoder"]
     dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]

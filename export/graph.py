@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
 

@@ -1,11 +1,11 @@
 """HF checkpoint folder -> ONNX engine folder (graphs with KV cache, refittable weights, manifest).
 
 Choice of exporter (written down, as DEVELOPERS.md asks): ``torch.onnx.export(dynamo=True)``
-(torch.export + onnxscript) with the small wrappers in :mod:`export.wrappers`. It works on the
+(torch.export + onnxscript) with the small wrappers in :mod:`refit.export.wrappers`. It works on the
 transformers 5.x line that users are on; optimum's exporter pins transformers < 4.58. Its
 default optimisations rename, pre-transpose and merge weights, so the exporter traces a
 fingerprinted copy of the model and builds the HF -> engine weight map by content
-(:mod:`export.weight_map`); the real weights are then written through that map.
+(:mod:`refit.export.weight_map`); the real weights are then written through that map.
 
 Steps (each cached, Polygraphy-style): load + validate -> trace graphs -> map weights ->
 write graphs with external weight data -> parity gate -> manifest -> atomic rename.
@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.capabilities import Capabilities, detect
-from export.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
-from export.errors import RefitError
-from export.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
-from export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
+from refit.export.capabilities import Capabilities, detect
+from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
+from refit.core.errors import RefitError
+from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
+from refit.export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
                                fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
                                weight_digests)
-from export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
+from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
@@ -65,7 +65,7 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
 def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
     if attention == "fused" and caps.kind == "decoder":
-        from export.fused import fused_spec
+        from refit.export.fused import fused_spec
 
         return [fused_spec(model, caps)]
     D = torch.export.Dim
@@ -91,7 +91,7 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
                    inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
                    dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
     if attention == "fused":  # the plain encoder, the fused decoder (export/fused_seq2seq.py)
-        from export.fused_seq2seq import fused_seq2seq_spec
+        from refit.export.fused_seq2seq import fused_seq2seq_spec
 
         return [encoder, fused_seq2seq_spec(model, caps)]
     return [
@@ -108,7 +108,7 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
 def _trace(spec: dict, weights: set[str]):
     """torch.onnx.export of one wrapper: (ONNX ModelProto with weights inline, provenance).
 
-    Exported unoptimised first, so :func:`export.weight_map.weight_derived_values` can see which values
+    Exported unoptimised first, so :func:`refit.export.weight_map.weight_derived_values` can see which values
     the weights (content digests ``weights``) reach before constant folding hides it; then optimised
     exactly as ``torch.onnx.export(optimize=True)`` does.
     """
@@ -315,7 +315,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
 
 def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
     """("fused" | "plain", why) for ``opts.attention``; RefitError when "fused" is asked for where it cannot run."""
-    from export.fused import supports_fused
+    from refit.export.fused import supports_fused
 
     if opts.attention not in ("auto", "fused", "plain"):
         raise RefitError(f"unknown attention {opts.attention!r}; choose auto, fused or plain")
@@ -332,7 +332,7 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
 def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions, key: str,
                attention: tuple[str, str], model_dir: Path, t0: float) -> Manifest:
     """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest."""
-    from export.parity import parity_gate
+    from refit.export.parity import parity_gate
 
     model, shadow, params, fp_params, tied = models
     fused = attention[0] == "fused"
@@ -359,7 +359,7 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
     manifest = replace(_manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, time.perf_counter() - t0),
                        attention=attention[0], attention_reason=attention[1], constants=constants or None)
     if fused:
-        from export.fused import fused_dynamic_dims, fused_profiles
+        from refit.export.fused import fused_dynamic_dims, fused_profiles
 
         seq2seq = caps.kind != "decoder"
         manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq),
@@ -386,7 +386,7 @@ def _position_rule(caps: Capabilities) -> str:
 
 def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str, graphs: dict[str, GraphSpec],
               wmap: dict, tied: dict[str, str], model_dir: Path, export_s: float) -> Manifest:
-    from export.profiles import dynamic_dims, shape_profiles
+    from refit.export.profiles import dynamic_dims, shape_profiles
 
     return Manifest(
         backend="onnx", model_type=info.model_type, architecture=info.architecture, kind=info.kind,

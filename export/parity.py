@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.errors import RefitError
-from export.graph import open_session
-from export.manifest import Manifest, Parity
-from export.padding import pad_batch, position_ids_from_mask
+from refit.core.errors import RefitError
+from refit.export.graph import open_session
+from refit.core.manifest import Manifest, Parity
+from refit.core.padding import pad_batch, position_ids_from_mask
 
 PARITY_PROMPTS = ["12+34=", "sort 9172 = ", "Refit trains language models", "7"]
 
@@ -40,15 +40,15 @@ def _np_dtype(manifest: Manifest):
 def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
     """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed.
 
-    A fused-attention graph (manifest ``attention``) runs through :func:`export.fused.fused_greedy_logits`
+    A fused-attention graph (manifest ``attention``) runs through :func:`refit.export.fused.fused_greedy_logits`
     on the same left-padded prompts."""
     sessions = {g: open_session(engine_dir / spec.file)[0] for g, spec in manifest.graphs.items()}
     if manifest.attention == "fused" and manifest.kind == "decoder":
-        from export.fused import fused_greedy_logits
+        from refit.export.fused import fused_greedy_logits
 
         return fused_greedy_logits(sessions["decoder"], manifest, ids, mask, n_decode)
     if manifest.attention == "fused":
-        from export.fused_seq2seq import fused_seq2seq_greedy_logits
+        from refit.export.fused_seq2seq import fused_seq2seq_greedy_logits
 
         return fused_seq2seq_greedy_logits(sessions, manifest, ids, mask, n_decode)
     dt, b = _np_dtype(manifest), ids.shape[0]

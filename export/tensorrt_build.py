@@ -31,8 +31,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from export.errors import RefitError
-from export.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
 
 INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
 

@@ -11,7 +11,7 @@ stale after a refit):
 - :func:`check_weight_map`: every external (refittable) initializer is fed by exactly one
   weight-map entry, and every entry names an initializer of the right shape and dtype.
 
-``python -m export.trt_check ENGINE_DIR`` runs them all and exits 1 on any problem.
+``python -m refit.export.trt_check ENGINE_DIR`` runs them all and exits 1 on any problem.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-from export.errors import RefitError
-from export.manifest import Manifest, ShapeRange
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest, ShapeRange
 
 # Ops TensorRT's ONNX parser converts ("Y" rows of the support matrix), TensorRT 10.0/10.1:
 # https://github.com/onnx/onnx-tensorrt/blob/10.1-GA/docs/operators.md (commit 96e7811).
@@ -309,7 +309,7 @@ def check_weight_map(manifest: Manifest, onnx_path: str | Path, graph: str | Non
 def check_engine_folder(engine_dir: str | Path) -> list[str]:
     """Every problem found in ``engine_dir`` by the checks above; an empty list means ready to build.
 
-    The manifest's own consistency (:meth:`export.manifest.Manifest.problems`: graphs, weight map
+    The manifest's own consistency (:meth:`refit.core.manifest.Manifest.problems`: graphs, weight map
     into existing graphs, profiles covering every input, plans matching the profiles) comes first;
     the graph-level checks run only on a consistent manifest.
     """
@@ -353,7 +353,7 @@ def _check_plans(engine_dir: Path, manifest: Manifest) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.trt_check",
+    p = argparse.ArgumentParser(prog="python -m refit.export.trt_check",
                                 description="Check, without TensorRT, that an engine folder will build as a refittable "
                                             "TensorRT engine: supported ops, named and covered shape profiles, 1:1 weight map.")
     p.add_argument("engine_dir", help="engine folder written by `refit export`")

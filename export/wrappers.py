@@ -6,7 +6,7 @@ build the cache object inside the traced region and return ``present.{i}.*`` (B,
 
 Padding and positions are explicit inputs, never inferred in the graph:
 - decoder-only: ``attention_mask`` (B, P+T) covers past and new tokens (left padding), and
-  ``position_ids`` (B, T) come from the mask (:func:`export.padding.position_ids_from_mask`).
+  ``position_ids`` (B, T) come from the mask (:func:`refit.core.padding.position_ids_from_mask`).
   ``logits_index`` (K,) int64 picks the positions (along T) whose logits are computed, HF's
   ``logits_to_keep`` as a 1-D tensor: prefill asks for the last prompt position only (the
   (B, T, V) lm_head of a whole prompt costs as much as ~T decode steps), decode for [0], and

@@ -2,7 +2,7 @@
 
 Each subcommand lives in the module that owns the job and exposes ``main(argv) -> int``; this
 file only dispatches (imports are lazy so ``refit export --help`` never imports the learner,
-and nothing imports ``tensorrt`` unless asked). A :class:`export.errors.RefitError` becomes one
+and nothing imports ``tensorrt`` unless asked). A :class:`refit.core.errors.RefitError` becomes one
 line on stderr and exit status 2; nothing half-written is left behind by the jobs themselves.
 """
 
@@ -13,13 +13,13 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "build-model": ("export.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
-    "export": ("export.cli", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
-    "generate": ("rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
-    "bench": ("bench.cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
-    "ppo": ("learner.ppo.cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
-    "distill": ("learner.distill.cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
-    "demo": ("learner.examples.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
+    "build-model": ("refit.learner.examples.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
+    "export": ("refit.export.cli", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
+    "generate": ("refit.rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
+    "bench": ("refit.bench.cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
+    "ppo": ("refit.learner.ppo.cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
+    "distill": ("refit.learner.distill.cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
+    "demo": ("refit.learner.examples.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
 }
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from export.errors import RefitError
+    from refit.core.errors import RefitError
 
     try:
         module = importlib.import_module(COMMANDS[name][0])

@@ -4,9 +4,9 @@ decoding. vLLM's and SGLang's schedulers do this per step; here the slot count i
 batch, and the rows wait in prompt-major order.
 
 A row's result does not depend on the slot count or the arrival order: its random stream is keyed
-by (prompt, sample) (:class:`rollout.sampling.RowStreams`), its KV positions are its own (a fused
+by (prompt, sample) (:class:`refit.rollout.sampling.RowStreams`), its KV positions are its own (a fused
 engine's rows are compact, rollout/ort_fused.py), and its position ids are its own token count.
-The output is the same record as the static loop's (:func:`rollout.engine.decode_loop`): rows in
+The output is the same record as the static loop's (:func:`refit.rollout.engine.decode_loop`): rows in
 input order, responses right-padded to the longest, log-probs 0.0 on padding.
 
 A state that supports slots has, besides ``extend``, ``open(slots)`` (buffers for that many rows,
@@ -21,8 +21,8 @@ from collections import deque
 
 import torch
 
-from rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
-from rollout.types import SamplingParams
+from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
+from refit.rollout.types import SamplingParams
 
 
 def supports_slots(state) -> bool:
@@ -35,9 +35,9 @@ def schedule(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingP
     """Decode rows (N, Tp) with at most ``slots`` at once: one static batch when ``slots`` is None or >= N;
     in flight when ``inflight`` and the backend's state supports slots; else consecutive static batches
     of ``slots`` rows, each decoded until its longest row ends (rows keep their keys either way).
-    ``on_step`` (rollout.engine.StepHook) is called by the static loop; the in-flight loop mixes prefills
+    ``on_step`` (refit.rollout.engine.StepHook) is called by the static loop; the in-flight loop mixes prefills
     and decode steps in one step, so it reports nothing."""
-    from rollout.engine import decode_loop
+    from refit.rollout.engine import decode_loop
 
     n = ids.shape[0]
     if not slots or slots >= n:

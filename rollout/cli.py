@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 
 import tyro
 
-from export.errors import RefitError
-from export.parsing import FLAT, opt, parse
-from rollout.config import Sampling
+from refit.core.errors import RefitError
+from refit.core.parsing import FLAT, opt, parse
+from refit.rollout.config import Sampling
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ def _records(batch, texts: list[str], tok) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollout.engine import create_engine
-    from rollout.types import SamplingParams
+    from refit.rollout.engine import create_engine
+    from refit.rollout.types import SamplingParams
 
     a, _ = parse(GenerateConfig, argv, "refit generate")
     engine_dir = Path(a.engine_dir)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise RefitError(str(e)) from None
     texts = _prompts(a)
-    from export.manifest import Manifest
+    from refit.core.manifest import Manifest
 
     Manifest.read(engine_dir)  # one clear line when the folder is not an engine
     tok = _tokenizer(engine_dir)

@@ -1,6 +1,6 @@
 """``Sampling``: the sampler's config section, shared by ``refit generate`` and ``refit ppo``.
 
-Both jobs hold it as a :data:`export.parsing.FLAT` section, so its fields keep the spelling they had
+Both jobs hold it as a :data:`refit.core.parsing.FLAT` section, so its fields keep the spelling they had
 as the jobs' own fields: ``--top_k 20``, ``top_k: 20`` in YAML and in a saved ``config.yaml``. The
 temperature is not in it: PPO and distill keep theirs in ``rollout.temperature``, where the learner
 reads it too (``refit generate`` has its own ``--temperature``).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from export.parsing import opt
+from refit.core.parsing import opt
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from export.errors import RefitError
-from export.manifest import Manifest
-from export.padding import check_left_padded, check_right_padded, native_padding_side, pad_batch
-from rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
-from rollout.types import RolloutBatch, SamplingParams, ScoreResult
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
+from refit.core.padding import check_left_padded, check_right_padded, native_padding_side, pad_batch
+from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
+from refit.rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
 
@@ -69,10 +69,10 @@ class Engine(Protocol):
 # ----------------------------------------------------------------------------- registry
 
 _BACKENDS: dict[str, str] = {
-    "torch": "rollout.torch_backend:TorchEngine",
-    "onnxruntime": "rollout.ort_backend:OrtEngine",
-    "tensorrt": "rollout.trt_backend:TrtEngine",
-    "hf": "rollout.hf_backend:HFGenerateEngine",  # transformers generate(): the baseline in benchmarks
+    "torch": "refit.rollout.torch_backend:TorchEngine",
+    "onnxruntime": "refit.rollout.ort_backend:OrtEngine",
+    "tensorrt": "refit.rollout.trt_backend:TrtEngine",
+    "hf": "refit.rollout.hf_backend:HFGenerateEngine",  # transformers generate(): the baseline in benchmarks
 }
 
 
@@ -126,8 +126,8 @@ class ModelSpec:
     def from_config(cls, cfg, max_len: int | None = None, model_dir=None,
                     decoder_start: int | None = None) -> "ModelSpec":
         """From an HF config; the encoder's padding side is its tokenizer's (``model_dir``, else the
-        folder the config was loaded from), as the exporter decides it (export.padding).
-        ``decoder_start`` overrides the config's (export.capabilities.decoder_start_id)."""
+        folder the config was loaded from), as the exporter decides it (refit.core.padding).
+        ``decoder_start`` overrides the config's (refit.export.capabilities.decoder_start_id)."""
         seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
         eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
         side = native_padding_side(seq2seq, model_dir or getattr(cfg, "_name_or_path", None) or None)
@@ -223,7 +223,7 @@ class _PhaseClock:
 
 
 def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
-    """(prompt, sample) of each prompt-major row: the key of its random stream (rollout.sampling.RowStreams)."""
+    """(prompt, sample) of each prompt-major row: the key of its random stream (refit.rollout.sampling.RowStreams)."""
     return [(int(p), i % n) for i, p in enumerate(index.tolist())]
 
 
@@ -234,7 +234,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
 
     Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
     ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
-    ``keys`` (default: row i is (i, 0)) key each row's random stream (rollout.sampling.RowStreams).
+    ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.sampling.RowStreams).
     """
     b = ids.shape[0]
     clock = _PhaseClock(on_step) if on_step is not None else None
@@ -247,7 +247,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     logits = state.prefill(ids, mask)
     for step in range(params.max_new_tokens):
         # 2. sample (one draw per row per step from the row's own stream); the (B, V)
-        #    host work runs on one thread, see rollout.sampling.one_thread
+        #    host work runs on one thread, see refit.rollout.sampling.one_thread
         with one_thread():
             tok, proc, plain, top = sample_step(logits, params, gen, scratch)
         # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
@@ -282,7 +282,7 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
                  slots: int | None = None, inflight: bool = True) -> RolloutBatch:
     """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch.
 
-    ``slots`` < rows decodes at most that many rows at once (rollout.batching.schedule): in flight on a
+    ``slots`` < rows decodes at most that many rows at once (refit.rollout.batching.schedule): in flight on a
     state that supports slots, else in static batches of ``slots``. The rows are the same either way.
     """
     if not isinstance(sampling, SamplingParams):
@@ -293,7 +293,7 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
                          f"({spec.vocab_size})")
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
     # no_grad, not inference_mode: inference tensors would break the learner's autograd later
-    from rollout.batching import schedule  # rollout.batching imports this module's decode_loop
+    from refit.rollout.batching import schedule  # refit.rollout.batching imports this module's decode_loop
 
     with torch.no_grad():
         out = schedule(new_state, ids, mask, sampling, spec, row_keys(index, sampling.n), slots, inflight, on_step)

@@ -14,10 +14,10 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from rollout.engine import ModelSpec, StepEvent, StepHook, check_prompts, pad_prompts
-from rollout.sampling import chosen_logprobs, process_logits, topk_logprobs
-from rollout.torch_backend import TorchEngine
-from rollout.types import RolloutBatch, SamplingParams
+from refit.rollout.engine import ModelSpec, StepEvent, StepHook, check_prompts, pad_prompts
+from refit.rollout.sampling import chosen_logprobs, process_logits, topk_logprobs
+from refit.rollout.torch_backend import TorchEngine
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 
 class HFStepClock(LogitsProcessor):

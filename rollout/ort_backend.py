@@ -2,7 +2,7 @@
 
 Weights. The engine holds every mapped weight as a torch tensor ``{graph: {engine_name: t}}``
 (the held set) and always hands them to ONNX Runtime with ``add_external_initializers``
-(:func:`export.graph.open_session`), which copies them into the session as it opens; the
+(:func:`refit.export.graph.open_session`), which copies them into the session as it opens; the
 ``.onnx.data`` files are read once, at start-up, through the graph's external-data records.
 Reading the engine's own files (rather than loading the source HF model and mapping it with
 ``engine_weights``) keeps the folder self-contained (the source model need not be on the
@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.errors import RefitError
-from export.graph import open_session
-from export.manifest import Manifest
-from export.padding import position_ids_from_mask
-from export.weight_map import engine_weights
-from rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
-from rollout.sampling import one_thread
+from refit.core.errors import RefitError
+from refit.export.graph import open_session
+from refit.core.manifest import Manifest
+from refit.core.padding import position_ids_from_mask
+from refit.export.weight_map import engine_weights
+from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
+from refit.rollout.sampling import one_thread
 
 _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
@@ -140,13 +140,13 @@ class OrtEngine(LoopEngine):
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
     soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``, and always on an
     encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
-    ``keep_heap`` (default on) calls :func:`export.graph.keep_freed_memory` once for the process,
+    ``keep_heap`` (default on) calls :func:`refit.export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
                  keep_heap: bool = True, slots: int | None = None, inflight: bool = True):
-        from export.graph import default_providers, keep_freed_memory
+        from refit.export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
         self.manifest = Manifest.read(self.engine_dir)
@@ -172,7 +172,7 @@ class OrtEngine(LoopEngine):
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
         self._kv_pool = None
         if self.manifest.attention == "fused":  # rollout/ort_fused.py: GroupQueryAttention, shared KV buffers
-            from rollout.ort_fused import KVPool
+            from refit.rollout.ort_fused import KVPool
 
             d = self.manifest.dims
             names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
@@ -182,7 +182,7 @@ class OrtEngine(LoopEngine):
     def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
         """{graph: session} over each graph file: ``new[graph]`` weights, the held ones for the rest.
 
-        ONNX Runtime copies every supplied buffer while the session opens (export.graph.open_session),
+        ONNX Runtime copies every supplied buffer while the session opens (refit.export.graph.open_session),
         so ``new`` may be the learner's own tensors: nothing refers to them once this returns.
         """
         fresh = {}
@@ -205,7 +205,7 @@ class OrtEngine(LoopEngine):
     def _new_state(self, capacity: int = 0):
         """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
         if self._kv_pool is not None:
-            from rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
+            from refit.rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
 
             if self.spec.kind == "seq2seq":
                 return FusedSeq2SeqState(self, self._kv_pool, capacity)

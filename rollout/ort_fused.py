@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from export.errors import RefitError
-from export.fused import KVBuffers, compact, run_fused, step_inputs
+from refit.core.errors import RefitError
+from refit.export.fused import KVBuffers, compact, run_fused, step_inputs
 
 CAPACITY_STEP = 64  # buffer capacity granularity: fewer reallocations across calls of similar lengths
 
@@ -74,7 +74,7 @@ class _FusedSteps:
 
 
 class FusedDecoderState(_FusedSteps):
-    """:class:`rollout.engine.StepState` over a fused decoder-only graph, with slots (in-flight batching)."""
+    """:class:`refit.rollout.engine.StepState` over a fused decoder-only graph, with slots (in-flight batching)."""
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, Tp) left-padded prompt -> (B, V) logits after each row's last token."""
@@ -113,7 +113,7 @@ class FusedDecoderState(_FusedSteps):
 
 
 class FusedSeq2SeqState(_FusedSteps):
-    """:class:`rollout.engine.StepState` over an encoder-decoder engine with the fused decoder graph
+    """:class:`refit.rollout.engine.StepState` over an encoder-decoder engine with the fused decoder graph
     (export/fused_seq2seq.py: T5, BART, Marian): the encoder runs once per batch as on the plain engine; its cross K/V
     (OrtValues) and mask feed every decoder step; the decoder's self-attention K/V live in the shared
     buffers, compact from position 0 (the decoder start token). A finished row is fed mask 0 and idles.
@@ -129,7 +129,7 @@ class FusedSeq2SeqState(_FusedSteps):
         self.enc_mask: np.ndarray | None = None
 
     def _host(self, ids, valid, keep):
-        from export.fused_seq2seq import seq2seq_step_inputs
+        from refit.export.fused_seq2seq import seq2seq_step_inputs
 
         return seq2seq_step_inputs(ids, self.n, valid, keep, self.enc_mask, self.kv.capacity)
 
@@ -138,7 +138,7 @@ class FusedSeq2SeqState(_FusedSteps):
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, Se) encoder input (padded on its native side) -> (B, V) logits after the decoder start token."""
-        from rollout.ort_backend import run_bound
+        from refit.rollout.ort_backend import run_bound
 
         self.enc_mask = mask.numpy().astype(np.int64)
         enc = run_bound(self.eng.sessions["encoder"], self.eng.device,

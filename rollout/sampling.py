@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from rollout.types import SamplingParams
+from refit.rollout.types import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -3,8 +3,8 @@
 No ``model.generate``: ``prefill`` and ``extend`` below drive the HF model with a
 ``DynamicCache`` (decoder-only: explicit ``position_ids`` from the mask, so left padding is
 invisible) or run the encoder once and the decoder with an ``EncoderDecoderCache``. The
-decode loop, stop handling and sampling are the shared ones in :mod:`rollout.engine` and
-:mod:`rollout.sampling`, so every other backend is compared with this one on logits alone.
+decode loop, stop handling and sampling are the shared ones in :mod:`refit.rollout.engine` and
+:mod:`refit.rollout.sampling`, so every other backend is compared with this one on logits alone.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from export.capabilities import decoder_start_id
-from export.errors import RefitError
-from export.padding import position_ids_from_mask
-from rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
+from refit.export.capabilities import decoder_start_id
+from refit.core.errors import RefitError
+from refit.core.padding import position_ids_from_mask
+from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 
 
 def prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -72,8 +72,8 @@ class _Seq2SeqState:
 
 def _load(source, dtype):
     """(model, engine max_len or None) from an nn.Module, an HF model folder or an engine folder."""
-    from export.checkpoint import load_model
-    from export.manifest import MANIFEST, Manifest
+    from refit.core.checkpoint import load_model
+    from refit.core.manifest import MANIFEST, Manifest
 
     if isinstance(source, torch.nn.Module):
         return source.eval(), None
@@ -108,7 +108,7 @@ class TorchEngine(LoopEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Copy HF state_dict tensors (canonical or tied alias names) into the model; version += 1."""
-        from export.weight_map import canonical_params
+        from refit.export.weight_map import canonical_params
 
         params, tied = canonical_params(self.model)
         named_tensors = resolve_names(named_tensors, set(params), tied)

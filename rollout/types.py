@@ -1,6 +1,6 @@
 """Typed records at the rollout boundary: what generation is asked for, and what it returns.
 
-Padding rule (stated once; the source of truth is :mod:`export.padding`):
+Padding rule (stated once; the source of truth is :mod:`refit.core.padding`):
 
 - ``prompt_ids`` / ``prompt_mask`` (B, Tp): decoder-only prompts are LEFT-padded, with
   positions counted over real tokens only; encoder-decoder (T5, BART, Marian) prompts are the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from export.padding import check_left_padded, check_right_padded
+from refit.core.padding import check_left_padded, check_right_padded
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # GPT-2 and Llama: decoder-only, prompts left-padded; T5, BART and Marian: encoder-decoder, encoder input
 # right-padded (BART: learned positions from offset 2; Marian: sinusoidal positions, scaled embeddings, the pad
-# id as decoder start; both: final_logits_bias). Every family of export.families: tests/test_export.py.
+# id as decoder start; both: final_logits_bias). Every family of refit.bench.export_families: tests/test_export.py.
 ARCHS = ["tiny-gpt2", "tiny-llama", "tiny-t5", "tiny-bart", "tiny-marian"]
 FP16_ARCHS = ["tiny-llama"]  # the fp16 export (:func:`fp16_engine_dir`)
 
@@ -50,15 +50,15 @@ class BuiltOnce(dict):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from export.models import build_tokenizer
+    from refit.learner.examples.models import build_tokenizer
 
     return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory, tokenizer):
-    """{geometry: checkpoint folder} for any geometry of export.models.GEOMETRIES (tiny GPT-2, ..., Marian)."""
-    from export.models import build_model
+    """{geometry: checkpoint folder} for any geometry of refit.learner.examples.models.GEOMETRIES (tiny GPT-2, ..., Marian)."""
+    from refit.learner.examples.models import build_model
 
     root = tmp_path_factory.mktemp("models")
     return BuiltOnce(lambda g: build_model(g, root / g, seed=0, tokenizer=tokenizer))
@@ -68,7 +68,7 @@ def model_dirs(tmp_path_factory, tokenizer):
 def default_engine_dirs(tmp_path_factory, model_dirs):
     """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs` with the
     default options: the fused-attention decoder graph for decoder-only models, the plain one for seq2seq."""
-    from export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("engines")
     return BuiltOnce(lambda g: export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128),
@@ -78,7 +78,7 @@ def default_engine_dirs(tmp_path_factory, model_dirs):
 @pytest.fixture(scope="session")
 def fp16_engine_dir(tmp_path_factory, model_dirs):
     """tiny-llama exported in fp16 (weights and activations): the fp16 rows of the parity matrix."""
-    from export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions, export_onnx
 
     out = tmp_path_factory.mktemp("engines-fp16") / "tiny-llama"
     return export_onnx(model_dirs["tiny-llama"], out, ExportOptions(dtype="fp16", max_batch=16, max_len=128),
@@ -109,7 +109,7 @@ def prompts(tokenizer):
 def tiny_distill_config(model_dirs, engine_dirs, out, **kw):
     """A small DistillConfig: teacher tiny-llama, student tiny-gpt2 (one tokenizer and vocabulary, two
     architectures); ``kw`` overrides any field."""
-    from learner.distill.config import DistillConfig
+    from refit.learner.distill.config import DistillConfig
 
     base = dict(teacher_model_dir=str(model_dirs["tiny-llama"]), student_model_dir=str(model_dirs["tiny-gpt2"]),
                 teacher_engine_dir=str(engine_dirs["tiny-llama"]), student_engine_dir=str(engine_dirs["tiny-gpt2"]),
@@ -145,8 +145,8 @@ def corrupting(push):
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory):
-    """A tiny GPT-2 whose tokenizer has a chat template (export.models.build_chat_tokenizer)."""
-    from export.models import build_chat_tokenizer, build_model
+    """A tiny GPT-2 whose tokenizer has a chat template (refit.learner.examples.models.build_chat_tokenizer)."""
+    from refit.learner.examples.models import build_chat_tokenizer, build_model
 
     return build_model("tiny-gpt2", tmp_path_factory.mktemp("chat") / "tiny-gpt2-chat", seed=0,
                        tokenizer=build_chat_tokenizer())
@@ -155,7 +155,7 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_engine_dir(tmp_path_factory, chat_model_dir):
     """The ONNX engine of :func:`chat_model_dir`."""
-    from export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions, export_onnx
 
     return export_onnx(chat_model_dir, tmp_path_factory.mktemp("chat_engine") / "tiny-gpt2-chat",
                        ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
@@ -195,7 +195,7 @@ def engine_dirs(default_engine_dirs):
 def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
     """{geometry: engine folder with the standard-op (plain attention) decoder graph}: what TensorRT builds
     from. engine_dirs holds the default export, the fused-attention graph wherever it applies."""
-    from export.build import plain_twin
+    from refit.export.build import plain_twin
 
     root = tmp_path_factory.mktemp("plain-engines")
 

@@ -1,7 +1,7 @@
 """A host-side stand-in for the ``tensorrt`` module, and engine folders with plans for the tests.
 
-:func:`make_stand_in` implements the TensorRT 10 calls that :mod:`export.tensorrt_build` and
-:mod:`rollout.trt_backend` make, on top of ONNX Runtime with host buffers. It checks our side of
+:func:`make_stand_in` implements the TensorRT 10 calls that :mod:`refit.export.tensorrt_build` and
+:mod:`refit.rollout.trt_backend` make, on top of ONNX Runtime with host buffers. It checks our side of
 the contract (profiles recorded and chosen, shapes inside the chosen profile, I/O by address,
 refit by name with missing-weight handling) -- not TensorRT's numerics or its API, which only the
 GPU tests can. :class:`TrtFolders` builds plans (stand-in or real TensorRT) into copies of the
@@ -23,8 +23,8 @@ import onnx.numpy_helper
 import pytest
 from onnx import TensorProto
 
-import export.tensorrt_build as tb
-from export.manifest import TrtDevice
+import refit.export.tensorrt_build as tb
+from refit.core.manifest import TrtDevice
 
 TRT_REASON = tb.tensorrt_unavailable_reason()  # None where real TensorRT and a GPU are usable
 
@@ -144,7 +144,7 @@ class _Engine:
         return self.io[n][1]
 
     def run(self, feeds):
-        from export.graph import open_session
+        from refit.export.graph import open_session
 
         if self.session is None:
             self.session = open_session(self.path, self.weights)[0]
@@ -276,7 +276,7 @@ class TrtFolders:
         return self._dirs[name]
 
     def open(self, engine_dir: Path):
-        from rollout.engine import create_engine
+        from refit.rollout.engine import create_engine
 
         with pytest.MonkeyPatch.context() as mp:
             if self.fake is not None:

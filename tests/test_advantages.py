@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.losses import broadcast_to_tokens, grpo_advantages, rloo_advantages
+from refit.learner.losses import broadcast_to_tokens, grpo_advantages, rloo_advantages
 
 # two prompts, G = 3: returns (1, 2, 6) and (0, 0, 3)
 R = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])

@@ -13,7 +13,7 @@ import pytest
 
 
 def _bench(tmp_path, *args, geometry: str = "tiny-gpt2"):
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", *args, "--geometry", geometry,
+    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", *args, "--geometry", geometry,
                         "--work-dir", str(tmp_path), "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -67,7 +67,7 @@ def test_bench_inflight_json(tmp_path):
 def test_bench_workers_json(tmp_path):
     """A demo-sized PPO iteration with 1 and 2 Ray rollout workers (Ray starts and stops a local instance)."""
     pytest.importorskip("ray", reason="bench workers needs Ray: pip install 'refit[dist]'")
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "bench", "workers", "--steps", "3", "--work-dir",
+    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", "workers", "--steps", "3", "--work-dir",
                         str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

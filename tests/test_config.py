@@ -9,16 +9,16 @@ import dataclasses
 
 import pytest
 
-from bench.cli import BENCHES
-from export.cli import ExportConfig
-from export.errors import RefitError
-from export.parsing import flat_leaves, leaves, parse
-from learner.cli import main as refit
-from learner.distill.config import DistillConfig
-from learner.examples.demo import DemoConfig
-from learner.ppo.config import PPOConfig
-from learner.run.config import flat_names, parse_job, save_config
-from rollout.cli import GenerateConfig
+from refit.bench.cli import BENCHES
+from refit.export.cli import ExportConfig
+from refit.core.errors import RefitError
+from refit.core.parsing import flat_leaves, leaves, parse
+from refit.learner.cli import main as refit
+from refit.learner.distill.config import DistillConfig
+from refit.learner.examples.demo import DemoConfig
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.run.config import flat_names, parse_job, save_config
+from refit.rollout.cli import GenerateConfig
 
 COMMANDS = [(["ppo"], PPOConfig), (["distill"], DistillConfig), (["export"], ExportConfig),
             (["generate"], GenerateConfig), (["demo"], DemoConfig)] + [(["bench", n], c) for n, c in BENCHES.items()]

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.errors import RefitError
-from learner.distill.config import DistillConfig
-from learner.distill.batch import draws_student
-from learner.distill.cycle import run_distill, setup, train_step
-from learner.run.metrics import read_metrics
+from refit.core.errors import RefitError
+from refit.learner.distill.config import DistillConfig
+from refit.learner.distill.batch import draws_student
+from refit.learner.distill.cycle import run_distill, setup, train_step
+from refit.learner.run.metrics import read_metrics
 
 from conftest import corrupting, tiny_distill_config
 
@@ -122,8 +122,8 @@ def test_seq_kd_loss_is_cross_entropy_on_teacher_tokens(model_dirs, engine_dirs,
 def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer, capsys):
     import dataclasses
 
-    from export.models import GEOMETRIES, build_model
-    from learner.cli import main
+    from refit.learner.examples.models import GEOMETRIES, build_model
+    from refit.learner.cli import main
 
     geom = dataclasses.replace(GEOMETRIES["tiny-gpt2"], vocab_size=400)
     student = build_model(geom, tmp_path / "wide", tokenizer=tokenizer)
@@ -154,7 +154,7 @@ def test_bart_family_distill_kl_is_zero_when_student_is_teacher(model_dirs, engi
     KL at step 0 and the loss of an on-policy (student-engine) step are 0 within 1e-6, whether the teacher
     side comes from the teacher engine's top-k or from the PyTorch teacher; the pushed student engine
     agrees with the learner after the first update."""
-    from learner.distill.evaluate import evaluate
+    from refit.learner.distill.evaluate import evaluate
 
     cfg = _cfg(model_dirs, engine_dirs, tmp_path, teacher_model_dir=str(model_dirs[arch]),
                student_model_dir=str(model_dirs[arch]), teacher_engine_dir=str(engine_dirs[arch]),
@@ -207,7 +207,7 @@ def default_run(tmp_path_factory):
     import contextlib
     import io
 
-    from learner.cli import main
+    from refit.learner.cli import main
 
     out, buf = tmp_path_factory.mktemp("distill_default") / "d", io.StringIO()
     with contextlib.redirect_stdout(buf):

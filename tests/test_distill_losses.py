@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from learner.losses import (
+from refit.learner.losses import (
     forward_kl_loss,
     generalized_jsd_loss,
     reverse_kl_loss,
     teacher_token_ce_loss,
     topk_kl_loss,
 )
-from learner.losses import exact_kl_from_logits, masked_mean
+from refit.learner.losses import exact_kl_from_logits, masked_mean
 
 D64 = torch.float64
 B, T, V = 3, 7, 11

@@ -1,4 +1,4 @@
-"""Export: parity for every family (export.families), padding invariance, capabilities, weight map,
+"""Export: parity for every family (refit.bench.export_families), padding invariance, capabilities, weight map,
 TensorRT CPU checks, cache reuse, bad input and refused models."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from export.checkpoint import load_model
-from export.errors import RefitError
-from export.families import FAMILIES, SEQ2SEQ
-from export.graph import open_session
-from export.manifest import Manifest
-from export.onnx_export import ExportOptions, export_onnx
-from export.padding import pad_batch
-from export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
-from export.weight_map import canonical_params, engine_weights
+from refit.core.checkpoint import load_model
+from refit.core.errors import RefitError
+from refit.bench.export_families import FAMILIES, SEQ2SEQ
+from refit.export.graph import open_session
+from refit.core.manifest import Manifest
+from refit.export.onnx_export import ExportOptions, export_onnx
+from refit.core.padding import pad_batch
+from refit.export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
+from refit.export.weight_map import canonical_params, engine_weights
 
 FAMILY_ARCHS = list(FAMILIES.values())  # every family (GPT-2 ... Marian), one tiny checkpoint each
 
@@ -38,7 +38,7 @@ def test_export_parity_recorded(engine_dirs, arch):
     assert m.hashes.hf_weights_sha256 and m.cache_key
 
 
-# What the probe must find per family (export.capabilities); the manifest records it.
+# What the probe must find per family (refit.export.capabilities); the manifest records it.
 EXPECTED_CAPS = {
     "tiny-gpt2": dict(positions="learned", position_offset=0, tied_head=True, n_kv_heads=4),
     "tiny-llama": dict(positions="rotary", rotary_fraction=1.0, tied_head=False, n_heads=4, n_kv_heads=2),
@@ -68,9 +68,9 @@ def test_capabilities_found_by_the_probe(engine_dirs, arch):
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_trt_cpu_checks_pass(plain_engine_dirs, arch):
-    """export.trt_check on each family's graphs: supported ops, covered profiles, 1:1 weight map (the
+    """refit.export.trt_check on each family's graphs: supported ops, covered profiles, 1:1 weight map (the
     standard-op graphs TensorRT builds from; the default decoder-only export is the fused one)."""
-    from export.trt_check import check_engine_folder
+    from refit.export.trt_check import check_engine_folder
 
     assert check_engine_folder(plain_engine_dirs[arch]) == []
 
@@ -135,7 +135,7 @@ def test_replacing_weights_through_map_reproduces_torch(engine_dirs, model_dirs,
                 for name, spec in m.graphs.items()}
     seqs = [tokenizer(p).input_ids for p in ["12+34=", "sort 31 = "]]
     ids, mask = pad_batch(seqs, m.special_ids.pad, m.padding.prompt_side)
-    import export.parity as parity
+    import refit.export.parity as parity
 
     orig = parity.open_session
     parity.open_session = lambda path, *a, **k: sessions[path.stem]
@@ -157,7 +157,7 @@ def test_reexport_same_weights_is_reused(engine_dirs, model_dirs):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "learner.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "refit.learner.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _one_line_error(r, *words):
@@ -193,7 +193,7 @@ def _tiny_mamba(out, tokenizer):
     """A real AutoModelForCausalLM whose cache holds SSM states, no attention keys/values."""
     from transformers import AutoModelForCausalLM, MambaConfig
 
-    from export.models import BOS_ID, EOS_ID, PAD_ID
+    from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
 
     cfg = MambaConfig(vocab_size=len(tokenizer), hidden_size=32, state_size=4, num_hidden_layers=2,
                       pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 from conftest import same_rows
-from export.manifest import Manifest
-from rollout.engine import create_engine
-from rollout.types import SamplingParams
+from refit.core.manifest import Manifest
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
 
 DECODERS = ["tiny-gpt2", "tiny-llama"]
 # every decoder-only family built here; Mistral's window (4 tokens) is shorter than the prompts
@@ -55,7 +55,7 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
 
 
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
-    from export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions, export_onnx
 
     with pytest.raises(RefitError, match="attention=fused does not apply.*dtype fp16"):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "fp16", ExportOptions(attention="fused", dtype="fp16"),
@@ -85,9 +85,9 @@ def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params
 def test_gqa_reference_op_matches_hf(model_dirs, arch):
     """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows
     (Mistral: rows of 5 and 7 tokens against its 4-token sliding window)."""
-    from export.checkpoint import load_model, model_info
-    from export.fused import FusedDecoder
-    from export.padding import position_ids_from_mask
+    from refit.core.checkpoint import load_model, model_info
+    from refit.export.fused import FusedDecoder
+    from refit.core.padding import position_ids_from_mask
 
     info = model_info(model_dirs[arch])
     ref = load_model(model_dirs[arch], info)
@@ -144,8 +144,8 @@ def test_rows_do_not_depend_on_slot_count(engine_dirs, prompts, arch):
 
 def test_deferred_batched_admission_gives_the_same_rows(engine_dirs, prompts):
     """Slots refilled three at a time (one prefill run into a scratch buffer, copied into the slots)."""
-    from rollout.batching import inflight_loop
-    from rollout.engine import pad_prompts, row_keys
+    from refit.rollout.batching import inflight_loop
+    from refit.rollout.engine import pad_prompts, row_keys
 
     params = SamplingParams(max_new_tokens=10, seed=7, n=3, stop_ids=tuple(range(5, 60)))
     eng = create_engine("onnxruntime", engine_dirs["tiny-llama"])
@@ -172,7 +172,7 @@ def test_row_stream_is_keyed_by_prompt_and_sample(engine_dirs, prompts):
 def test_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts, arch):
     """Perturbed weights change the fused engine's output and match the reference holding them; restored
     weights give the original output."""
-    from rollout.torch_backend import TorchEngine
+    from refit.rollout.torch_backend import TorchEngine
 
     eng, ref = create_engine("onnxruntime", engine_dirs[arch]), TorchEngine(model_dirs[arch])
     probe = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
@@ -198,7 +198,7 @@ def test_onnxruntime_local_window_matches_the_reference_op(chunk, start):
     from onnx import TensorProto as TP
     from onnx import helper as h
 
-    from export.fused import gqa
+    from refit.export.fused import gqa
 
     n, d, cap, b, window = 2, 8, 12, 2, 3
     vi = h.make_tensor_value_info

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import same_rows
-from export.manifest import Manifest
-from rollout.engine import create_engine
-from rollout.types import SamplingParams
+from refit.core.manifest import Manifest
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
 
 ARCH = "tiny-t5"
 ARCHS = [ARCH, "tiny-bart", "tiny-marian"]
@@ -79,8 +79,8 @@ def test_t5_reference_op_matches_hf(model_dirs):
     """The wrapper run eagerly (refit::gqa with the bias as attention_bias, cross-attention over given K/V)
     equals HF's own forward of each row alone: a prefill of rows of 3, 2 and 1 tokens, then cached steps
     where the shorter rows finish and idle (query length 0)."""
-    from export.checkpoint import load_model, model_info
-    from export.fused_seq2seq import FusedSeq2SeqDecoder
+    from refit.core.checkpoint import load_model, model_info
+    from refit.export.fused_seq2seq import FusedSeq2SeqDecoder
 
     info = model_info(model_dirs[ARCH])
     ref, wrapped = load_model(model_dirs[ARCH], info), FusedSeq2SeqDecoder(load_model(model_dirs[ARCH], info))
@@ -120,7 +120,7 @@ def test_t5_reference_op_matches_hf(model_dirs):
 def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):
     """No in-flight slots for seq2seq (one encoder run's cross K/V per batch): slots=4 runs static batches
     of 4 over the reused buffers, rows identical to one batch."""
-    from rollout.batching import supports_slots
+    from refit.rollout.batching import supports_slots
 
     params = SamplingParams(max_new_tokens=8, seed=5, n=2, stop_ids=tuple(range(5, 60)))
     one = create_engine("onnxruntime", engine_dirs[ARCH])
@@ -133,7 +133,7 @@ def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):
 def test_seq2seq_weight_push_into_fused_engine(engine_dirs, model_dirs, prompts, arch):
     """Perturbed weights (T5: the relative-bias table first, alone) change the fused engine's output and match
     the reference holding them; restored weights give the original output."""
-    from rollout.torch_backend import TorchEngine
+    from refit.rollout.torch_backend import TorchEngine
 
     eng, ref = create_engine("onnxruntime", engine_dirs[arch]), TorchEngine(model_dirs[arch])
     probe = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from learner.losses import (
+from refit.learner.losses import (
     adaptive_kl_update,
     chunked_apply,
     compute_gae,

@@ -1,6 +1,6 @@
 """The engine manifest record: on-disk layout kept, strict parsing, one-line checks, atomic write.
 
-``tests/data/manifest-*.json`` are manifests written before :class:`export.manifest.Manifest`
+``tests/data/manifest-*.json`` are manifests written before :class:`refit.core.manifest.Manifest`
 existed (plain dicts dumped by the exporter and ``build_engines``): a GPT-2-like ONNX export,
 and a tiny T5 with a ``tensorrt`` section from the stand-in build. They are the old layout that
 existing engine folders carry; most tests here start from them and need no export.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from export.errors import RefitError
-from export.manifest import FORMAT, MANIFEST, Manifest
-from rollout.engine import ModelSpec
+from refit.core.errors import RefitError
+from refit.core.manifest import FORMAT, MANIFEST, Manifest
+from refit.rollout.engine import ModelSpec
 
 DATA = Path(__file__).parent / "data"
 OLD = {"gpt2": DATA / "manifest-gpt2-onnx.json", "t5": DATA / "manifest-t5-tensorrt.json"}

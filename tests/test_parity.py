@@ -2,7 +2,7 @@
 
 Dimensions (STYLE.md, torchtune ``test_reproducibility_batched``):
 
-- backend: every name in ``rollout.engine.backends()`` but the reference ``torch``, plus
+- backend: every name in ``refit.rollout.engine.backends()`` but the reference ``torch``, plus
   ``tensorrt-stand-in`` (the TrtEngine code paths on the host stand-in of
   tests/tensorrt_standin.py); ``tensorrt`` itself skips with the reason where it cannot run;
 - dtype: fp32, and fp16 where the backend's row of ``conftest.ATOL`` has it (``FP16_ARCHS``);
@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from conftest import ARCHS, ATOL, FP16_ARCHS, PAD_ATOL
-from export.padding import position_ids_from_mask
-from rollout.engine import backends, create_engine
-from rollout.types import SamplingParams
+from refit.core.padding import position_ids_from_mask
+from refit.rollout.engine import backends, create_engine
+from refit.rollout.types import SamplingParams
 
 REFERENCE = "torch"
 OTHERS = sorted({*backends(), "tensorrt-stand-in"} - {REFERENCE})
-SAME_SAMPLER = {"torch", "onnxruntime", "tensorrt", "tensorrt-stand-in"}  # rollout.sampling with one seeded stream
+SAME_SAMPLER = {"torch", "onnxruntime", "tensorrt", "tensorrt-stand-in"}  # refit.rollout.sampling with one seeded stream
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True, return_topk=2)  # top-2: the near-tie test
 SAMPLED = SamplingParams(max_new_tokens=8, seed=3, temperature=0.8, top_k=20, top_p=0.9, return_topk=4)
 SCORE_TEMP, SCORE_TOPK = 0.7, 5

@@ -10,15 +10,15 @@ import sys
 import pytest
 import torch
 
-from export.errors import RefitError
-from learner.ppo.config import PPOConfig
-from learner.ppo.cycle import experience, run_ppo, setup, train_step
-from learner.run.metrics import read_metrics
-from learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
-from learner.ppo.update import UpdateSettings, ppo_update, score_batch
-from learner.run.engines import probe_check
-from learner.run.policy import learner_view
-from rollout.types import SamplingParams
+from refit.core.errors import RefitError
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import experience, run_ppo, setup, train_step
+from refit.learner.run.metrics import read_metrics
+from refit.learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
+from refit.learner.ppo.update import UpdateSettings, ppo_update, score_batch
+from refit.learner.run.engines import probe_check
+from refit.learner.run.policy import learner_view
+from refit.rollout.types import SamplingParams
 
 from conftest import corrupting
 
@@ -80,7 +80,7 @@ def test_seed_marian_right_padded_sources_top_p_kl_zero(model_dirs, engine_dirs,
     right-padded (the encoder's native side), top-p 0.9: KL at step 0 == 0. Forcing left padding on
     the encoder instead (the bug the thread fixed for T5) moves Marian's positions: the learner's
     log-probs would no longer be the engine's."""
-    from learner.run.policy import learner_view
+    from refit.learner.run.policy import learner_view
 
     run = setup(_cfg(model_dirs, engine_dirs, "tiny-marian", tmp_path), resume=False, log=lambda *_: None)
     sources = [run.tok(s, add_special_tokens=False).input_ids for s in SOURCE_SENTENCES]
@@ -102,8 +102,8 @@ def test_seed_marian_right_padded_sources_top_p_kl_zero(model_dirs, engine_dirs,
 @torch.no_grad()
 def _exact_kl_reference(model, ref_model, batch, temperature):
     """Per-token KL(pi || ref) from two separate forwards of the whole batch (B, Tr)."""
-    from learner.losses import exact_kl_from_logits
-    from learner.run.policy import response_forward
+    from refit.learner.losses import exact_kl_from_logits
+    from refit.learner.run.policy import response_forward
 
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq, temperature)
     return exact_kl_from_logits(response_forward(model, *args).logits, response_forward(ref_model, *args).logits)
@@ -131,7 +131,7 @@ def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_
 
 def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, monkeypatch):
     """Left-padded prompts whose positions ignore the padding (arange instead of the mask's count)."""
-    import learner.run.policy
+    import refit.learner.run.policy
 
     run = setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path), resume=False, log=lambda *_: None)
     prompts = [run.tok(p).input_ids for p in ["1+2=", "sort 98765 = ", "12+34=", "sort 1234567 = "]]
@@ -139,7 +139,7 @@ def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, mo
     assert (rollout.prompt_mask == 0).any() and (rollout.prompt_mask == 1).all(-1).any()
     right = learner_view(run.policy, None, rollout, 1.0)[0]
     assert name_mismatch(mismatch_stats(rollout, right)) is None
-    monkeypatch.setattr(learner.run.policy, "position_ids_from_mask",
+    monkeypatch.setattr(refit.learner.run.policy, "position_ids_from_mask",
                         lambda m: torch.arange(m.shape[1]).expand(m.shape[0], -1))
     wrong = learner_view(run.policy, None, rollout, 1.0)[0]
     stats = mismatch_stats(rollout, wrong)
@@ -219,7 +219,7 @@ def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_pa
 
 
 def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engine_dirs, tmp_path):
-    from learner.ppo.cycle import save
+    from refit.learner.ppo.cycle import save
 
     cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, steps=3, save_steps=1)
     run = setup(cfg, resume=False, log=lambda *_: None)
@@ -242,7 +242,7 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
 def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path, arch):
     """A dense reward moves the policy off the reference, so the exact KL after step 1 is > 0, never < 0."""
     out = run_ppo(_cfg(model_dirs, engine_dirs, arch, tmp_path, steps=3, kl_estimator="exact",
-                       reward="learner.examples.tasks:length_reward", top_k=20, top_p=0.9, save_steps=1,
+                       reward="refit.learner.examples.tasks:length_reward", top_k=20, top_p=0.9, save_steps=1,
                        export_final=True),
                   log=lambda *_: None)
     rows = read_metrics(out)
@@ -264,7 +264,7 @@ def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path
 
 def test_config_yaml_and_flags(tmp_path):
     """Sections in YAML, flags over YAML, --resume a regular option (more in tests/test_config.py)."""
-    from learner.run.config import parse_job
+    from refit.learner.run.config import parse_job
 
     f = tmp_path / "c.yaml"
     f.write_text("model: {model_dir: m}\nrun: {steps: 7}\nkl_coef: 0.2\nscale: {workers: 3, worker_cpus: 0.5}\n")
@@ -279,7 +279,7 @@ def test_config_yaml_and_flags(tmp_path):
 
 
 def test_demo_end_to_end_short(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "demo", "-o", str(tmp_path / "demo"), "--steps", "3",
+    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "demo", "-o", str(tmp_path / "demo"), "--steps", "3",
                         "--sft-steps", "20", "--batch-size", "8", "--num-generations", "2", "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from export.checkpoint import load_model
-from export.errors import RefitError
-from learner.ppo.update import Experience, UpdateSettings, _micro_loss, ppo_update
-from learner.run.policy import ValueHead, hidden_size
+from refit.core.checkpoint import load_model
+from refit.core.errors import RefitError
+from refit.learner.ppo.update import Experience, UpdateSettings, _micro_loss, ppo_update
+from refit.learner.run.policy import ValueHead, hidden_size
 
 B, TP, TR = 4, 5, 6
 
@@ -78,7 +78,7 @@ def test_loss_mode_kl_term_equals_hand_computation(models, kind):
 
 
 def test_exact_kl_in_loss_without_reference_is_one_line(models):
-    from export.errors import RefitError
+    from refit.core.errors import RefitError
 
     policy, ref, vh = models
     exp = _experience(policy, ref, 1.0)
@@ -118,8 +118,8 @@ def test_bf16_autocast_runs_the_forward_in_bf16_and_matches_fp32(models, device)
 def test_tis_warning_fires_once_on_a_planted_top_k_case(model_dirs, engine_dirs, tmp_path):
     """top_k=5 on a tiny random policy: the sampler's probabilities dwarf the policy's, the mean TIS weight
     (the policy gradient's scale) is far below 1; one warning line, logged as mismatch/tis_grad_scale."""
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import setup, train_step
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup, train_step
 
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=2, batch_size=4, num_generations=1, num_mini_batches=1,
@@ -137,8 +137,8 @@ def test_tis_warning_fires_once_on_a_planted_top_k_case(model_dirs, engine_dirs,
 
 
 def _ppo_run(model_dirs, engine_dirs, tmp_path, single: bool, critic: bool = True):
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import setup
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup
 
     extra = {} if critic else dict(advantage_estimator="rloo", num_generations=2)
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
@@ -154,7 +154,7 @@ def test_single_pass_equals_separate_scoring_forward(model_dirs, engine_dirs, tm
     """One epoch, one minibatch: the update's forward also gives the old log-probs, values and entropy. The
     step's metrics and the updated weights equal those of the two-forward path (a separate no-grad scoring
     forward in chunks, then the update's forward) up to float summation order; one policy forward fewer."""
-    from learner.ppo.cycle import train_step
+    from refit.learner.ppo.cycle import train_step
 
     results = {}
     for single in (False, True):
@@ -187,7 +187,7 @@ def test_precomputed_forward_needs_single_pass_settings(models):
     s = UpdateSettings(2, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9, 1.0)
     from types import SimpleNamespace
 
-    from learner.ppo.update import policy_forward
+    from refit.learner.ppo.update import policy_forward
 
     rows = SimpleNamespace(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask, response_ids=exp.response_ids,
                            is_seq2seq=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.errors import RefitError
-from learner.ppo.rewards import ClassifierReward, load_reward
+from refit.core.errors import RefitError
+from refit.learner.ppo.rewards import ClassifierReward, load_reward
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def classifier_dir(tmp_path_factory, tokenizer):
     """A tiny GPT-2 sequence classifier (1 label, random weights) with the local tokenizer, as an HF folder."""
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from export.models import BOS_ID, EOS_ID, PAD_ID
+    from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tokenizer), num_labels=1,
@@ -55,8 +55,8 @@ def test_classifier_bad_label_or_missing_folder_is_one_line(classifier_dir, tmp_
 
 def test_classifier_reward_enters_ppo(model_dirs, engine_dirs, classifier_dir, tmp_path):
     """reward/mean of a PPO step is the classifier's mean score of exactly the decoded responses."""
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import setup, train_step
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup, train_step
 
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), reward=str(classifier_dir), steps=1, batch_size=4, num_generations=1,

@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from export.errors import RefitError
-from rollout.engine import (Engine, LoopEngine, ModelSpec, backends, check_version, create_engine, next_version,
+from refit.core.errors import RefitError
+from refit.rollout.engine import (Engine, LoopEngine, ModelSpec, backends, check_version, create_engine, next_version,
                             register_backend)
-from rollout.types import SamplingParams
+from refit.rollout.types import SamplingParams
 
 from conftest import ARCHS
 
@@ -151,7 +151,7 @@ def test_check_version(engines, prompts):
 
 
 def test_cli_smoke(engine_dirs, capsys, tmp_path):
-    from rollout.cli import main
+    from refit.rollout.cli import main
 
     d = str(engine_dirs["tiny-gpt2"])
     assert main([d, "--prompt", "12+34=", "--prompt", "7", "--max-new-tokens", "4", "--seed", "0", "--n", "2",

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from export.errors import RefitError
-from learner.run.data import prompt_indices
-from learner.run.loop import check_finite, due, last_step
-from rollout.engine import next_version
+from refit.core.errors import RefitError
+from refit.learner.run.data import prompt_indices
+from refit.learner.run.loop import check_finite, due, last_step
+from refit.rollout.engine import next_version
 
 
 def test_prompt_positions_continue_across_batch_sizes():

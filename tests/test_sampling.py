@@ -1,4 +1,4 @@
-"""rollout.sampling and rollout.types: pure torch, no engine.
+"""refit.rollout.sampling and refit.rollout.types: pure torch, no engine.
 
 Four ways, as STYLE.md asks: hand-built cases, reference identities (HF's logits warpers,
 plain log_softmax), fast vs slow (the two-level exponential race draws from softmax and keeps
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.sampling import (RACE_BLOCK, StepBuffers, chosen_logprobs, make_generator, one_thread, plain_logprobs,
+from refit.rollout.sampling import (RACE_BLOCK, StepBuffers, chosen_logprobs, make_generator, one_thread, plain_logprobs,
                               process_logits, sample, sample_step, top_k_filter, top_p_filter)
-from rollout.types import RolloutBatch, SamplingParams
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 
 def _logits(b=4, v=50, seed=0):

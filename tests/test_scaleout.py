@@ -1,8 +1,8 @@
-"""Scale-out: rollout workers on Ray (RayEnginePool) and the DDP learner (learner.run.distributed).
+"""Scale-out: rollout workers on Ray (RayEnginePool) and the DDP learner (refit.learner.run.distributed).
 
 Ray: one local cluster for the module (2 CPUs, no dashboard), a 1-worker and a 2-worker pool on
 the tiny-gpt2 ONNX engine (half a CPU each, so both fit). DDP: 2 gloo processes spawned with
-torch.multiprocessing against one process running learner.ppo.update.ppo_update on the same Experience.
+torch.multiprocessing against one process running refit.learner.ppo.update.ppo_update on the same Experience.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from export.errors import RefitError
-from rollout.types import SamplingParams
+from refit.core.errors import RefitError
+from refit.rollout.types import SamplingParams
 
 from conftest import tiny_distill_config
 
@@ -39,7 +39,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def pools(ray_cluster, engine_dirs):
-    from rollout.ray_pool import RayEnginePool
+    from refit.rollout.ray_pool import RayEnginePool
 
     made = [RayEnginePool("onnxruntime", engine_dirs["tiny-gpt2"], workers=w, chunk=2, cpus_per_worker=0.5,
                           log=lambda *_: None) for w in (1, 2)]
@@ -50,7 +50,7 @@ def pools(ray_cluster, engine_dirs):
 
 @pytest.fixture(scope="module")
 def local_engine(engine_dirs):
-    from rollout.engine import create_engine
+    from refit.rollout.engine import create_engine
 
     eng = create_engine("onnxruntime", engine_dirs["tiny-gpt2"], threads=1)
     yield eng
@@ -60,8 +60,8 @@ def local_engine(engine_dirs):
 @pytest.fixture(scope="module")
 def weights(model_dirs):
     """(original, perturbed) HF-named weights of tiny-gpt2."""
-    from export.checkpoint import load_model
-    from export.weight_map import canonical_params
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
 
     named = {k: v.detach().clone() for k, v in canonical_params(load_model(model_dirs["tiny-gpt2"]))[0].items()}
     g = torch.Generator().manual_seed(0)
@@ -70,7 +70,7 @@ def weights(model_dirs):
 
 def chunked_reference(engine, prompts, sampling, chunk=2):
     """What the pool promises: fixed chunks, chunk k seeded chunk_seed(seed, k), merged in order."""
-    from rollout.ray_pool import chunk_seed, merge_batches
+    from refit.rollout.ray_pool import chunk_seed, merge_batches
 
     parts = [engine.generate(prompts[i:i + chunk], replace(sampling, seed=chunk_seed(sampling.seed, i // chunk)))
              for i in range(0, len(prompts), chunk)]
@@ -178,8 +178,8 @@ def test_bad_prompt_is_named_by_the_callers_index(pools):
 
 def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
     """train_step through a RayEnginePool: rollouts, weight push, parity probe on the pool's score()."""
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import setup, train_step
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup, train_step
 
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                     output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, num_mini_batches=2,
@@ -202,8 +202,8 @@ DDP_SETTINGS = dict(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_
 
 
 def _learner(model_dir):
-    from export.checkpoint import load_model
-    from learner.run.policy import ValueHead, hidden_size
+    from refit.core.checkpoint import load_model
+    from refit.learner.run.policy import ValueHead, hidden_size
 
     torch.manual_seed(0)
     policy = load_model(model_dir)
@@ -226,8 +226,8 @@ def _fixed_rows(g: torch.Generator):
 
 def _fixed_experience(model_dir):
     """An Experience on :func:`_fixed_rows` with the learner's own log-probs and values."""
-    from learner.ppo.update import Experience
-    from learner.run.policy import learner_view
+    from refit.learner.ppo.update import Experience
+    from refit.learner.run.policy import learner_view
 
     g = torch.Generator().manual_seed(1)
     pids, pmask, rids, mask = _fixed_rows(g)
@@ -244,8 +244,8 @@ def _ddp_rank(rank, world, port, model_dir, exp_path, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from learner.run.distributed import init_from_env
-    from learner.ppo.update import UpdateSettings, distributed_ppo_update
+    from refit.learner.run.distributed import init_from_env
+    from refit.learner.ppo.update import UpdateSettings, distributed_ppo_update
 
     ctx = init_from_env("cpu")
     policy, vh, opt, sched = _learner(model_dir)
@@ -283,7 +283,7 @@ def _spawn_ranks(fn, model_dir, in_path, out_path, world: int = 2, timeout_s: fl
 
 def test_ddp_two_ranks_update_like_one_process(model_dirs, tmp_path):
     """2 gloo ranks (each a slice of every minibatch, accumulation, 2 epochs) == ppo_update on the global batch."""
-    from learner.ppo.update import UpdateSettings, ppo_update
+    from refit.learner.ppo.update import UpdateSettings, ppo_update
 
     model_dir = str(model_dirs["tiny-gpt2"])
     exp = _fixed_experience(model_dir)
@@ -313,14 +313,14 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     import sys
     from pathlib import Path
 
-    from learner.ppo.config import PPOConfig
-    from learner.ppo.cycle import run_ppo
-    from learner.run.metrics import read_metrics
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.metrics import read_metrics
 
     kw = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]), steps=2,
               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
               save_steps=1, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
-              num_prompts=16, learning_rate=1e-3, device="cpu", reward="bench.ppo:length_reward",
+              num_prompts=16, learning_rate=1e-3, device="cpu", reward="refit.bench.ppo:length_reward",
               export_final=False)
     want = read_metrics(run_ppo(PPOConfig.from_flat(output_dir=str(tmp_path / "one"), **kw), log=lambda *_: None))
     flags = [x for k, v in {**kw, "output_dir": str(tmp_path / "two"), "max_steps_this_run": 1}.items()
@@ -328,7 +328,7 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "learner.cli", "ppo", *flags], capture_output=True, text=True, timeout=300, env=env,
+                        "-m", "refit.learner.cli", "ppo", *flags], capture_output=True, text=True, timeout=300, env=env,
                        cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     state = json.loads((tmp_path / "two" / "checkpoints" / "step_000001" / "state.json").read_text())
@@ -354,7 +354,7 @@ def _distill_cfg(model_dirs, engine_dirs, out, **kw):
 def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engine_dirs, tmp_path):
     """rollout_workers=2: teacher and student engines are 2-actor pools; the student generates (lmbda=1), the
     teacher pool scores top-k, the push reaches both student actors, and the step equals one local engine's."""
-    from learner.distill.cycle import setup, train_step
+    from refit.learner.distill.cycle import setup, train_step
 
     def one_step(workers):
         cfg = _distill_cfg(model_dirs, engine_dirs, tmp_path / f"w{workers}", rollout_workers=workers,
@@ -379,7 +379,7 @@ def test_distill_step_with_two_engine_workers_per_model(pools, model_dirs, engin
 
 
 def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
-    from rollout.ray_pool import RayEnginePool
+    from refit.rollout.ray_pool import RayEnginePool
 
     with pytest.raises(RefitError, match="Ray cluster has 2 in all") as e:
         RayEnginePool("onnxruntime", engine_dirs["tiny-gpt2"], workers=3, cpus_per_worker=1.0, log=lambda *_: None)
@@ -388,8 +388,8 @@ def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
 
 def _distill_batch(model_dir):
     """:func:`_fixed_rows` with random full-vocabulary teacher logits."""
-    from export.checkpoint import load_model
-    from learner.distill.batch import DistillBatch
+    from refit.core.checkpoint import load_model
+    from refit.learner.distill.batch import DistillBatch
 
     g = torch.Generator().manual_seed(2)
     pids, pmask, rids, mask = _fixed_rows(g)
@@ -401,8 +401,8 @@ def _distill_batch(model_dir):
 
 
 def _distill_learner(model_dir, out, dist):
-    from export.checkpoint import load_model
-    from learner.distill.cycle import Run
+    from refit.core.checkpoint import load_model
+    from refit.learner.distill.cycle import Run
 
     cfg = _distill_cfg({"tiny-llama": model_dir, "tiny-gpt2": model_dir}, {"tiny-llama": "", "tiny-gpt2": ""}, out,
                        batch_size=8, gradient_accumulation_steps=2, loss="jsd", lmbda=0.0, beta=0.3)
@@ -418,8 +418,8 @@ def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from learner.distill.cycle import update
-    from learner.run.distributed import init_from_env
+    from refit.learner.distill.cycle import update
+    from refit.learner.run.distributed import init_from_env
 
     ctx = init_from_env("cpu")
     run = _distill_learner(model_dir, out_path, ctx)
@@ -431,9 +431,9 @@ def _distill_rank(rank, world, port, model_dir, batch_path, out_path):
 
 
 def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
-    """2 gloo ranks (a slice of rows each, 2 micro-batches each) == learner.distill.cycle.update on the whole batch."""
-    from learner.distill.cycle import update
-    from learner.run.distributed import DistContext
+    """2 gloo ranks (a slice of rows each, 2 micro-batches each) == refit.learner.distill.cycle.update on the whole batch."""
+    from refit.learner.distill.cycle import update
+    from refit.learner.run.distributed import DistContext
 
     model_dir = str(model_dirs["tiny-gpt2"])
     batch = _distill_batch(model_dir)
@@ -459,12 +459,12 @@ def test_ddp_two_ranks_distill_update_like_one_process(model_dirs, tmp_path):
 def test_worker_resources_follow_the_backend(monkeypatch, tmp_path, backend, share, gpus):
     """CPU-side check of what a GPU run would reserve: a TensorRT engine actor asks Ray for (a share of) a GPU,
     since Ray hides the GPUs from an actor that reserved none; other backends ask for none by default."""
-    import rollout.ray_pool
-    from learner.ppo.config import PPOConfig
-    from learner.run.engines import make_engine
+    import refit.rollout.ray_pool
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.run.engines import make_engine
 
     seen = {}
-    monkeypatch.setattr(rollout.ray_pool, "RayEnginePool", lambda *a, **kw: seen.update(kw) or "pool")
+    monkeypatch.setattr(refit.rollout.ray_pool, "RayEnginePool", lambda *a, **kw: seen.update(kw) or "pool")
     cfg = PPOConfig.from_flat(backend=backend, rollout_workers=2, rollout_worker_cpus=0.75)
     assert make_engine(cfg, tmp_path, tmp_path, gpu_share=share) == "pool"
     assert (seen["workers"], seen["cpus_per_worker"], seen["gpus_per_worker"]) == (2, 0.75, gpus)

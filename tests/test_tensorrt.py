@@ -2,7 +2,7 @@
 
 Three layers, split by cost (STYLE.md):
 
-1. CPU, always: :mod:`export.trt_check` on the tiny engines and on planted faults (an op the
+1. CPU, always: :mod:`refit.export.trt_check` on the tiny engines and on planted faults (an op the
    parser lacks, an anonymous or uncovered dimension, a missing or doubled weight mapping), and
    the one-line failures where TensorRT is absent.
 2. CPU, always: ``build_engines`` and ``TrtEngine`` driven through the host *stand-in* of the
@@ -28,12 +28,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import export.tensorrt_build as tb
-from export.errors import RefitError
-from export.manifest import Manifest
-from export.trt_check import check_engine_folder, check_ops, check_profiles, check_weight_map
-from rollout.engine import create_engine
-from rollout.types import SamplingParams
+import refit.export.tensorrt_build as tb
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
+from refit.export.trt_check import check_engine_folder, check_ops, check_profiles, check_weight_map
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
 
 from conftest import ARCHS, ATOL
 from tensorrt_standin import TRT_REASON, use_stand_in
@@ -68,10 +68,10 @@ def test_check_engine_folder_passes_on_tiny_engines(engine_dirs, arch):
 
 
 def test_trt_check_cli(engine_dirs, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "export.trt_check", str(engine_dirs["tiny-t5"])],
+    ok = subprocess.run([sys.executable, "-m", "refit.export.trt_check", str(engine_dirs["tiny-t5"])],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "ok" in ok.stdout.splitlines()[-1], ok.stdout + ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "export.trt_check", str(tmp_path / "missing")],
+    bad = subprocess.run([sys.executable, "-m", "refit.export.trt_check", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "problem" in bad.stdout.splitlines()[-1]
 
@@ -201,7 +201,7 @@ def test_require_tensorrt_raises_one_line():
     assert "\n" not in msg and "pip install refit[gpu]" in msg and "NVIDIA" in msg
     with pytest.raises(RefitError):
         tb.build_engines("/nonexistent")  # refuses before touching anything
-    from rollout.trt_backend import TrtEngine
+    from refit.rollout.trt_backend import TrtEngine
 
     assert "tensorrt" not in sys.modules, "importing the backend module must not import tensorrt"
     with pytest.raises(RefitError, match="TensorRT"):
@@ -212,7 +212,7 @@ def test_require_tensorrt_raises_one_line():
 def test_export_backend_tensorrt_fails_fast_and_leaves_nothing(model_dirs, tmp_path):
     out = tmp_path / "out"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "export", str(model_dirs["tiny-gpt2"]), "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "export", str(model_dirs["tiny-gpt2"]), "-o", str(out),
                         "--backend", "tensorrt"], capture_output=True, text=True, timeout=300)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
@@ -298,8 +298,8 @@ def test_prefill_and_decode_steps_use_their_profiles(engine_dirs, trt_folders, a
 def test_fp16_engine_refits_from_fp32_tensors(kind, fp16_engine_dir, model_dirs, trt_folders):
     """An fp16 export: FP16 builder flag, fp16 K/V buffers, fp32 HF tensors refitted as fp16; after the
     push the engine scores like the PyTorch reference holding the same tensors."""
-    from export.checkpoint import load_model
-    from export.weight_map import canonical_params
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
 
     folders = trt_folders(kind)
     d = folders.get("tiny-llama-fp16", fp16_engine_dir)
@@ -327,8 +327,8 @@ def test_fp16_engine_refits_from_fp32_tensors(kind, fp16_engine_dir, model_dirs,
 @pytest.mark.parametrize("arch", ARCHS)
 def test_refit_changes_output_and_restores_it(trt_env, model_dirs, arch):
     """The TensorRT refit sample's check: fake weights change the answer, the real ones bring it back."""
-    from export.checkpoint import load_model
-    from export.weight_map import canonical_params
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
 
     trt_eng, ref = trt_env.folders.open(trt_env.dirs[arch]), create_engine("torch", model_dirs[arch])
     params, _ = canonical_params(load_model(model_dirs[arch]))
@@ -351,8 +351,8 @@ def test_refit_changes_output_and_restores_it(trt_env, model_dirs, arch):
 
 
 def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
-    from export.checkpoint import load_model
-    from export.weight_map import canonical_params
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
 
     trt_eng = trt_env.folders.open(trt_env.dirs["tiny-gpt2"])
     params, _ = canonical_params(load_model(model_dirs["tiny-gpt2"]))
@@ -368,9 +368,9 @@ def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
 
 def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_copy, model_dirs, monkeypatch):
     """Weights TensorRT fused with a pushed one come from the held set; none held -> a loud error."""
-    from export.checkpoint import load_model
-    from export.weight_map import canonical_params
-    from rollout.trt_backend import TrtEngine
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
+    from refit.rollout.trt_backend import TrtEngine
 
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
     m = Manifest.read(d)

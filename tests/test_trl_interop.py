@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from export.errors import RefitError
-from learner.ppo.config import PPOConfig
-from learner.ppo.rewards import load_rewards, score_rewards
-from learner.run.chat import encode_prompts, end_of_turn_ids, render
-from learner.run.dataset import load_prompt_dataset
+from refit.core.errors import RefitError
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.rewards import load_rewards, score_rewards
+from refit.learner.run.chat import encode_prompts, end_of_turn_ids, render
+from refit.learner.run.dataset import load_prompt_dataset
 
 REWARDS_PY = '''
 def correct(prompts, completions, answer, **kwargs):
@@ -132,7 +132,7 @@ def test_two_reward_functions_with_weights_a_column_and_none(rewards_file):
 
 
 def test_module_function_and_legacy_signature(rewards_file):
-    legacy = load_rewards(["learner.examples.tasks:exact_match_reward"], [])
+    legacy = load_rewards(["refit.learner.examples.tasks:exact_match_reward"], [])
     total, stats = score_rewards(legacy, ["1+2=", "2+2="], ["3", "5"], {"completion_ids": [[1], [1]]})
     assert total.tolist() == [1.0, 0.0] and stats == {"reward/exact_match_reward/mean": 0.5}
     with pytest.raises(RefitError, match="reward_weights has 1 values for 2 reward functions"):
@@ -167,8 +167,8 @@ def _chat_cfg(chat_model_dir, chat_engine_dir, data, out, **kw):
 
 
 def test_kl_zero_at_step_zero_with_chat_template_and_top_p(chat_model_dir, chat_engine_dir, tmp_path, chat_tok):
-    from learner.ppo.cycle import experience, setup
-    from rollout.types import SamplingParams
+    from refit.learner.ppo.cycle import experience, setup
+    from refit.rollout.types import SamplingParams
 
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(8))
     run = setup(_chat_cfg(chat_model_dir, chat_engine_dir, data, tmp_path / "run", top_p=0.8), False, lambda *_: None)
@@ -187,9 +187,9 @@ def test_kl_zero_at_step_zero_with_chat_template_and_top_p(chat_model_dir, chat_
 def test_grpo_experience_advantages_are_the_group_formula(chat_model_dir, chat_engine_dir, tmp_path):
     """At step 0 policy == reference, so the KL penalty is 0 and the advantage of every token of a row is
     GRPO's (score - group mean) / (group std + 1e-4); no value head is used."""
-    from learner.losses import grpo_advantages
-    from learner.ppo.cycle import experience, setup
-    from rollout.types import SamplingParams
+    from refit.learner.losses import grpo_advantages
+    from refit.learner.ppo.cycle import experience, setup
+    from refit.rollout.types import SamplingParams
 
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(8))
     cfg = _chat_cfg(chat_model_dir, chat_engine_dir, data, tmp_path / "run", advantage_estimator="grpo",
@@ -213,9 +213,9 @@ def test_chat_run_rloo_two_rewards_eval_and_final_folder(chat_model_dir, chat_en
     steps 0, 1, 2; final/ reloads with from_pretrained and gives the learner policy's logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.ppo.cycle import ppo_job
-    from learner.run.loop import run_job
-    from learner.run.metrics import read_metrics
+    from refit.learner.ppo.cycle import ppo_job
+    from refit.learner.run.loop import run_job
+    from refit.learner.run.metrics import read_metrics
 
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(12, with_none=True))
     cfg = _chat_cfg(chat_model_dir, chat_engine_dir, data, tmp_path / "run", advantage_estimator="rloo",
@@ -247,9 +247,9 @@ def test_gae_parquet_run_then_export_final_on_resume(model_dirs, engine_dirs, tm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from learner.ppo.cycle import run_ppo
-    from learner.run.checkpoint import load_checkpoint
-    from learner.run.policy import ValueHead
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.checkpoint import load_checkpoint
+    from refit.learner.run.policy import ValueHead
 
     datasets.Dataset.from_dict({"text": [f"{i}+{i}=" for i in range(10)]}).to_parquet(str(tmp_path / "d.parquet"))
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
@@ -278,9 +278,9 @@ def test_distill_from_a_chat_dataset_writes_final(chat_model_dir, chat_engine_di
     import datasets
     from transformers import AutoModelForCausalLM
 
-    from learner.distill.config import DistillConfig
-    from learner.distill.cycle import DISTILL_JOB
-    from learner.run.loop import run_job
+    from refit.learner.distill.config import DistillConfig
+    from refit.learner.distill.cycle import DISTILL_JOB
+    from refit.learner.run.loop import run_job
 
     rows = _chat_rows(12)
     for r in rows:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.errors import RefitError
-from rollout.engine import check_version
-from rollout.ort_backend import OrtEngine
-from rollout.torch_backend import TorchEngine
-from rollout.types import SamplingParams
+from refit.core.errors import RefitError
+from refit.rollout.engine import check_version
+from refit.rollout.ort_backend import OrtEngine
+from refit.rollout.torch_backend import TorchEngine
+from refit.rollout.types import SamplingParams
 
 from conftest import ATOL
 
@@ -166,7 +166,7 @@ def test_pushed_tensors_are_owned_by_the_engine(engine_dirs, model_dirs, prompts
 def test_failed_session_open_restores_the_engine(engine_dirs, model_dirs, prompts, monkeypatch):
     """update_weights closes the old session before opening the new one; if that open fails the held
     weights are reopened, the version stays and the output is the pre-push one."""
-    import rollout.ort_backend as ob
+    import refit.rollout.ort_backend as ob
 
     ort, ref = _pair("tiny-gpt2", engine_dirs, model_dirs)
     batch = _probe(ref, prompts)
@@ -191,7 +191,7 @@ def test_marian_push_every_weight_matches_torch(engine_dirs, model_dirs, prompts
     """Marian, the seed thread's family: the whole 1:1 map (shared embedding tied to both graphs and
     the lm_head, sinusoidal tables, cross K/V projections in the encoder graph, final_logits_bias)
     pushed perturbed changes the output and equals PyTorch; restored gives the original again."""
-    from export.weight_map import canonical_params
+    from refit.export.weight_map import canonical_params
 
     ort, ref = _pair("tiny-marian", engine_dirs, model_dirs)
     params, _ = canonical_params(ref.model)

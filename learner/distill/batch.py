@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from export.checkpoint import load_tokenizer, model_info
-from export.errors import RefitError
-from export.padding import check_left_padded, check_right_padded, pad_batch
-from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
-from learner.run.data import prompt_indices
-from learner.run.policy import response_forward
-from rollout.engine import check_version
-from rollout.types import SamplingParams
+from refit.core.checkpoint import load_tokenizer, model_info
+from refit.core.errors import RefitError
+from refit.core.padding import check_left_padded, check_right_padded, pad_batch
+from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
+from refit.learner.run.data import prompt_indices
+from refit.learner.run.policy import response_forward
+from refit.rollout.engine import check_version
+from refit.rollout.types import SamplingParams
 
 if TYPE_CHECKING:
-    from learner.distill.cycle import Run
+    from refit.learner.distill.cycle import Run
 
 
 @dataclass
 class DistillBatch:
-    """One training batch, whichever source made it. Padding rule of :mod:`rollout.types`."""
+    """One training batch, whichever source made it. Padding rule of :mod:`refit.rollout.types`."""
 
     prompt_ids: torch.Tensor  # (B, Tp) int64, left-padded (decoder-only) / native side (encoder-decoder)
     prompt_mask: torch.Tensor  # (B, Tp) int64
@@ -67,8 +67,8 @@ def _completion_text(c) -> str:
 
 
 def dataset_examples(cfg: DistillConfig) -> tuple[list[tuple], list[tuple]]:
-    """(train, held-out) (prompt, completion text) pairs of ``data.dataset`` (learner.run.dataset)."""
-    from learner.run.dataset import load_prompt_dataset
+    """(train, held-out) (prompt, completion text) pairs of ``data.dataset`` (refit.learner.run.dataset)."""
+    from refit.learner.run.dataset import load_prompt_dataset
 
     d = cfg.data
     train, held = load_prompt_dataset(d.dataset, d.dataset_split, d.dataset_text_field or d.prompt_column,
@@ -101,7 +101,7 @@ def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple
         pairs = [(r["prompt"], r["completion"]) for r in rows]
         held = pairs[-cfg.eval_size:]
     else:
-        from learner.examples.tasks import TASKS
+        from refit.learner.examples.tasks import TASKS
 
         kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
         examples = TASKS[cfg.data.task](cfg.data.num_prompts, seed=cfg.run.seed, **kw)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from export.parsing import with_values
-from learner.distill.config import DistillConfig
-from learner.run.config import _f, flat_names, parse_job
+from refit.core.parsing import with_values
+from refit.learner.distill.config import DistillConfig
+from refit.learner.run.config import _f, flat_names, parse_job
 
 BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "
                                             "this folder, print their paths as one JSON line and exit"))
@@ -40,9 +40,9 @@ def report(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.distill.cycle import run_distill
-    from learner.distill.evaluate import summary
-    from learner.examples.distill_pair import build_all, build_models
+    from refit.learner.distill.cycle import run_distill
+    from refit.learner.distill.evaluate import summary
+    from refit.learner.examples.distill_pair import build_all, build_models
 
     cfg, opts = parse_job(DistillConfig, argv, "refit distill", options=(BUILD_MODELS,))
     torch.manual_seed(cfg.run.seed)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # [dist] under torchrun only rank 0 prints
     if not cfg.teacher.model_dir and not cfg.student.model_dir:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from export.errors import RefitError
+            from refit.core.errors import RefitError
 
             raise RefitError("under torchrun pass --teacher.model_dir and --student.model_dir (build the embedded "
                              "pair once first: refit distill --build_models DIR)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 
 DISTILL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "ce", "topk_kl")

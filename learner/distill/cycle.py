@@ -13,7 +13,7 @@
                         jsd / forward_kl / reverse_kl: full-vocabulary teacher logits from the PyTorch
                                  teacher (an engine returns log-probs of given tokens and a top-k, never
                                  the full (B, T, V) logits), hence not combinable with seq_kd
-                     3. loss on the PyTorch student's logits (learner.losses.distill), one AdamW step
+                     3. loss on the PyTorch student's logits (refit.learner.losses.distill), one AdamW step
                      4. every ``sync_every`` steps push the student weights into the student engine and
                         score a fixed probe batch on both sides (stop on disagreement, as in PPO)
                      5. every ``eval_every`` steps: held-out KL to the teacher and task accuracy
@@ -43,22 +43,22 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from export.checkpoint import load_model
-from export.errors import RefitError
-from export.weight_map import canonical_params
-from learner import losses as D
-from learner.distill.batch import DistillBatch, check_teacher_student, load_examples, make_batch, teacher_targets
-from learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
-from learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, teacher_accuracy
-from learner.run.chat import encode_prompts, end_of_turn_ids
-from learner.run.checkpoint import resume_latest, save_checkpoint
-from learner.run.distributed import DistContext, reduce_stats
-from learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
-from learner.run.final import write_final
-from learner.run.loop import Job, check_finite, due, run_job
-from learner.run.policy import response_forward
-from rollout.engine import Engine
-from rollout.types import RolloutBatch, SamplingParams
+from refit.core.checkpoint import load_model
+from refit.core.errors import RefitError
+from refit.export.weight_map import canonical_params
+from refit.learner import losses as D
+from refit.learner.distill.batch import DistillBatch, check_teacher_student, load_examples, make_batch, teacher_targets
+from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
+from refit.learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, teacher_accuracy
+from refit.learner.run.chat import encode_prompts, end_of_turn_ids
+from refit.learner.run.checkpoint import resume_latest, save_checkpoint
+from refit.learner.run.distributed import DistContext, reduce_stats
+from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
+from refit.learner.run.final import write_final
+from refit.learner.run.loop import Job, check_finite, due, run_job
+from refit.learner.run.policy import response_forward
+from refit.rollout.engine import Engine
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 PLOT_PANELS = {"loss": ["loss"], "held-out KL to teacher": ["eval/kl_to_teacher"], "accuracy": ["eval/accuracy"],
                "batch source, teacher passes": ["teacher/passes", "student/generated", "batch/from_teacher"],
@@ -157,7 +157,7 @@ def _optimizer(cfg: DistillConfig, student, get_scheduler):
 
 def distill_loss(loss: str, logits: torch.Tensor, b: DistillBatch, rows: slice, beta: float, temperature: float,
                  n_tokens: torch.Tensor):
-    """Dispatch to :mod:`learner.losses.distill`; ``logits`` (b, Tr, V) are the student's at temperature 1."""
+    """Dispatch to :mod:`refit.learner.losses.distill`; ``logits`` (b, Tr, V) are the student's at temperature 1."""
     dev = logits.device
     m, ids = b.response_mask[rows].to(dev), b.response_ids[rows].to(dev)
     if loss == "ce":
@@ -271,7 +271,7 @@ def _postfix(m: dict) -> dict:
 
 
 def final(run: Run) -> None:
-    """The student out as OUTPUT_DIR/final (from_pretrained) and OUTPUT_DIR/final_engine (learner.run.final)."""
+    """The student out as OUTPUT_DIR/final (from_pretrained) and OUTPUT_DIR/final_engine (refit.learner.run.final)."""
     cfg = run.cfg
     if cfg.export_final:
         max_len = max(len(p) for p in run.prompt_ids) + cfg.max_new_tokens + 8

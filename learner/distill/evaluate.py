@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner import losses as L
-from learner.run.metrics import read_metrics
-from learner.run.policy import response_forward
-from rollout.types import RolloutBatch, SamplingParams
+from refit.learner import losses as L
+from refit.learner.run.metrics import read_metrics
+from refit.learner.run.policy import response_forward
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
-    from learner.distill.cycle import Run
+    from refit.learner.distill.cycle import Run
 
 
 @dataclass

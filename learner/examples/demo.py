@@ -21,9 +21,9 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from export.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
-from export.parsing import opt, parse
-from learner.ppo.config import PPOConfig
+from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
+from refit.core.parsing import opt, parse
+from refit.learner.ppo.config import PPOConfig
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
@@ -32,10 +32,10 @@ def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=pri
     """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder. ``chat``: the tokenizer has a
     chat template and the warm-up sees each "a+b=" as a user message rendered by it (the answer follows the
     generation prompt, then EOS)."""
-    from export.checkpoint import load_model
-    from learner.examples.sft import sft
-    from learner.examples.tasks import addition
-    from learner.run.chat import render
+    from refit.core.checkpoint import load_model
+    from refit.learner.examples.sft import sft
+    from refit.learner.examples.tasks import addition
+    from refit.learner.run.chat import render
 
     tok = build_chat_tokenizer() if chat else build_tokenizer()
     raw = build_model(DEMO_POLICY, out / "init", seed=seed, tokenizer=tok)
@@ -77,8 +77,8 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.ppo.cycle import run_ppo
-    from learner.ppo.cli import summary
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.ppo.cli import summary
 
     a, _ = parse(DemoConfig, argv, "refit demo")
     torch.set_num_threads(a.threads)

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from export.padding import pad_batch, position_ids_from_mask
+from refit.core.padding import pad_batch, position_ids_from_mask
 
 
 def sft_batch(tok, pairs: list[tuple[str, str]], seq2seq: bool):
@@ -65,7 +65,7 @@ def sft(model, tok, pairs: list[tuple[str, str]], steps: int, batch_size: int = 
 @torch.no_grad()
 def greedy_accuracy(engine, tok, pairs: list[tuple[str, str]], max_new_tokens: int = 8) -> float:
     """Exact-match accuracy of greedy generation on an engine (any backend)."""
-    from rollout.types import SamplingParams
+    from refit.rollout.types import SamplingParams
 
     batch = engine.generate([tok(p, add_special_tokens=False).input_ids for p, _ in pairs],
                             SamplingParams(max_new_tokens=max_new_tokens, greedy=True))

@@ -5,7 +5,7 @@ Pure torch functions; shapes: ``B`` batch, ``T`` tokens, ``V`` vocab, ``k`` top-
 (``[:, t]`` predicts the same token for both).  ``mask`` is (B, T), 1 for real
 response tokens.  Every loss is a per-token divergence summed over the vocab
 and reduced with the masked token mean (``num_tokens`` for micro-batching, see
-:func:`learner.losses.token_mean`).  Each loss returns ``(loss, stats)`` with
+:func:`refit.learner.losses.token_mean`).  Each loss returns ``(loss, stats)`` with
 detached stats.
 
 ``temperature`` here is the *loss* temperature (both distributions are
@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from learner.losses.core import chunked_apply, logprobs_from_logits, masked_mean, token_mean
+from refit.learner.losses.core import chunked_apply, logprobs_from_logits, masked_mean, token_mean
 
 Stats = Dict[str, torch.Tensor]
 Number = Union[float, int, torch.Tensor]

@@ -6,9 +6,9 @@ import json
 import os
 from pathlib import Path
 
-from learner.ppo.config import PPOConfig
-from learner.run.config import parse_job
-from learner.run.metrics import read_metrics
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.run.config import parse_job
+from refit.learner.run.metrics import read_metrics
 
 
 def summary(run_dir) -> dict:
@@ -35,11 +35,11 @@ def summary(run_dir) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.ppo.cycle import run_ppo
+    from refit.learner.ppo.cycle import run_ppo
 
     cfg, opts = parse_job(PPOConfig, argv, "refit ppo")
     if not cfg.model.model_dir:
-        from export.errors import RefitError
+        from refit.core.errors import RefitError
 
         raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
     run_dir = run_ppo(cfg, resume=opts.resume)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from export.parsing import FLAT
-from learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
+from refit.core.parsing import FLAT
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
-from rollout.config import Sampling
+from refit.rollout.config import Sampling
 
 
 @dataclass(frozen=True)

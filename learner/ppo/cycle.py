@@ -21,27 +21,27 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from export.checkpoint import load_model, load_tokenizer, model_info
-from export.errors import RefitError
-from export.weight_map import canonical_params
-from learner import losses as L
-from learner.ppo.config import PPOConfig
-from learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
-from learner.ppo.data import evaluate, load_prompt_sets, reward_inputs
-from learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
-from learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
+from refit.core.checkpoint import load_model, load_tokenizer, model_info
+from refit.core.errors import RefitError
+from refit.export.weight_map import canonical_params
+from refit.learner import losses as L
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
+from refit.learner.ppo.data import evaluate, load_prompt_sets, reward_inputs
+from refit.learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
+from refit.learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
                                 make_advantages, per_token_rewards, policy_forward, score_batch, single_pass)
-from learner.run.chat import encode_prompts, end_of_turn_ids
-from learner.run.checkpoint import resume_latest, save_checkpoint
-from learner.run.data import prompt_indices
-from learner.run.dataset import PromptSet
-from learner.run.final import write_final
-from learner.run.distributed import DistContext
-from learner.run.engines import check_parity, engine_for_model, pick_device, probe_length, push_weights
-from learner.run.loop import Job, check_finite, due, run_job
-from learner.run.policy import ForwardOut, ValueHead, hidden_size
-from rollout.engine import Engine, check_version
-from rollout.types import RolloutBatch, SamplingParams
+from refit.learner.run.chat import encode_prompts, end_of_turn_ids
+from refit.learner.run.checkpoint import resume_latest, save_checkpoint
+from refit.learner.run.data import prompt_indices
+from refit.learner.run.dataset import PromptSet
+from refit.learner.run.final import write_final
+from refit.learner.run.distributed import DistContext
+from refit.learner.run.engines import check_parity, engine_for_model, pick_device, probe_length, push_weights
+from refit.learner.run.loop import Job, check_finite, due, run_job
+from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
+from refit.rollout.engine import Engine, check_version
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 PLOT_PANELS = {"reward": ["reward/mean", "eval/reward/mean"], "KL to reference": ["kl/k1", "kl/k3", "kl/exact"],
                "PPO": ["ppo/clipfrac", "ppo/approx_kl"], "engine vs learner": ["mismatch/max_abs_diff"]}
@@ -134,7 +134,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
 def reference_engine(cfg: PPOConfig, run_dir: Path) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
     policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``."""
-    from rollout.engine import create_engine
+    from refit.rollout.engine import create_engine
 
     engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
     if cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and not engine_backend):
@@ -293,7 +293,7 @@ def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:
 
 
 def final(run: Run, log=print) -> None:
-    """OUTPUT_DIR/final (from_pretrained), final_engine/ and the value head beside them (learner.run.final)."""
+    """OUTPUT_DIR/final (from_pretrained), final_engine/ and the value head beside them (refit.learner.run.final)."""
     cfg = run.cfg
     if not cfg.export_final:
         return

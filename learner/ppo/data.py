@@ -1,7 +1,7 @@
 """PPO's prompts and what reward functions receive; the held-out evaluation through the engine.
 
 Prompt sources, first match wins: ``data.dataset`` (a local file or ``save_to_disk`` folder with columns,
-:mod:`learner.run.dataset`), ``prompts_file`` (one prompt per line), the embedded ``task``.
+:mod:`refit.learner.run.dataset`), ``prompts_file`` (one prompt per line), the embedded ``task``.
 
 Held-out evaluation (``eval_steps``): the eval split's prompts are generated GREEDILY through the policy
 engine (the weights just pushed), scored by the same reward functions with their columns, and logged as
@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from learner.ppo.rewards import as_rewards, score_rewards
-from learner.run.chat import completion_for
-from learner.run.data import decode_responses
-from learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts
-from rollout.types import RolloutBatch, SamplingParams
+from refit.learner.ppo.rewards import as_rewards, score_rewards
+from refit.learner.run.chat import completion_for
+from refit.learner.run.data import decode_responses
+from refit.learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts
+from refit.rollout.types import RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
-    from learner.ppo.cycle import Run
+    from refit.learner.ppo.cycle import Run
 
 
 def load_prompt_sets(cfg) -> tuple[PromptSet, PromptSet | None]:
@@ -32,7 +32,7 @@ def load_prompt_sets(cfg) -> tuple[PromptSet, PromptSet | None]:
         return train, cap(held, cfg.eval_max_prompts, cfg.run.seed)
     if cfg.prompts_file:
         return text_file_prompts(cfg.prompts_file), None
-    from learner.examples.tasks import TASKS
+    from refit.learner.examples.tasks import TASKS
 
     kw = {"max_operand": d.max_operand} if d.task == "addition" else {}
     return PromptSet([e.prompt for e in TASKS[d.task](d.num_prompts, seed=cfg.run.seed, **kw)], {}, d.task), None

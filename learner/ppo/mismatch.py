@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from learner import losses as L
+from refit.learner import losses as L
 
 PRECISION_LIMIT = 0.05  # mean |diff| below this with every row affected: rounding, not wrong inputs
 

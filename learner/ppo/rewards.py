@@ -12,7 +12,7 @@ positionally. ``None`` means "not applicable to this row": it is left out of the
 ``nansum``) and of that function's logged mean (``nanmean``).
 
 Specs (``reward`` / ``reward_funcs``):
-- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`learner.examples.tasks`);
+- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`refit.learner.examples.tasks`);
 - ``"package.module:function"``, or a file ``"path/to/rewards.py:function"``;
 - a folder path: an HF sequence-classification checkpoint; the reward is the logit of ``label_index``.
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 RewardFn = Callable[..., list]
 
@@ -109,7 +109,7 @@ def _import_function(spec: str) -> RewardFn:
 
 def load_reward(spec: str) -> RewardFn:
     if spec == "exact_match":
-        from learner.examples.tasks import exact_match_reward
+        from refit.learner.examples.tasks import exact_match_reward
 
         return exact_match_reward
     if Path(spec).is_dir():

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from export.errors import RefitError
-from learner import losses as L
-from learner.run.distributed import reduce_stats
-from learner.run.policy import ForwardOut, ValueHead, response_forward
+from refit.core.errors import RefitError
+from refit.learner import losses as L
+from refit.learner.run.distributed import reduce_stats
+from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
 
 
 @dataclass
@@ -53,7 +53,7 @@ def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: 
     """(b, Tr, V) reference log-probs of rows ``s`` at ``temperature``, scored on a frozen reference engine.
 
     ``Engine.score`` with ``topk = V`` returns every token's plain log-prob in vocabulary order (no sort,
-    see :class:`rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the
+    see :class:`refit.rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the
     engine's padding rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
     """
     out = ref_engine.score(batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
@@ -224,7 +224,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps, each over ``gradient_accumulation_steps``
     micro-batches whose losses are normalised by the minibatch's token count (so splitting changes nothing).
 
-    ``shard`` (a :class:`learner.run.distributed.DistContext` with world_size K > 1): this process is rank r of
+    ``shard`` (a :class:`refit.learner.run.distributed.DistContext` with world_size K > 1): this process is rank r of
     K data-parallel learners; it takes rows ``[r*L, (r+1)*L)`` of every minibatch (L = minibatch / K; the
     permutation is the same on every rank), the token count is all-reduced, the loss is scaled by K
     because DDP averages gradients, and gradient sync runs on the last micro-batch only. ``model`` and
@@ -295,7 +295,7 @@ def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: E
                            generator: torch.Generator, ref_model=None, forward: ForwardOut | None = None,
                            ) -> dict[str, float]:
     """:func:`ppo_update` for one process, or under torchrun over this rank's slice of every global minibatch
-    (``ctx``: a :class:`learner.run.distributed.DistContext` after ``wrap``), stats reduced across ranks.
+    (``ctx``: a :class:`refit.learner.run.distributed.DistContext` after ``wrap``), stats reduced across ranks.
 
     ``exp`` is the full batch on every rank; only this rank's rows go through the model.
     """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 Prompt = Any  # str | list[dict[str, str]]
 _MARK = "\u2063refit-end-of-turn-probe\u2063"

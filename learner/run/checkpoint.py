@@ -65,7 +65,7 @@ def resume_latest(run_dir: Path, model, value_head, optimizer, scheduler) -> tup
     """``--resume``: :func:`load_checkpoint` of the newest checkpoint in ``run_dir``; (its path, state.json)."""
     ck = latest_checkpoint(run_dir)
     if ck is None:
-        from export.errors import RefitError
+        from refit.core.errors import RefitError
 
         raise RefitError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
     return ck, load_checkpoint(ck, model, value_head, optimizer, scheduler)
@@ -83,7 +83,7 @@ def load_checkpoint(path: Path, model, value_head, optimizer, scheduler) -> dict
         getattr(model, "_tied_weights_keys", None), dict) else set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [m for m in missing if m not in tied]
     if real_missing or unexpected:
-        from export.errors import RefitError
+        from refit.core.errors import RefitError
 
         raise RefitError(f"checkpoint {path} does not match the model: missing {real_missing[:3]}, "
                          f"unexpected {unexpected[:3]}")

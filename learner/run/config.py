@@ -35,7 +35,7 @@ parses nested frozen dataclasses natively (``--optim.learning_rate``, one help g
 its docstring), reads the same ``metadata["help"]`` texts HfArgumentParser does, takes a default
 instance (so a YAML file is simply the defaults of the one parse), handles positionals, short aliases
 and required fields for ``refit export`` / ``generate`` / ``demo`` / ``bench``, and accepts both
-``--max_batch`` and ``--max-batch``. The glue is :mod:`export.parsing`.
+``--max_batch`` and ``--max-batch``. The glue is :mod:`refit.core.parsing`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Annotated, Literal
 
 import tyro
 
-from export.errors import RefitError
-from export.parsing import build, flat_leaves, leaves, opt, parse, resolve, save_yaml
+from refit.core.errors import RefitError
+from refit.core.parsing import build, flat_leaves, leaves, opt, parse, resolve, save_yaml
 
 _f = opt
 Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]
@@ -81,7 +81,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """The prompts: a local dataset with columns (TRL's conventions, learner.run.dataset), else the embedded task."""
+    """The prompts: a local dataset with columns (TRL's conventions, refit.learner.run.dataset), else the embedded task."""
 
     dataset: str = _f("", "local dataset (overrides the embedded task and any prompts/dataset file): a .jsonl / .json "
                           "/ .parquet / .csv file or a datasets save_to_disk folder, loaded with the datasets "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from rollout.types import RolloutBatch
+from refit.rollout.types import RolloutBatch
 
 
 def prompt_indices(n_prompts: int, position: int, count: int, seed: int) -> list[int]:

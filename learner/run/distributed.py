@@ -1,6 +1,6 @@
-"""The learner on K processes: ``torchrun --nproc-per-node K -m learner.cli ppo|distill ...`` (DDP).
+"""The learner on K processes: ``torchrun --nproc-per-node K -m refit.learner.cli ppo|distill ...`` (DDP).
 
-PPO is described below; distillation (:mod:`learner.distill`) follows the same rules: rank 0 makes
+PPO is described below; distillation (:mod:`refit.learner.distill`) follows the same rules: rank 0 makes
 the batch (engines, teacher targets) and shares it, rank r runs its contiguous slice of rows, the
 loss is normalised by the global token count and multiplied by K before ``backward``.
 
@@ -9,7 +9,7 @@ loss is normalised by the global token count and multiplied by K before ``backwa
              parity probe, metrics, checkpoints (atomic, written once)
     rank r : receive the Experience -> its slice of the update
 
-The update is the same as one process's :func:`learner.ppo.update.ppo_update` on the global batch:
+The update is the same as one process's :func:`refit.learner.ppo.update.ppo_update` on the global batch:
 
 - Every rank draws the SAME minibatch permutation (one generator seed per step), and rank r
   takes the r-th contiguous slice of each global minibatch. The minibatches are therefore those
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 

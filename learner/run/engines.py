@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from export.build import TORCH_BACKENDS, engine_source
-from export.errors import RefitError
-from export.weight_map import canonical_params
-from learner.run.checkpoint import latest_checkpoint
-from learner.run.policy import learner_view
-from rollout.engine import Engine, create_engine
-from rollout.types import RolloutBatch
+from refit.export.build import TORCH_BACKENDS, engine_source
+from refit.core.errors import RefitError
+from refit.export.weight_map import canonical_params
+from refit.learner.run.checkpoint import latest_checkpoint
+from refit.learner.run.policy import learner_view
+from refit.rollout.engine import Engine, create_engine
+from refit.rollout.types import RolloutBatch
 
 
 def pick_device(name: str) -> torch.device:
@@ -40,7 +40,7 @@ def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engin
     (its engine needs one), none otherwise (Ray hides the GPUs from an actor that reserved none).
     """
     if cfg.scale.workers > 1:  # [scale-out]
-        from rollout.ray_pool import RayEnginePool
+        from refit.rollout.ray_pool import RayEnginePool
 
         gpus = cfg.scale.worker_gpus
         if gpus < 0:

@@ -19,8 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from export.build import ENGINE_BACKENDS, build
-from export.onnx_export import ExportOptions
+from refit.export.build import ENGINE_BACKENDS, build
+from refit.export.onnx_export import ExportOptions
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
 

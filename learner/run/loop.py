@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from export.errors import RefitError
-from learner.run.checkpoint import latest_checkpoint
-from learner.run.config import save_config
-from learner.run.distributed import DistContext, init_from_env
-from learner.run.metrics import MetricsLog, plot_metrics
+from refit.core.errors import RefitError
+from refit.learner.run.checkpoint import latest_checkpoint
+from refit.learner.run.config import save_config
+from refit.learner.run.distributed import DistContext, init_from_env
+from refit.learner.run.metrics import MetricsLog, plot_metrics
 
 
 @dataclass
@@ -104,7 +104,7 @@ def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
                 engine.close()
         dist.close()  # [dist] waits for every rank, leaves the process group
     if main and job.final is not None:
-        job.final(state)  # the trained model out (learner.run.final), after the engines are closed
+        job.final(state)  # the trained model out (refit.learner.run.final), after the engines are closed
     if main and cfg.log.plots:
         plot_metrics(run_dir, job.plot_panels)
     return run_dir, state

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 MANIFEST = "manifest.json"  # file name inside an engine folder
 FORMAT = "refit-engine/1"  # on-disk layout; bump when a reader of the old one would misread the new
@@ -71,7 +71,7 @@ class SpecialIds:
 
 @dataclass(frozen=True)
 class Padding:
-    """The padding rule, stated once for every backend (export/padding.py implements it)."""
+    """The padding rule, stated once for every backend (core/padding.py implements it)."""
 
     prompt_side: str  # "left" (decoder-only) or the encoder's native side ("right" for T5)
     position_ids: str  # how position ids follow from the mask, in words
@@ -228,7 +228,7 @@ class Manifest:
         """The manifest of ``engine_dir``; RefitError (one line) when it is not a usable engine folder.
 
         ``check=False`` skips :meth:`check` (the layout is still parsed strictly), for a caller that
-        lists every problem itself (``python -m export.trt_check``).
+        lists every problem itself (``python -m refit.export.trt_check``).
         """
         engine_dir = Path(engine_dir)
         f = engine_dir / MANIFEST

@@ -7,7 +7,7 @@
   tokenizer pads on (right for T5, BART, Marian: the encoder takes no position ids, so learned
   positions would shift under left padding; forcing left padding is the TRL negative-KL bug,
   TRL PR "[t5] Fix negative kl issue", https://github.com/huggingface/trl/pull/262, fixing TRL
-  issue #256). The exporter's probe checks the side (export.capabilities). The decoder starts
+  issue #256). The exporter's probe checks the side (refit.export.capabilities). The decoder starts
   from ``decoder_start_token_id`` (Marian: the pad id), no padding.
 - Responses are RIGHT-padded: ``response_mask`` is 1 up to and including the first stop token.
 

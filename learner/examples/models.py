@@ -115,7 +115,7 @@ GEOMETRIES: dict[str, Geometry] = {
     "gpt2-small": Geometry("gpt2", n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=50257, max_positions=1024),
     # T5-small geometry (60M parameters, 6 + 6 layers, 32128 tokens) with random weights, for benchmarks.
     "t5-small": Geometry("t5", n_layer=6, d_model=512, n_head=8, d_ff=2048, vocab_size=32128, max_positions=512),
-    # One tiny checkpoint per further family the exporter is tested on (export.families).
+    # One tiny checkpoint per further family the exporter is tested on (refit.bench.export_families).
     "tiny-qwen2": Geometry("qwen2", n_layer=2, d_model=32, n_head=4, d_ff=64, n_kv_head=2),
     # window 4 is shorter than the parity prompts, so the sliding mask is exercised (with GQA)
     "tiny-mistral": Geometry("mistral", n_layer=2, d_model=32, n_head=4, d_ff=64, n_kv_head=1, sliding_window=4),

@@ -2,7 +2,7 @@
 of the README's family table.
 
 The exporter does not read this list (it decides from the config and a probe what a model needs,
-:mod:`export.capabilities`); tests and ``scripts/family_table.py`` do, so every family is
+:mod:`refit.export.capabilities`); tests and ``scripts/family_table.py`` do, so every family is
 exported, parity-gated and checked for TensorRT the same way. :func:`export_family` builds one
 checkpoint (random weights, the local tokenizer), exports it and runs the CPU-side TensorRT checks;
 the learner half of the table (PPO and distillation smokes) is in the script, since ``export``
@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-# README family name -> geometry in export.models.GEOMETRIES (2 layers, d_model 32-64)
+# README family name -> geometry in refit.learner.examples.models.GEOMETRIES (2 layers, d_model 32-64)
 FAMILIES: dict[str, str] = {
     "GPT-2": "tiny-gpt2",
     "Llama": "tiny-llama",
@@ -33,12 +33,12 @@ SEQ2SEQ = ("tiny-t5", "tiny-bart", "tiny-marian")
 
 def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     """Build ``geometry``'s checkpoint under ``root``, export it, run trt_check; one record for the table."""
-    from export.build import plain_twin
-    from export.errors import RefitError
-    from export.manifest import Manifest
-    from export.models import build_model
-    from export.onnx_export import ExportOptions, export_onnx
-    from export.trt_check import check_engine_folder
+    from refit.export.build import plain_twin
+    from refit.core.errors import RefitError
+    from refit.core.manifest import Manifest
+    from refit.learner.examples.models import build_model
+    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.trt_check import check_engine_folder
 
     model_dir = build_model(geometry, root / "models" / geometry, seed=0, tokenizer=tokenizer)
     engine_dir = root / "engines" / geometry

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 import tyro
 import yaml
 
-from export.errors import RefitError
+from refit.core.errors import RefitError
 
 BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 

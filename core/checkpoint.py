@@ -6,14 +6,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.errors import RefitError
-from export.padding import native_padding_side
+from refit.core.errors import RefitError
+from refit.core.padding import native_padding_side
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     """What the config says about a checkpoint (no weights read). The exporter's probe adds the rest
-    (:class:`export.capabilities.Capabilities`: cache geometry, positions, padding verified)."""
+    (:class:`refit.export.capabilities.Capabilities`: cache geometry, positions, padding verified)."""
 
     path: Path
     model_type: str  # HF config.model_type (recorded, never branched on)
