@@ -102,7 +102,7 @@ def _usage() -> str:
 
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
-    from refit.export.build import build
+    from refit.rollout.build import build
     from refit.learner.examples.models import build_model
     from refit.export.onnx_export import ExportOptions
 

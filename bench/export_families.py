@@ -33,11 +33,12 @@ SEQ2SEQ = ("tiny-t5", "tiny-bart", "tiny-marian")
 
 def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     """Build ``geometry``'s checkpoint under ``root``, export it, run trt_check; one record for the table."""
-    from refit.export.build import plain_twin
+    from refit.rollout.build import plain_twin
     from refit.core.errors import RefitError
     from refit.core.manifest import Manifest
     from refit.learner.examples.models import build_model
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
     from refit.export.trt_check import check_engine_folder
 
     model_dir = build_model(geometry, root / "models" / geometry, seed=0, tokenizer=tokenizer)
@@ -45,7 +46,7 @@ def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     rec = {"geometry": geometry, "model_dir": str(model_dir), "engine_dir": str(engine_dir)}
     t0 = time.perf_counter()
     try:
-        export_onnx(model_dir, engine_dir, ExportOptions(max_batch=16, max_len=128), log=log)
+        build(model_dir, engine_dir, opts=ExportOptions(max_batch=16, max_len=128), log=log)
     except RefitError as e:
         return {**rec, "export": f"refused: {e}"}
     export_s = round(time.perf_counter() - t0, 1)

@@ -184,7 +184,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
     standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
     of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
-    from refit.export.build import plain_twin
+    from refit.rollout.build import plain_twin
     from refit.core.checkpoint import load_model, model_info
     from refit.core.manifest import Manifest
     from refit.core.padding import native_padding_side
@@ -242,7 +242,8 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
     import shutil
 
     from refit.core.checkpoint import load_model
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
     from refit.export.weight_map import canonical_params
     from refit.rollout.engine import create_engine
 
@@ -262,7 +263,7 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
     out = work_dir / "reexport"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    export_onnx(model_dir, out, ExportOptions(), log=log)
+    build(model_dir, out, opts=ExportOptions(), log=log)
     reexport = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     upd = statistics.median(times)

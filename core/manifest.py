@@ -123,7 +123,7 @@ class Hashes:
 
 @dataclass(frozen=True)
 class Parity:
-    """The parity gate's record (export/parity.py): engine vs PyTorch on padded prompts."""
+    """The parity gate's record (rollout/parity.py): engine vs PyTorch on padded prompts."""
 
     max_abs_logit_diff: float  # max |engine - torch| over real rows and generated positions
     max_abs_logprob_diff: float  # the same on log-probs: the gated quantity

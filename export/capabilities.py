@@ -15,7 +15,7 @@ to be told is measured on the loaded model:
 - encoder-decoder: ``decoder_start_token_id`` (Marian starts from the pad id, BART from eos).
 
 A model that lacks one is refused by :func:`detect` in one line naming the missing capability,
-before the exporter writes anything. The parity gate (:mod:`refit.export.parity`) stays the judge of
+before the exporter writes anything. The parity gate (:mod:`refit.rollout.parity`) stays the judge of
 what the engine computes.
 """
 

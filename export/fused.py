@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 ATTN_NAME = "refit_gqa"  # the transformers attention implementation registered here
 
-_ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and the presents it collects
+ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and the presents it collects
 
 
 @torch.library.custom_op("refit::gqa", mutates_args=())
@@ -136,11 +135,11 @@ def translation_table() -> dict:
     return {torch.ops.refit.gqa.default: _gqa_onnx}
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: (B, N, S, D) q, (B, H_kv, S, D) k/v of the new tokens only
     (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers, lengths and
     attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress."""
-    st = _ACTIVE[-1]
+    st = ACTIVE[-1]
     i = module.layer_idx
     window = kwargs.get("sliding_window")  # HF (Mistral): query q sees keys (q - window, q], i.e. window tokens
     b, n, s, d = query.shape
@@ -154,7 +153,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.view(b, s, n, d), None
 
 
-def _no_mask(*args, **kwargs):
+def no_mask(*args, **kwargs):
     return None  # the op masks by seqlens_k / query_seqlens; no (B, 1, S, T) mask is built
 
 
@@ -163,17 +162,17 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_NAME, _attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    AttentionInterface.register(ATTN_NAME, gqa_attention)
+    AttentionMaskInterface.register(ATTN_NAME, no_mask)
 
 
 @contextlib.contextmanager
-def _active(state: dict):
-    _ACTIVE.append(state)
+def active_state(state: dict):
+    ACTIVE.append(state)
     try:
         yield state
     finally:
-        _ACTIVE.pop()
+        ACTIVE.pop()
 
 
 class FusedDecoder(torch.nn.Module):
@@ -198,7 +197,7 @@ class FusedDecoder(torch.nn.Module):
     def forward(self, input_ids, position_ids, seqlens_k, query_seqlens, total_len, logits_index, *past):
         state = dict(past=past, present=[None] * (2 * self.n_layers), seqlens_k=seqlens_k,
                      query_seqlens=query_seqlens, total_len=total_len)
-        with _active(state):
+        with active_state(state):
             hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
         b, k = logits_index.shape
         picked = hidden.gather(1, logits_index[:, :, None].expand(b, k, hidden.shape[-1]))  # (B, K, H)
@@ -226,9 +225,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     if caps.head_dim % 8:
         return f"head_dim {caps.head_dim}: ONNX Runtime's GroupQueryAttention CPU kernel needs a multiple of 8"
     if caps.kind != "decoder":
-        from refit.export.fused_seq2seq import seq2seq_refusal
-
-        return seq2seq_refusal(model)
+        return None  # the encoder-decoder checks are fused_seq2seq.seq2seq_refusal's (choose_attention asks it)
     if caps.sliding_window is not None and caps.sliding_window < 1:
         return f"sliding window {caps.sliding_window}: the op's local_window_size must be >= 1"
     if not getattr(model, "_supports_attention_backend", False):
@@ -298,91 +295,3 @@ def fused_dynamic_dims(seq2seq: bool = False) -> dict[str, str]:
     if seq2seq:
         dims["enc_seq"] = "encoder input length"
     return dims
-
-
-# ----------------------------------------------------------------------------- running the graph
-
-
-def compact(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Left-padded (B, T) prompts -> right-padded ids (B, T), positions (B, T) and lengths (B,) int32.
-
-    Row b's ``n_b`` real tokens move to ``[0, n_b)``; its positions are ``0..n_b-1``, the plain graph's
-    ``cumsum(mask) - 1`` at those tokens.
-    """
-    n = mask.sum(1).astype(np.int32)
-    t = ids.shape[1]
-    src = (t - n)[:, None] + np.arange(t)[None, :]  # (B, T): where token j of the compact row comes from
-    valid = np.arange(t)[None, :] < n[:, None]
-    out = np.where(valid, np.take_along_axis(ids, np.minimum(src, t - 1), 1), 0).astype(np.int64)
-    pos = np.where(valid, np.arange(t)[None, :], 0).astype(np.int64)
-    return out, pos, n
-
-
-class KVBuffers:
-    """One (B, H_kv, C, D) buffer per layer and K/V, as numpy arrays and the OrtValues over their memory.
-
-    Bound as both ``past`` and ``present`` of every run, so GroupQueryAttention writes in place.
-    Positions at or beyond a row's length are never read (the op bounds each row by ``seqlens_k``),
-    so a buffer is reused across batches without clearing it.
-    """
-
-    def __init__(self, names: list[str], batch: int, n_kv_heads: int, capacity: int, head_dim: int, dtype):
-        import onnxruntime as ort
-
-        self.batch, self.capacity = batch, capacity
-        self.arrays = {n: np.zeros((batch, n_kv_heads, capacity, head_dim), dtype) for n in names}
-        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
-
-    def rows(self, start: int, stop: int) -> dict:
-        """OrtValues over rows [start, stop) of every buffer (a view: same memory)."""
-        import onnxruntime as ort
-
-        return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
-
-
-def run_fused(sess, host: dict[str, np.ndarray], kv: dict, bound: dict | None = None) -> np.ndarray:
-    """One run with ``kv`` ({past name: OrtValue}) bound as past and present, ``bound`` OrtValues as inputs
-    only (a seq2seq decoder's cross K/V); returns the logits (B, K, V)."""
-    io = sess.io_binding()
-    for name, arr in host.items():
-        io.bind_cpu_input(name, np.ascontiguousarray(arr))
-    for name, val in (bound or {}).items():
-        io.bind_ortvalue_input(name, val)
-    for name, val in kv.items():
-        io.bind_ortvalue_input(name, val)
-        io.bind_ortvalue_output(name.replace("past", "present", 1), val)
-    io.bind_output("logits", "cpu")
-    sess.run_with_iobinding(io)
-    return io.get_outputs()[-1].numpy()
-
-
-def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
-    """Host inputs of one fused step: chunk ``ids`` (B, S) right-padded, rows holding ``start`` (B,) tokens
-    before it and ``n_new`` (B,) valid new ones (0: idle row), logits at ``keep`` (B, K) chunk positions."""
-    s = ids.shape[1]
-    total = start + n_new
-    return {"input_ids": ids.astype(np.int64), "position_ids": (start[:, None] + np.arange(s)[None, :]).astype(np.int64),
-            "seqlens_k": np.maximum(total - 1, 0).astype(np.int32), "query_seqlens": n_new.astype(np.int32),
-            # an upper bound of every row's total (query_seqlens given); the op also wants it >= the chunk length
-            "total_sequence_length": np.array(max(int(total.max()), s), np.int32), "logits_index": keep.astype(np.int64)}
-
-
-def fused_greedy_logits(sess, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
-    """The parity gate's engine side on a fused graph's session, as ``refit.export.parity.engine_greedy_logits``:
-    the same left-padded prompts (compacted here), prefill + ``n_decode`` greedy cached steps, shared buffers."""
-    g = manifest.graphs["decoder"]
-    dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]
-    b = ids.shape[0]
-    kv = KVBuffers([n for n in g.inputs if n.startswith("past.")], b, manifest.dims.n_kv_heads,
-                   ids.shape[1] + n_decode + 1, manifest.dims.head_dim, dt)
-    cids, _, n = compact(ids, mask)
-    logits = run_fused(sess, step_inputs(cids, np.zeros(b, np.int32), n, (n - 1)[:, None]), kv.values)
-    steps, fed = [], []
-    for _ in range(n_decode + 1):
-        last = logits[:, -1].astype(np.float32)
-        steps.append(last)
-        nxt = last.argmax(-1)[:, None].astype(np.int64)
-        fed.append(nxt)
-        logits = run_fused(sess, step_inputs(nxt, n, np.ones(b, np.int32), np.zeros((b, 1))), kv.values)
-        n = n + 1
-    return np.stack(steps, 1), np.concatenate(fed, 1)

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.export.fused import _ACTIVE, _active, _attention, _no_mask, translation_table
+from refit.export.fused import ACTIVE, active_state, gqa_attention, no_mask, translation_table
 
 ATTN_S2S = "refit_gqa_seq2seq"  # the transformers attention implementation of the fused seq2seq decoder
 
@@ -61,12 +60,12 @@ def _seq2seq_attention(module, query, key, value, attention_mask, scaling=None, 
 
     HF's ``attention_mask`` and ``position_bias`` are ignored: the op masks by lengths, the bias and the
     encoder mask come from the fused call in progress."""
-    st = _ACTIVE[-1]
+    st = ACTIVE[-1]
     if not module.is_causal:
         i = module.layer_idx
         return _cross_attention(query, st["cross"][2 * i], st["cross"][2 * i + 1], st["enc_mask"],
                                 scaling if scaling is not None else query.shape[-1] ** -0.5)
-    return _attention(module, query, key, value, None, scaling=scaling)
+    return gqa_attention(module, query, key, value, None, scaling=scaling)
 
 
 def register() -> None:
@@ -74,7 +73,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_S2S, _seq2seq_attention)
-    AttentionMaskInterface.register(ATTN_S2S, _no_mask)
+    AttentionMaskInterface.register(ATTN_S2S, no_mask)
 
 
 def _positions_module(model):
@@ -153,7 +152,7 @@ class FusedSeq2SeqDecoder(torch.nn.Module):
                      bias=None if self.rel is None else relative_bias(self.rel, position_ids, past[0].shape[2]))
         b, _, s, _ = cross[0].shape
         enc_hidden = cross[0].new_zeros(b, s, self.hidden)  # for HF's shapes only: cross K/V are inputs
-        with _active(state), _implementation(self.model.get_decoder().config, ATTN_S2S), \
+        with active_state(state), _implementation(self.model.get_decoder().config, ATTN_S2S), \
                 _row_positions(self.pos, position_ids):
             logits = self.model(encoder_outputs=(enc_hidden,), attention_mask=encoder_attention_mask,
                                 decoder_input_ids=input_ids, use_cache=False).logits
@@ -202,41 +201,3 @@ def fused_seq2seq_spec(model, caps) -> dict:
                  "encoder_attention_mask": {0: batch, 1: enc},
                  "flat": tuple([{0: batch, 2: enc}] * (2 * L) + [{0: batch, 2: cap}] * (2 * L))},
         translation=translation_table())
-
-
-# ----------------------------------------------------------------------------- running the graph
-
-
-def seq2seq_step_inputs(ids, start, n_new, keep, enc_mask, capacity: int) -> dict[str, np.ndarray]:
-    """Host inputs of one fused seq2seq decoder step (:func:`refit.export.fused.step_inputs` plus the encoder mask);
-    ``total_sequence_length`` is the buffer's ``capacity``, the bias's key length."""
-    from refit.export.fused import step_inputs
-
-    host = step_inputs(ids, start, n_new, keep)
-    host["total_sequence_length"] = np.array(capacity, np.int32)
-    host["encoder_attention_mask"] = enc_mask.astype(np.int64)
-    return host
-
-
-def fused_seq2seq_greedy_logits(sessions, manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
-    """The parity gate's engine side (as ``refit.export.parity.engine_greedy_logits``) on a fused seq2seq engine:
-    encoder once, then the decoder start token and ``n_decode`` greedy steps through shared buffers."""
-    from refit.export.fused import KVBuffers, run_fused
-
-    g = manifest.graphs["decoder"]
-    dt = {"fp32": np.float32, "fp16": np.float16}[manifest.dtype]
-    b = ids.shape[0]
-    enc = sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
-    cross = dict(zip(manifest.graphs["encoder"].outputs[1:], enc[1:]))
-    kv = KVBuffers([n for n in g.inputs if n.startswith("past.")], b, manifest.dims.n_kv_heads, n_decode + 2,
-                   manifest.dims.head_dim, dt)
-    tok = np.full((b, 1), manifest.special_ids.decoder_start, np.int64)
-    n, one, steps, fed = np.zeros(b, np.int32), np.ones(b, np.int32), [], []
-    for _ in range(n_decode + 1):
-        host = {**seq2seq_step_inputs(tok, n, one, np.zeros((b, 1)), mask, kv.capacity), **cross}
-        last = run_fused(sessions["decoder"], host, kv.values)[:, -1].astype(np.float32)
-        steps.append(last)
-        tok = last.argmax(-1)[:, None].astype(np.int64)
-        fed.append(tok)
-        n = n + 1
-    return np.stack(steps, 1), np.concatenate(fed, 1)

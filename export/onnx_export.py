@@ -8,7 +8,7 @@ fingerprinted copy of the model and builds the HF -> engine weight map by conten
 (:mod:`refit.export.weight_map`); the real weights are then written through that map.
 
 Steps (each cached, Polygraphy-style): load + validate -> trace graphs -> map weights ->
-write graphs with external weight data -> parity gate -> manifest -> atomic rename.
+write graphs with external weight data -> parity gate (given by the caller) -> manifest -> atomic rename.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ import torch
 from refit.export.capabilities import Capabilities, detect
 from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
-from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, SpecialIds
+from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
 from refit.export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
                                fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
                                weight_digests)
@@ -266,9 +267,17 @@ def _atomic_replace(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+Gate = Callable[..., Parity]  # (model, folder, manifest, tokenizer, tol) -> the parity record, or RefitError
+
+
 def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions = ExportOptions(),
-                log=print) -> Path:
-    """Export ``model_dir`` to the engine folder ``out_dir`` (reused when weights and options match)."""
+                log=print, *, gate: Gate) -> Path:
+    """Export ``model_dir`` to the engine folder ``out_dir`` (reused when weights and options match).
+
+    ``gate`` judges the written folder before it is moved into place: the exporter runs nothing itself;
+    :func:`refit.rollout.build.build` passes :func:`refit.rollout.parity.parity_gate`, which decodes through
+    the engine's own loop.
+    """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     info = model_info(model_dir)
     tok = load_tokenizer(model_dir, info)
@@ -296,7 +305,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         tmp.mkdir()
         try:
             manifest = _export_to(tmp, (model, shadow, params, fp_params, tied), info, caps, tok, opts, key,
-                                  (attention, why), model_dir, t0)
+                                  (attention, why), model_dir, t0, gate)
             _atomic_replace(tmp, out_dir)
             break
         except Exception as e:  # noqa: BLE001 - under "auto" a failing fused graph falls back to plain
@@ -322,6 +331,10 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
     if opts.attention == "plain":
         return "plain", "asked for (attention=plain)"
     reason = supports_fused(model, caps, opts.backend, opts.dtype)
+    if reason is None and caps.kind != "decoder":
+        from refit.export.fused_seq2seq import seq2seq_refusal
+
+        reason = seq2seq_refusal(model)
     if reason is None:
         return "fused", f"{opts.attention}: GroupQueryAttention over a preallocated KV buffer"
     if opts.attention == "fused":
@@ -330,10 +343,8 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
 
 
 def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions, key: str,
-               attention: tuple[str, str], model_dir: Path, t0: float) -> Manifest:
+               attention: tuple[str, str], model_dir: Path, t0: float, gate: Gate) -> Manifest:
     """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest."""
-    from refit.export.parity import parity_gate
-
     model, shadow, params, fp_params, tied = models
     fused = attention[0] == "fused"
     specs = graph_specs(copy.deepcopy(shadow) if fused else shadow, caps, attention[0])
@@ -366,7 +377,7 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
                            profiles=fused_profiles(caps, opts.max_batch, opts.max_len, seq2seq))
     manifest.write(tmp)
     tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
-    manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
+    manifest = replace(manifest, parity=gate(model, tmp, manifest, tok, tol),
                        export_seconds=round(time.perf_counter() - t0, 3))
     manifest.write(tmp)
     return manifest

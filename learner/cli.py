@@ -14,7 +14,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "build-model": ("refit.learner.examples.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
-    "export": ("refit.export.cli", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
+    "export": ("refit.rollout.build", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
     "generate": ("refit.rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
     "bench": ("refit.bench.cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
     "ppo": ("refit.learner.ppo.cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),

@@ -31,7 +31,7 @@ _EXPORTS = {
     "RefitError": "refit.core.errors",
     "Manifest": "refit.core.manifest",
     "ExportOptions": "refit.export.onnx_export",
-    "build_engine": "refit.export.build",
+    "build_engine": "refit.rollout.build",
     "create_engine": "refit.rollout.engine",
     "Engine": "refit.rollout.engine",
     "SamplingParams": "refit.rollout.types",
@@ -48,7 +48,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from refit.core.errors import RefitError
     from refit.core.manifest import Manifest
-    from refit.export.build import build as build_engine
+    from refit.rollout.build import build as build_engine
     from refit.export.onnx_export import ExportOptions
     from refit.learner.distill.config import DistillConfig
     from refit.learner.distill.cycle import run_distill

@@ -1,4 +1,5 @@
-"""The Engine protocol, the lazy backend registry, and the decode/score loops every backend shares.
+"""The Engine protocol, the lazy backend registry, and generate/score for every backend over the one
+decode loop (:mod:`refit.rollout.decode`).
 
 A backend supplies only the model stepping -- a :class:`StepState` with ``prefill`` (prompt ->
 next-token logits) and ``extend`` (more tokens through the KV cache -> their logits). Batching,
@@ -17,31 +18,16 @@ imported on a machine that does not use it.
 from __future__ import annotations
 
 import importlib
-import time
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest
-from refit.core.padding import check_left_padded, check_right_padded, native_padding_side, pad_batch
-from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
-from refit.rollout.types import RolloutBatch, SamplingParams, ScoreResult
+from refit.core.padding import check_left_padded, check_right_padded, pad_batch
+from refit.rollout.decode import StepEvent, StepHook, StepState, decode_loop, row_keys, schedule
+from refit.rollout.types import ModelSpec, RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
-
-
-class StepEvent(NamedTuple):
-    """One phase of a ``generate`` call, as an ``on_step`` hook sees it."""
-
-    phase: str  # "prefill": prompt forward + first sample (time to first token); "decode": one cached step + sample
-    step: int  # the response position this phase produced: 0 for "prefill", 1.. for "decode"
-    seconds: float  # wall time of the phase (time.perf_counter); logits are on the host by then, device work done
-    tokens: int  # response tokens it produced: rows still generating (finished rows are fed pad, not counted)
-
-
-StepHook = Callable[[StepEvent], None]  # N response positions -> one "prefill" then N-1 "decode" events
 
 
 @runtime_checkable
@@ -102,42 +88,6 @@ def create_engine(backend: str, path, **kw) -> Engine:
 # ----------------------------------------------------------------------------- checks
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the shared loops need to know about a model, from a manifest or an HF config."""
-
-    kind: str  # "decoder" | "seq2seq"
-    pad_id: int
-    eos_id: int
-    decoder_start_id: int | None  # seq2seq only
-    prompt_side: str  # "left" (decoder-only) or the encoder's native side
-    vocab_size: int
-    max_len: int | None  # largest prompt + response length accepted; None = unchecked
-
-    @classmethod
-    def from_manifest(cls, m: Manifest) -> "ModelSpec":
-        s, d = m.special_ids, m.dims
-        limits = [x for x in (d.max_len, d.max_positions) if x]  # learned positions cap it too
-        return cls(kind=m.kind, pad_id=s.pad, eos_id=s.eos, decoder_start_id=s.decoder_start,
-                   prompt_side=m.padding.prompt_side, vocab_size=d.vocab_size,
-                   max_len=min(limits) if limits else None)
-
-    @classmethod
-    def from_config(cls, cfg, max_len: int | None = None, model_dir=None,
-                    decoder_start: int | None = None) -> "ModelSpec":
-        """From an HF config; the encoder's padding side is its tokenizer's (``model_dir``, else the
-        folder the config was loaded from), as the exporter decides it (refit.core.padding).
-        ``decoder_start`` overrides the config's (refit.export.capabilities.decoder_start_id)."""
-        seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
-        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-        side = native_padding_side(seq2seq, model_dir or getattr(cfg, "_name_or_path", None) or None)
-        limit = max_len or getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
-        return cls(kind="seq2seq" if seq2seq else "decoder", pad_id=cfg.pad_token_id or 0, eos_id=eos,
-                   decoder_start_id=(decoder_start if decoder_start is not None
-                                     else getattr(cfg, "decoder_start_token_id", None)) if seq2seq else None,
-                   prompt_side=side, vocab_size=cfg.vocab_size, max_len=limit)
-
-
 def check_prompts(prompts, max_len: int | None, max_new_tokens: int, vocab_size: int | None = None) -> None:
     """Raise RefitError (one line) for no prompts, an empty prompt, bad ids, or too long a prompt."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
@@ -192,16 +142,6 @@ def resolve_names(named: dict[str, torch.Tensor], canonical: set[str], tied: dic
 # ----------------------------------------------------------------------------- shared loops
 
 
-class StepState(Protocol):
-    """One batch's model state on a backend (KV cache, encoder output)."""
-
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, Tp) prompt (padded by the rule) -> (B, V) float32 logits for the first response token."""
-
-    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, c) next tokens, (B, c) their 0/1 mask -> (B, c, V) float32 logits after each."""
-
-
 def pad_prompts(prompts: list[list[int]], n: int, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Repeat each prompt n times (prompt-major) and pad: (ids (B,Tp), mask (B,Tp), prompt_index (B,))."""
     rows = [list(p) for p in prompts for _ in range(n)]
@@ -210,79 +150,12 @@ def pad_prompts(prompts: list[list[int]], n: int, spec: ModelSpec) -> tuple[torc
     return torch.from_numpy(ids), torch.from_numpy(mask), index
 
 
-class _PhaseClock:
-    """Times the loop's phases for an ``on_step`` hook; the hook's own time is left out of the next phase."""
-
-    def __init__(self, hook: StepHook):
-        self.hook, self.t = hook, time.perf_counter()
-
-    def tick(self, step: int, alive: torch.Tensor) -> None:
-        seconds = time.perf_counter() - self.t
-        self.hook(StepEvent("prefill" if step == 0 else "decode", step, seconds, int(alive.sum())))
-        self.t = time.perf_counter()
-
-
-def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
-    """(prompt, sample) of each prompt-major row: the key of its random stream (refit.rollout.sampling.RowStreams)."""
-    return [(int(p), i % n) for i, p in enumerate(index.tolist())]
-
-
-def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                spec: ModelSpec, on_step: StepHook | None = None,
-                keys: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
-    """Generate up to ``max_new_tokens`` per row; finished rows are fed pad with mask 0.
-
-    Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
-    ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
-    ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.sampling.RowStreams).
-    """
-    b = ids.shape[0]
-    clock = _PhaseClock(on_step) if on_step is not None else None
-    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
-    gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
-    scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
-    alive = torch.ones(b, dtype=torch.bool)
-    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
-    # 1. prefill: the whole prompt through the model, logits for the first response token
-    logits = state.prefill(ids, mask)
-    for step in range(params.max_new_tokens):
-        # 2. sample (one draw per row per step from the row's own stream); the (B, V)
-        #    host work runs on one thread, see refit.rollout.sampling.one_thread
-        with one_thread():
-            tok, proc, plain, top = sample_step(logits, params, gen, scratch)
-        # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
-        tok = torch.where(alive, tok, spec.pad_id)
-        keep = alive.float()
-        cols["ids"].append(tok)
-        cols["mask"].append(keep)
-        cols["proc"].append(proc * keep)
-        cols["plain"].append(plain * keep)
-        if top is not None:
-            cols["tk_lp"].append(top[0] * keep[:, None])
-            cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
-        if clock is not None:  # position `step` is sampled: its phase (prefill or one decode step) ends
-            clock.tick(step, alive)
-        # 4. stop bookkeeping: the stop token itself stays inside the mask
-        alive = alive & ~torch.isin(tok, stops)
-        if not alive.any() or step == params.max_new_tokens - 1:
-            break
-        # 5. decode one token: feed what was emitted (finished rows: pad, masked out)
-        logits = state.extend(tok[:, None], keep[:, None].long())[:, -1]
-    out = {"response_ids": torch.stack(cols["ids"], 1), "response_mask": torch.stack(cols["mask"], 1),
-           "rollout_logprobs": torch.stack(cols["proc"], 1).float(),
-           "rollout_plain_logprobs": torch.stack(cols["plain"], 1).float()}
-    if cols["tk_lp"]:
-        out["topk_logprobs"] = torch.stack(cols["tk_lp"], 1).float()
-        out["topk_ids"] = torch.stack(cols["tk_ids"], 1).long()
-    return out
-
-
 def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: list[list[int]],
                  sampling: SamplingParams, version: int, on_step: StepHook | None = None,
                  slots: int | None = None, inflight: bool = True) -> RolloutBatch:
     """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch.
 
-    ``slots`` < rows decodes at most that many rows at once (refit.rollout.batching.schedule): in flight on a
+    ``slots`` < rows decodes at most that many rows at once (refit.rollout.decode.schedule): in flight on a
     state that supports slots, else in static batches of ``slots``. The rows are the same either way.
     """
     if not isinstance(sampling, SamplingParams):
@@ -293,8 +166,6 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
                          f"({spec.vocab_size})")
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
     # no_grad, not inference_mode: inference tensors would break the learner's autograd later
-    from refit.rollout.batching import schedule  # refit.rollout.batching imports this module's decode_loop
-
     with torch.no_grad():
         out = schedule(new_state, ids, mask, sampling, spec, row_keys(index, sampling.n), slots, inflight, on_step)
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,

@@ -34,6 +34,7 @@ from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
 from refit.export.weight_map import engine_weights
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
+from refit.rollout.ort_run import run_bound
 from refit.rollout.sampling import one_thread
 
 _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
@@ -62,19 +63,6 @@ def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[
                 raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
             out[graph][init.name] = torch.from_numpy(arr.reshape(tuple(init.dims)))
     return out
-
-
-def run_bound(sess, device: str, host: dict[str, np.ndarray], bound: dict, outputs: list[str]) -> dict:
-    """One ``run_with_iobinding``: host arrays and OrtValues in; logits to the host, the rest on ``device``."""
-    io = sess.io_binding()
-    for name, arr in host.items():
-        io.bind_cpu_input(name, np.ascontiguousarray(arr))
-    for name, val in bound.items():
-        io.bind_ortvalue_input(name, val)
-    for name in outputs:
-        io.bind_output(name, "cpu" if name == "logits" else device)
-    sess.run_with_iobinding(io)
-    return dict(zip(outputs, io.get_outputs()))
 
 
 def _logits(val) -> torch.Tensor:
@@ -138,7 +126,7 @@ class OrtEngine(LoopEngine):
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
-    soon as its row stops (in-flight batching, rollout/batching.py; ``inflight=False``, and always on an
+    soon as its row stops (in-flight batching, rollout/decode.py; ``inflight=False``, and always on an
     encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`refit.export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.

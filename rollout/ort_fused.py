@@ -19,9 +19,14 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.export.fused import KVBuffers, compact, run_fused, step_inputs
+from refit.rollout.ort_run import KVBuffers, compact, run_bound, seq2seq_step_inputs, step_inputs
 
 CAPACITY_STEP = 64  # buffer capacity granularity: fewer reallocations across calls of similar lengths
+
+
+def _run_fused(sess, host: dict[str, np.ndarray], kv: dict, bound: dict | None = None) -> np.ndarray:
+    """One fused step with ``kv`` written in place; the logits (B, K, V) on the host."""
+    return run_bound(sess, "cpu", host, bound or {}, ["logits"], inplace=kv)["logits"].numpy()
 
 
 class KVPool:
@@ -59,7 +64,7 @@ class _FusedSteps:
         if int(self.n.max()) + ids.shape[1] > self.kv.capacity:
             raise RefitError(f"fused engine: {int(self.n.max())} + {ids.shape[1]} tokens exceed the KV buffer "
                              f"({self.kv.capacity} positions)")
-        out = run_fused(self.sess, self._host(ids, valid, keep), self.kv.values, self._bound())
+        out = _run_fused(self.sess, self._host(ids, valid, keep), self.kv.values, self._bound())
         self.n = self.n + valid.astype(np.int32)
         logits = torch.from_numpy(out)  # (B, K, V), engine dtype, a view of ORT's output
         bad = torch.from_numpy(keep >= valid[:, None])  # (B, K) positions the op leaves unspecified
@@ -85,7 +90,7 @@ class FusedDecoderState(_FusedSteps):
         return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
 
     def open(self, slots: int) -> None:
-        """In-flight batching (rollout/batching.py): buffers for ``slots`` rows, every one idle."""
+        """In-flight batching (rollout/decode.py): buffers for ``slots`` rows, every one idle."""
         self.kv = self.pool.get(slots, self.capacity)
         self.n = np.zeros(slots, np.int32)
 
@@ -100,11 +105,11 @@ class FusedDecoderState(_FusedSteps):
         cids = cids[:, :int(n.max())]
         host = step_inputs(cids, np.zeros(len(slots), np.int32), n, (n - 1)[:, None])
         if len(slots) == 1:
-            out = run_fused(self.sess, host, self.kv.rows(slots[0], slots[0] + 1))
+            out = _run_fused(self.sess, host, self.kv.rows(slots[0], slots[0] + 1))
         else:
             k, a = len(slots), next(iter(self.kv.arrays.values()))
             tmp = KVBuffers(list(self.kv.arrays), k, a.shape[1], cids.shape[1], a.shape[3], a.dtype)
-            out = run_fused(self.sess, host, tmp.values)
+            out = _run_fused(self.sess, host, tmp.values)
             for name, buf in self.kv.arrays.items():
                 for j, s in enumerate(slots):
                     buf[s, :, :n[j]] = tmp.arrays[name][j, :, :n[j]]
@@ -119,7 +124,7 @@ class FusedSeq2SeqState(_FusedSteps):
     buffers, compact from position 0 (the decoder start token). A finished row is fed mask 0 and idles.
 
     No slots: the cross K/V are one encoder run's, (B, H, Se, D) for that batch, so rows cannot be
-    admitted into a running batch; ``slots`` gives static batches (rollout/batching.py) that reuse the buffers.
+    admitted into a running batch; ``slots`` gives static batches (rollout/decode.py) that reuse the buffers.
     """
 
     def __init__(self, eng, pool: KVPool, capacity: int):
@@ -129,8 +134,6 @@ class FusedSeq2SeqState(_FusedSteps):
         self.enc_mask: np.ndarray | None = None
 
     def _host(self, ids, valid, keep):
-        from refit.export.fused_seq2seq import seq2seq_step_inputs
-
         return seq2seq_step_inputs(ids, self.n, valid, keep, self.enc_mask, self.kv.capacity)
 
     def _bound(self) -> dict:
@@ -138,8 +141,6 @@ class FusedSeq2SeqState(_FusedSteps):
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, Se) encoder input (padded on its native side) -> (B, V) logits after the decoder start token."""
-        from refit.rollout.ort_backend import run_bound
-
         self.enc_mask = mask.numpy().astype(np.int64)
         enc = run_bound(self.eng.sessions["encoder"], self.eng.device,
                         {"input_ids": ids.numpy(), "attention_mask": self.enc_mask}, {},

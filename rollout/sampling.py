@@ -57,7 +57,7 @@ class RowStreams:
 
     Each row draws from its own ``torch.Generator`` seeded by :func:`row_seed`; the k-th sampled
     token of a row uses the k-th draw of its stream whatever the slot it sits in, the other rows,
-    or the order rows arrive in (in-flight batching, rollout/batching.py). ``seed=None`` picks a
+    or the order rows arrive in (in-flight batching, rollout/decode.py). ``seed=None`` picks a
     random base seed once per call. A slot's stream is replaced when a new row takes the slot.
     """
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refit.core.padding import check_left_padded, check_right_padded
+from refit.core.manifest import Manifest
+from refit.core.padding import check_left_padded, check_right_padded, native_padding_side
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,39 @@ class ScoreResult:
     topk_logprobs: torch.Tensor | None = field(default=None)  # (B, Tr, k) float32, top-k of the same distribution
     topk_ids: torch.Tensor | None = field(default=None)  # (B, Tr, k) int64, their token ids
     # k == V (the whole vocabulary): topk_logprobs in vocabulary order, topk_ids a broadcast arange(V), no sort
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the shared loops need to know about a model, from a manifest or an HF config."""
+
+    kind: str  # "decoder" | "seq2seq"
+    pad_id: int
+    eos_id: int
+    decoder_start_id: int | None  # seq2seq only
+    prompt_side: str  # "left" (decoder-only) or the encoder's native side
+    vocab_size: int
+    max_len: int | None  # largest prompt + response length accepted; None = unchecked
+
+    @classmethod
+    def from_manifest(cls, m: Manifest) -> "ModelSpec":
+        s, d = m.special_ids, m.dims
+        limits = [x for x in (d.max_len, d.max_positions) if x]  # learned positions cap it too
+        return cls(kind=m.kind, pad_id=s.pad, eos_id=s.eos, decoder_start_id=s.decoder_start,
+                   prompt_side=m.padding.prompt_side, vocab_size=d.vocab_size,
+                   max_len=min(limits) if limits else None)
+
+    @classmethod
+    def from_config(cls, cfg, max_len: int | None = None, model_dir=None,
+                    decoder_start: int | None = None) -> "ModelSpec":
+        """From an HF config; the encoder's padding side is its tokenizer's (``model_dir``, else the
+        folder the config was loaded from), as the exporter decides it (refit.core.padding).
+        ``decoder_start`` overrides the config's (refit.export.capabilities.decoder_start_id)."""
+        seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        side = native_padding_side(seq2seq, model_dir or getattr(cfg, "_name_or_path", None) or None)
+        limit = max_len or getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        return cls(kind="seq2seq" if seq2seq else "decoder", pad_id=cfg.pad_token_id or 0, eos_id=eos,
+                   decoder_start_id=(decoder_start if decoder_start is not None
+                                     else getattr(cfg, "decoder_start_token_id", None)) if seq2seq else None,
+                   prompt_side=side, vocab_size=cfg.vocab_size, max_len=limit)

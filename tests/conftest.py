@@ -68,20 +68,22 @@ def model_dirs(tmp_path_factory, tokenizer):
 def default_engine_dirs(tmp_path_factory, model_dirs):
     """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs` with the
     default options: the fused-attention decoder graph for decoder-only models, the plain one for seq2seq."""
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
 
     root = tmp_path_factory.mktemp("engines")
-    return BuiltOnce(lambda g: export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128),
+    return BuiltOnce(lambda g: build(model_dirs[g], root / g, opts=ExportOptions(max_batch=16, max_len=128),
                                            log=lambda *_: None))
 
 
 @pytest.fixture(scope="session")
 def fp16_engine_dir(tmp_path_factory, model_dirs):
     """tiny-llama exported in fp16 (weights and activations): the fp16 rows of the parity matrix."""
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
 
     out = tmp_path_factory.mktemp("engines-fp16") / "tiny-llama"
-    return export_onnx(model_dirs["tiny-llama"], out, ExportOptions(dtype="fp16", max_batch=16, max_len=128),
+    return build(model_dirs["tiny-llama"], out, opts=ExportOptions(dtype="fp16", max_batch=16, max_len=128),
                        log=lambda *_: None)
 
 
@@ -155,10 +157,11 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_engine_dir(tmp_path_factory, chat_model_dir):
     """The ONNX engine of :func:`chat_model_dir`."""
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
 
-    return export_onnx(chat_model_dir, tmp_path_factory.mktemp("chat_engine") / "tiny-gpt2-chat",
-                       ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
+    return build(chat_model_dir, tmp_path_factory.mktemp("chat_engine") / "tiny-gpt2-chat",
+                 opts=ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +198,7 @@ def engine_dirs(default_engine_dirs):
 def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
     """{geometry: engine folder with the standard-op (plain attention) decoder graph}: what TensorRT builds
     from. engine_dirs holds the default export, the fused-attention graph wherever it applies."""
-    from refit.export.build import plain_twin
+    from refit.rollout.build import plain_twin
 
     root = tmp_path_factory.mktemp("plain-engines")
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from refit.bench.cli import BENCHES
-from refit.export.cli import ExportConfig
+from refit.rollout.build import ExportConfig
 from refit.core.errors import RefitError
 from refit.core.parsing import flat_leaves, leaves, parse
 from refit.learner.cli import main as refit

@@ -14,12 +14,14 @@ import torch
 from refit.core.checkpoint import load_model
 from refit.core.errors import RefitError
 from refit.bench.export_families import FAMILIES, SEQ2SEQ
-from refit.export.graph import open_session
 from refit.core.manifest import Manifest
-from refit.export.onnx_export import ExportOptions, export_onnx
+from refit.export.onnx_export import ExportOptions
+from refit.rollout.build import build
 from refit.core.padding import pad_batch
-from refit.export.parity import _log_softmax, engine_greedy_logits, torch_reference_logits
-from refit.export.weight_map import canonical_params, engine_weights
+from refit.rollout.engine import create_engine
+from refit.rollout.parity import engine_greedy_logits, torch_reference_logits
+from refit.rollout.parity import log_softmax as _log_softmax
+from refit.export.weight_map import canonical_params
 
 FAMILY_ARCHS = list(FAMILIES.values())  # every family (GPT-2 ... Marian), one tiny checkpoint each
 
@@ -82,10 +84,10 @@ def test_padding_invariance(engine_dirs, tokenizer, arch):
     m = Manifest.read(eng)
     seqs = [tokenizer(p).input_ids for p in ["1+2=", "sort 987654 = ", "Refit"]]
     ids, mask = pad_batch(seqs, m.special_ids.pad, m.padding.prompt_side)
-    batch, fed_b = engine_greedy_logits(eng, m, ids, mask, n_decode=4)
+    batch, fed_b = engine_greedy_logits(eng, ids, mask, n_decode=4)
     for i, s in enumerate(seqs):
         a_ids, a_mask = pad_batch([s], m.special_ids.pad, m.padding.prompt_side)
-        alone, fed_a = engine_greedy_logits(eng, m, a_ids, a_mask, n_decode=4)
+        alone, fed_a = engine_greedy_logits(eng, a_ids, a_mask, n_decode=4)
         np.testing.assert_array_equal(fed_a[0], fed_b[i])
         np.testing.assert_allclose(_log_softmax(alone[0]), _log_softmax(batch[i]), atol=1e-5, rtol=0)
 
@@ -130,28 +132,21 @@ def test_replacing_weights_through_map_reproduces_torch(engine_dirs, model_dirs,
     with torch.no_grad():
         for p in params.values():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    new = engine_weights(params, m.weight_map, torch.float32)
-    sessions = {name: open_session(eng / spec.file, {k: v.numpy() for k, v in new[name].items()})
-                for name, spec in m.graphs.items()}
     seqs = [tokenizer(p).input_ids for p in ["12+34=", "sort 31 = "]]
     ids, mask = pad_batch(seqs, m.special_ids.pad, m.padding.prompt_side)
-    import refit.export.parity as parity
-
-    orig = parity.open_session
-    parity.open_session = lambda path, *a, **k: sessions[path.stem]
-    try:
-        eng_logits, fed = engine_greedy_logits(eng, m, ids, mask, n_decode=4)
-    finally:
-        parity.open_session = orig
+    base, _ = engine_greedy_logits(eng, ids, mask, n_decode=0)
+    engine = create_engine("onnxruntime", eng)
+    engine.update_weights(params)  # through the map (refit.export.weight_map.engine_weights)
+    eng_logits, fed = engine_greedy_logits(eng, ids, mask, n_decode=4, engine=engine)
+    engine.close()
     ref = torch_reference_logits(model, m, ids, mask, fed)
     np.testing.assert_allclose(_log_softmax(eng_logits), _log_softmax(ref), atol=1e-4, rtol=0)
-    base, _ = engine_greedy_logits(eng, m, ids, mask, n_decode=0)
     assert np.abs(base[:, 0] - eng_logits[:, 0]).max() > 1e-3, "perturbed weights did not change the output"
 
 
 def test_reexport_same_weights_is_reused(engine_dirs, model_dirs):
     logs = []
-    out = export_onnx(model_dirs["tiny-gpt2"], engine_dirs["tiny-gpt2"], ExportOptions(max_batch=16, max_len=128),
+    out = build(model_dirs["tiny-gpt2"], engine_dirs["tiny-gpt2"], opts=ExportOptions(max_batch=16, max_len=128),
                       log=logs.append)
     assert out == engine_dirs["tiny-gpt2"] and "reused" in logs[0]
 
@@ -249,7 +244,7 @@ def test_bad_input_tokenizer_vocab_mismatch(tmp_path, model_dirs, fresh_copy):
 
 def test_failed_parity_leaves_no_output(tmp_path, model_dirs):
     with pytest.raises(RefitError, match="parity gate failed"):
-        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "out", ExportOptions(parity_tol=1e-12), log=lambda *_: None)
+        build(model_dirs["tiny-gpt2"], tmp_path / "out", opts=ExportOptions(parity_tol=1e-12), log=lambda *_: None)
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
 

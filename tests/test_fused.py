@@ -1,4 +1,4 @@
-"""Fused-attention engines (export/fused.py, rollout/ort_fused.py) and in-flight batching (rollout/batching.py).
+"""Fused-attention engines (export/fused.py, rollout/ort_fused.py) and in-flight batching (rollout/decode.py).
 
 Parity matrix: fused graph vs plain graph vs the PyTorch reference, on each decoder-only family
 (GPT-2 learned positions, Llama rotary + grouped KV heads), padded batch, greedy and sampled with
@@ -55,13 +55,14 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
 
 
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
-    from refit.export.onnx_export import ExportOptions, export_onnx
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
 
     with pytest.raises(RefitError, match="attention=fused does not apply.*dtype fp16"):
-        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "fp16", ExportOptions(attention="fused", dtype="fp16"),
+        build(model_dirs["tiny-gpt2"], tmp_path / "fp16", opts=ExportOptions(attention="fused", dtype="fp16"),
                     log=lambda *_: None)
     with pytest.raises(RefitError, match="unknown attention"):
-        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(attention="flash"), log=lambda *_: None)
+        build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(attention="flash"), log=lambda *_: None)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -144,7 +145,7 @@ def test_rows_do_not_depend_on_slot_count(engine_dirs, prompts, arch):
 
 def test_deferred_batched_admission_gives_the_same_rows(engine_dirs, prompts):
     """Slots refilled three at a time (one prefill run into a scratch buffer, copied into the slots)."""
-    from refit.rollout.batching import inflight_loop
+    from refit.rollout.decode import inflight_loop
     from refit.rollout.engine import pad_prompts, row_keys
 
     params = SamplingParams(max_new_tokens=10, seed=7, n=3, stop_ids=tuple(range(5, 60)))

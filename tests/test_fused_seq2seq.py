@@ -120,7 +120,7 @@ def test_t5_reference_op_matches_hf(model_dirs):
 def test_t5_static_slot_batches_give_the_same_rows(engine_dirs, prompts):
     """No in-flight slots for seq2seq (one encoder run's cross K/V per batch): slots=4 runs static batches
     of 4 over the reused buffers, rows identical to one batch."""
-    from refit.rollout.batching import supports_slots
+    from refit.rollout.decode import supports_slots
 
     params = SamplingParams(max_new_tokens=8, seed=5, n=2, stop_ids=tuple(range(5, 60)))
     one = create_engine("onnxruntime", engine_dirs[ARCH])

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from refit.core.checkpoint import load_tokenizer, model_info
 from refit.core.errors import RefitError
-from refit.core.padding import check_left_padded, check_right_padded, pad_batch
-from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
-from refit.learner.run.data import prompt_indices
-from refit.learner.run.policy import response_forward
-from refit.rollout.engine import check_version
-from refit.rollout.types import SamplingParams
-
-if TYPE_CHECKING:
-    from refit.learner.distill.cycle import Run
+from refit.core.padding import check_left_padded, check_right_padded
+from refit.learner.distill.config import DistillConfig
 
 
 @dataclass
@@ -138,52 +129,3 @@ def check_teacher_student(teacher_dir: str, student_dir: str):
 def draws_student(cfg: DistillConfig, step: int) -> bool:
     """GKD's coin: True with probability lmbda, a pure function of (seed, step)."""
     return random.Random(cfg.run.seed * 1_000_003 + step).random() < cfg.lmbda
-
-
-def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
-    ids, mask = pad_batch([run.prompt_ids[i] for i in idx], run.pad_id, run.prompt_side)
-    resp, rmask = pad_batch([run.completion_ids[i][:run.cfg.max_new_tokens] for i in idx], run.pad_id, "right")
-    return DistillBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(resp),
-                        torch.from_numpy(rmask).float(), "dataset", run.is_seq2seq)
-
-
-def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
-    """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
-    cfg = run.cfg
-    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.run.batch_size, cfg.run.seed)
-    run.data_position += cfg.run.batch_size
-    prompts = [run.prompt_ids[i] for i in idx]
-    seed = cfg.run.seed * 1_000_003 + step
-    t0 = time.perf_counter()
-    if draws_student(cfg, step):
-        out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                  temperature=cfg.rollout.temperature, seed=seed,
-                                                                  stop_ids=run.stop_ids))
-        check_version(out, run.expected_version)
-        source = "student"
-    elif cfg.seq_kd:
-        out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                           temperature=cfg.rollout.temperature, seed=seed,
-                                                           return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
-        source = "teacher"
-    else:
-        return dataset_batch(run, idx), {}
-    dt = time.perf_counter() - t0
-    batch = DistillBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, source,
-                         out.is_seq2seq, out.topk_logprobs, out.topk_ids)
-    return batch, {f"{source}/tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9)}
-
-
-def teacher_targets(run: Run, b: DistillBatch) -> int:
-    """Step 2: fill the teacher side of ``b`` for the configured loss; return the PyTorch teacher passes."""
-    cfg = run.cfg
-    if cfg.loss in FULL_VOCAB_LOSSES:
-        with torch.no_grad():
-            b.teacher_logits = response_forward(run.teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
-                                                b.is_seq2seq).logits.cpu()
-        return 1
-    if cfg.loss == "topk_kl" and b.teacher_topk_logprobs is None:
-        r = run.teacher.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
-                              temperature=cfg.loss_temperature, topk=cfg.teacher_topk)
-        b.teacher_topk_logprobs, b.teacher_topk_ids = r.topk_logprobs, r.topk_ids
-    return 0

@@ -45,19 +45,21 @@ from transformers import PreTrainedTokenizerBase
 
 from refit.core.checkpoint import load_model
 from refit.core.errors import RefitError
+from refit.core.padding import pad_batch
 from refit.export.weight_map import canonical_params
 from refit.learner import losses as D
-from refit.learner.distill.batch import DistillBatch, check_teacher_student, load_examples, make_batch, teacher_targets
+from refit.learner.distill.batch import DistillBatch, check_teacher_student, draws_student, load_examples
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
-from refit.learner.distill.evaluate import EvalSet, evaluate, make_eval_set, summary, teacher_accuracy
+from refit.learner.distill.evaluate import EvalSet, exact_match, make_eval_set, summary
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
+from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
 from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
 from refit.learner.run.final import write_final
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
-from refit.rollout.engine import Engine
+from refit.rollout.engine import Engine, check_version
 from refit.rollout.types import RolloutBatch, SamplingParams
 
 PLOT_PANELS = {"loss": ["loss"], "held-out KL to teacher": ["eval/kl_to_teacher"], "accuracy": ["eval/accuracy"],
@@ -90,6 +92,80 @@ class Run:
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     stop_ids: tuple[int, ...] = ()  # the chat template's end-of-turn token(s): generation stops there too
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
+
+
+def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
+    ids, mask = pad_batch([run.prompt_ids[i] for i in idx], run.pad_id, run.prompt_side)
+    resp, rmask = pad_batch([run.completion_ids[i][:run.cfg.max_new_tokens] for i in idx], run.pad_id, "right")
+    return DistillBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(resp),
+                        torch.from_numpy(rmask).float(), "dataset", run.is_seq2seq)
+
+
+def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
+    """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
+    cfg = run.cfg
+    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.run.batch_size, cfg.run.seed)
+    run.data_position += cfg.run.batch_size
+    prompts = [run.prompt_ids[i] for i in idx]
+    seed = cfg.run.seed * 1_000_003 + step
+    t0 = time.perf_counter()
+    if draws_student(cfg, step):
+        out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                                  temperature=cfg.rollout.temperature, seed=seed,
+                                                                  stop_ids=run.stop_ids))
+        check_version(out, run.expected_version)
+        source = "student"
+    elif cfg.seq_kd:
+        out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                           temperature=cfg.rollout.temperature, seed=seed,
+                                                           return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
+        source = "teacher"
+    else:
+        return dataset_batch(run, idx), {}
+    dt = time.perf_counter() - t0
+    batch = DistillBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, source,
+                         out.is_seq2seq, out.topk_logprobs, out.topk_ids)
+    return batch, {f"{source}/tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9)}
+
+
+def teacher_targets(run: Run, b: DistillBatch) -> int:
+    """Step 2: fill the teacher side of ``b`` for the configured loss; return the PyTorch teacher passes."""
+    cfg = run.cfg
+    if cfg.loss in FULL_VOCAB_LOSSES:
+        with torch.no_grad():
+            b.teacher_logits = response_forward(run.teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
+                                                b.is_seq2seq).logits.cpu()
+        return 1
+    if cfg.loss == "topk_kl" and b.teacher_topk_logprobs is None:
+        r = run.teacher.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                              temperature=cfg.loss_temperature, topk=cfg.teacher_topk)
+        b.teacher_topk_logprobs, b.teacher_topk_ids = r.topk_logprobs, r.topk_ids
+    return 0
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Held-out forward KL(teacher || student) (PyTorch, full vocab, T=1) and greedy accuracy (student engine)."""
+    t0 = time.perf_counter()
+    e = run.eval
+    s_logits = response_forward(run.student, e.batch.prompt_ids, e.batch.prompt_mask, e.batch.response_ids,
+                                run.is_seq2seq).logits.cpu()
+    kl = D.exact_kl_from_logits(e.teacher_logits, s_logits, e.batch.response_mask)
+    t1 = time.perf_counter()
+    out = run.student_engine.generate(e.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
+                                                                   greedy=True, stop_ids=run.stop_ids))
+    dt = time.perf_counter() - t1
+    return {"eval/kl_to_teacher": float(D.masked_mean(kl, e.batch.response_mask)),
+            "eval/accuracy": exact_match(run.tok, out, e.pairs),
+            "eval/student_tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9),
+            "time/eval": time.perf_counter() - t0}
+
+
+def teacher_accuracy(run: Run) -> float:
+    """Greedy exact match of the teacher engine on the held-out prompts (not a training pass; not counted)."""
+    out = run.teacher.inner.generate(run.eval.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
+                                                                         greedy=True, stop_ids=run.stop_ids))
+    return exact_match(run.tok, out, run.eval.pairs)
 
 
 def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:

@@ -7,20 +7,14 @@ PyTorch (teacher logits cached). ``eval/accuracy``: greedy exact match through t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from refit.learner import losses as L
 from refit.learner.run.metrics import read_metrics
 from refit.learner.run.policy import response_forward
 from refit.rollout.types import RolloutBatch, SamplingParams
-
-if TYPE_CHECKING:
-    from refit.learner.distill.cycle import Run
 
 
 @dataclass
@@ -46,24 +40,6 @@ def make_eval_set(cfg, teacher_engine, teacher_model, held, ids: list[list[int]]
 
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Held-out forward KL(teacher || student) (PyTorch, full vocab, T=1) and greedy accuracy (student engine)."""
-    t0 = time.perf_counter()
-    e = run.eval
-    s_logits = response_forward(run.student, e.batch.prompt_ids, e.batch.prompt_mask, e.batch.response_ids,
-                                run.is_seq2seq).logits.cpu()
-    kl = L.exact_kl_from_logits(e.teacher_logits, s_logits, e.batch.response_mask)
-    t1 = time.perf_counter()
-    out = run.student_engine.generate(e.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                                   greedy=True, stop_ids=run.stop_ids))
-    dt = time.perf_counter() - t1
-    return {"eval/kl_to_teacher": float(L.masked_mean(kl, e.batch.response_mask)),
-            "eval/accuracy": exact_match(run.tok, out, e.pairs),
-            "eval/student_tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9),
-            "time/eval": time.perf_counter() - t0}
-
-
 def exact_match(tok, batch, pairs: list[tuple[str, str]]) -> float:
     """Fraction of rows whose decoded response (stop token and padding removed) equals the answer."""
     stops, hits = batch.stop_set(), 0
@@ -71,13 +47,6 @@ def exact_match(tok, batch, pairs: list[tuple[str, str]]) -> float:
         hits += tok.decode([t for t, k in zip(ids, m) if k and t not in stops], skip_special_tokens=True).strip() \
             == answer.strip()
     return hits / max(len(pairs), 1)
-
-
-def teacher_accuracy(run: Run) -> float:
-    """Greedy exact match of the teacher engine on the held-out prompts (not a training pass; not counted)."""
-    out = run.teacher.inner.generate(run.eval.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                                         greedy=True, stop_ids=run.stop_ids))
-    return exact_match(run.tok, out, run.eval.pairs)
 
 
 def summary(run_dir: Path) -> dict:

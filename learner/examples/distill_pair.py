@@ -54,7 +54,7 @@ def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
 
 def build_all(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     """:func:`build_models` plus both engines (``--build-models``)."""
-    from refit.export.build import ensure_engine
+    from refit.rollout.build import ensure_engine
 
     paths = build_models(out, cfg, log)
     rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)

@@ -27,7 +27,7 @@ from refit.export.weight_map import canonical_params
 from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
-from refit.learner.ppo.data import evaluate, load_prompt_sets, reward_inputs
+from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
 from refit.learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
                                 make_advantages, per_token_rewards, policy_forward, score_batch, single_pass)
@@ -282,6 +282,26 @@ def save(run: Run, step: int) -> Path:
              "engine_weights_version": run.engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
                            state, run.cfg.ckpt.keep_checkpoints)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Greedy generation of the held-out prompts through the engine; their reward means (rank 0)."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    if run.eval_set is None or not cfg.eval_steps:
+        return {}
+    chunk = max(1, cfg.run.batch_size * cfg.num_generations)  # what the engine was sized for
+    sampling = SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids)
+    prompts, completions, extra, tokens = [], [], {}, 0.0
+    for i in range(0, len(run.eval_ids), chunk):
+        rows = list(range(i, min(i + chunk, len(run.eval_ids))))
+        out = run.engine.generate([run.eval_ids[r] for r in rows], sampling)
+        p, c, x = reward_inputs(run.tok, out, run.eval_set, rows)
+        prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
+        for k, v in x.items():
+            extra.setdefault(k, []).extend(v)
+    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, extra, prefix="eval/reward")
+    return {"eval/reward/mean": float(total.mean()), **stats, "eval/response_length": tokens / len(prompts),
+            "time/eval": time.perf_counter() - t0}
 
 
 def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:

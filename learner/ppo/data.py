@@ -10,17 +10,12 @@ engine (the weights just pushed), scored by the same reward functions with their
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from refit.learner.ppo.rewards import as_rewards, score_rewards
 from refit.learner.run.chat import completion_for
 from refit.learner.run.data import decode_responses
 from refit.learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts
-from refit.rollout.types import RolloutBatch, SamplingParams
-
-if TYPE_CHECKING:
-    from refit.learner.ppo.cycle import Run
+from refit.rollout.types import RolloutBatch
 
 
 def load_prompt_sets(cfg) -> tuple[PromptSet, PromptSet | None]:
@@ -49,23 +44,3 @@ def reward_inputs(tok, batch: RolloutBatch, data: PromptSet, rows: list[int]) ->
     completions = [completion_for(p, t) for p, t in zip(prompts, texts)]
     ids = [[t for t, k in zip(r, m) if k] for r, m in zip(batch.response_ids.tolist(), batch.response_mask.tolist())]
     return prompts, completions, {**data.take(rows), "completion_ids": ids}
-
-
-def evaluate(run: Run) -> dict[str, float]:
-    """Greedy generation of the held-out prompts through the engine; their reward means (rank 0)."""
-    cfg, t0 = run.cfg, time.perf_counter()
-    if run.eval_set is None or not cfg.eval_steps:
-        return {}
-    chunk = max(1, cfg.run.batch_size * cfg.num_generations)  # what the engine was sized for
-    sampling = SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids)
-    prompts, completions, extra, tokens = [], [], {}, 0.0
-    for i in range(0, len(run.eval_ids), chunk):
-        rows = list(range(i, min(i + chunk, len(run.eval_ids))))
-        out = run.engine.generate([run.eval_ids[r] for r in rows], sampling)
-        p, c, x = reward_inputs(run.tok, out, run.eval_set, rows)
-        prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
-        for k, v in x.items():
-            extra.setdefault(k, []).extend(v)
-    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, extra, prefix="eval/reward")
-    return {"eval/reward/mean": float(total.mean()), **stats, "eval/response_length": tokens / len(prompts),
-            "time/eval": time.perf_counter() - t0}

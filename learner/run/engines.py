@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from refit.export.build import TORCH_BACKENDS, engine_source
+from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.core.errors import RefitError
 from refit.export.weight_map import canonical_params
 from refit.learner.run.checkpoint import latest_checkpoint

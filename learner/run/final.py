@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from refit.export.build import ENGINE_BACKENDS, build
+from refit.rollout.build import ENGINE_BACKENDS, build
 from refit.export.onnx_export import ExportOptions
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"

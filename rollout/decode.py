@@ -1,4 +1,11 @@
-"""In-flight (continuous) batching: a fixed number of slots; when a row stops, the next waiting row
+"""The one decode loop (gpt-fast's shape: prefill, sample, decode one token) and its in-flight scheduler.
+
+:func:`decode_loop` runs a static batch on any backend's :class:`StepState`: 1. prefill the prompts,
+2. sample one token per row from its own random stream, 3. mask rows that stopped, 4. stop bookkeeping,
+5. feed the tokens back through the KV cache. Every caller drives it: ``Engine.generate`` on every backend,
+the export parity gate (refit.rollout.parity), the benchmarks.
+
+In-flight (continuous) batching: a fixed number of slots; when a row stops, the next waiting row
 (the next prompt, or the next sample of a prompt) is prefilled into its slot while the others keep
 decoding. vLLM's and SGLang's schedulers do this per step; here the slot count is the engine's
 batch, and the rows wait in prompt-major order.
@@ -17,12 +24,103 @@ cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
-from refit.rollout.types import SamplingParams
+from refit.rollout.types import ModelSpec, SamplingParams
+
+
+class StepEvent(NamedTuple):
+    """One phase of a ``generate`` call, as an ``on_step`` hook sees it."""
+
+    phase: str  # "prefill": prompt forward + first sample (time to first token); "decode": one cached step + sample
+    step: int  # the response position this phase produced: 0 for "prefill", 1.. for "decode"
+    seconds: float  # wall time of the phase (time.perf_counter); logits are on the host by then, device work done
+    tokens: int  # response tokens it produced: rows still generating (finished rows are fed pad, not counted)
+
+
+StepHook = Callable[[StepEvent], None]  # N response positions -> one "prefill" then N-1 "decode" events
+
+
+class StepState(Protocol):
+    """One batch's model state on a backend (KV cache, encoder output)."""
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, Tp) prompt (padded by the rule) -> (B, V) float32 logits for the first response token."""
+
+    def extend(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, c) next tokens, (B, c) their 0/1 mask -> (B, c, V) float32 logits after each."""
+
+
+class _PhaseClock:
+    """Times the loop's phases for an ``on_step`` hook; the hook's own time is left out of the next phase."""
+
+    def __init__(self, hook: StepHook):
+        self.hook, self.t = hook, time.perf_counter()
+
+    def tick(self, step: int, alive: torch.Tensor) -> None:
+        seconds = time.perf_counter() - self.t
+        self.hook(StepEvent("prefill" if step == 0 else "decode", step, seconds, int(alive.sum())))
+        self.t = time.perf_counter()
+
+
+def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    """(prompt, sample) of each prompt-major row: the key of its random stream (refit.rollout.sampling.RowStreams)."""
+    return [(int(p), i % n) for i, p in enumerate(index.tolist())]
+
+
+def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                spec: ModelSpec, on_step: StepHook | None = None,
+                keys: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """Generate up to ``max_new_tokens`` per row; finished rows are fed pad with mask 0.
+
+    Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
+    ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
+    ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.sampling.RowStreams).
+    """
+    b = ids.shape[0]
+    clock = _PhaseClock(on_step) if on_step is not None else None
+    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
+    gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
+    scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
+    alive = torch.ones(b, dtype=torch.bool)
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
+    # 1. prefill: the whole prompt through the model, logits for the first response token
+    logits = state.prefill(ids, mask)
+    for step in range(params.max_new_tokens):
+        # 2. sample (one draw per row per step from the row's own stream); the (B, V)
+        #    host work runs on one thread, see refit.rollout.sampling.one_thread
+        with one_thread():
+            tok, proc, plain, top = sample_step(logits, params, gen, scratch)
+        # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
+        tok = torch.where(alive, tok, spec.pad_id)
+        keep = alive.float()
+        cols["ids"].append(tok)
+        cols["mask"].append(keep)
+        cols["proc"].append(proc * keep)
+        cols["plain"].append(plain * keep)
+        if top is not None:
+            cols["tk_lp"].append(top[0] * keep[:, None])
+            cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
+        if clock is not None:  # position `step` is sampled: its phase (prefill or one decode step) ends
+            clock.tick(step, alive)
+        # 4. stop bookkeeping: the stop token itself stays inside the mask
+        alive = alive & ~torch.isin(tok, stops)
+        if not alive.any() or step == params.max_new_tokens - 1:
+            break
+        # 5. decode one token: feed what was emitted (finished rows: pad, masked out)
+        logits = state.extend(tok[:, None], keep[:, None].long())[:, -1]
+    out = {"response_ids": torch.stack(cols["ids"], 1), "response_mask": torch.stack(cols["mask"], 1),
+           "rollout_logprobs": torch.stack(cols["proc"], 1).float(),
+           "rollout_plain_logprobs": torch.stack(cols["plain"], 1).float()}
+    if cols["tk_lp"]:
+        out["topk_logprobs"] = torch.stack(cols["tk_lp"], 1).float()
+        out["topk_ids"] = torch.stack(cols["tk_ids"], 1).long()
+    return out
 
 
 def supports_slots(state) -> bool:
@@ -37,8 +135,6 @@ def schedule(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingP
     of ``slots`` rows, each decoded until its longest row ends (rows keep their keys either way).
     ``on_step`` (refit.rollout.engine.StepHook) is called by the static loop; the in-flight loop mixes prefills
     and decode steps in one step, so it reports nothing."""
-    from refit.rollout.engine import decode_loop
-
     n = ids.shape[0]
     if not slots or slots >= n:
         return decode_loop(new_state(), ids, mask, params, spec, on_step, keys)

@@ -1,5 +1,6 @@
 """Make or reuse an engine folder for a backend: the one entry point for ``refit export``, both training
-cycles and the benchmarks.
+cycles and the benchmarks. It sits on the rollout floor because the parity gate it gives the exporter decodes
+through the engine's own loop (refit.rollout.parity), and TensorRT plans are built for the engine that runs them.
 
     build(model_dir, engine_dir, backend, opts)
       1. ``tensorrt``: fail at once, in one line, where TensorRT is absent (before any export)
@@ -16,7 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import tyro
+
+from refit.core.parsing import opt, parse
 from refit.export.onnx_export import ExportOptions, export_onnx, weights_hash
+from refit.rollout.parity import parity_gate
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
@@ -55,7 +63,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
-        export_onnx(model_dir, engine_dir, opts, log=log)
+        export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate)
     if backend == "tensorrt":
         from refit.export.tensorrt_build import build_engines
 
@@ -89,5 +97,41 @@ def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | 
     if m.attention != "fused":
         return engine_dir
     out = Path(out) if out is not None else engine_dir.with_name(engine_dir.name + "-plain")
-    return export_onnx(model_dir, out, ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
-                                                     attention="plain"), log=log)
+    return build(model_dir, out, opts=ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
+                                                    attention="plain"), log=log)
+
+
+# ------------------------------------------------------------------------------------ refit export
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Export an HF checkpoint folder (any AutoModelForCausalLM or AutoModelForSeq2SeqLM whose forward keeps a
+    transformers Cache: GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, Phi, OPT, T5, BART, Marian, ...) to an engine
+    folder: ONNX graphs with a KV cache, refittable external weights, and manifest.json (I/O names, shape
+    profiles, HF->engine weight map, hashes, parity figures, what the probe found). A model without a capability
+    the engines need is refused in one line, before anything is written. Re-exporting the same weights with the
+    same options reuses the folder."""
+
+    model_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL_DIR")] = opt(
+        help_="HF checkpoint folder (config.json + model.safetensors + tokenizer)")
+    out: Annotated[str, tyro.conf.arg(aliases=["-o"])] = opt(
+        help_="engine folder to write (atomically: temp folder, then rename)")
+    backend: Literal["onnx", "tensorrt"] = opt("onnx", "onnx: ONNX graphs for ONNX Runtime; tensorrt: also build "
+                                                       "refittable TensorRT engines (needs TensorRT and an NVIDIA GPU)")
+    dtype: Literal["bf16", "fp16", "fp32"] = opt("fp32", "engine weight/activation precision")
+    max_batch: int = opt(64, "largest batch (rows) the engine accepts")
+    max_len: int = opt(512, "largest prompt + response length the engine accepts")
+    parity_tol: float | None = opt(None, "max |log-prob| difference engine vs PyTorch (default: 1e-4 fp32, "
+                                         "5e-2 fp16, 1e-1 bf16)")
+    attention: Literal["auto", "fused", "plain"] = opt(
+        "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
+                "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
+                "applies and passes the parity gate, else plain; recorded in the manifest)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, _ = parse(ExportConfig, argv, "refit export")
+    opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
+                         parity_tol=a.parity_tol, attention=a.attention)
+    print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
+    return 0

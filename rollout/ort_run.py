@@ -1,0 +1,87 @@
+"""Running an ONNX Runtime session bound to memory the engine owns: the stepping code both ORT states share.
+
+:func:`run_bound` is the one ``run_with_iobinding`` call (host arrays and OrtValues in, logits to the host).
+The fused-attention graphs (export/fused.py, export/fused_seq2seq.py) keep their KV cache in
+:class:`KVBuffers`, bound as both ``past`` and ``present`` so GroupQueryAttention writes in place; rows are
+compact in them (:func:`compact`) and each step's host inputs come from :func:`step_inputs`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def run_bound(sess, device: str, host: dict[str, np.ndarray], bound: dict, outputs: list[str],
+              inplace: dict | None = None) -> dict:
+    """One ``run_with_iobinding``: host arrays and OrtValues (``bound``) in; logits to the host, the other
+    ``outputs`` on ``device``. ``inplace`` ({past name: OrtValue}) is bound as both that input and its
+    ``present`` output: the fused graphs' KV buffers, written in place by the op."""
+    io = sess.io_binding()
+    for name, arr in host.items():
+        io.bind_cpu_input(name, np.ascontiguousarray(arr))
+    for name, val in bound.items():
+        io.bind_ortvalue_input(name, val)
+    for name, val in (inplace or {}).items():
+        io.bind_ortvalue_input(name, val)
+        io.bind_ortvalue_output(name.replace("past", "present", 1), val)
+    for name in outputs:
+        io.bind_output(name, "cpu" if name == "logits" else device)
+    sess.run_with_iobinding(io)
+    return dict(zip([*(n.replace("past", "present", 1) for n in inplace or {}), *outputs], io.get_outputs()))
+
+
+def compact(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded (B, T) prompts -> right-padded ids (B, T), positions (B, T) and lengths (B,) int32.
+
+    Row b's ``n_b`` real tokens move to ``[0, n_b)``; its positions are ``0..n_b-1``, the plain graph's
+    ``cumsum(mask) - 1`` at those tokens.
+    """
+    n = mask.sum(1).astype(np.int32)
+    t = ids.shape[1]
+    src = (t - n)[:, None] + np.arange(t)[None, :]  # (B, T): where token j of the compact row comes from
+    valid = np.arange(t)[None, :] < n[:, None]
+    out = np.where(valid, np.take_along_axis(ids, np.minimum(src, t - 1), 1), 0).astype(np.int64)
+    pos = np.where(valid, np.arange(t)[None, :], 0).astype(np.int64)
+    return out, pos, n
+
+
+class KVBuffers:
+    """One (B, H_kv, C, D) buffer per layer and K/V, as numpy arrays and the OrtValues over their memory.
+
+    Bound as both ``past`` and ``present`` of every run, so GroupQueryAttention writes in place.
+    Positions at or beyond a row's length are never read (the op bounds each row by ``seqlens_k``),
+    so a buffer is reused across batches without clearing it.
+    """
+
+    def __init__(self, names: list[str], batch: int, n_kv_heads: int, capacity: int, head_dim: int, dtype):
+        import onnxruntime as ort
+
+        self.batch, self.capacity = batch, capacity
+        self.arrays = {n: np.zeros((batch, n_kv_heads, capacity, head_dim), dtype) for n in names}
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
+
+    def rows(self, start: int, stop: int) -> dict:
+        """OrtValues over rows [start, stop) of every buffer (a view: same memory)."""
+        import onnxruntime as ort
+
+        return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
+
+
+def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """Host inputs of one fused step: chunk ``ids`` (B, S) right-padded, rows holding ``start`` (B,) tokens
+    before it and ``n_new`` (B,) valid new ones (0: idle row), logits at ``keep`` (B, K) chunk positions."""
+    s = ids.shape[1]
+    total = start + n_new
+    return {"input_ids": ids.astype(np.int64), "position_ids": (start[:, None] + np.arange(s)[None, :]).astype(np.int64),
+            "seqlens_k": np.maximum(total - 1, 0).astype(np.int32), "query_seqlens": n_new.astype(np.int32),
+            # an upper bound of every row's total (query_seqlens given); the op also wants it >= the chunk length
+            "total_sequence_length": np.array(max(int(total.max()), s), np.int32), "logits_index": keep.astype(np.int64)}
+
+
+def seq2seq_step_inputs(ids, start, n_new, keep, enc_mask, capacity: int) -> dict[str, np.ndarray]:
+    """Host inputs of one fused seq2seq decoder step (:func:`step_inputs` plus the encoder mask);
+    ``total_sequence_length`` is the buffer's ``capacity``, the bias's key length."""
+    host = step_inputs(ids, start, n_new, keep)
+    host["total_sequence_length"] = np.array(capacity, np.int32)
+    host["encoder_attention_mask"] = enc_mask.astype(np.int64)
+    return host

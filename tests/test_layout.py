@@ -1,0 +1,102 @@
+"""The package's shape, checked: one installed namespace, rooms on floors, no import circle.
+
+Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, checkpoint
+loading) <- ``refit.export`` (HF -> graphs + manifest) <- ``refit.rollout`` (engines and the one decode loop)
+<- ``refit.learner`` (losses, jobs) <- ``refit.bench``. An import may only point down or sideways within its
+room; ``refit/__init__.py`` (the public face) may name anything. Imports inside functions count: a lazy import
+is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {"core": 0, "export": 1, "rollout": 2, "learner": 3, "bench": 4}
+
+
+def _modules() -> dict[str, Path]:
+    """{dotted module name: file} of every module in the rooms, as installed (refit.<room>.<...>)."""
+    out = {}
+    for room in FLOORS:
+        for f in (ROOT / room).rglob("*.py"):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["refit", *parts])] = f
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of ``known`` that ``path`` imports (anywhere in the file; ``from pkg import mod`` resolved)."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, f, set(mods)) for m, f in mods.items()}
+
+
+def _floor(module: str) -> int:
+    return FLOORS[module.split(".")[1]]
+
+
+def _is_package(module: str, graph) -> bool:
+    return any(other.startswith(module + ".") for other in graph)
+
+
+def test_no_import_points_up_a_floor():
+    up = sorted(f"{a} -> {b}" for a, deps in _graph().items() for b in deps if _floor(b) > _floor(a))
+    assert not up, f"{len(up)} import(s) run back up the floors: {up}"
+
+
+def test_no_import_circle():
+    graph = _graph()
+    # a package's __init__ importing its own submodules is not a circle
+    edges = {a: {b for b in deps if not (_is_package(a, graph) and b.startswith(a + "."))} for a, deps in graph.items()}
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not circles, f"{len(circles)} import circle(s): {circles}"
