@@ -2,7 +2,7 @@
 of the README's family table.
 
 The exporter does not read this list (it decides from the config and a probe what a model needs,
-:mod:`refit.export.capabilities`); tests and ``scripts/family_table.py`` do, so every family is
+:mod:`refit.export.capabilities`); tests and ``scripts/family_table.sh`` (``python -m refit.bench.families``) do, so every family is
 exported, parity-gated and checked for TensorRT the same way. :func:`export_family` builds one
 checkpoint (random weights, the local tokenizer), exports it and runs the CPU-side TensorRT checks;
 the learner half of the table (PPO and distillation smokes) is in the script, since ``export``

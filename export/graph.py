@@ -5,7 +5,7 @@ mapped weight is stored in the graph as *external data*, and a new session over 
 graph file is given the new tensors in their place. The graph is never re-exported. We do
 NOT use ``add_initializer`` on a session whose graph already carries the weights: with graph
 optimisations on, constant folding through the exporter's transposes can silently keep the
-old values (measured on this machine; see DEVELOPERS.md).
+old values (measured on this machine).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """HF checkpoint folder -> ONNX engine folder (graphs with KV cache, refittable weights, manifest).
 
-Choice of exporter (written down, as DEVELOPERS.md asks): ``torch.onnx.export(dynamo=True)``
+Choice of exporter: ``torch.onnx.export(dynamo=True)``
 (torch.export + onnxscript) with the small wrappers in :mod:`refit.export.wrappers`. It works on the
 transformers 5.x line that users are on; optimum's exporter pins transformers < 4.58. Its
 default optimisations rename, pre-transpose and merge weights, so the exporter traces a

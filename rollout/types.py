@@ -11,7 +11,7 @@ Padding rule (stated once; the source of truth is :mod:`refit.core.padding`):
   to AND INCLUDING the first stop token (EOS or ``SamplingParams.stop_ids``), then 0. A row that
   never stops is all ones. Every per-token float field is 0.0 where the mask is 0.
 
-Three log-prob sources are kept apart by name (STYLE.md): the engine's ``rollout_logprobs``
+Three log-prob sources are kept apart by name: the engine's ``rollout_logprobs``
 (this file), the learner's ``old_logprobs`` and ``ref_logprobs`` (computed in PyTorch).
 """
 

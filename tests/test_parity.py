@@ -1,6 +1,6 @@
 """Backend parity, as one matrix: every registered backend against the PyTorch reference.
 
-Dimensions (STYLE.md, torchtune ``test_reproducibility_batched``):
+Dimensions (torchtune ``test_reproducibility_batched``):
 
 - backend: every name in ``refit.rollout.engine.backends()`` but the reference ``torch``, plus
   ``tensorrt-stand-in`` (the TrtEngine code paths on the host stand-in of

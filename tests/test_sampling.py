@@ -1,6 +1,6 @@
 """refit.rollout.sampling and refit.rollout.types: pure torch, no engine.
 
-Four ways, as STYLE.md asks: hand-built cases, reference identities (HF's logits warpers,
+Four ways: hand-built cases, reference identities (HF's logits warpers,
 plain log_softmax), fast vs slow (the two-level exponential race draws from softmax and keeps
 its tokens under backend-sized logit noise; the one-pass untruncated step equals log_softmax;
 reused scratch buffers change nothing), and the record checker rejecting every broken padding

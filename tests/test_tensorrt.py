@@ -1,6 +1,6 @@
 """TensorRT: CPU-side engine-folder checks, the build/refit/backend plumbing, and the GPU tests.
 
-Three layers, split by cost (STYLE.md):
+Three layers, split by cost:
 
 1. CPU, always: :mod:`refit.export.trt_check` on the tiny engines and on planted faults (an op the
    parser lacks, an anonymous or uncovered dimension, a missing or doubled weight mapping), and
