@@ -39,7 +39,7 @@ def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     from refit.learner.examples.models import build_model
     from refit.export.onnx_export import ExportOptions
     from refit.rollout.build import build
-    from refit.export.trt_check import check_engine_folder
+    from refit.rollout.tensorrt.check import check_engine_folder
 
     model_dir = build_model(geometry, root / "models" / geometry, seed=0, tokenizer=tokenizer)
     engine_dir = root / "engines" / geometry

@@ -2,7 +2,7 @@
 
 For each family of :data:`refit.bench.export_families.FAMILIES` (GPT-2 ... Marian): build its tiny checkpoint
 (random weights, the local tokenizer), export it through the parity gate, run the CPU-side
-TensorRT checks (``refit.export.trt_check``), then two PPO steps (top-k 20, top-p 0.9, exact-KL
+TensorRT checks (``refit.rollout.tensorrt.check``), then two PPO steps (top-k 20, top-p 0.9, exact-KL
 penalty, a weight push and probe each step) and two distillation steps with the model as its own
 teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0) is the KL of the
 first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table

@@ -165,7 +165,7 @@ class TrtDevice:
 
 @dataclass(frozen=True)
 class TrtPlan:
-    """One graph's refittable TensorRT plan (export/tensorrt_build.py)."""
+    """One graph's refittable TensorRT plan (rollout/tensorrt/build.py)."""
 
     plan: str  # "<graph>.plan", relative to the engine folder
     profiles: tuple[str, ...]  # optimization profile names, in the plan's profile order
@@ -228,7 +228,7 @@ class Manifest:
         """The manifest of ``engine_dir``; RefitError (one line) when it is not a usable engine folder.
 
         ``check=False`` skips :meth:`check` (the layout is still parsed strictly), for a caller that
-        lists every problem itself (``python -m refit.export.trt_check``).
+        lists every problem itself (``python -m refit.rollout.tensorrt.check``).
         """
         engine_dir = Path(engine_dir)
         f = engine_dir / MANIFEST

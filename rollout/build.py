@@ -57,7 +57,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
 
         opts = replace(opts, attention="plain")
     if backend == "tensorrt":
-        from refit.export.tensorrt_build import require_tensorrt
+        from refit.rollout.tensorrt.build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
     if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
@@ -65,7 +65,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     else:
         export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate)
     if backend == "tensorrt":
-        from refit.export.tensorrt_build import build_engines
+        from refit.rollout.tensorrt.build import build_engines
 
         build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
     return engine_dir

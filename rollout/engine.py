@@ -57,7 +57,7 @@ class Engine(Protocol):
 _BACKENDS: dict[str, str] = {
     "torch": "refit.rollout.torch_backend:TorchEngine",
     "onnxruntime": "refit.rollout.ort_backend:OrtEngine",
-    "tensorrt": "refit.rollout.trt_backend:TrtEngine",
+    "tensorrt": "refit.rollout.tensorrt.engine:TrtEngine",
     "hf": "refit.rollout.hf_backend:HFGenerateEngine",  # transformers generate(): the baseline in benchmarks
 }
 

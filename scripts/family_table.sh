@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's family table from real runs (thin wrapper over `python -m refit.bench.families`): for each
 # family (GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, Phi, OPT, T5, BART, Marian) build a tiny checkpoint,
-# export it (parity gate), run refit.export.trt_check, 2 PPO steps and 2 distillation steps; print the table.
+# export it (parity gate), run refit.rollout.tensorrt.check, 2 PPO steps and 2 distillation steps; print the table.
 #
 # usage: scripts/family_table.sh [--only NAME ...] [--readme FILE] [--work-dir DIR]
 #   --only NAME ...  families (table names or tiny-* geometries) to run (default: all, ~5 min on 2 cores)

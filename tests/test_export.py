@@ -70,9 +70,9 @@ def test_capabilities_found_by_the_probe(engine_dirs, arch):
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_trt_cpu_checks_pass(plain_engine_dirs, arch):
-    """refit.export.trt_check on each family's graphs: supported ops, covered profiles, 1:1 weight map (the
+    """refit.rollout.tensorrt.check on each family's graphs: supported ops, covered profiles, 1:1 weight map (the
     standard-op graphs TensorRT builds from; the default decoder-only export is the fused one)."""
-    from refit.export.trt_check import check_engine_folder
+    from refit.rollout.tensorrt.check import check_engine_folder
 
     assert check_engine_folder(plain_engine_dirs[arch]) == []
 

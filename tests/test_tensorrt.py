@@ -2,7 +2,7 @@
 
 Three layers, split by cost:
 
-1. CPU, always: :mod:`refit.export.trt_check` on the tiny engines and on planted faults (an op the
+1. CPU, always: :mod:`refit.rollout.tensorrt.check` on the tiny engines and on planted faults (an op the
    parser lacks, an anonymous or uncovered dimension, a missing or doubled weight mapping), and
    the one-line failures where TensorRT is absent.
 2. CPU, always: ``build_engines`` and ``TrtEngine`` driven through the host *stand-in* of the
@@ -28,10 +28,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import refit.export.tensorrt_build as tb
+import refit.rollout.tensorrt.build as tb
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.trt_check import check_engine_folder, check_ops, check_profiles, check_weight_map
+from refit.rollout.tensorrt.check import check_engine_folder, check_ops, check_profiles, check_weight_map
 from refit.rollout.engine import create_engine
 from refit.rollout.types import SamplingParams
 
@@ -68,10 +68,10 @@ def test_check_engine_folder_passes_on_tiny_engines(engine_dirs, arch):
 
 
 def test_trt_check_cli(engine_dirs, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "refit.export.trt_check", str(engine_dirs["tiny-t5"])],
+    ok = subprocess.run([sys.executable, "-m", "refit.rollout.tensorrt.check", str(engine_dirs["tiny-t5"])],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "ok" in ok.stdout.splitlines()[-1], ok.stdout + ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "refit.export.trt_check", str(tmp_path / "missing")],
+    bad = subprocess.run([sys.executable, "-m", "refit.rollout.tensorrt.check", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "problem" in bad.stdout.splitlines()[-1]
 
@@ -201,7 +201,7 @@ def test_require_tensorrt_raises_one_line():
     assert "\n" not in msg and "pip install refit[gpu]" in msg and "NVIDIA" in msg
     with pytest.raises(RefitError):
         tb.build_engines("/nonexistent")  # refuses before touching anything
-    from refit.rollout.trt_backend import TrtEngine
+    from refit.rollout.tensorrt.engine import TrtEngine
 
     assert "tensorrt" not in sys.modules, "importing the backend module must not import tensorrt"
     with pytest.raises(RefitError, match="TensorRT"):
@@ -370,7 +370,7 @@ def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_
     """Weights TensorRT fused with a pushed one come from the held set; none held -> a loud error."""
     from refit.core.checkpoint import load_model
     from refit.export.weight_map import canonical_params
-    from refit.rollout.trt_backend import TrtEngine
+    from refit.rollout.tensorrt.engine import TrtEngine
 
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
     m = Manifest.read(d)

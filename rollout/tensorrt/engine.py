@@ -4,7 +4,7 @@ Same structure as :mod:`refit.rollout.ort_backend` (a ``StepState`` with ``prefi
 decode/score loops, sampling and records are the shared ones in :mod:`refit.rollout.engine`), with
 TensorRT execution instead of ONNX Runtime:
 
-- each graph's plan (the manifest's ``tensorrt`` section, written by :func:`refit.export.tensorrt_build.build_engines`)
+- each graph's plan (the manifest's ``tensorrt`` section, written by :func:`refit.rollout.tensorrt.build.build_engines`)
   is deserialized once; one execution context per graph switches optimization profile with
   ``set_optimization_profile_async`` when a call's shapes need another one (``prefill``: empty
   cache; ``decode``: one token per row). A multi-token ``extend`` with a cache (``score`` chunks)
@@ -52,7 +52,7 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
     import numpy as np
     import onnx
 
-    from refit.export.tensorrt_build import mapped_trt_names, trt_weight_name
+    from refit.rollout.tensorrt.build import mapped_trt_names, trt_weight_name
 
     by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16)}
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -242,7 +242,7 @@ class TrtEngine(LoopEngine):
 
     def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING"):
         """``threads`` is accepted for a constructor shared with the other backends and unused (GPU work)."""
-        from refit.export.tensorrt_build import require_tensorrt
+        from refit.rollout.tensorrt.build import require_tensorrt
 
         trt = require_tensorrt()
         self.device = torch.device(device)
@@ -298,7 +298,7 @@ class TrtEngine(LoopEngine):
 
     def _stage(self, named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """{graph: {trt_name: device tensor}} in engine layout; shapes checked against the held set."""
-        from refit.export.tensorrt_build import refit_targets
+        from refit.rollout.tensorrt.build import refit_targets
 
         staged: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.graphs:

@@ -11,7 +11,7 @@ stale after a refit):
 - :func:`check_weight_map`: every external (refittable) initializer is fed by exactly one
   weight-map entry, and every entry names an initializer of the right shape and dtype.
 
-``python -m refit.export.trt_check ENGINE_DIR`` runs them all and exits 1 on any problem.
+``python -m refit.rollout.tensorrt.check ENGINE_DIR`` runs them all and exits 1 on any problem.
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def _check_plans(engine_dir: Path, manifest: Manifest) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m refit.export.trt_check",
+    p = argparse.ArgumentParser(prog="python -m refit.rollout.tensorrt.check",
                                 description="Check, without TensorRT, that an engine folder will build as a refittable "
                                             "TensorRT engine: supported ops, named and covered shape profiles, 1:1 weight map.")
     p.add_argument("engine_dir", help="engine folder written by `refit export`")
