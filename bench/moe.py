@@ -191,9 +191,11 @@ def run(name: str, root: Path, compare: bool) -> dict:
         try:
             res, peak = _in_child(fn, *args)
             rec[stage] = {**res, "peak_rss_mb": peak}
-        except Exception as e:  # noqa: BLE001 - a failed stage is a field of the record, the run goes on
+        except Exception as e:  # noqa: BLE001 - a failed stage is a field of the record, not a traceback
             rec[stage] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         print(f"{name} {stage}: {json.dumps(rec[stage])}", flush=True)
+        if isinstance(rec[stage], str):
+            break  # the later stages need this one's output
     return rec
 
 

@@ -38,10 +38,11 @@ PUBLISHED = {
 }
 
 
-def moe_config(name: str, vocab_size: int, **cut):
-    """The HF config of ``name`` (:data:`PUBLISHED`); ``cut`` overrides fields (layers, experts, widths)."""
+def moe_config(name: str, tokenizer_vocab: int, **cut):
+    """The HF config of ``name`` (:data:`PUBLISHED`); ``cut`` overrides fields (layers, experts, widths).
+    A vocabulary of None is the tokenizer's (``tokenizer_vocab``)."""
     g = {**PUBLISHED[name], **cut}
-    vocab = g["vocab_size"] or vocab_size
+    vocab = g["vocab_size"] or tokenizer_vocab
     common = dict(num_hidden_layers=g["num_hidden_layers"], hidden_size=g["hidden_size"],
                   num_attention_heads=g["num_attention_heads"], num_key_value_heads=g["num_key_value_heads"],
                   head_dim=g["head_dim"], num_experts_per_tok=g["top_k"], vocab_size=vocab,

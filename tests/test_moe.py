@@ -135,3 +135,16 @@ def test_moe_with_tiny_expert_tensors_refused_before_writing(tokenizer, tmp_path
     with pytest.raises(RefitError, match=r"mixture-of-experts layer not supported: .*experts\.\w+ holds <= 8192"):
         export_onnx(d, tmp_path / "e", ExportOptions(max_batch=4, max_len=64), log=lambda *_: None)
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_published_widths_export_push_ppo(tmp_path, name):
+    """bench.moe's stages at Mixtral-8x7B's / Qwen3-30B-A3B's widths (cut as bench.moe.RUNS says), each stage
+    in its own process: parity, a push that moves the output and matches PyTorch, 2 PPO steps."""
+    from bench.moe import run
+
+    rec = run(name, tmp_path, compare=False)
+    assert rec["export"]["parity"] <= 1e-4 and rec["export"]["expert_transforms"] == ["identity"], rec
+    assert rec["push"]["moved"] > 1e-3 and rec["push"]["max_abs_diff_vs_torch"] <= 1e-4, rec
+    assert abs(rec["ppo"]["kl0"]) <= 1e-6 and rec["ppo"]["min_exact_kl"] >= 0, rec
