@@ -26,9 +26,11 @@ So
   ``E - k`` experts a token does not use (a dense "every expert, masked" forward costs E/k times
   the FLOPs: 4x for Mixtral, 16x for Qwen3-30B-A3B), nothing like ``batched_mm``'s gathers.
 
-Parity and speed were measured against the alternatives that export (``scripts/moe_check.py``
-prints both; the numbers are in the session report): the dense masked forward has the same
-parity (both are fp32 re-orderings of HF's sums) and is slower by about E/k on prefill.
+Parity and speed, measured (``python -m bench.moe --compare``, Qwen3-30B-A3B widths, 1 layer, 16 experts,
+top-8, ONNX Runtime CPU, 2 shared cores, median of 5): this lowering 1203 ms (prefill 4x64) and 229 ms
+(16 rows x 1 token); a dense "every expert, masked" forward 3396 ms and 1621 ms, i.e. 2.8x and 7.1x
+slower, with the same parity (max |dlogit| vs PyTorch 4.4e-6 / 4.2e-6: both are fp32 re-orderings of
+HF's sums).
 
 What is refused, in one line, before anything is written (:func:`moe_refusal`): experts that are
 not the ``@use_experts_implementation`` kind, interleaved gate/up, a post-expert norm, a custom
