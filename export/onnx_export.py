@@ -115,16 +115,41 @@ def _trace(spec: dict, weights: set[str]):
     """
     import warnings
 
+    from refit.export.moe import translation_table as moe_translation
+
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
-            spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
-            dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False, optimize=False,
-            custom_translation_table=spec.get("translation"),
-        )
+        try:
+            prog = torch.onnx.export(
+                spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
+                dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False, optimize=False,
+                custom_translation_table={**moe_translation(), **(spec.get("translation") or {})},
+            )
+        except Exception as e:  # noqa: BLE001 - a forward torch.onnx cannot export is one refusal line
+            raise RefitError(f"cannot export the {spec['name']} graph: torch.onnx.export failed on the model's "
+                             f"forward ({_first_line(e)})") from None
         provenance = weight_derived_values(prog.model.graph, weights)
         prog.optimize()
     return prog.model_proto, provenance
+
+
+def _first_line(e: Exception) -> str:
+    """``Type: message`` of an exception, its first non-empty line, at most 300 characters."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _moe_check(model, model_dir: Path) -> bool:
+    """True when ``model`` has mixture-of-experts blocks the exporter can put in the graph; RefitError
+    (one line) when it has blocks it cannot (:func:`refit.export.moe.moe_refusal`)."""
+    from refit.export.moe import is_moe, moe_refusal
+
+    if not is_moe(model):
+        return False
+    reason = moe_refusal(model)
+    if reason is not None:
+        raise RefitError(f"cannot export {model_dir}: mixture-of-experts layer not supported: {reason}")
+    return True
 
 
 def gemm_for_transposed_weights(proto) -> int:
@@ -293,8 +318,13 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     with torch.no_grad():  # refuses, in one line, a model without what the engines need; nothing written yet
         caps = detect(model, info.kind, info.padding_side, info.pad_id, model_dir)
     params, tied = canonical_params(model)
+    moe = _moe_check(model, model_dir)  # one line, before anything is written
     shadow = copy.deepcopy(model)
     fingerprint_(shadow)
+    if moe:
+        from refit.export.moe import use_grouped_experts
+
+        use_grouped_experts(shadow)  # the traced copy's experts run as refit::expert_linear (export/moe.py)
     fp_params, _ = canonical_params(shadow)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
