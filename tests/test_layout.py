@@ -100,3 +100,20 @@ def test_no_import_circle():
         if v not in index:
             visit(v)
     assert not circles, f"{len(circles)} import circle(s): {circles}"
+
+
+def test_one_decode_loop():
+    """Tokens are chosen in one file: every caller (generate on each backend, the export parity gate, the
+    benchmarks) drives rollout/decode.py, whose static loop and in-flight scheduler are the only code that
+    picks a next token (``sample_step``) and feeds it back."""
+    callers = set()
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "refit.rollout.sampling":
+                if {a.name for a in node.names} & {"sample", "sample_step"}:
+                    callers.add(module)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "sample_step":
+                callers.add(module)
+    assert callers == {"refit.rollout.decode", "refit.rollout.sampling"}, callers
+    parity = (ROOT / "rollout" / "parity.py").read_text()
+    assert "decode_loop(" in parity, "the parity gate must drive the engines' decode loop"
