@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from learner.ppo.rewards import as_rewards, score_rewards
+from learner.ppo.rewards import TrainerState, as_rewards, score_rewards
 from learner.run.chat import completion_for
 from learner.run.data import decode_responses
 from learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts
@@ -51,7 +51,17 @@ def reward_inputs(tok, batch: RolloutBatch, data: PromptSet, rows: list[int]) ->
     return prompts, completions, {**data.take(rows), "completion_ids": ids}
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def trainer_state(run: Run, step: int, evaluating: bool = False) -> TrainerState:
+    """TRL's view of the run at the rollout of ``step`` (or at the evaluation after ``step``): the optimizer
+    steps taken before it and the passes over the training prompts."""
+    cfg, n = run.cfg, max(1, len(run.prompts))
+    per = cfg.num_ppo_epochs * cfg.num_mini_batches  # optimizer steps per rollout
+    done = step if evaluating else max(step - 1, 0)  # rollouts whose update is in the weights
+    return TrainerState(global_step=done * per, max_steps=cfg.run.steps * per, epoch=run.data_position / n,
+                        num_train_epochs=cfg.run.steps * cfg.run.batch_size / n, step=step)
+
+
+def evaluate(run: Run, step: int = 0) -> dict[str, float]:
     """Greedy generation of the held-out prompts through the engine; their reward means (rank 0)."""
     cfg, t0 = run.cfg, time.perf_counter()
     if run.eval_set is None or not cfg.eval_steps:
@@ -66,6 +76,9 @@ def evaluate(run: Run) -> dict[str, float]:
         prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
         for k, v in x.items():
             extra.setdefault(k, []).extend(v)
-    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, extra, prefix="eval/reward")
-    return {"eval/reward/mean": float(total.mean()), **stats, "eval/response_length": tokens / len(prompts),
+    hooks = run.reward_log.kwargs(trainer_state(run, step, evaluating=True))
+    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, {**extra, **hooks},
+                                 prefix="eval/reward")
+    logged, _ = run.reward_log.flush(prefix="eval/")
+    return {"eval/reward/mean": float(total.mean()), **stats, **logged, "eval/response_length": tokens / len(prompts),
             "time/eval": time.perf_counter() - t0}
