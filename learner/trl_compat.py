@@ -277,6 +277,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         values["ckpt.keep_checkpoints"] = a.save_total_limit
     if a.lr_scheduler_type not in ("constant", "linear", "cosine"):
         raise RefitError(f"lr_scheduler_type={a.lr_scheduler_type!r}: Refit has constant, linear, cosine")
+    values, _ = resolve(PPOConfig, values, {}, "trl_compat")  # every name checked (top_p -> sampling.top_p)
     extra, _ = resolve(PPOConfig, dict(a.refit), {}, f"{type(a).__name__}(refit=...)")
     return build(PPOConfig, {**values, **extra})
 
