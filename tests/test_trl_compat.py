@@ -250,7 +250,7 @@ def test_a_reward_returning_a_non_number_stops_in_one_line():
 
 def test_examples_trl_chat_grpo_script_runs_two_steps(chat_model_dir, chat_engine_dir, tmp_path, monkeypatch):
     """examples/trl_chat/grpo.py as written (TRL names, callables, a datasets object), with only its length and
-    batch cut for the test: 2 generations of 2 optimizer steps each. The embedded chat model is the session's
+    batch cut for the test: 2 generations of 4 optimizer steps each (2 minibatches x 2 iterations). The embedded chat model is the session's
     tiny chat model here (REFIT_DEMO_MODELS), so nothing is built or exported."""
     import learner.trl_compat as tc
 
@@ -259,10 +259,14 @@ def test_examples_trl_chat_grpo_script_runs_two_steps(chat_model_dir, chat_engin
     (models / "policy").symlink_to(chat_model_dir)
     monkeypatch.setenv("REFIT_DEMO_MODELS", str(models))
     real = tc.GRPOConfig
-    cut = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=4, save_steps=4,
+    cut = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=8, save_steps=4,
                refit={"model.engine_dir": str(chat_engine_dir), "export_final": False, "log.plots": False,
                       "log.progress": False, "rollout.probe_size": 2})
-    monkeypatch.setattr(tc, "GRPOConfig", lambda **kw: real(**{**kw, **cut}))
+    class Cut(real):  # the script's GRPOConfig(...), with the test's cuts on top
+        def __init__(self, **kw):
+            super().__init__(**{**kw, **cut})
+
+    monkeypatch.setattr(tc, "GRPOConfig", Cut)
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "trl_chat"))
     runpy.run_path(str(ROOT / "examples" / "trl_chat" / "grpo.py"), run_name="__main__")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -271,6 +275,24 @@ def test_examples_trl_chat_grpo_script_runs_two_steps(chat_model_dir, chat_engin
         assert {"reward/correct/mean", "reward/carry_bonus/mean", "kl/exact", "ppo/kl_loss"} <= set(r)
         assert 0.0 <= r["reward/mean"] <= 1.5 and r["kl/exact"] >= -1e-6
     saved = (tmp_path / "run" / "config.yaml").read_text()
-    for line in ("batch_size: 1", "num_generations: 8", "num_mini_batches: 2", "num_ppo_epochs: 2", "kl_coef: 0.02",
+    for line in ("batch_size: 2", "num_generations: 8", "num_mini_batches: 2", "num_ppo_epochs: 2", "kl_coef: 0.02",
                  "response_length: 6", "advantage_estimator: grpo", "scale_rewards: group"):
         assert line in saved, line
+
+
+@pytest.mark.slow  # 52 s here (2 distillation steps with evaluation, on a loaded 2-core machine)
+def test_run_distill_from_a_dataset_object(model_dirs, engine_dirs, tmp_path):
+    """learner.api.run_distill with a datasets.Dataset: saved under the run folder, named in config.yaml, trained
+    on (its prompts, not the embedded task's)."""
+    import datasets
+    from conftest import tiny_distill_config
+
+    from learner.api import run_distill
+
+    rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(4)]
+    cfg = tiny_distill_config(model_dirs, engine_dirs, tmp_path / "run", steps=2, save_steps=2)
+    res = run_distill(cfg, train_dataset=datasets.Dataset.from_list(rows), log=lambda *_: None)
+    assert [r["step"] for r in res.metrics if "loss" in r or "distill/loss" in r][-1] == 2
+    assert res.run_dir == tmp_path / "run" and (res.run_dir / "train_dataset").is_dir()
+    assert f"dataset: {tmp_path / 'run' / 'train_dataset'}" in (res.run_dir / "config.yaml").read_text()
+    assert res.summary["steps"] == 2
