@@ -265,7 +265,8 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "run.bf16": True if a.bf16 is None else bool(a.bf16), "model.model_dir": model_dir,
         "num_generations": a.num_generations, "advantage_estimator": a.ESTIMATOR,
         "scale_rewards": _scale_rewards(a.scale_rewards), "num_ppo_epochs": a.num_iterations,
-        "num_mini_batches": shape["num_mini_batches"], "optim.gradient_accumulation_steps": a.gradient_accumulation_steps,
+        "num_mini_batches": shape["num_mini_batches"],
+        "optim.gradient_accumulation_steps": a.gradient_accumulation_steps,
         "response_length": a.max_completion_length, "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1],
         "cliprange": a.epsilon, "optim.learning_rate": a.learning_rate, "optim.lr_scheduler_type": a.lr_scheduler_type,
         "optim.warmup_steps": warmup, "optim.weight_decay": a.weight_decay, "optim.max_grad_norm": a.max_grad_norm,
@@ -371,7 +372,8 @@ class GRPOTrainer:
         n = len(train_dataset) if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, str) else None
         from learner.ppo.rewards import spec_of
 
-        self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs))  # the PPOConfig that runs (saved as OUTPUT_DIR/config.yaml)
+        # the PPOConfig that runs (saved as OUTPUT_DIR/config.yaml)
+        self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs))
         self.result = None
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:

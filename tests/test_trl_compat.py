@@ -4,7 +4,6 @@ hints of `refit ppo`'s YAML and flags, TRL's extra reward keywords, and examples
 from __future__ import annotations
 
 import json
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -36,7 +35,8 @@ def test_batch_counts_completions_and_max_steps_counts_optimizer_steps():
              num_generations=8, max_steps=12)
     assert (c.run.batch_size, c.num_mini_batches, c.optim.gradient_accumulation_steps, c.num_ppo_epochs) == (8, 2, 2, 3)
     assert c.run.steps == 2  # 12 optimizer steps / 6 per generation
-    assert _ppo(per_device_train_batch_size=16, generation_batch_size=64, num_generations=8, max_steps=4).run.batch_size == 8
+    by_size = _ppo(per_device_train_batch_size=16, generation_batch_size=64, num_generations=8, max_steps=4)
+    assert by_size.run.batch_size == 8
     with pytest.raises(RefitError, match=r"max_steps=10 optimizer steps is not a multiple of the 6 .* use 6 or 12"):
         _ppo(per_device_train_batch_size=16, gradient_accumulation_steps=2, steps_per_generation=4, num_iterations=3,
              num_generations=8, max_steps=10)
@@ -62,13 +62,15 @@ def test_scale_rewards_bool_and_strings(given, want):
 
 
 def test_other_trl_names_and_defaults():
-    c = _ppo(("m:a", "m:b"), max_steps=8, per_device_train_batch_size=8, steps_per_generation=2, epsilon=0.3, learning_rate=3e-5,
+    c = _ppo(("m:a", "m:b"), max_steps=8, per_device_train_batch_size=8, steps_per_generation=2, epsilon=0.3,
+             learning_rate=3e-5,
              temperature=0.7, top_p=0.9, top_k=None, max_completion_length=12, seed=5, save_steps=3, warmup_ratio=0.25,
              save_total_limit=3, report_to=["tensorboard"], reward_weights=[1, 0.5], loss_type="bnpo",
              use_vllm=False, gradient_checkpointing=True, refit={"rollout.backend": "torch", "top_k": 0})
     assert (c.cliprange, c.optim.learning_rate, c.rollout.temperature, c.sampling.top_p, c.sampling.top_k) == (
         0.3, 3e-5, 0.7, 0.9, 0)
-    assert (c.response_length, c.run.seed, c.run.steps, c.ckpt.keep_checkpoints, c.log.tensorboard) == (12, 5, 4, 3, True)
+    assert (c.response_length, c.run.seed, c.run.steps, c.ckpt.keep_checkpoints, c.log.tensorboard) == (
+        12, 5, 4, 3, True)
     assert c.ckpt.save_steps == 2  # 3 optimizer steps -> the rollout boundary at or after it (2 per rollout)
     assert c.optim.warmup_steps == 2 and c.optim.lr_scheduler_type == "linear"  # TRL's (HF's) default schedule
     assert c.rollout.backend == "torch" and c.reward_weights == (1.0, 0.5)
@@ -250,8 +252,8 @@ def test_a_reward_returning_a_non_number_stops_in_one_line():
 
 def test_examples_trl_chat_grpo_script_runs_two_steps(chat_model_dir, chat_engine_dir, tmp_path, monkeypatch):
     """examples/trl_chat/grpo.py as written (TRL names, callables, a datasets object), with only its length and
-    batch cut for the test: 2 generations of 4 optimizer steps each (2 minibatches x 2 iterations). The embedded chat model is the session's
-    tiny chat model here (REFIT_DEMO_MODELS), so nothing is built or exported."""
+    batch cut for the test: 2 generations of 4 optimizer steps each (2 minibatches x 2 iterations). The embedded
+    chat model is the session's tiny chat model here (REFIT_DEMO_MODELS), so nothing is built or exported."""
     import learner.trl_compat as tc
 
     models = tmp_path / "models"
