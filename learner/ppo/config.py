@@ -1,4 +1,18 @@
-"""``PPOConfig``: the PPO-KL job's fields on top of the shared sections (names as in TRL's ``PPOConfig``)."""
+"""``PPOConfig``: the PPO-KL job's fields on top of the shared sections (names as in TRL's ``PPOConfig``).
+
+In Python a config is built with its sections as keywords, each a frozen dataclass of
+:mod:`learner.run.config`; fields not given keep their defaults (run it with :func:`learner.api.run_ppo`)::
+
+    PPOConfig(run=RunSection(output_dir="runs/x", steps=50, batch_size=8),
+              model=ModelSection(model_dir="models/policy"),
+              optim=OptimSection(learning_rate=1e-5), advantage_estimator="grpo", num_generations=8)
+
+``dataclasses.replace(cfg, num_generations=4)`` changes a job field and
+``export.parsing.with_values(cfg, **{"optim.learning_rate": 1e-4})`` a section field.
+``PPOConfig.from_flat(learning_rate=...)`` takes the previous release's flat names (deprecated).
+TRL's GRPO/RLOO names, with their meanings, are taken by :mod:`learner.trl_compat`; in YAML and flags each
+is refused with the field that does it (:data:`TRL_HINTS`).
+"""
 
 from __future__ import annotations
 
@@ -51,19 +65,7 @@ TRL_HINTS = {
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """PPO-KL with engine rollouts (see ``refit ppo --help`` for every field).
-
-    In Python a config is built with its sections as keywords, each a frozen dataclass of
-    :mod:`learner.run.config`; fields not given keep their defaults::
-
-        PPOConfig(run=RunSection(output_dir="runs/x", steps=50, batch_size=8),
-                  model=ModelSection(model_dir="models/policy"),
-                  optim=OptimSection(learning_rate=1e-5), advantage_estimator="grpo", num_generations=8)
-
-    ``dataclasses.replace(cfg, num_generations=4)`` changes a job field and
-    ``export.parsing.with_values(cfg, **{"optim.learning_rate": 1e-4})`` a section field.
-    ``PPOConfig.from_flat(learning_rate=...)`` takes the previous release's flat names (deprecated).
-    """
+    """PPO-KL with engine rollouts (see ``refit ppo --help`` for every field)."""
 
     run: RunSection = _f(help_="the run", factory=lambda: RunSection(output_dir="runs/ppo", steps=20))
     model: ModelSection = _f(help_="the policy (also the frozen reference); its engine defaults to OUTPUT_DIR/engine",
