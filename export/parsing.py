@@ -208,7 +208,10 @@ def _negate(path: str) -> str:
 def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]) -> tuple[list[str], list[str]]:
     """Old flat flags -> dotted ones (with notes); ``--flag true|false`` -> ``--flag`` / ``--no_flag``."""
     known = set(leaves(cls)) | set(flat_leaves(cls)) | bools
-    out, notes, i = [], [], 0
+    types = leaves(cls)
+    bool_or = {p for p, tp in types.items() if typing.get_origin(tp) in (typing.Union, UnionType)
+               and bool in typing.get_args(tp)}
+    argv, out, notes, i = list(argv), [], [], 0
     while i < len(argv):
         tok, i = argv[i], i + 1
         if not tok.startswith("--") or tok == "--":
@@ -221,6 +224,8 @@ def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]
             new = legacy[key[3:]] if neg else legacy[key]
             notes.append(f"--{name} -> --{_negate(new) if neg else new}")
             key = name = _negate(new) if neg else new
+        if key in bool_or and not eq and i < len(argv) and argv[i].lower() in ("true", "false"):
+            argv[i] = argv[i].capitalize()  # a str-or-bool field (scale_rewards): tyro spells True, False
         if key in bools:
             if not eq and i < len(argv) and argv[i].lower() in BOOL_WORDS:
                 val, eq, i = argv[i], "=", i + 1

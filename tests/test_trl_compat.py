@@ -170,7 +170,8 @@ def test_scale_rewards_takes_trls_bool_in_yaml_and_flags(tmp_path):
     for given, want in (("true", "group"), ("false", "none"), ("batch", "batch")):
         y.write_text(f"scale_rewards: {given}\nnum_generations: 2\nadvantage_estimator: grpo\n")
         assert parse_job(PPOConfig, ["--config", str(y)], "refit ppo")[0].scale_rewards == want
-    assert parse_job(PPOConfig, ["--scale_rewards", "False"], "refit ppo")[0].scale_rewards == "none"
+    for flag, want in (("False", "none"), ("true", "group"), ("false", "none"), ("batch", "batch")):
+        assert parse_job(PPOConfig, ["--scale_rewards", flag], "refit ppo")[0].scale_rewards == want
     assert PPOConfig(scale_rewards=True).scale_rewards == "group"
 
 
