@@ -39,7 +39,8 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
 
     cfg = PPOConfig.from_flat(
         model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
-        num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9, kl_estimator="exact",
+        num_generations=2, advantage_estimator="gae", num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
+        kl_estimator="exact",
         reward="refit.learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
     rows = read_metrics(run_ppo(cfg, log=_quiet))
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),

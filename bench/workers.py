@@ -34,7 +34,7 @@ def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: in
     for n in (1, workers):
         cfg = PPOConfig.from_flat(
             model_dir=str(policy), engine_dir=str(work / "engine"), output_dir=str(work / f"ppo-w{n}"),
-            steps=steps, batch_size=32, num_generations=4, max_operand=9, learning_rate=3e-4,
+            steps=steps, batch_size=32, num_generations=4, advantage_estimator="gae", max_operand=9, learning_rate=3e-4,
             num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, save_steps=steps,
             engine_threads=threads if n == 1 else 1, rollout_workers=n,
             rollout_worker_cpus=max(threads / n, 0.5), progress=False, tensorboard=False, plots=False)

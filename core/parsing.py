@@ -117,9 +117,16 @@ def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> 
         notes.append(f"{key} -> {legacy[old]}")
         out[legacy[old]] = v
     if unknown:
-        raise RefitError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
-                         f"(see --help)")
+        raise RefitError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(hinted(cls, k) for k in unknown)} (see --help)")
     return out, notes
+
+
+def hinted(cls, name: str) -> str:
+    """``name``, with the field that does it when ``cls.NAME_HINTS`` knows it as another tool's name (TRL's
+    ``beta`` -> ``beta (TRL's name; here: kl_coef with ...)``)."""
+    hint = getattr(cls, "NAME_HINTS", {}).get(name.replace("-", "_"))
+    return f"{name} (TRL's name; here: {hint})" if hint else name
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -143,7 +150,13 @@ def _coerce(tp, v, where: str):
     if origin in (typing.Union, UnionType):
         if v is None and type(None) in args:
             return None
-        return _coerce(next(a for a in args if a is not type(None)), v, where)
+        members = [a for a in args if a is not type(None)]
+        for a in members[:-1]:  # the first member that takes the value (Literal["group", ...] | bool)
+            try:
+                return _coerce(a, v, where)
+            except RefitError:
+                pass
+        return _coerce(members[-1], v, where)
     try:
         if tp is bool:
             return v if isinstance(v, bool) else BOOL_WORDS[str(v).lower()]
@@ -195,7 +208,10 @@ def _negate(path: str) -> str:
 def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]) -> tuple[list[str], list[str]]:
     """Old flat flags -> dotted ones (with notes); ``--flag true|false`` -> ``--flag`` / ``--no_flag``."""
     known = set(leaves(cls)) | set(flat_leaves(cls)) | bools
-    out, notes, i = [], [], 0
+    types = leaves(cls)
+    bool_or = {p for p, tp in types.items() if typing.get_origin(tp) in (typing.Union, UnionType)
+               and bool in typing.get_args(tp)}
+    argv, out, notes, i = list(argv), [], [], 0
     while i < len(argv):
         tok, i = argv[i], i + 1
         if not tok.startswith("--") or tok == "--":
@@ -208,6 +224,8 @@ def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]
             new = legacy[key[3:]] if neg else legacy[key]
             notes.append(f"--{name} -> --{_negate(new) if neg else new}")
             key = name = _negate(new) if neg else new
+        if key in bool_or and not eq and i < len(argv) and argv[i].lower() in ("true", "false"):
+            argv[i] = argv[i].capitalize()  # a str-or-bool field (scale_rewards): tyro spells True, False
         if key in bools:
             if not eq and i < len(argv) and argv[i].lower() in BOOL_WORDS:
                 val, eq, i = argv[i], "=", i + 1
@@ -257,5 +275,6 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
     parsed, rest = tyro.cli(args, args=argv, prog=prog, description=inspect.cleandoc(cls.__doc__ or ""), default=default,
                             use_underscores=True, return_unknown_args=True)
     if rest:
-        raise RefitError(f"unknown arguments: {' '.join(rest)} (see {prog} --help)")
+        words = [f"--{hinted(cls, t[2:])}" if t.startswith("--") and "=" not in t else t for t in rest]
+        raise RefitError(f"unknown arguments: {' '.join(words)} (see {prog} --help)")
     return parsed.cfg, SimpleNamespace(**{n: getattr(parsed, n) for n, _, _ in opts})

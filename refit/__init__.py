@@ -9,7 +9,8 @@ else is reachable under its room (``refit.core``, ``refit.export``, ``refit.roll
     refit.build_engine("models/tiny", "engines/tiny")            # HF folder -> parity-gated engine folder
     engine = refit.create_engine("onnxruntime", "engines/tiny")   # generate / score / update_weights
     batch = engine.generate([[5, 6, 7]], refit.SamplingParams(max_new_tokens=8))
-    refit.run_ppo(refit.PPOConfig(...))                          # the PPO-KL job (as `refit ppo`)
+    refit.run_ppo(refit.PPOConfig(...), reward_funcs=[my_reward])  # the PPO-KL job (as `refit ppo`)
+    refit.GRPOTrainer(model=..., reward_funcs=[...], args=refit.GRPOConfig(...)).train()  # TRL's names
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ _EXPORTS = {
     "SamplingParams": "refit.rollout.types",
     "RolloutBatch": "refit.rollout.types",
     "PPOConfig": "refit.learner.ppo.config",
-    "run_ppo": "refit.learner.ppo.cycle",
+    "run_ppo": "refit.learner.api",
     "DistillConfig": "refit.learner.distill.config",
-    "run_distill": "refit.learner.distill.cycle",
+    "run_distill": "refit.learner.api",
+    "RunResult": "refit.learner.api",
+    "GRPOConfig": "refit.learner.trl_compat",
+    "GRPOTrainer": "refit.learner.trl_compat",
+    "RLOOConfig": "refit.learner.trl_compat",
+    "RLOOTrainer": "refit.learner.trl_compat",
 }
 _ALIASES = {"build_engine": "build"}  # public name -> the defining module's name
 
@@ -50,10 +56,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from refit.core.manifest import Manifest
     from refit.rollout.build import build as build_engine
     from refit.export.onnx_export import ExportOptions
+    from refit.learner.api import RunResult, run_distill, run_ppo
     from refit.learner.distill.config import DistillConfig
-    from refit.learner.distill.cycle import run_distill
     from refit.learner.ppo.config import PPOConfig
-    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.trl_compat import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from refit.rollout.engine import Engine, create_engine
     from refit.rollout.types import RolloutBatch, SamplingParams
 

@@ -25,7 +25,7 @@ from conftest import corrupting
 
 def _cfg(model_dirs, engine_dirs, arch, out, **kw):
     base = dict(model_dir=str(model_dirs[arch]), engine_dir=str(engine_dirs[arch]), output_dir=str(out),
-                steps=2, batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
+                steps=2, batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1, response_length=4,
                 save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
                 num_prompts=32, learning_rate=1e-3, export_final=False)
     base.update(kw)

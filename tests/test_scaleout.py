@@ -182,7 +182,8 @@ def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_
     from refit.learner.ppo.cycle import setup, train_step
 
     cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
-                    output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, num_mini_batches=2,
+                    output_dir=str(tmp_path), steps=1, batch_size=4, num_generations=2, advantage_estimator="gae",
+                    num_mini_batches=2,
                     num_ppo_epochs=1, response_length=4, save_steps=1, probe_size=4, progress=False,
                     tensorboard=False, plots=False, max_operand=9, num_prompts=16, rollout_workers=2,
                     rollout_worker_cpus=0.25)
@@ -318,7 +319,8 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     from refit.learner.run.metrics import read_metrics
 
     kw = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]), steps=2,
-              batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
+              batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1,
+              response_length=4,
               save_steps=1, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
               num_prompts=16, learning_rate=1e-3, device="cpu", reward="refit.bench.ppo:length_reward",
               export_final=False)

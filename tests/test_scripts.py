@@ -37,6 +37,7 @@ def test_export_script_default(tmp_path):
 
 def test_train_ppo_script_default(tmp_path):
     r = _run("train_ppo.sh", "-o", str(tmp_path), "--run.steps", "2", "--run.batch_size", "4", "--num_generations", "2",
+             "--advantage_estimator", "gae",
              "--log.no_progress", "--ckpt.save_steps", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])

@@ -159,7 +159,7 @@ def test_misbehaving_reward_is_one_line_naming_it(tmp_path, body, msg):
 
 def _chat_cfg(chat_model_dir, chat_engine_dir, data, out, **kw):
     base = dict(model_dir=str(chat_model_dir), engine_dir=str(chat_engine_dir), output_dir=str(out), dataset=str(data),
-                steps=2, batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
+                steps=2, batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1, response_length=4,
                 save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, learning_rate=1e-3,
                 export_final=False)
     base.update(kw)

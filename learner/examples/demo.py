@@ -71,7 +71,8 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
     """The demo's PPO run: the demo's settings on top of PPOConfig's defaults."""
     return PPOConfig.from_flat(
         model_dir=str(policy), output_dir=str(Path(a.out) / "ppo"), backend=a.backend, seed=a.seed, steps=a.steps,
-        batch_size=a.batch_size, num_generations=a.num_generations, max_operand=a.max_operand, learning_rate=3e-4,
+        batch_size=a.batch_size, num_generations=a.num_generations, advantage_estimator="gae",
+        max_operand=a.max_operand, learning_rate=3e-4,
         num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, temperature=1.0, top_k=0,
         save_steps=10, engine_threads=a.threads, progress=a.progress)
 

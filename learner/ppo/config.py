@@ -1,14 +1,66 @@
-"""``PPOConfig``: the PPO-KL job's fields on top of the shared sections (names as in TRL's ``PPOConfig``)."""
+"""``PPOConfig``: the PPO-KL job's fields on top of the shared sections (names as in TRL's ``PPOConfig``).
+
+In Python a config is built with its sections as keywords, each a frozen dataclass of
+:mod:`refit.learner.run.config`; fields not given keep their defaults (run it with :func:`refit.learner.api.run_ppo`)::
+
+    PPOConfig(run=RunSection(output_dir="runs/x", steps=50, batch_size=8),
+              model=ModelSection(model_dir="models/policy"),
+              optim=OptimSection(learning_rate=1e-5), advantage_estimator="grpo", num_generations=8)
+
+``dataclasses.replace(cfg, num_generations=4)`` changes a job field and
+``refit.core.parsing.with_values(cfg, **{"optim.learning_rate": 1e-4})`` a section field.
+``PPOConfig.from_flat(learning_rate=...)`` takes the previous release's flat names (deprecated).
+TRL's GRPO/RLOO names, with their meanings, are taken by :mod:`refit.learner.trl_compat`; in YAML and flags each
+is refused with the field that does it (:data:`TRL_HINTS`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from refit.core.parsing import FLAT
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from refit.rollout.config import Sampling
+
+
+TRL_HINTS = {
+    "per_device_train_batch_size": "run.batch_size counts prompts (TRL's counts completions: run.batch_size = "
+                                   "per_device_train_batch_size * gradient_accumulation_steps * steps_per_generation "
+                                   "/ num_generations)",
+    "max_completion_length": "response_length",
+    "max_steps": "run.steps counts rollouts (TRL's max_steps counts optimizer steps: run.steps = max_steps / "
+                 "(num_ppo_epochs * num_mini_batches))",
+    "beta": "kl_coef with kl_penalty: loss and kl_estimator: k3 (TRL's GRPO beta; Refit's default kl_coef is a k1 "
+            "penalty in the reward)",
+    "epsilon": "cliprange",
+    "epsilon_high": "not supported (one symmetric cliprange)",
+    "num_iterations": "num_ppo_epochs",
+    "steps_per_generation": "num_mini_batches",
+    "generation_batch_size": "run.batch_size * num_generations (rows per rollout)",
+    "gradient_accumulation_steps": "optim.gradient_accumulation_steps",
+    "num_train_epochs": "run.steps (rollouts of run.batch_size prompts)",
+    "loss_type": "not a field: Refit's loss is normalised by the minibatch's token count (TRL's 'dapo')",
+    "max_prompt_length": "not supported: prompts are kept whole (a prompt too long for the model is refused)",
+    "use_vllm": "rollout.backend (onnxruntime, tensorrt, torch, hf)",
+    "vllm_importance_sampling_correction": "mismatch_correction: tis (cap tis_cap) or seq_mask",
+    "vllm_importance_sampling_cap": "tis_cap",
+    "logging_steps": "not needed: every step is written to metrics.jsonl",
+    "save_strategy": "ckpt.save_steps",
+    "report_to": "log.tensorboard",
+    "per_device_eval_batch_size": "not needed: evaluation runs in engine batches of run.batch_size * num_generations",
+    "eval_strategy": "eval_steps",
+    "min_p": "not supported (top_k, top_p)",
+    "repetition_penalty": "not supported",
+    "model_name_or_path": "model.model_dir",
+    "dataset_name": "data.dataset (a local file or save_to_disk folder)",
+    "dataset_train_split": "data.dataset_split",
+    "dataset_test_split": "data.eval_split",
+    "gradient_checkpointing": "not supported",
+    "lr_scheduler_type": "optim.lr_scheduler_type",
+    "warmup_ratio": "optim.warmup_steps (optimizer steps)",
+}
 
 
 @dataclass(frozen=True)
@@ -42,13 +94,14 @@ class PPOConfig:
                                   "and OUTPUT_DIR/final_value_head.safetensors; with --resume on a finished run "
                                   "only that is done")
     num_generations: int = _f(1, "samples per prompt")
-    advantage_estimator: Literal["gae", "rloo", "grpo"] = _f(
-        "gae", "gae: per-token GAE with the value head (critic); rloo: REINFORCE leave-one-out over the "
-               "num_generations samples of a prompt; grpo: group mean/std (DeepSeekMath); rloo/grpo need "
-               "num_generations > 1 and skip the critic")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
-        "group", "grpo: divide by the group's std ('group', the paper), the batch's std ('batch') or not at all "
-                 "('none', Dr. GRPO; TRL's False); as TRL's GRPOConfig")
+    advantage_estimator: Literal["auto", "gae", "rloo", "grpo"] = _f(
+        "auto", "gae: per-token GAE with the value head (critic); rloo: REINFORCE leave-one-out over the "
+                "num_generations samples of a prompt; grpo: group mean/std (DeepSeekMath); rloo/grpo need "
+                "num_generations > 1 and skip the critic; auto: gae with num_generations 1, and with more it "
+                "must be chosen (TRL's GRPO is grpo)")
+    scale_rewards: Literal["group", "batch", "none"] | bool = _f(
+        "group", "grpo: divide by the group's std ('group', the paper; TRL's True), the batch's std ('batch') or "
+                 "not at all ('none', Dr. GRPO; TRL's False); as TRL's GRPOConfig")
     num_ppo_epochs: int = _f(2, "passes over each rollout batch")
     num_mini_batches: int = _f(2, "minibatches per epoch (one optimizer step each)")
     cliprange: float = _f(0.2, "PPO policy ratio clip")
@@ -88,7 +141,19 @@ class PPOConfig:
 
     from_flat = classmethod(from_flat)
 
+    # TRL names this config does not take -> the Refit field that does it, for the one-line refusal in YAML and
+    # flags (refit.core.parsing reads NAME_HINTS); refit.learner.trl_compat.GRPOConfig takes them with TRL's meanings
+    NAME_HINTS: ClassVar[dict[str, str]] = TRL_HINTS
+
     def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        if self.advantage_estimator == "auto":
+            check([(self.num_generations > 1,
+                    f"num_generations={self.num_generations} needs advantage_estimator chosen: grpo (TRL's GRPO: "
+                    "group mean/std, no critic), rloo (leave-one-out, no critic) or gae (PPO with a value head on "
+                    "each of the samples)")])
+            object.__setattr__(self, "advantage_estimator", "gae")
         rows = self.run.batch_size * self.num_generations
         check([
             (self.advantage_estimator != "gae" and self.num_generations < 2,

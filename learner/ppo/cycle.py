@@ -28,7 +28,8 @@ from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
-from refit.learner.ppo.rewards import NamedReward, as_rewards, load_rewards, score_rewards
+from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
+                                       write_extras)
 from refit.learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
                                 make_advantages, per_token_rewards, policy_forward, score_batch, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
@@ -76,9 +77,12 @@ class Run:
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
+    reward_log: RewardLog = field(default_factory=RewardLog)  # TRL's log_metric / log_extra, flushed every step
 
 
-def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
+def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None,
+          rewards: list[NamedReward] | None = None) -> Run:
+    """Everything the cycle holds; ``rewards``: already loaded (callables from Python), else ``cfg``'s specs."""
     from transformers import get_scheduler
 
     run_dir = Path(cfg.run.output_dir)
@@ -106,7 +110,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                               num_training_steps=total)
-    rewards = load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
+    rewards = rewards or load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
+    if not resume:
+        (run_dir / "completions.jsonl").unlink(missing_ok=True)  # log_extra rows of an earlier run here
     run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, data.prompts, prompt_ids,
               rewards, cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids, stop_ids=end_of_turn_ids(tok),
               dist=dist)
@@ -221,6 +227,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
         return {}
     timings = {}
     t0 = time.perf_counter()
+    state = trainer_state(run, step)
     idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
     run.data_position += cfg.run.batch_size
     sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature,
@@ -232,7 +239,11 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     t1 = time.perf_counter()
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
     data = run.data or PromptSet(run.prompts)
-    scores, reward_stats = score_rewards(as_rewards(run.reward_fn), *reward_inputs(run.tok, rollout, data, rows))
+    prompts, completions, columns = reward_inputs(run.tok, rollout, data, rows)
+    scores, reward_stats = score_rewards(as_rewards(run.reward_fn), prompts, completions,
+                                         {**columns, **run.reward_log.kwargs(state)})
+    logged, extra = run.reward_log.flush()  # TRL's log_metric means and log_extra columns
+    write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
     settings = update_settings(run)
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
     fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
@@ -271,7 +282,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     if stats["kl/k1"] < -1e-6:
         log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates))
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-            **reward_stats, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
+            **reward_stats, **logged, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
             "response/length": tokens / rollout.num_rows, "engine/weights_version": run.engine.weights_version,
             "tokens_per_s": tokens / max(timings["time/rollout"], 1e-9), **timings,
             "time/step": time.perf_counter() - t0}
@@ -284,7 +295,17 @@ def save(run: Run, step: int) -> Path:
                            state, run.cfg.ckpt.keep_checkpoints)
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def trainer_state(run: Run, step: int, evaluating: bool = False) -> TrainerState:
+    """TRL's view of the run at the rollout of ``step`` (or at the evaluation after ``step``): the optimizer
+    steps taken before it and the passes over the training prompts."""
+    cfg, n = run.cfg, max(1, len(run.prompts))
+    per = cfg.num_ppo_epochs * cfg.num_mini_batches  # optimizer steps per rollout
+    done = step if evaluating else max(step - 1, 0)  # rollouts whose update is in the weights
+    return TrainerState(global_step=done * per, max_steps=cfg.run.steps * per, epoch=run.data_position / n,
+                        num_train_epochs=cfg.run.steps * cfg.run.batch_size / n, step=step)
+
+
+def evaluate(run: Run, step: int = 0) -> dict[str, float]:
     """Greedy generation of the held-out prompts through the engine; their reward means (rank 0)."""
     cfg, t0 = run.cfg, time.perf_counter()
     if run.eval_set is None or not cfg.eval_steps:
@@ -299,8 +320,11 @@ def evaluate(run: Run) -> dict[str, float]:
         prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
         for k, v in x.items():
             extra.setdefault(k, []).extend(v)
-    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, extra, prefix="eval/reward")
-    return {"eval/reward/mean": float(total.mean()), **stats, "eval/response_length": tokens / len(prompts),
+    hooks = run.reward_log.kwargs(trainer_state(run, step, evaluating=True))
+    total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, {**extra, **hooks},
+                                 prefix="eval/reward")
+    logged, _ = run.reward_log.flush(prefix="eval/")
+    return {"eval/reward/mean": float(total.mean()), **stats, **logged, "eval/response_length": tokens / len(prompts),
             "time/eval": time.perf_counter() - t0}
 
 
@@ -308,7 +332,7 @@ def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:
     """:func:`train_step`, plus the held-out evaluation every ``eval_steps`` steps and at the last (rank 0)."""
     m = train_step(run, step, log)
     if run.dist.is_main and run.cfg.eval_steps and due(step, run.cfg.eval_steps, run.cfg.run.steps):
-        m.update(evaluate(run))
+        m.update(evaluate(run, step))
     return m
 
 
@@ -322,8 +346,9 @@ def final(run: Run, log=print) -> None:
                 cfg.rollout.backend, cfg.run.batch_size * cfg.num_generations, max_len, run.stop_ids, log)
 
 
-def ppo_job(log=print) -> Job:
-    return Job("ppo", setup=setup, step=partial(step_and_evaluate, log=log), save=save,
+def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
+    """The PPO job for :func:`refit.learner.run.loop.run_job`; ``rewards``: loaded already (Python callables)."""
+    return Job("ppo", setup=partial(setup, rewards=rewards), step=partial(step_and_evaluate, log=log), save=save,
                engines=lambda run: [run.engine, run.ref_engine],
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
                plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))

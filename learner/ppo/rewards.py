@@ -14,7 +14,15 @@ positionally. ``None`` means "not applicable to this row": it is left out of the
 Specs (``reward`` / ``reward_funcs``):
 - ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`refit.learner.examples.tasks`);
 - ``"package.module:function"``, or a file ``"path/to/rewards.py:function"``;
-- a folder path: an HF sequence-classification checkpoint; the reward is the logit of ``label_index``.
+- a folder path: an HF sequence-classification checkpoint; the reward is the logit of ``label_index``;
+- in Python (``refit.learner.api.run_ppo(cfg, reward_funcs=[...])``, ``GRPOTrainer``): the callable itself.
+
+TRL 1.x also passes three keywords, which a function gets when it names them or takes ``**kwargs``
+(:class:`RewardLog`): ``trainer_state`` (:class:`TrainerState`: ``global_step`` in optimizer steps,
+``max_steps``, ``epoch``), ``log_metric(name, value)`` (the mean of the values logged in a step goes into
+metrics.jsonl / TensorBoard as ``name``; ``eval/name`` during the held-out evaluation) and
+``log_extra(column, values)`` (one value per completion; the step's prompts, completions and these
+columns are appended to ``completions.jsonl`` in the run folder). An ``async def`` function is awaited.
 
 A function that raises, returns the wrong number of values, or returns NaN / inf / a non-number stops
 the run with one line naming it, before anything of that step is applied or saved.
@@ -22,10 +30,13 @@ the run with one line naming it, before anything of that step is applied or save
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
+import json
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -127,13 +138,25 @@ class NamedReward:
     weight: float = 1.0
 
 
-def load_rewards(specs: list[str], weights: list[float]) -> list[NamedReward]:
-    """The reward functions of ``specs`` with ``weights`` (empty: 1.0 each); names made unique."""
+def spec_of(fn) -> str:
+    """How a reward is written in the saved config: a spec string as is, a callable as ``module:name``."""
+    if isinstance(fn, str):
+        return fn
+    if not callable(fn):
+        raise RefitError(f"reward function {fn!r} is neither a spec string ('path.py:function', 'module:function', "
+                         "a classifier folder) nor a callable")
+    return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
+
+
+def load_rewards(specs: list, weights: list[float]) -> list[NamedReward]:
+    """The reward functions of ``specs`` (spec strings or callables) with ``weights`` (empty: 1.0 each); names
+    made unique."""
     if weights and len(weights) != len(specs):
         raise RefitError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions")
     out: list[NamedReward] = []
     for i, spec in enumerate(specs):
-        fn = load_reward(spec)
+        spec_of(spec)  # a string or a callable, else one line
+        fn = load_reward(spec) if isinstance(spec, str) else spec
         name = getattr(fn, "__name__", None) or f"reward{i}"
         name = name if name not in {r.name for r in out} else f"{name}_{i}"
         out.append(NamedReward(name, fn, float(weights[i]) if weights else 1.0))
@@ -154,11 +177,16 @@ def _call(fn: RewardFn, prompts: list, completions: list, extra: dict[str, Any])
     return fn(prompts, completions, **named)  # an older (prompts, responses) function
 
 
+def _await(out: Any) -> Any:
+    """An ``async def`` reward's result (TRL awaits them)."""
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
 def call_reward(r: NamedReward, prompts: list, completions: list, extra: dict[str, Any]) -> torch.Tensor:
     """(B,) float32 values of one reward function, NaN where it returned None; one line when it misbehaves."""
     n = len(completions)
     try:
-        out = _call(r.fn, prompts, completions, extra)
+        out = _await(_call(r.fn, prompts, completions, extra))
     except RefitError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's function: one line, nothing of the step applied
@@ -202,3 +230,64 @@ def as_rewards(obj) -> list[NamedReward]:
     if isinstance(obj, list):
         return obj
     return [NamedReward(getattr(obj, "__name__", "reward") or "reward", obj, 1.0)]
+
+
+@dataclass
+class TrainerState:
+    """What a TRL reward function reads from ``trainer_state`` (the fields of ``transformers.TrainerState`` that
+    Refit has), at the rollout of step ``step``."""
+
+    global_step: int  # optimizer steps taken before this rollout (TRL's count)
+    max_steps: int  # optimizer steps of the whole run
+    epoch: float  # passes over the training prompts so far (prompts drawn / prompts in the split)
+    num_train_epochs: float  # passes over the training prompts the run makes
+    step: int = 0  # Refit's rollout step (1-based; 0: the evaluation before training)
+    is_world_process_zero: bool = True  # rewards run on rank 0 only
+    is_local_process_zero: bool = True
+
+
+class RewardLog:
+    """``log_metric`` / ``log_extra`` for TRL reward functions: gathered during one scoring, then flushed."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        try:
+            self.metrics[str(name)].append(float(value))
+        except (TypeError, ValueError):
+            raise RefitError(f"log_metric({name!r}, ...): {type(value).__name__} {str(value)[:40]!r} is not a "
+                             "number") from None
+
+    def log_extra(self, column: str, values: list) -> None:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise RefitError(f"log_extra({column!r}, ...): expected a list with one value per completion, got "
+                             f"{type(values).__name__}")
+        self.extra[str(column)].extend(list(values))
+
+    def kwargs(self, state: TrainerState) -> dict[str, Any]:
+        """The keywords TRL adds to every reward call."""
+        return {"trainer_state": state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def flush(self, prefix: str = "") -> tuple[dict[str, float], dict[str, list]]:
+        """(each logged metric's mean as ``{prefix}{name}``, the extra columns); both cleared."""
+        means = {f"{prefix}{k}": sum(v) / len(v) for k, v in self.metrics.items() if v}
+        extra = dict(self.extra)
+        self.metrics.clear()
+        self.extra.clear()
+        return means, extra
+
+
+def write_extras(path, step: int, prompts: list, completions: list, extra: dict[str, list]) -> None:
+    """Append one step's ``log_extra`` columns, with the prompts and completions they belong to, to ``path``
+    (JSON lines); a column whose length is not the number of completions is refused in one line."""
+    if not extra:
+        return
+    for column, values in extra.items():
+        if len(values) != len(completions):
+            raise RefitError(f"log_extra({column!r}, ...) got {len(values)} values at step {step} for "
+                             f"{len(completions)} completions")
+    row = {"step": step, "prompt": prompts, "completion": completions, **extra}
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
