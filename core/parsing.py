@@ -258,4 +258,7 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
                             use_underscores=True, return_unknown_args=True)
     if rest:
         raise RefitError(f"unknown arguments: {' '.join(rest)} (see {prog} --help)")
+    from refit.core.validate import validate
+
+    validate(parsed.cfg)  # the value ranges, every command alike (refit.core.validate.RULES)
     return parsed.cfg, SimpleNamespace(**{n: getattr(parsed, n) for n, _, _ in opts})

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from refit.core.parsing import FLAT
+from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from refit.rollout.config import Sampling
@@ -89,6 +90,7 @@ class PPOConfig:
     from_flat = classmethod(from_flat)
 
     def __post_init__(self):
+        validate(self)  # the value ranges first (refit.core.validate.RULES), then the cross-field rules
         rows = self.run.batch_size * self.num_generations
         check([
             (self.advantage_estimator != "gae" and self.num_generations < 2,

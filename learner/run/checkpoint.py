@@ -51,8 +51,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(p for p in ck_root.glob("step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if keep > 0:  # 0 keeps every checkpoint (refit.core.validate: keep_checkpoints >= 0)
+        for old in sorted(p for p in ck_root.glob("step_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
