@@ -101,3 +101,18 @@ def fault_point(name: str) -> None:
     no cleanup (``os._exit``), at the pass of ``name`` that ``REFIT_FAULT_POINT`` names (:func:`fault_due`)."""
     if fault_due(name):
         os._exit(137)
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """A UTF-8 text file's contents, or one RefitError line naming it (missing, not UTF-8)."""
+    path = Path(path)
+    if not path.is_file():
+        from refit.core.errors import RefitError
+
+        raise RefitError(f"{what} {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        from refit.core.errors import RefitError
+
+        raise RefitError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None

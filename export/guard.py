@@ -42,14 +42,15 @@ def engine_damage(engine_dir: str | Path) -> str | None:
             if sha256_files([f]) != want:
                 return f"{name} does not match its manifest (sha256 differs: changed, truncated or replaced)"
     cfg = engine_dir / "config.json"
-    if cfg.is_file():
-        from refit.core.checkpoint import model_info
+    if cfg.is_file():  # the source model's config.json, copied at export
+        from transformers import AutoConfig
 
-        info = model_info(engine_dir)
-        if info.vocab_size != m.dims.vocab_size:
-            return f"manifest vocab_size {m.dims.vocab_size} differs from the model's {info.vocab_size}"
-        if m.dims.max_positions is not None and m.dims.max_positions != info.max_positions:
-            return f"manifest max_positions {m.dims.max_positions} differs from the model's {info.max_positions}"
+        text = AutoConfig.from_pretrained(str(engine_dir)).get_text_config()
+        vocab, positions = text.vocab_size, getattr(text, "max_position_embeddings", None)
+        if vocab != m.dims.vocab_size:
+            return f"manifest vocab_size {m.dims.vocab_size} differs from the model's {vocab} (config.json)"
+        if m.dims.max_positions is not None and m.dims.max_positions != positions:
+            return f"manifest max_positions {m.dims.max_positions} differs from the model's {positions} (config.json)"
     return None
 
 
@@ -80,8 +81,8 @@ def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     clean_stale_temps(engine_dir.parent, log, prefix=engine_dir.name + ".")
     holds = folder_holds(engine_dir)
-    if holds in ("missing", "empty"):
-        return
+    if holds in ("missing", "empty") or not model_dir.is_dir():
+        return  # nothing to protect, or no model (the export says so in its own line)
     if holds != "engine":
         raise RefitError(f"engine folder {engine_dir} holds {HOLDS[holds]}, not an engine; refusing to write into it: "
                          "choose another engine folder")
