@@ -119,8 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     tok = _tokenizer(engine_dir)
     kw = {"device": a.device} if a.backend == "onnxruntime" else {}
     engine = create_engine(a.backend, engine_dir, **kw)
+    ids = [tok(t).input_ids for t in texts]
+    limit = m.dims.max_positions
+    for i, p in enumerate(ids):  # the model's own limit, before the engine's max_len (a re-export cannot lift it)
+        if limit is not None and len(p) + a.max_new_tokens > limit:
+            engine.close()
+            raise RefitError(f"prompt {i} is {len(p)} tokens; with --max_new_tokens {a.max_new_tokens} that exceeds "
+                             f"the model's {limit} positions (a limit of the model, not of the engine): shorten the "
+                             "prompt or lower --max_new_tokens")
     try:
-        batch = engine.generate([tok(t).input_ids for t in texts], sampling)
+        batch = engine.generate(ids, sampling)
     finally:
         engine.close()
     recs = _records(batch, texts, tok)
