@@ -467,7 +467,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, model_dirs, d
         assert "dropped the torn last line" in resumed.stdout
     assert not list((tmp_path / "run/checkpoints").glob(".*"))
     a, b = _rows(uninterrupted), _rows(tmp_path / "run")
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
     wa = load_file(str(uninterrupted / "checkpoints/step_000004/policy/model.safetensors"))
     wb = load_file(str(tmp_path / "run/checkpoints/step_000004/policy/model.safetensors"))
