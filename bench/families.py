@@ -42,7 +42,7 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
         num_generations=2, advantage_estimator="gae", num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
         kl_estimator="exact",
         reward="refit.learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
-    rows = read_metrics(run_ppo(cfg, log=_quiet))
+    rows = read_metrics(run_ppo(cfg, log=_quiet, overwrite=True))  # the bench's own folder, rerun
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],
             # pushes are checked on the next rollout (the last one on the probe batch): not every row has one
@@ -60,7 +60,7 @@ def distill_smoke(rec: dict, root: Path) -> dict:
         teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
         student_engine_dir=rec["engine_dir"], output_dir=str(root / "distill"), batch_size=4, eval_size=4,
         num_prompts=32, max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
-    rows = read_metrics(run_distill(cfg, log=_quiet))
+    rows = read_metrics(run_distill(cfg, log=_quiet, overwrite=True))
     steps = [r for r in rows if r["step"] > 0]
     return {"kl0": rows[0]["eval/kl_to_teacher"], "step1_loss": steps[0]["loss"],
             "probe": max(r["probe/max_abs_logprob_diff"] for r in steps), "steps": len(steps)}

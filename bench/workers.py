@@ -38,7 +38,7 @@ def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: in
             num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, save_steps=steps,
             engine_threads=threads if n == 1 else 1, rollout_workers=n,
             rollout_worker_cpus=max(threads / n, 0.5), progress=False, tensorboard=False, plots=False)
-        rows = read_metrics(run_ppo(cfg, log=lambda *_: None))[warmup:]
+        rows = read_metrics(run_ppo(cfg, log=lambda *_: None, overwrite=True))[warmup:]  # the bench's folder
         out[n] = {k: statistics.median(r[k] for r in rows) for k in PHASES}
         out[n]["reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)
         log(f"workers {n}: " + "  ".join(f"{k.split('/')[1]} {out[n][k]:.3f}s" for k in PHASES))

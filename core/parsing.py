@@ -174,9 +174,21 @@ def load_yaml(cls, path: str | Path, legacy: dict[str, str] | None = None):
     path = Path(path)
     if not path.is_file():
         raise RefitError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    from refit.core.integrity import read_text
+
+    try:
+        raw = yaml.safe_load(read_text(path, "config file")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise RefitError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise RefitError(f"config file {path}: expected a mapping of fields, got {type(raw).__name__}")
+    sections = {k.partition(".")[0] for k in leaves(cls) if "." in k} - {s for s in _flat_sections(cls)}
+    for k, v in raw.items():
+        if k in sections and not isinstance(v, dict):
+            raise RefitError(f"config file {path}: {k} is a section: give it as a mapping of its fields "
+                             f"({k}: {{field: value}}), not {v!r}")
     values, notes = resolve(cls, _flatten(raw), legacy or {}, f"config file {path}")
     types = leaves(cls)
     values = {k: _coerce(types[k], v, f"config file {path}: {k}") for k, v in values.items()}
@@ -277,4 +289,7 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
     if rest:
         words = [f"--{hinted(cls, t[2:])}" if t.startswith("--") and "=" not in t else t for t in rest]
         raise RefitError(f"unknown arguments: {' '.join(words)} (see {prog} --help)")
+    from refit.core.validate import validate
+
+    validate(parsed.cfg)  # the value ranges, every command alike (refit.core.validate.RULES)
     return parsed.cfg, SimpleNamespace(**{n: getattr(parsed, n) for n, _, _ in opts})

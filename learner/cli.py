@@ -3,7 +3,9 @@
 Each subcommand lives in the module that owns the job and exposes ``main(argv) -> int``; this
 file only dispatches (imports are lazy so ``refit export --help`` never imports the learner,
 and nothing imports ``tensorrt`` unless asked). A :class:`refit.core.errors.RefitError` becomes one
-line on stderr and exit status 2; nothing half-written is left behind by the jobs themselves.
+line on stderr and exit status 2; nothing half-written is left behind by the jobs themselves. Any other
+exception is one line too (:mod:`refit.core.explain`: files, graphs, the disk; else "unexpected", with a
+hint); ``--debug`` (anywhere on the line) re-raises it with its traceback instead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -41,16 +45,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     from refit.core.errors import RefitError
+    from refit.core.explain import explain, unexpected
 
     try:
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(rest) or 0)
     except RefitError as e:
+        if debug:
+            raise
         print(f"refit {name}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"refit {name}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit:
+        raise  # --help, tyro's own usage errors
+    except Exception as e:  # noqa: BLE001 - the one dispatch point: every exception is one line
+        if debug:
+            raise
+        line = explain(e)
+        print(f"refit {name}: error: {line or unexpected(e)}", file=sys.stderr)
+        return 2 if line else 1
 
 
 if __name__ == "__main__":

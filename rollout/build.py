@@ -127,10 +127,20 @@ class ExportConfig:
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
                 "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
+    overwrite: bool = opt(False, "replace an engine folder exported from other weights (without it: refused); an "
+                                 "HF model or a run folder is never written over")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from refit.export.guard import guard_engine, require_tokenizer
+
     a, _ = parse(ExportConfig, argv, "refit export")
+    if not a.out:
+        from refit.core.errors import RefitError
+
+        raise RefitError("give the engine folder to write: -o OUT_DIR")
+    require_tokenizer(a.model_dir)
+    guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
                          parity_tol=a.parity_tol, attention=a.attention)
     print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 import tyro
 
 from refit.core.errors import RefitError
+from refit.core.integrity import read_text
 from refit.core.parsing import FLAT, opt, parse
 from refit.rollout.config import Sampling
 
@@ -50,7 +51,7 @@ def _prompts(a) -> list[str]:
         f = Path(a.prompts_file)
         if not f.is_file():
             raise RefitError(f"prompts file {f} does not exist")
-        texts += [line.rstrip("\n") for line in f.read_text().splitlines() if line.strip()]
+        texts += [line.rstrip("\n") for line in read_text(f, "prompts file").splitlines() if line.strip()]
     if not texts:
         raise RefitError("no prompts: give --prompt TEXT (repeatable) or --prompts-file F")
     return texts
@@ -63,6 +64,23 @@ def _tokenizer(engine_dir: Path):
     if not path.is_dir():
         raise RefitError(f"{engine_dir} has no tokenizer/ folder (was it written by `refit export`?)")
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_engine_for_generate(engine_dir: Path, m, backend: str) -> None:
+    """Refuse, in one line, an engine folder whose files no longer match its manifest; for ``--backend torch``
+    (which runs the engine's source HF folder) refuse a source whose weights changed since the export: the
+    completions would not be the engine's."""
+    from refit.export.guard import require_intact
+
+    require_intact(engine_dir, m.source_model)
+    if backend == "torch":
+        from refit.export.onnx_export import weights_hash
+
+        src = Path(m.source_model)
+        if src.is_dir() and weights_hash(src) != m.hashes.hf_weights_sha256:
+            raise RefitError(f"--backend torch runs the source model {src}, whose weights changed since {engine_dir} "
+                             f"was exported from it; re-export (refit export {src} -o {engine_dir} --overwrite) or "
+                             "use --backend onnxruntime for the engine as exported")
 
 
 def _records(batch, texts: list[str], tok) -> list[dict]:
@@ -96,12 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     texts = _prompts(a)
     from refit.core.manifest import Manifest
 
-    Manifest.read(engine_dir)  # one clear line when the folder is not an engine
+    m = Manifest.read(engine_dir)  # one clear line when the folder is not an engine
+    check_engine_for_generate(engine_dir, m, a.backend)
     tok = _tokenizer(engine_dir)
     kw = {"device": a.device} if a.backend == "onnxruntime" else {}
     engine = create_engine(a.backend, engine_dir, **kw)
+    ids = [tok(t).input_ids for t in texts]
+    limit = m.dims.max_positions
+    for i, p in enumerate(ids):  # the model's own limit, before the engine's max_len (a re-export cannot lift it)
+        if limit is not None and len(p) + a.max_new_tokens > limit:
+            engine.close()
+            raise RefitError(f"prompt {i} is {len(p)} tokens; with --max_new_tokens {a.max_new_tokens} that exceeds "
+                             f"the model's {limit} positions (a limit of the model, not of the engine): shorten the "
+                             "prompt or lower --max_new_tokens")
     try:
-        batch = engine.generate([tok(t).input_ids for t in texts], sampling)
+        batch = engine.generate(ids, sampling)
     finally:
         engine.close()
     recs = _records(batch, texts, tok)

@@ -86,7 +86,9 @@ def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple
         p = Path(cfg.dataset_file)
         if not p.exists():
             raise RefitError(f"dataset file {p} does not exist")
-        rows = [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+        from refit.learner.run.dataset import check_jsonl
+
+        rows = check_jsonl(p, "dataset file")
         if any("prompt" not in r or "completion" not in r for r in rows):
             raise RefitError(f"dataset file {p}: every line needs 'prompt' and 'completion'")
         pairs = [(r["prompt"], r["completion"]) for r in rows]

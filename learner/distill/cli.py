@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = with_values(cfg, flat_names(DistillConfig), **build_models(models, cfg),
                           teacher_engine_dir=cfg.teacher.engine_dir or str(models / "teacher_engine"),
                           student_engine_dir=cfg.student.engine_dir or str(models / "student_engine"))
-    run_dir = run_distill(cfg, resume=opts.resume)
+    run_dir = run_distill(cfg, resume=opts.resume, overwrite=opts.overwrite)
     if rank != 0:
         return 0
     s = summary(run_dir)

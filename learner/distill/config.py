@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from refit.core.validate import validate
+
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 
@@ -67,6 +69,7 @@ class DistillConfig:
     from_flat = classmethod(from_flat)
 
     def __post_init__(self):
+        validate(self)  # the value ranges first (refit.core.validate.RULES), then the cross-field rules
         temperature, sync = self.rollout.temperature, self.rollout.sync_every
         seq_topk = self.seq_kd and self.loss == "topk_kl" and self.loss_temperature != temperature
         check([

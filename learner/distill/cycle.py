@@ -194,7 +194,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
                   None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
         if resume:
-            run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler)[1]["step"]
+            run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler, lambda *_: None)[1]["step"]
         dist.wrap(student)
         return run
     engine = lambda name, model_dir, engine_dir: engine_for_model(  # noqa: E731
@@ -210,7 +210,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
               teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
               s_info.padding_side, stop_ids=stop_ids, dist=dist)
     if resume:
-        ck, state = resume_latest(run_dir, student, None, optimizer, scheduler)
+        ck, state = resume_latest(run_dir, student, None, optimizer, scheduler, log)
         run.start_step = state["step"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         # the checkpoint's weights, under the version the engine had then
@@ -361,14 +361,14 @@ DISTILL_JOB = Job("distill", setup=setup, step=train_and_evaluate, save=save, po
                   initial=lambda run: {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)}, final=final)
 
 
-def run_distill(cfg: DistillConfig, resume: bool = False, log=print) -> Path:
+def run_distill(cfg: DistillConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:
     """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, summary.json).
 
     Under ``torchrun --nproc-per-node K`` rank 0 drives the engines and the teacher, evaluates, pushes
     weights and writes metrics, checkpoints, plots and the summary; every rank runs its rows of each update.
     """
     t_start = time.perf_counter()
-    run_dir, run = run_job(DISTILL_JOB, cfg, resume, log)
+    run_dir, run = run_job(DISTILL_JOB, cfg, resume, log, overwrite)
     if run.dist.is_main:
         s = summary(run_dir)
         s["wall_s_this_process"] = round(time.perf_counter() - t_start, 1)

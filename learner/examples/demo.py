@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.policy_only:
         print(policy)
         return 0
-    run_dir = run_ppo(ppo_config(a, policy), log=print)
+    run_dir = run_ppo(ppo_config(a, policy), log=print, overwrite=True)  # a demo reruns from scratch, saying so
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
     k = next(key for key in s if key.startswith("reward_first"))

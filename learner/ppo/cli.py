@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         from refit.core.errors import RefitError
 
         raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
-    run_dir = run_ppo(cfg, resume=opts.resume)
+    run_dir = run_ppo(cfg, resume=opts.resume, overwrite=opts.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # [dist] under torchrun one summary line, from rank 0
         print(json.dumps(summary(run_dir)))
     return 0

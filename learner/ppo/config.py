@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
 from refit.core.parsing import FLAT
+from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from refit.rollout.config import Sampling
@@ -148,6 +149,7 @@ class PPOConfig:
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        validate(self)  # the value ranges first (refit.core.validate.RULES), then the cross-field rules
         if self.advantage_estimator == "auto":
             check([(self.num_generations > 1,
                     f"num_generations={self.num_generations} needs advantage_estimator chosen: grpo (TRL's GRPO: "

@@ -117,7 +117,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
               rewards, cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids, stop_ids=end_of_turn_ids(tok),
               dist=dist)
     if resume:
-        ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler)
+        ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
@@ -354,6 +354,6 @@ def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
                plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))
 
 
-def run_ppo(cfg: PPOConfig, resume: bool = False, log=print) -> Path:
+def run_ppo(cfg: PPOConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:
     """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, engine/)."""
-    return run_job(ppo_job(log), cfg, resume, log)[0]
+    return run_job(ppo_job(log), cfg, resume, log, overwrite)[0]

@@ -24,8 +24,13 @@ metrics.jsonl / TensorBoard as ``name``; ``eval/name`` during the held-out evalu
 ``log_extra(column, values)`` (one value per completion; the step's prompts, completions and these
 columns are appended to ``completions.jsonl`` in the run folder). An ``async def`` function is awaited.
 
-A function that raises, returns the wrong number of values, or returns NaN / inf / a non-number stops
-the run with one line naming it, before anything of that step is applied or saved.
+A function that raises, returns the wrong number of values, or returns NaN / inf / a non-number (a
+string such as ``"1"`` too: no conversion) stops the run with one line naming it, before anything of that
+step is applied or saved. When every function returns None for every row of a batch, the run stops too
+(there is nothing to learn from, and a silent 0.0 would be trained on); rows where only some functions
+return None are summed over the others (TRL's nansum), and a row where all do scores 0.0 as in TRL.
+A ``reward`` folder must be a sequence-classification checkpoint: a causal-LM folder (no score head)
+is refused.
 """
 
 from __future__ import annotations
@@ -60,11 +65,24 @@ class ClassifierReward:
     def __init__(self, path: str, label_index: int = 0, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from transformers import AutoConfig
+
         try:
-            self.tok = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+            arch = (AutoConfig.from_pretrained(path).architectures or [""])[0]
         except Exception as e:  # noqa: BLE001
             raise RefitError(f"cannot load reward model {path}: {str(e).splitlines()[0]}") from None
+        if arch and not arch.endswith("ForSequenceClassification"):
+            raise RefitError(f"reward model {path} is a {arch} checkpoint, not a sequence classifier: it has no score "
+                             "head (a reward folder must be an AutoModelForSequenceClassification checkpoint)")
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path)
+            self.model, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+            self.model.eval()
+        except Exception as e:  # noqa: BLE001
+            raise RefitError(f"cannot load reward model {path}: {str(e).splitlines()[0]}") from None
+        if info.get("missing_keys"):
+            raise RefitError(f"reward model {path} lacks weights of its classifier ({sorted(info['missing_keys'])[0]}, "
+                             "...): they would be random; save a trained sequence-classification checkpoint")
         if self.tok.pad_token_id is None or self.model.config.pad_token_id is None:
             raise RefitError(f"reward model {path}: the tokenizer and config need a pad token to score batches")
         if not 0 <= label_index < self.model.config.num_labels:
@@ -201,6 +219,8 @@ def call_reward(r: NamedReward, prompts: list, completions: list, extra: dict[st
             vals.append(math.nan)
             continue
         try:
+            if isinstance(v, (str, bytes)):  # "1" is not a number: float() would take it
+                raise TypeError
             f = float(v)
         except (TypeError, ValueError):
             raise RefitError(f"reward function {r.name!r} returned {type(v).__name__} {str(v)[:40]!r} for row {i}; "
@@ -216,6 +236,10 @@ def score_rewards(rewards: list[NamedReward], prompts: list, completions: list, 
     """The weighted sum (B,) over functions, None rows left out (TRL ``nansum``), and each function's mean
     (``nanmean``; None when it applied to no row) as ``{prefix}/{name}/mean``."""
     per = torch.stack([call_reward(r, prompts, completions, extra) for r in rewards], 1)  # (B, F)
+    if len(per) and per.isnan().all():
+        raise RefitError(f"every reward function ({', '.join(r.name for r in rewards)}) returned None for every one "
+                         f"of the {len(per)} completions: nothing to learn from; return a number for the rows a "
+                         "function applies to")
     w = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
     total = torch.nansum(per * w, dim=1)
     stats = {}

@@ -2,7 +2,9 @@
 
 A checkpoint folder ``checkpoints/step_000010/`` holds ``policy/`` (an HF checkpoint folder with
 its tokenizer: loadable and exportable as is), ``trainer.pt`` (value head, optimizer, scheduler,
-RNG states) and ``state.json`` (step, KL coefficient, data position, engine weight version).
+RNG states) and ``state.json`` (step, KL coefficient, data position, engine weight version, and the
+sha256 of every other file of the checkpoint, written last). ``--resume`` verifies those hashes and
+falls back, in one line, to the newest intact checkpoint when the newest one is damaged.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from refit.core.errors import RefitError
+from refit.core.integrity import fault_point, sha256_files
 
 
 def rng_state() -> dict:
@@ -45,14 +50,18 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
         torch.save(extra, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        files = {p.relative_to(tmp).as_posix(): sha256_files([p]) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "sha256": files}, indent=1))
+        fault_point("checkpoint.before_rename")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fault_point("checkpoint.after_rename")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(p for p in ck_root.glob("step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if keep > 0:  # 0 keeps every checkpoint (refit.core.validate: keep_checkpoints >= 0)
+        for old in sorted(p for p in ck_root.glob("step_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -61,14 +70,49 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
-def resume_latest(run_dir: Path, model, value_head, optimizer, scheduler) -> tuple[Path, dict]:
-    """``--resume``: :func:`load_checkpoint` of the newest checkpoint in ``run_dir``; (its path, state.json)."""
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
-        from refit.core.errors import RefitError
+def checkpoint_damage(path: Path) -> str | None:
+    """None when ``path``'s state.json reads and every file it lists has its recorded sha256; else what is wrong.
+    (Checkpoints written before the hashes existed are checked by loading them.)"""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"state.json unreadable: {type(e).__name__}"
+    for name, want in (state.get("sha256") or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if sha256_files([f]) != want:
+            return f"{name} does not match its recorded sha256"
+    return None
 
-        raise RefitError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
-    return ck, load_checkpoint(ck, model, value_head, optimizer, scheduler)
+
+def resume_latest(run_dir: Path, model, value_head, optimizer, scheduler, log=print) -> tuple[Path, dict]:
+    """``--resume``: :func:`load_checkpoint` of the newest intact checkpoint in ``run_dir``; (its path, state.json).
+
+    A damaged newer checkpoint (hash mismatch, truncated file, unreadable state) is skipped with one line."""
+    root = Path(run_dir) / "checkpoints"
+    cks = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    if not cks:
+        raise RefitError(f"--resume: no checkpoint in {root}")
+    damaged = []
+    for ck in reversed(cks):
+        problem = checkpoint_damage(ck)
+        if problem is None:
+            try:
+                state = load_checkpoint(ck, model, value_head, optimizer, scheduler)
+            except RefitError:
+                raise  # intact but for another model: not damage
+            except Exception as e:  # noqa: BLE001 - a damaged file of an older (hash-less) checkpoint
+                problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+        if problem is None:
+            if damaged:
+                log(f"refit: --resume: checkpoint {damaged[0][0].name} is damaged ({damaged[0][1]})"
+                    f"{f' and {len(damaged) - 1} more' if len(damaged) > 1 else ''}; resuming from {ck.name}, "
+                    "the newest intact one")
+            return ck, state
+        damaged.append((ck, problem))
+    raise RefitError(f"--resume: every checkpoint in {root} is damaged (newest {damaged[0][0].name}: "
+                     f"{damaged[0][1]}); start a new run with --overwrite")
 
 
 def load_checkpoint(path: Path, model, value_head, optimizer, scheduler) -> dict:
@@ -83,8 +127,6 @@ def load_checkpoint(path: Path, model, value_head, optimizer, scheduler) -> dict
         getattr(model, "_tied_weights_keys", None), dict) else set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [m for m in missing if m not in tied]
     if real_missing or unexpected:
-        from refit.core.errors import RefitError
-
         raise RefitError(f"checkpoint {path} does not match the model: missing {real_missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     extra = torch.load(path / "trainer.pt", weights_only=False)

@@ -186,8 +186,12 @@ def from_flat(cls, **values):
 
 def parse_job(cls, argv: list[str] | None, prog: str, options: tuple = ()):
     """``refit ppo|distill`` flags -> (frozen ``cls``, options namespace with ``resume`` and ``options``)."""
-    resume = ("resume", bool, _f(False, "continue from the last checkpoint in run.output_dir"))
-    return parse(cls, argv, prog, options=(resume, *options), legacy=flat_names(cls))
+    resume = ("resume", bool, _f(False, "continue from the last checkpoint in run.output_dir (its config may change "
+                                        "only in the run's length, logging and scale-out: refit.learner.run.folder)"))
+    overwrite = ("overwrite", bool, _f(False, "replace the run already in run.output_dir (its metrics and checkpoints "
+                                              "are deleted) and any engine folder of other weights the run names; "
+                                              "without it both are refused"))
+    return parse(cls, argv, prog, options=(resume, overwrite, *options), legacy=flat_names(cls))
 
 
 def save_config(cfg, path) -> str:

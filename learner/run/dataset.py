@@ -15,12 +15,14 @@ Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
+from refit.core.integrity import read_text
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -55,6 +57,8 @@ def _load_all(path: Path):
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
             return ds if isinstance(ds, datasets.DatasetDict) else datasets.DatasetDict({"train": ds})
+        if path.suffix.lower() == ".jsonl":
+            check_jsonl(path, "dataset")
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise RefitError(f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet, .csv "
@@ -65,7 +69,29 @@ def _load_all(path: Path):
     except Exception as e:  # noqa: BLE001 - parse errors etc. are the user's file: one line
         if "corresponds to no data" in str(e):  # what datasets says of a file without rows
             raise RefitError(f"dataset {path} is empty") from None
-        raise RefitError(f"dataset {path}: cannot load: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RefitError(f"dataset {path}: cannot load: {type(e).__name__}: {first}") from None
+
+
+def check_jsonl(path: Path, what: str) -> list[dict]:
+    """The rows of a JSON-lines file; one line naming the file and the row when it is empty, not UTF-8, or a line
+    is not a JSON object."""
+    lines = read_text(path, what).splitlines()
+    rows = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise RefitError(f"{what} {path} line {i + 1} is not valid JSON ({e.msg} at column {e.colno}): fix or "
+                             "remove that line") from None
+        if not isinstance(row, dict):
+            raise RefitError(f"{what} {path} line {i + 1} is a {type(row).__name__}, not a JSON object of columns")
+        rows.append(row)
+    if not rows:
+        raise RefitError(f"{what} {path} is empty (no JSON lines)")
+    return rows
 
 
 def select_split(dd, spec: str, where: str):
@@ -116,7 +142,7 @@ def text_file_prompts(path: str) -> PromptSet:
     p = Path(path)
     if not p.exists():
         raise RefitError(f"prompts file {p} does not exist")
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in read_text(p, "prompts file").splitlines() if ln.strip()]
     if not lines:
         raise RefitError(f"prompts file {p} holds no prompts")
     return PromptSet(lines, {}, str(p))

@@ -4,6 +4,8 @@ checkpoints, and closing everything whatever happens.
 A job (PPO, distillation) is a :class:`Job`: a ``setup`` that builds its state, a ``step`` that
 returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_job` drives it:
 
+    0. the config's ranges (refit.core.validate), the run folder's owner and every engine folder's
+       integrity (refit.learner.run.folder: refused in one line before any work; --overwrite, --resume)
     1. run folder, resolved config printed and saved (rank 0)
     2. setup (engines, models, optimizer; resume from the last checkpoint)
     3. optional step-0 metrics (``Job.initial``, not on resume)
@@ -23,7 +25,10 @@ from typing import Any, Callable
 
 from refit.core.errors import RefitError
 from refit.learner.run.checkpoint import latest_checkpoint
+from refit.core.integrity import fault_point
+from refit.core.validate import validate
 from refit.learner.run.config import save_config
+from refit.learner.run.folder import claim, guard_engines, write_record
 from refit.learner.run.distributed import DistContext, init_from_env
 from refit.learner.run.metrics import MetricsLog, plot_metrics
 
@@ -68,16 +73,26 @@ def _progress(cfg, initial: int, desc: str):
     return tqdm(total=cfg.run.steps, initial=initial, desc=desc, dynamic_ncols=True)
 
 
-def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
-    """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing)."""
+def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = False) -> tuple[Path, Any]:
+    """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing).
+
+    ``overwrite``: a fresh run may replace an earlier run in the same folder, and another model's engine
+    folder it names (refit.learner.run.folder); otherwise both are refused in one line."""
+    validate(cfg)
     run_dir = Path(cfg.run.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     dist = init_from_env(cfg.run.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
     main = dist.is_main  # [dist] rank 0 alone writes config, metrics, checkpoints and plots
+    record = None
+    if main:
+        record = claim(run_dir, cfg, resume, overwrite, log)  # before anything is written
+        guard_engines(cfg, overwrite, log)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if main:
         log(f"refit {job.name}: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
     state = job.setup(cfg, resume, log, dist)
-    metrics = (MetricsLog(run_dir, cfg.log.tensorboard, resume_step=state.start_step if resume else None)
+    if main:
+        write_record(run_dir, record)  # the folder is this run's from here on
+    metrics = (MetricsLog(run_dir, cfg.log.tensorboard, resume_step=state.start_step if resume else None, log=log)
                if main else None)
     first = job.initial(state) if main and not resume and job.initial is not None else {}
     if first:
@@ -91,6 +106,7 @@ def run_job(job: Job, cfg, resume: bool = False, log=print) -> tuple[Path, Any]:
             metrics.log(step, m)
             if due(step, cfg.ckpt.save_steps, cfg.run.steps):
                 job.save(state, step)
+            fault_point("step.end")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(**job.postfix(m))

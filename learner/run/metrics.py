@@ -4,17 +4,42 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+from refit.core.errors import RefitError
+from refit.core.integrity import fault_due
+
+
+def parse_rows(path: Path, log=None) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped, with one line to
+    ``log`` when given; a damaged line before the last is one RefitError line naming it."""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, ln in enumerate(lines):
+        try:
+            row = json.loads(ln)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if i == len(lines) - 1:
+                if log is not None:
+                    log(f"refit: dropped the torn last line of {path} (line {i + 1}, {len(ln)} characters: a run "
+                        "killed mid-write)")
+                break
+            raise RefitError(f"{path} line {i + 1} is damaged (not a JSON metrics row); fix or delete that line")
+        rows.append(row)
+    return rows
 
 
 class MetricsLog:
     """Append-only JSONL (flushed per line) plus optional TensorBoard scalars."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None, log=print):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            # keep the history up to the checkpoint, drop steps the resumed run will redo
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            # keep the history up to the checkpoint, drop steps the resumed run will redo (and a torn last line)
+            kept = [json.dumps(r) for r in parse_rows(self.path, log) if r["step"] <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
@@ -30,8 +55,13 @@ class MetricsLog:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
+        line = json.dumps(row) + "\n"
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            if fault_due("metrics.torn"):  # tests: a kill -9 in the middle of a line
+                f.write(line[: len(line) // 2])
+                f.flush()
+                os._exit(137)
+            f.write(line)
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -44,7 +74,7 @@ class MetricsLog:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     p = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln] if p.exists() else []
+    return parse_rows(p) if p.exists() else []
 
 
 def plot_metrics(run_dir: Path, panels: dict[str, list[str]]) -> Path | None:

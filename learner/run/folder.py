@@ -1,0 +1,174 @@
+"""Who owns a run folder, and whether ``--resume`` continues the run it left.
+
+A run folder records what run it is in ``run.json``: a run id, the hash of its resolved config, the
+config itself and the sha256 of every model folder it was started from. :func:`claim` runs first in
+:func:`refit.learner.run.loop.run_job`, before any work:
+
+- a fresh start into a folder that holds a run (``run.json``, ``metrics.jsonl`` or ``checkpoints/``) is
+  refused in one line, unless ``overwrite``: then the earlier run's files are deleted, saying so (the
+  run's engine folders stay: they are reused only when their weights match, :mod:`refit.export.guard`);
+  a folder that is an HF model or an engine folder is never used as a run folder;
+- ``--resume`` compares the config with the one recorded: a field in :data:`MAY_CHANGE` (the run's
+  length, logging, scale-out) is applied and logged, any other changed field is refused in one line
+  (``--optim.learning_rate 1e6`` on resume would otherwise be ignored by the restored optimizer); a
+  model folder whose weights changed since the run started is refused too;
+- leftover ``.step_N.tmp-PID`` checkpoint folders of killed runs are removed (when that PID is gone);
+- every engine folder the job will use is checked (:func:`guard_engines`): another model's engine is
+  refused unless ``overwrite``, a damaged one of this model is exported again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from refit.core.errors import RefitError
+from refit.core.integrity import HOLDS, clean_stale_temps, folder_holds
+
+RUN_RECORD = "run.json"
+# fields a resumed run may change (applied and logged); any other change is refused
+MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scale.", "rollout.engine_threads",
+              "ckpt.keep_checkpoints", "export_final", "eval_max_prompts")
+# what a run writes into its folder (deleted by --overwrite); engine and model folders are kept
+RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
+             "final_engine", "final_value_head.safetensors")
+ENGINE_BACKENDS = ("onnxruntime", "tensorrt")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def config_values(cfg) -> dict:
+    """The config as {dotted path: JSON value} (tuples as lists)."""
+    return json.loads(json.dumps(_flat(dataclasses.asdict(cfg))))
+
+
+def config_hash(cfg) -> str:
+    return hashlib.sha256(json.dumps(config_values(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_dirs(cfg) -> dict[str, str]:
+    """{field path: folder} of every model folder the config names (``model.model_dir``, ``teacher.model_dir``)."""
+    return {k: v for k, v in config_values(cfg).items() if k.endswith("model_dir") and v}
+
+
+def model_hashes(cfg) -> dict[str, str]:
+    from refit.export.onnx_export import weights_hash
+
+    return {k: weights_hash(Path(v)) for k, v in model_dirs(cfg).items() if Path(v).is_dir()}
+
+
+def read_record(run_dir: Path) -> dict | None:
+    f = run_dir / RUN_RECORD
+    if not f.exists():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RefitError(f"{f} is damaged (not JSON); it records which run owns {run_dir}: restore it, or start "
+                         "a new run with --overwrite") from None
+
+
+def write_record(run_dir: Path, record: dict) -> None:
+    tmp = run_dir / f".{RUN_RECORD}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, run_dir / RUN_RECORD)
+
+
+def _describe(run_dir: Path, record: dict | None) -> str:
+    cks = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+    who = f"run {record['run_id']}" if record else "a run"
+    return f"{who}{f' (last checkpoint {cks[-1]})' if cks else ''}"
+
+
+def _may_change(path: str) -> bool:
+    return any(path == m or (m.endswith(".") and path.startswith(m)) for m in MAY_CHANGE)
+
+
+def _compare(record: dict, cfg, log) -> None:
+    old, new = record.get("config", {}), config_values(cfg)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    refused = [k for k in changed if not _may_change(k)]
+    if refused:
+        k = refused[0]
+        more = f" (and {', '.join(refused[1:4])}{', ...' if len(refused) > 4 else ''})" if len(refused) > 1 else ""
+        raise RefitError(f"--resume: {k} changed ({old.get(k)!r} -> {new.get(k)!r}){more}; a resumed run keeps its "
+                         "config: drop the flag, or start a new run (another -o, or --overwrite)")
+    if changed:
+        log("refit: --resume: applying changed " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed))
+    mine = model_hashes(cfg)
+    for k, h in record.get("models", {}).items():
+        if k in mine and mine[k] != h:
+            raise RefitError(f"--resume: the weights in {new.get(k)} ({k}) changed since the run started (sha256 "
+                             f"{h[:12]} -> {mine[k][:12]}); the run continues from its checkpoint but its reference "
+                             "and engine come from that folder: restore it, or start a new run")
+
+
+def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
+    """Make ``run_dir`` this run's (see the module doc); returns its record. Raises before anything is written."""
+    run_dir = Path(run_dir)
+    holds = folder_holds(run_dir)
+    if holds in ("file", "engine", "model"):
+        raise RefitError(f"run folder {run_dir} holds {HOLDS[holds]}; choose another run folder (-o / "
+                         "--run.output_dir)")
+    clean_stale_temps(run_dir / "checkpoints", log, prefix="step_")
+    record = read_record(run_dir) if holds == "run" else None
+    if resume:
+        if holds != "run":
+            raise RefitError(f"--resume: {run_dir} holds no run to continue (no {RUN_RECORD}, metrics or "
+                             "checkpoints); start it without --resume")
+        if record is None:
+            log(f"refit: --resume: {run_dir} has no {RUN_RECORD} (written by an older Refit): its config is not "
+                "compared; recording it now")
+            record = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        else:
+            _compare(record, cfg, log)
+    else:
+        if holds == "run":
+            if not overwrite:
+                raise RefitError(f"run folder {run_dir} already holds {_describe(run_dir, record)}; continue it with "
+                                 "--resume, replace it with --overwrite (deletes its metrics and checkpoints), or "
+                                 "choose another -o")
+            log(f"refit: --overwrite: deleting {_describe(run_dir, record)} from {run_dir} "
+                f"({', '.join(n for n in RUN_FILES if (run_dir / n).exists())})")
+            for name in RUN_FILES:
+                p = run_dir / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        record = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.update(config_hash=config_hash(cfg), config=config_values(cfg), models=model_hashes(cfg))
+    return record
+
+
+def engine_pairs(cfg) -> list[tuple[str, Path]]:
+    """(model folder, engine folder) of every model the job runs on an engine (its default engine folder too)."""
+    if getattr(getattr(cfg, "rollout", None), "backend", None) not in ENGINE_BACKENDS:
+        return []
+    run_dir, out = Path(cfg.run.output_dir), []
+    for f in dataclasses.fields(cfg):
+        sec = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sec) and hasattr(sec, "model_dir") and hasattr(sec, "engine_dir") and sec.model_dir:
+            default = "engine" if f.name == "model" else f"{f.name}_engine"
+            out.append((sec.model_dir, Path(sec.engine_dir) if sec.engine_dir else run_dir / default))
+    return out
+
+
+def guard_engines(cfg, overwrite: bool, log=print) -> None:
+    """:func:`refit.export.guard.guard_engine` for every engine folder the job will use."""
+    from refit.export.guard import guard_engine
+
+    for model_dir, engine_dir in engine_pairs(cfg):
+        guard_engine(model_dir, engine_dir, overwrite, log)

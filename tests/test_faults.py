@@ -1,0 +1,474 @@
+"""Fault injection (issue 20): every bad value, damaged file, foreign folder and kill -9 ends in one line and
+loses nothing. Each test names the issue's case(s) it pins (#1 ... #14).
+
+Fast tests drive ``refit.learner.cli.main`` in-process (stderr is the line the user sees) or the layer that
+decides (claim, guard_engine, resume_latest); the kill -9 tests run ``refit ppo`` in a subprocess with
+``REFIT_FAULT_POINT`` (refit.core.integrity.fault_point: os._exit at a named point) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from refit.core.errors import RefitError
+from refit.learner import cli
+
+GPT2 = "tiny-gpt2"
+
+
+def refit(capsys, *argv) -> tuple[int, str]:
+    """``refit ARGV`` in-process: (exit status, the last stderr line)."""
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, (err[-1] if err else "")
+
+
+def one_line(rc: int, line: str, *words: str) -> None:
+    assert rc == 2, line
+    assert line.startswith("refit ") and ": error: " in line and "Traceback" not in line, line
+    for w in words:
+        assert w in line, line
+
+
+# --------------------------------------------------------------- #3, #6, #9, #13: bad values, before any work
+
+BAD_VALUES = [  # (command argv, field named, allowed range named)
+    (["ppo", "--top_p", "0"], "top_p = 0.0", "(0, 1]"),
+    (["ppo", "--rollout.temperature", "0"], "rollout.temperature = 0.0", "> 0"),
+    (["ppo", "--rollout.temperature", "-1"], "rollout.temperature = -1.0", "> 0"),
+    (["ppo", "--optim.learning_rate", "nan"], "optim.learning_rate = nan", "finite"),
+    (["ppo", "--response_length", "0"], "response_length = 0", ">= 1"),
+    (["ppo", "--num_generations", "0"], "num_generations = 0", ">= 1"),
+    (["ppo", "--top_k", "-1"], "top_k = -1", ">= 0"),
+    (["ppo", "--run.device", "tpu"], "run.device = 'tpu'", "auto, cpu, cuda"),
+    (["ppo", "--ckpt.save_steps", "0"], "ckpt.save_steps = 0", ">= 1"),
+    (["ppo", "--ckpt.keep_checkpoints", "-1"], "ckpt.keep_checkpoints = -1", "0 keeps every checkpoint"),
+    (["ppo", "--optim.max_grad_norm", "-1"], "optim.max_grad_norm = -1.0", "> 0"),
+    (["ppo", "--reward_weights", "nan"], "reward_weights = nan", "finite"),
+    (["ppo", "--cliprange", "-1"], "cliprange = -1.0", "> 0"),
+    (["ppo", "--run.batch_size", "0"], "run.batch_size = 0", ">= 1"),
+    (["ppo", "--rollout.probe_tol", "0"], "rollout.probe_tol = 0.0", "> 0"),
+    (["ppo", "--num_mini_batches", "0"], "num_mini_batches = 0", ">= 1"),
+    (["distill", "--lmbda", "2"], "lmbda = 2.0", "[0, 1]"),
+    (["distill", "--loss_temperature", "0"], "loss_temperature = 0.0", "> 0"),
+    (["distill", "--optim.learning_rate", "inf"], "optim.learning_rate = inf", "finite"),
+    (["generate", "e", "--prompt", "x", "--top_p", "0"], "top_p = 0.0", "(0, 1]"),
+    (["generate", "e", "--prompt", "x", "--temperature", "0"], "temperature = 0.0", "> 0"),
+    (["generate", "e", "--prompt", "x", "--n", "0"], "n = 0", ">= 1"),
+    (["export", "m", "-o", "e", "--max_batch", "0"], "max_batch = 0", ">= 1"),
+    (["export", "m", "-o", "e", "--parity_tol", "-1"], "parity_tol = -1.0", "> 0"),
+    (["bench", "generate", "--repeats", "0"], "repeats = 0", ">= 1"),
+    (["bench", "inflight", "--stop_frac", "0"], "stop_frac = 0.0", "(0, 1]"),
+]
+
+
+@pytest.mark.parametrize("argv,field,allowed", BAD_VALUES, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in BAD_VALUES])
+def test_bad_value_is_one_line_naming_field_value_and_range(capsys, tmp_path, argv, field, allowed):
+    rc, line = refit(capsys, *argv, *(["--model.model_dir", "m"] if argv[0] == "ppo" else []),
+                     *(["-o", tmp_path / "run"] if argv[0] in ("ppo", "distill") else []))
+    one_line(rc, line, "config: " + field, "is out of range; allowed: ", allowed)
+    assert not (tmp_path / "run").exists()  # refused before any work: nothing written
+
+
+def test_keep_checkpoints_zero_keeps_all(tmp_path):
+    """#3: 0 keeps every checkpoint (documented in refit.core.validate); N keeps the newest N."""
+    import torch
+
+    from refit.learner.run.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path / "all", step, _Saveable(model), None, None, None, None, {}, keep=0)
+        save_checkpoint(tmp_path / "two", step, _Saveable(model), None, None, None, None, {}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "all/checkpoints").iterdir()) == [f"step_00000{i}" for i in (1, 2, 3)]
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+class _Saveable:
+    """A torch module with HF's save_pretrained (safetensors), for checkpoint tests without a model."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def save_pretrained(self, path):
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.m.state_dict().items()}, str(Path(path) / "model.safetensors"))
+
+    def load_state_dict(self, sd, strict=False):
+        return self.m.load_state_dict(sd, strict=strict)
+
+
+# ------------------------------------------------------------------------------- #12, #13: files, one line
+
+def test_bad_files_are_one_line_naming_the_file_and_row(capsys, tmp_path, model_dirs):
+    m = model_dirs[GPT2]
+    (tmp_path / "five.yaml").write_text("run: 5\n")
+    (tmp_path / "broken.yaml").write_text("run: {steps: [1\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "row.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": \n{"prompt": "2+2="}\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 1+1=\n".encode("latin-1"))
+    (tmp_path / "a_file").write_text("x")
+    base = ["ppo", "--model.model_dir", m, "--model.engine_dir", tmp_path / "e", "-o", tmp_path / "run"]
+    cases = [
+        (["--config", tmp_path / "five.yaml"], ["five.yaml", "run is a section", "mapping"]),
+        (["--config", tmp_path / "broken.yaml"], ["broken.yaml is not valid YAML at line 2"]),
+        (["--data.dataset", tmp_path / "empty.jsonl"], ["empty.jsonl is empty"]),
+        (["--data.dataset", tmp_path / "row.jsonl"], ["row.jsonl line 2 is not valid JSON"]),
+        (["--prompts_file", tmp_path / "latin1.txt"], ["latin1.txt is not UTF-8", "byte 3"]),
+        (["-o", tmp_path / "a_file"], ["run folder", "a_file holds a file"]),
+    ]
+    for extra, words in cases:
+        one_line(*refit(capsys, *base, *extra), *words)
+
+
+def test_cli_turns_every_exception_into_one_line_and_debug_reraises(capsys, monkeypatch):
+    """#12: the disk, a read-only folder, a damaged graph; anything else: one line with the --debug hint."""
+    from google.protobuf.message import DecodeError
+
+    raised = {}
+    mod = types.ModuleType("refit_fault_cmd")
+    mod.main = lambda argv: (_ for _ in ()).throw(raised["e"])
+    monkeypatch.setitem(sys.modules, "refit_fault_cmd", mod)
+    monkeypatch.setitem(cli.COMMANDS, "boom", ("refit_fault_cmd", "test"))
+    cases = [
+        (OSError(errno.ENOSPC, "No space left on device", "run/checkpoints/x"), ["disk full", "run/checkpoints/x",
+                                                                                 "--resume"]),
+        (OSError(errno.EROFS, "Read-only file system", "/ro/run"), ["cannot write /ro/run", "read-only"]),
+        (PermissionError(errno.EACCES, "Permission denied", "/root/x"), ["cannot write /root/x", "permission"]),
+        (FileExistsError(errno.EEXIST, "File exists", "runs/x"), ["runs/x is in the way"]),
+        (DecodeError("Error parsing message"), ["an .onnx graph is damaged", "re-export"]),
+        (ValueError("something odd"), ["unexpected ValueError: something odd", "--debug"]),
+    ]
+    for e, words in cases:
+        raised["e"] = e
+        rc, line = refit(capsys, "boom")
+        assert rc in (1, 2) and "Traceback" not in line, line
+        for w in words:
+            assert w in line, line
+    raised["e"] = ValueError("with traceback")
+    with pytest.raises(ValueError, match="with traceback"):
+        cli.main(["boom", "--debug"])
+
+
+# ------------------------------------------------------------------ #1, #5, #14: run folder ownership, resume
+
+def _fake_run(run_dir: Path, cfg, steps=(2, 4)):
+    from refit.learner.run.folder import claim, write_record
+
+    write_record(run_dir, claim(run_dir, cfg, resume=False, overwrite=False, log=lambda *_: None))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps[-1] + 1)))
+    for s in steps:
+        (run_dir / f"checkpoints/step_{s:06d}").mkdir(parents=True)
+
+
+def _ppo(tmp_path, model, **kw):
+    from refit.learner.ppo.config import PPOConfig
+
+    return PPOConfig.from_flat(model_dir=str(model), engine_dir=str(tmp_path / "e"), output_dir=str(tmp_path / "run"),
+                               **kw)
+
+
+def test_a_second_run_never_mixes_with_the_first(tmp_path, model_dirs):
+    """#1: a fresh run into a run folder is refused; --overwrite deletes the old run, saying so."""
+    from refit.learner.run.folder import claim
+
+    cfg = _ppo(tmp_path, model_dirs[GPT2], steps=8)
+    _fake_run(tmp_path / "run", cfg, steps=(6, 8))
+    new = _ppo(tmp_path, model_dirs[GPT2], steps=4)
+    with pytest.raises(RefitError, match=r"already holds run \w+ \(last checkpoint step_000008\); continue it with "
+                                         r"--resume, replace it with --overwrite"):
+        claim(tmp_path / "run", new, resume=False, overwrite=False)
+    assert (tmp_path / "run/checkpoints/step_000008").is_dir()  # nothing touched
+    said = []
+    claim(tmp_path / "run", new, resume=False, overwrite=True, log=said.append)
+    assert "--overwrite: deleting run" in said[0] and "metrics.jsonl" in said[0]
+    assert not (tmp_path / "run/metrics.jsonl").exists() and not (tmp_path / "run/checkpoints").exists()
+
+
+def test_resume_refuses_a_changed_config_or_model_and_applies_allowed_changes(tmp_path, model_dirs):
+    """#5: --resume --optim.learning_rate 1e6 is refused (not ignored), so is another model folder or changed
+    weights in the same one; run.steps may change (applied and logged)."""
+    from refit.learner.run.folder import claim
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs[GPT2], model)
+    cfg = _ppo(tmp_path, model, steps=4)
+    _fake_run(tmp_path / "run", cfg)
+    with pytest.raises(RefitError, match=r"--resume: optim.learning_rate changed \(5e-05 -> 1000000.0\)"):
+        claim(tmp_path / "run", _ppo(tmp_path, model, steps=4, learning_rate=1e6), resume=True, overwrite=False)
+    with pytest.raises(RefitError, match=r"--resume: model.model_dir changed"):
+        claim(tmp_path / "run", _ppo(tmp_path, model_dirs["tiny-llama"], steps=4), resume=True, overwrite=False)
+    said = []
+    rec = claim(tmp_path / "run", _ppo(tmp_path, model, steps=8), resume=True, overwrite=False, log=said.append)
+    assert said == ["refit: --resume: applying changed run.steps 4 -> 8"] and rec["config"]["run.steps"] == 8
+    cfg_json = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg_json, "initializer_range": 0.5}))
+    with pytest.raises(RefitError, match=r"--resume: the weights in .*model \(model.model_dir\) changed since the run"):
+        claim(tmp_path / "run", _ppo(tmp_path, model, steps=4), resume=True, overwrite=False)
+
+
+def test_leftover_temp_folders_of_dead_processes_are_removed(tmp_path, model_dirs):
+    """#14: .step_N.tmp-PID of a killed run goes on the next start; a live PID's folder stays."""
+    from refit.learner.run.folder import claim
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cfg = _ppo(tmp_path, model_dirs[GPT2])
+    _fake_run(tmp_path / "run", cfg)
+    ck = tmp_path / "run/checkpoints"
+    (ck / f".step_000004.tmp-{dead.pid}/policy").mkdir(parents=True)
+    (ck / f".step_000006.tmp-{os.getpid()}").mkdir()
+    said = []
+    claim(tmp_path / "run", cfg, resume=True, overwrite=False, log=said.append)
+    assert any(f"removed 1 leftover temporary folder of killed runs" in s for s in said), said
+    assert not (ck / f".step_000004.tmp-{dead.pid}").exists() and (ck / f".step_000006.tmp-{os.getpid()}").exists()
+
+
+# ------------------------------------------------------------------- #11: damaged checkpoints, torn metrics
+
+def test_damaged_newest_checkpoint_falls_back_in_one_line(tmp_path):
+    import torch
+
+    from refit.learner.run.checkpoint import resume_latest, save_checkpoint
+
+    model = torch.nn.Linear(3, 3)
+    for step in (2, 4):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save_checkpoint(tmp_path, step, _Saveable(model), None, None, None, None, {"kl_coef": 0.1}, keep=0)
+    for damage in ("truncate", "state", "trainer"):
+        shutil.rmtree(tmp_path / "bad", ignore_errors=True)
+        shutil.copytree(tmp_path / "checkpoints", tmp_path / "bad/checkpoints")
+        newest = tmp_path / "bad/checkpoints/step_000004"
+        f = {"truncate": newest / "policy/model.safetensors", "state": newest / "state.json",
+             "trainer": newest / "trainer.pt"}[damage]
+        f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+        said = []
+        ck, state = resume_latest(tmp_path / "bad", _Saveable(model), None, None, None, log=said.append)
+        assert ck.name == "step_000002" and state["step"] == 2 and float(model.weight[0, 0]) == 2.0
+        assert len(said) == 1 and "checkpoint step_000004 is damaged" in said[0] and "resuming from step_000002" in \
+            said[0], said
+
+
+def test_torn_last_metrics_line_is_dropped_in_one_line(tmp_path):
+    from refit.learner.run.metrics import MetricsLog, read_metrics
+
+    rows = "".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 4, "x"')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    said = []
+    MetricsLog(tmp_path, tensorboard=False, resume_step=2, log=said.append).close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert len(said) == 1 and "dropped the torn last line" in said[0] and "line 4" in said[0]
+    (tmp_path / "metrics.jsonl").write_text(rows.replace('"x": 2', '"x": 2,,') + rows)
+    with pytest.raises(RefitError, match=r"metrics.jsonl line 2 is damaged"):
+        MetricsLog(tmp_path, tensorboard=False, resume_step=2)
+
+
+# ------------------------------------------------------------------------------- #7: bad reward outputs
+
+def test_bad_reward_outputs_stop_in_one_line(model_dirs):
+    from refit.learner.ppo.rewards import ClassifierReward, NamedReward, score_rewards
+
+    def run(fn):
+        return score_rewards([NamedReward("r", fn)], ["p", "q"], ["a", "b"], {})
+
+    with pytest.raises(RefitError, match=r"reward function 'r' returned str '1' for row 0; expected a number or None"):
+        run(lambda prompts, completions: ["1", 1.0])
+    with pytest.raises(RefitError, match=r"every reward function \(r\) returned None for every one of the 2"):
+        run(lambda prompts, completions: [None, None])
+    total, stats = run(lambda prompts, completions: [None, 2.0])  # some rows: TRL's nansum
+    assert total.tolist() == [0.0, 2.0] and stats["reward/r/mean"] == 2.0
+    with pytest.raises(RefitError, match=r"is a GPT2LMHeadModel checkpoint, not a sequence classifier: it has no "
+                                         r"score head"):
+        ClassifierReward(str(model_dirs[GPT2]))
+
+
+# ------------------------------------------------------------- #2, #4, #8, #10, #13: engines, foreign folders
+
+def _damaged(engine: Path, tmp_path: Path, how: str) -> Path:
+    out = tmp_path / f"e_{how}"
+    shutil.copytree(engine, out)
+    if how == "scaled":  # same size, other values: the corrupt-reference case
+        f = out / "decoder.onnx.data"
+        b = bytearray(f.read_bytes())
+        b[4096:8192] = bytes((x * 3) % 256 for x in b[4096:8192])
+        f.write_bytes(bytes(b))
+    elif how == "truncated_graph":
+        f = out / "decoder.onnx"
+        f.write_bytes(f.read_bytes()[:1000])
+    elif how == "missing_data":
+        (out / "decoder.onnx.data").unlink()
+    elif how in ("vocab", "positions"):
+        m = json.loads((out / "manifest.json").read_text())
+        m["dims"]["vocab_size" if how == "vocab" else "max_positions"] += 64
+        (out / "manifest.json").write_text(json.dumps(m))
+    elif how == "manifest":
+        (out / "manifest.json").write_text('{"dims": ')
+    return out
+
+
+@pytest.mark.parametrize("how,words", [
+    ("scaled", "decoder.onnx.data does not match its manifest"),
+    ("truncated_graph", "decoder.onnx does not match its manifest"),
+    ("missing_data", "decoder.onnx.data is missing"),
+    ("vocab", "manifest vocab_size"),
+    ("positions", "manifest max_positions"),
+    ("manifest", "manifest is unusable"),
+])
+def test_damaged_engine_is_never_used(capsys, tmp_path, model_dirs, default_engine_dirs, how, words):
+    """#4, #10, #13: generate refuses it in one line; a training run exports it again, saying so; a foreign or
+    unreadable one is refused without --overwrite."""
+    from refit.export.guard import guard_engine
+
+    e = _damaged(default_engine_dirs[GPT2], tmp_path, how)
+    if how == "manifest":  # not an engine any more: the manifest reader's own line
+        one_line(*refit(capsys, "generate", e, "--prompt", "12+34="), f"{e}/manifest.json is corrupt")
+    else:
+        one_line(*refit(capsys, "generate", e, "--prompt", "12+34="), f"engine folder {e} is damaged", words,
+                 "--overwrite")
+    said = []
+    if how == "manifest":
+        with pytest.raises(RefitError, match="has an unusable manifest"):
+            guard_engine(model_dirs[GPT2], e)
+        guard_engine(model_dirs[GPT2], e, overwrite=True, log=said.append)
+    else:
+        guard_engine(model_dirs[GPT2], e, log=said.append)
+        assert f"engine folder {e} is damaged ({words}" in said[0] and "exporting it again" in said[0], said
+    assert not e.exists()  # removed: the build exports it afresh
+
+
+def test_foreign_folders_are_never_written_over(capsys, tmp_path, model_dirs, default_engine_dirs):
+    """#2: another model's engine (training and export), a model folder, a run folder; build-model too; #13: a
+    model folder without a tokenizer is not exported."""
+    from refit.export.guard import guard_engine
+
+    other = default_engine_dirs[GPT2]
+    with pytest.raises(RefitError, match=r"holds an engine of other weights .* pass --overwrite to replace it"):
+        guard_engine(model_dirs["tiny-llama"], other)
+    one_line(*refit(capsys, "export", model_dirs["tiny-llama"], "-o", other), "holds an engine of other weights")
+    one_line(*refit(capsys, "export", model_dirs["tiny-llama"], "-o", model_dirs[GPT2]),
+             "holds an HF model checkpoint, not an engine")
+    one_line(*refit(capsys, "build-model", "tiny-gpt2", "-o", other), f"{other} holds an engine folder")
+    one_line(*refit(capsys, "build-model", "tiny-gpt2", "-o", model_dirs[GPT2]), "holds an HF model checkpoint",
+             "--overwrite")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(model_dirs[GPT2] / f, bare / f)
+    one_line(*refit(capsys, "export", bare, "-o", tmp_path / "e"), "has no tokenizer files")
+    copy = tmp_path / "copy"
+    shutil.copytree(other, copy)
+    said = []
+    guard_engine(model_dirs["tiny-llama"], copy, overwrite=True, log=said.append)
+    assert not copy.exists() and "--overwrite: removing engine folder" in said[0]
+
+
+def test_generate_torch_refuses_a_changed_source(capsys, tmp_path, model_dirs, default_engine_dirs):
+    """#8: --backend torch runs the engine's source folder; weights changed since the export: one line."""
+    src, e = tmp_path / "src", tmp_path / "e"
+    shutil.copytree(model_dirs[GPT2], src)
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    m = json.loads((e / "manifest.json").read_text())
+    (e / "manifest.json").write_text(json.dumps({**m, "source_model": str(src)}))
+    rc, line = refit(capsys, "generate", e, "--prompt", "12+34=", "--backend", "torch", "--max_new_tokens", "2",
+                     "--seed", "0")
+    assert rc == 0, line
+    with open(src / "model.safetensors", "r+b") as f:  # same size, other weights
+        f.seek(-64, 2)
+        f.write(b"\x01" * 64)
+    one_line(*refit(capsys, "generate", e, "--prompt", "12+34=", "--backend", "torch"),
+             f"runs the source model {src}, whose weights changed since", "--backend onnxruntime")
+
+
+# --------------------------------------------------------- one real run: #1, #5, #11 end to end through the CLI
+
+def test_ppo_run_folder_end_to_end(capsys, tmp_path, model_dirs, default_engine_dirs):
+    run = tmp_path / "run"
+    p = ["ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", default_engine_dirs[GPT2], "-o", run,
+         "--run.batch_size", "2", "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--response_length", "3",
+         "--rollout.probe_size", "2", "--log.no_progress", "--log.no_tensorboard", "--log.no_plots",
+         "--no_export_final", "--data.num_prompts", "8", "--ckpt.save_steps", "1", "--ckpt.keep_checkpoints", "0"]
+    assert refit(capsys, *p, "--run.steps", "2")[0] == 0
+    one_line(*refit(capsys, *p, "--run.steps", "3"), "already holds run", "--resume", "--overwrite")
+    one_line(*refit(capsys, *p, "--run.steps", "2", "--resume", "--optim.learning_rate", "1e6"),
+             "--resume: optim.learning_rate changed")
+    newest = run / "checkpoints/step_000002/policy/model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward')
+    capsys.readouterr()
+    assert cli.main([str(a) for a in (*p, "--run.steps", "3", "--resume")]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step_000002 is damaged (policy/model.safetensors does not match" in out
+    assert "resuming from step_000001" in out and "dropped the torn last line" in out
+    assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------- #11, #14: kill -9 at chosen points (slow)
+
+def _ppo_argv(model, engine, run, steps=4):
+    return ["ppo", "--model.model_dir", str(model), "--model.engine_dir", str(engine), "-o", str(run),
+            "--run.batch_size", "2", "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--response_length", "3",
+            "--rollout.probe_size", "2", "--log.no_progress", "--log.no_tensorboard", "--log.no_plots",
+            "--no_export_final", "--data.num_prompts", "8", "--ckpt.save_steps", "2", "--run.steps", str(steps)]
+
+
+def _refit_subprocess(argv, fault=None):
+    env = {**os.environ, "REFIT_FAULT_POINT": fault} if fault else {
+        k: v for k, v in os.environ.items() if k != "REFIT_FAULT_POINT"}
+    return subprocess.run([sys.executable, "-m", "refit.learner.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _rows(run):
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, model_dirs, default_engine_dirs):
+    """The 4-step run never killed (a subprocess, as the killed ones)."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    whole = _refit_subprocess(_ppo_argv(model_dirs[GPT2], default_engine_dirs[GPT2], run))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["checkpoint.before_rename:2", "metrics.torn:4", "step.end:3"])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, model_dirs, default_engine_dirs, fault,
+                                                          uninterrupted):
+    """#11, #14: killed (os._exit, no cleanup) inside a checkpoint write, mid metrics line, after a step; the
+    next --resume removes the leftover temporary folder, drops the torn line and ends with the same metrics
+    and the same final checkpoint as the run never killed."""
+    from safetensors.torch import load_file
+
+    m, e = model_dirs[GPT2], default_engine_dirs[GPT2]
+    killed = _refit_subprocess(_ppo_argv(m, e, tmp_path / "run"), fault)
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    resumed = _refit_subprocess(_ppo_argv(m, e, tmp_path / "run") + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    if fault.startswith("checkpoint"):
+        assert "removed 1 leftover temporary folder of killed runs" in resumed.stdout
+    if fault.startswith("metrics"):
+        assert "dropped the torn last line" in resumed.stdout
+    assert not list((tmp_path / "run/checkpoints").glob(".*"))
+    a, b = _rows(uninterrupted), _rows(tmp_path / "run")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a == b
+    wa = load_file(str(uninterrupted / "checkpoints/step_000004/policy/model.safetensors"))
+    wb = load_file(str(tmp_path / "run/checkpoints/step_000004/policy/model.safetensors"))
+    assert all((wa[k] == wb[k]).all() for k in wa)
