@@ -37,12 +37,15 @@ def _np_dtype(manifest: Manifest):
     return {"fp32": np.float32, "fp16": np.float16}.get(manifest.dtype, np.float32)
 
 
-def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int):
+def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int,
+                         files: dict[str, str] | None = None):
     """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed.
 
     A fused-attention graph (manifest ``attention``) runs through :func:`export.fused.fused_greedy_logits`
-    on the same left-padded prompts."""
-    sessions = {g: open_session(engine_dir / spec.file)[0] for g, spec in manifest.graphs.items()}
+    on the same left-padded prompts. ``files``: {graph: file in ``engine_dir``} run instead of the manifest's
+    (a bf16 graph's CPU twin, :func:`export.precision.cpu_twin`: fp32 inputs and outputs)."""
+    files = files or {g: spec.file for g, spec in manifest.graphs.items()}
+    sessions = {g: open_session(engine_dir / files[g])[0] for g in manifest.graphs}
     if manifest.attention == "fused" and manifest.kind == "decoder":
         from export.fused import fused_greedy_logits
 
@@ -95,18 +98,27 @@ def torch_reference_logits(model, manifest: Manifest, ids: np.ndarray, mask: np.
     return out.logits.float().numpy()
 
 
-def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: float, n_decode: int = 4) -> Parity:
-    """Run the gate; return the manifest's ``parity`` record or raise RefitError above ``tol``."""
+def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: float, n_decode: int = 4,
+                files: dict[str, str] | None = None, engine_run: str = "CPUExecutionProvider") -> Parity:
+    """Run the gate; return the manifest's ``parity`` record or raise RefitError above ``tol``.
+
+    The reference is ``model`` as loaded (the engine's dtype: the same rounded weights); ``files`` and
+    ``engine_run``: the graphs run and how (see :func:`engine_greedy_logits`), recorded."""
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask = pad_batch(seqs, manifest.special_ids.pad, manifest.padding.prompt_side)
-    eng, fed = engine_greedy_logits(Path(engine_dir), manifest, ids, mask, n_decode)
+    eng, fed = engine_greedy_logits(Path(engine_dir), manifest, ids, mask, n_decode, files)
     ref = torch_reference_logits(model, manifest, ids, mask, fed)
+    ref_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype]
     dlogit = float(np.abs(eng.astype(np.float64) - ref).max())
     dlogp = float(np.abs(_log_softmax(eng) - _log_softmax(ref)).max())
     record = Parity(max_abs_logit_diff=dlogit, max_abs_logprob_diff=dlogp, tolerance_logprob=tol,
                     prompts=len(seqs), prompt_lengths=tuple(len(s) for s in seqs), decode_steps=n_decode,
-                    padding_side=manifest.padding.prompt_side, reference=f"PyTorch uncached forward; engine attention {manifest.attention or 'plain'}")
+                    padding_side=manifest.padding.prompt_side,
+                    reference=f"PyTorch uncached forward in {ref_dtype} on the CPU; engine attention "
+                              f"{manifest.attention or 'plain'}, {manifest.dtype} graph",
+                    reference_dtype=ref_dtype, engine_run=engine_run)
     if not np.isfinite(dlogp) or dlogp > tol:
-        raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} "
-                         f"(max |logit diff| {dlogit:.3e}); the engine does not compute what PyTorch computes")
+        raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} ({manifest.dtype} engine "
+                         f"vs PyTorch in {ref_dtype}; max |logit diff| {dlogit:.3e}); the engine does not compute "
+                         "what PyTorch computes")
     return record
