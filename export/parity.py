@@ -38,14 +38,16 @@ def _np_dtype(manifest: Manifest):
 
 
 def engine_greedy_logits(engine_dir: Path, manifest: Manifest, ids: np.ndarray, mask: np.ndarray, n_decode: int,
-                         files: dict[str, str] | None = None):
+                         files: dict[str, str] | None = None, weights: dict[str, dict] | None = None):
     """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed.
 
     A fused-attention graph (manifest ``attention``) runs through :func:`export.fused.fused_greedy_logits`
     on the same left-padded prompts. ``files``: {graph: file in ``engine_dir``} run instead of the manifest's
-    (a bf16 graph's CPU twin, :func:`export.precision.cpu_twin`: fp32 inputs and outputs)."""
+    (a bf16 graph's CPU twin, :func:`export.precision.cpu_twin`: fp32 inputs and outputs); ``weights``:
+    {graph: {initializer: tensor}} in place of the stored ones (a weight push, as
+    :func:`export.weight_map.engine_weights` maps it)."""
     files = files or {g: spec.file for g, spec in manifest.graphs.items()}
-    sessions = {g: open_session(engine_dir / files[g])[0] for g in manifest.graphs}
+    sessions = {g: open_session(engine_dir / files[g], (weights or {}).get(g))[0] for g in manifest.graphs}
     if manifest.attention == "fused" and manifest.kind == "decoder":
         from export.fused import fused_greedy_logits
 

@@ -158,7 +158,9 @@ class OrtEngine(LoopEngine):
                              "only (not tested on CUDA); use device='cpu' or re-export with attention=plain")
         if self.manifest.dtype not in _TORCH_DTYPE:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
-                             f"{self.manifest.dtype} (use the tensorrt backend or re-export)")
+                             f"{self.manifest.dtype}: ONNX Runtime's CPU provider has no {self.manifest.dtype} "
+                             "compute kernels (the export gated it through a CPU twin, export/precision.py); run it "
+                             "with the tensorrt backend on a GPU, or re-export with --dtype fp16")
         if keep_heap:
             keep_freed_memory()
         self.device = device

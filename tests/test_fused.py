@@ -57,8 +57,8 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
     from export.onnx_export import ExportOptions, export_onnx
 
-    with pytest.raises(RefitError, match="attention=fused does not apply.*dtype fp16"):
-        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "fp16", ExportOptions(attention="fused", dtype="fp16"),
+    with pytest.raises(RefitError, match="attention=fused does not apply.*dtype bf16.*no bf16 kernel"):
+        export_onnx(model_dirs["tiny-gpt2"], tmp_path / "bf16", ExportOptions(attention="fused", dtype="bf16"),
                     log=lambda *_: None)
     with pytest.raises(RefitError, match="unknown attention"):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(attention="flash"), log=lambda *_: None)
