@@ -128,7 +128,8 @@ def check_graph_side(d, dtype: str) -> int:
         stored = _weight_bytes(d, spec.file)
         for hf_name, ts in m.weight_map.items():
             for t in (x for x in ts if x.graph == g):
-                w = hf[hf_name].detach().to(DTYPES[t.stored_dtype or dtype])
+                # rounded to the engine's dtype first: the graph computes 1 + w.float() from the bf16 w
+                w = hf[hf_name].detach().to(DTYPES[dtype]).to(DTYPES[t.stored_dtype or dtype])
                 want = {"identity": lambda: w, "transpose": lambda: w.t(),
                         "affine": lambda: w * t.scale + t.shift}[t.transform]()
                 elem, raw = stored[t.engine]
@@ -260,5 +261,8 @@ def test_real_geometry_export_push(exports, name, dtype, attention, tmp_path):
     check_graph_side(d, dtype)
     attn = [n for n in m.weight_map if "q_proj.weight" in n or "SelfAttention.q.weight" in n][:1]
     names = attn + [next(n for n in m.weight_map if "norm" in n or "layer_norm" in n)]
-    diff, changed = check_push(d, dtype, names, 0.3, tmp_path)
+    # 0.05 absolute: 2.5x a q_proj's init std at these widths; larger weights grow the activations and the
+    # dtype's error with them (0.3 gave 0.156 on Gemma-2-2B in bf16, past the 0.1 gate)
+    diff, changed = check_push(d, dtype, names, 0.05, tmp_path)
+    print(f"{name} {dtype}: gate {m.parity.max_abs_logprob_diff:.3e}, after push {diff:.3e}, change {changed:.3e}")
     assert diff <= PARITY_TOL[dtype] and changed > 5 * max(diff, 1e-3), (diff, changed)
