@@ -128,8 +128,10 @@ def check_graph_side(d, dtype: str) -> int:
         stored = _weight_bytes(d, spec.file)
         for hf_name, ts in m.weight_map.items():
             for t in (x for x in ts if x.graph == g):
-                # rounded to the engine's dtype first: the graph computes 1 + w.float() from the bf16 w
-                w = hf[hf_name].detach().to(DTYPES[dtype]).to(DTYPES[t.stored_dtype or dtype])
+                # affine: rounded to the engine's dtype first (the graph computes 1 + w.float() from the bf16 w);
+                # a copy in its own stored_dtype (T5's fp32 wo in fp16) straight from the checkpoint
+                w = hf[hf_name].detach()
+                w = (w.to(DTYPES[dtype]) if t.transform == "affine" else w).to(DTYPES[t.stored_dtype or dtype])
                 want = {"identity": lambda: w, "transpose": lambda: w.t(),
                         "affine": lambda: w * t.scale + t.shift}[t.transform]()
                 elem, raw = stored[t.engine]
