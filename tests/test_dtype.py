@@ -116,6 +116,7 @@ def check_graph_side(d, dtype: str) -> int:
     weight's bytes equal the checkpoint's fp32 tensor rounded to the dtype (and transformed as the map says),
     computed here with torch alone. Returns the number of weights compared."""
     from export.checkpoint import load_model
+    from export.trt_check import check_weight_map
     from export.weight_map import canonical_params
 
     m = Manifest.read(d)
@@ -125,6 +126,8 @@ def check_graph_side(d, dtype: str) -> int:
     for g, spec in m.graphs.items():
         targets = {t.engine: t.stored_dtype for ts in m.weight_map.values() for t in ts if t.graph == g}
         assert graph_dtype_problems(d / spec.file, dtype, targets) == []
+        if m.attention != "fused":  # what TensorRT, the bf16 engine's runtime, refits: stored dtypes included
+            assert check_weight_map(m, d / spec.file, g) == []
         stored = _weight_bytes(d, spec.file)
         for hf_name, ts in m.weight_map.items():
             for t in (x for x in ts if x.graph == g):
