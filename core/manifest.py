@@ -133,6 +133,11 @@ class Parity:
     decode_steps: int  # cached single-token steps after the prefill
     padding_side: str  # the prompt side the gate padded on
     reference: str  # what the engine was compared with
+    # the engine dtype's gate (export/precision.py): the PyTorch reference's dtype (the engine's own: the
+    # same rounded weights, activations rounded as PyTorch's kernels round them), and how the engine's graph
+    # ran (the CPU provider as is, or a bf16 graph's CPU twin); None in folders exported before the fields
+    reference_dtype: str | None = field(default=None, metadata=_OPTIONAL)
+    engine_run: str | None = field(default=None, metadata=_OPTIONAL)
 
 
 @dataclass(frozen=True)

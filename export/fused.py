@@ -220,8 +220,9 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     """
     if backend != "onnx":
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
-    if dtype != "fp32":
-        return f"dtype {dtype}: the fused graph is exported and gated in fp32 only (fp16 not measured here)"
+    if dtype == "bf16":  # the exporter gates bf16 through its CPU twin (export/precision.py), standard ops only
+        return ("dtype bf16: ONNX Runtime's CPU GroupQueryAttention has no bf16 kernel, so a fused bf16 graph "
+                "cannot be gated here; the standard-op graph is exported and gated through its CPU twin")
     if caps.head_dim % 8:
         return f"head_dim {caps.head_dim}: ONNX Runtime's GroupQueryAttention CPU kernel needs a multiple of 8"
     if caps.kind != "decoder":

@@ -88,11 +88,26 @@ def default_providers(device: str = "cpu") -> list[str]:
     return chosen + ["CPUExecutionProvider"]
 
 
+def ort_value(x):
+    """A CPU OrtValue over a numpy array or a CPU torch tensor (bf16 included: numpy has no bf16, so its
+    bytes go in as int16 with the ONNX element type BFLOAT16); shares the memory, keep ``x`` alive."""
+    import onnxruntime as ort
+
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        x = x.detach().contiguous()
+        if x.dtype == torch.bfloat16:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(torch.int16).numpy(), 16)
+        x = x.numpy()
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x))
+
+
 def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None = None,
                  threads: int | None = None, providers: list[str] | None = None, opt_level: str = "all"):
     """An ``InferenceSession`` over ``graph_path``; ``weights`` replace its external initializers.
 
-    Returns (session, keepalive). ONNX Runtime copies the supplied buffers into the graph while
+    ``weights`` values: numpy arrays or CPU torch tensors (:func:`ort_value`). Returns (session, keepalive). ONNX Runtime copies the supplied buffers into the graph while
     the session opens (``AddExternalInitializers``' documented contract: "the user provided
     buffers can then be deallocated"; measured on 1.32: changing them afterwards changes no
     output), so ``weights`` may change once this returns; ``keepalive`` is the OrtValues.
@@ -103,7 +118,7 @@ def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None =
     keep = []
     if weights:
         names = list(weights)
-        keep = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
+        keep = [ort_value(weights[n]) for n in names]
         so.add_external_initializers(names, keep)
     try:
         sess = ort.InferenceSession(str(graph_path), so, providers=providers or ["CPUExecutionProvider"])

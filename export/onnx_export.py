@@ -30,6 +30,7 @@ from refit.export.capabilities import Capabilities, detect
 from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
+from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
 from refit.export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
                                fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
                                weight_digests)
@@ -406,11 +407,30 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
         manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq),
                            profiles=fused_profiles(caps, opts.max_batch, opts.max_len, seq2seq))
     manifest.write(tmp)
+    check_precision(tmp, graphs, wmap, opts.dtype)
+    files, engine_run = engine_run_on_cpu(tmp, graphs, opts.dtype)
     tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
-    manifest = replace(manifest, parity=gate(model, tmp, manifest, tok, tol),
-                       export_seconds=round(time.perf_counter() - t0, 3))
+    try:
+        parity = gate(model, tmp, manifest, tok, tol, files=files, engine_run=engine_run)
+    finally:
+        for f in (files or {}).values():
+            (tmp / f).unlink(missing_ok=True)
+    manifest = replace(manifest, parity=parity, export_seconds=round(time.perf_counter() - t0, 3))
     manifest.write(tmp)
     return manifest
+
+
+def check_precision(folder: Path, graphs: dict[str, GraphSpec], wmap: dict, dtype: str) -> None:
+    """The graph side of a reduced-precision export (export/precision.py), before the gate: one RefitError
+    line listing what is off (the ONNX checker, a float input/output or a mapped weight not in ``dtype``)."""
+    if dtype == "fp32":
+        return
+    problems = []
+    for g, spec in graphs.items():
+        targets = {t.engine: t.stored_dtype for ts in wmap.values() for t in ts if t.graph == g}
+        problems += graph_dtype_problems(folder / spec.file, dtype, targets)
+    if problems:
+        raise RefitError(f"{dtype} export: {len(problems)} problems in the graphs, e.g. {problems[:3]}")
 
 
 def _position_limit(info: ModelInfo, caps: Capabilities) -> int | None:

@@ -191,7 +191,10 @@ def weight_digests(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
     """{content digest: (hf_name, transform)} of each (fingerprinted) tensor as is and transposed."""
     by_digest: dict[str, tuple[str, str]] = {}
     for hf_name, p in params.items():
-        a = p.detach().to(dtype).cpu()
+        # a tensor the model keeps in another float dtype (T5's ``wo`` stays fp32 in an fp16 model,
+        # ``_keep_in_fp32_modules``) is in the graph in that dtype
+        a = p.detach().cpu() if p.is_floating_point() and p.dtype != dtype and p.dtype in _DTYPE_NAMES \
+            else p.detach().to(dtype).cpu()
         for transform in ("identity", "transpose"):
             if transform == "transpose" and a.dim() != 2:
                 continue
@@ -227,7 +230,9 @@ def build_weight_map(
         for name, arr in inits.items():
             hit = by_digest.get(_np_digest(arr))
             if hit is not None:
-                wmap[hit[0]].append(WeightTarget(engine=name, graph=graph, transform=hit[1]))
+                own = params[hit[0]].dtype
+                stored = _DTYPE_NAMES[own] if own != dtype and own in _DTYPE_NAMES else None
+                wmap[hit[0]].append(WeightTarget(engine=name, graph=graph, transform=hit[1], stored_dtype=stored))
                 continue
             if arr.dtype.kind != "f":
                 continue  # shapes, indices, masks: no weight is an integer or boolean tensor
@@ -273,5 +278,8 @@ def engine_weights(
             raise RefitError(f"{hf_name!r} is not in the engine's weight map")
         src = t.detach().to(device="cpu", dtype=dtype)
         for tgt in targets:
-            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(src, tgt).contiguous()
+            # a copy kept in its own dtype (stored_dtype, T5's fp32 ``wo``) is not rounded through the engine's
+            own = tgt.stored_dtype is not None and tgt.transform in ("identity", "transpose")
+            x = t.detach().to(device="cpu") if own else src
+            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(x, tgt).contiguous()
     return out

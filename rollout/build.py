@@ -98,7 +98,7 @@ def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | 
         return engine_dir
     out = Path(out) if out is not None else engine_dir.with_name(engine_dir.name + "-plain")
     return build(model_dir, out, opts=ExportOptions(max_batch=m.dims.max_batch, max_len=m.dims.max_len,
-                                                    attention="plain"), log=log)
+                                                    dtype=m.dtype, attention="plain"), log=log)
 
 
 # ------------------------------------------------------------------------------------ refit export

@@ -37,7 +37,8 @@ from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_na
 from refit.rollout.ort_run import run_bound
 from refit.rollout.sampling import one_thread
 
-_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
+_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64,
+       16: np.int16}  # onnx TensorProto -> numpy; bf16 (16) read as its bytes, then viewed as torch.bfloat16
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -61,7 +62,8 @@ def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[
             arr = np.fromfile(engine_dir / ext["location"], dtype=dt, count=count, offset=int(ext.get("offset", 0)))
             if arr.size != count:
                 raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
-            out[graph][init.name] = torch.from_numpy(arr.reshape(tuple(init.dims)))
+            t = torch.from_numpy(arr.reshape(tuple(init.dims)))
+            out[graph][init.name] = t.view(torch.bfloat16) if init.data_type == 16 else t
     return out
 
 
@@ -133,7 +135,8 @@ class OrtEngine(LoopEngine):
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
-                 keep_heap: bool = True, slots: int | None = None, inflight: bool = True):
+                 keep_heap: bool = True, slots: int | None = None, inflight: bool = True,
+                 graph_files: dict[str, str] | None = None):
         from refit.export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
@@ -144,15 +147,21 @@ class OrtEngine(LoopEngine):
         if self.manifest.attention == "fused" and device != "cpu":  # before any provider or session work
             raise RefitError(f"{self.engine_dir} has the fused-attention graph, run here on the CPU provider "
                              "only (not tested on CUDA); use device='cpu' or re-export with attention=plain")
-        if self.manifest.dtype not in _TORCH_DTYPE:
+        # graph_files: {graph: file} run instead of the manifest's, the export's CPU twin of a bf16 graph
+        # (refit.export.precision.cpu_twin): bf16 weights, fp32 at its inputs and outputs (K/V included)
+        self._files = {g: (graph_files or {}).get(g, spec.file) for g, spec in self.manifest.graphs.items()}
+        if self.manifest.dtype not in _TORCH_DTYPE and not graph_files:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
-                             f"{self.manifest.dtype} (use the tensorrt backend or re-export)")
+                             f"{self.manifest.dtype}: ONNX Runtime's CPU provider has no {self.manifest.dtype} "
+                             "compute kernels (the export gated it through a CPU twin, export/precision.py); run it "
+                             "with the tensorrt backend on a GPU, or re-export with --dtype fp16")
         if keep_heap:
             keep_freed_memory()
         self.device = device
         self._providers = default_providers(device)
         self._threads, self._opt_level = threads, opt_level
-        self._dtype = _TORCH_DTYPE[self.manifest.dtype]
+        self._dtype = _TORCH_DTYPE.get(self.manifest.dtype, torch.float32)  # activations and K/V at the graph's edges
+        self._weight_dtype = {**_TORCH_DTYPE, "bf16": torch.bfloat16}[self.manifest.dtype]
         self.weights = read_engine_weights(self.engine_dir, self.manifest)  # the held set: our own buffers
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
@@ -175,8 +184,8 @@ class OrtEngine(LoopEngine):
         """
         fresh = {}
         for g, override in new.items():
-            arrays = {n: (override.get(n, t)).numpy() for n, t in self.weights[g].items()}
-            fresh[g] = open_session(self.engine_dir / self.manifest.graphs[g].file, arrays,
+            arrays = {n: override.get(n, t) for n, t in self.weights[g].items()}  # torch tensors, bf16 included
+            fresh[g] = open_session(self.engine_dir / self._files[g], arrays,
                                     self._threads, self._providers, self._opt_level)[0]
         return fresh
 
@@ -213,7 +222,7 @@ class OrtEngine(LoopEngine):
         """
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
-        mapped = engine_weights(named, wmap, self._dtype)
+        mapped = engine_weights(named, wmap, self._weight_dtype)
         for g, new in mapped.items():
             for name, t in new.items():
                 old = self.weights[g].get(name)

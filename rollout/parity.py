@@ -54,15 +54,16 @@ class _Recorded:
 
 
 def engine_greedy_logits(engine_dir: Path, ids: np.ndarray, mask: np.ndarray, n_decode: int,
-                         engine=None) -> tuple[np.ndarray, np.ndarray]:
+                         engine=None, files: dict[str, str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Engine logits (B, 1 + n_decode, V) at the last prompt position and each decode step, and the tokens fed
     (B, 1 + n_decode), from the ONNX Runtime engine over ``engine_dir`` (or ``engine``, already open).
 
-    ``ids``/``mask`` are prompts padded by the model's rule; the decode loop is the engines' own.
+    ``ids``/``mask`` are prompts padded by the model's rule; the decode loop is the engines' own. ``files``:
+    {graph: file} run instead of the manifest's (a bf16 graph's CPU twin, refit.export.precision.cpu_twin).
     """
     from refit.rollout.engine import create_engine
 
-    eng = engine if engine is not None else create_engine("onnxruntime", engine_dir)
+    eng = engine if engine is not None else create_engine("onnxruntime", engine_dir, graph_files=files)
     try:
         state = _Recorded(eng._new_state(ids.shape[1] + n_decode + 1))
         spec = replace(eng.spec, eos_id=-1)  # no stop: every row decodes 1 + n_decode positions
@@ -90,22 +91,30 @@ def torch_reference_logits(model, manifest: Manifest, ids: np.ndarray, mask: np.
     return out.logits.float().numpy()
 
 
-def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: float, n_decode: int = 4) -> Parity:
-    """Run the gate; return the manifest's ``parity`` record or raise RefitError above ``tol``."""
+def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: float, n_decode: int = 4,
+                files: dict[str, str] | None = None, engine_run: str = "CPUExecutionProvider") -> Parity:
+    """Run the gate; return the manifest's ``parity`` record or raise RefitError above ``tol``.
+
+    The reference is ``model`` as loaded (the engine's dtype: the same rounded weights); ``files`` and
+    ``engine_run``: the graphs run and how (see :func:`engine_greedy_logits`), recorded."""
     from refit.rollout.types import ModelSpec
 
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask, _ = pad_prompts(seqs, 1, ModelSpec.from_manifest(manifest))
     ids, mask = ids.numpy(), mask.numpy()
-    eng, fed = engine_greedy_logits(Path(engine_dir), ids, mask, n_decode)
+    eng, fed = engine_greedy_logits(Path(engine_dir), ids, mask, n_decode, files=files)
     ref = torch_reference_logits(model, manifest, ids, mask, fed)
+    ref_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype]
     dlogit = float(np.abs(eng.astype(np.float64) - ref).max())
     dlogp = float(np.abs(log_softmax(eng) - log_softmax(ref)).max())
     record = Parity(max_abs_logit_diff=dlogit, max_abs_logprob_diff=dlogp, tolerance_logprob=tol,
                     prompts=len(seqs), prompt_lengths=tuple(len(s) for s in seqs), decode_steps=n_decode,
                     padding_side=manifest.padding.prompt_side,
-                    reference=f"PyTorch uncached forward; engine decode loop, attention {manifest.attention or 'plain'}")
+                    reference=f"PyTorch uncached forward in {ref_dtype} on the CPU; the engine's decode loop, attention "
+                              f"{manifest.attention or 'plain'}, {manifest.dtype} graph",
+                    reference_dtype=ref_dtype, engine_run=engine_run)
     if not np.isfinite(dlogp) or dlogp > tol:
-        raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} "
-                         f"(max |logit diff| {dlogit:.3e}); the engine does not compute what PyTorch computes")
+        raise RefitError(f"parity gate failed: max |logprob diff| {dlogp:.3e} > {tol:g} ({manifest.dtype} engine "
+                         f"vs PyTorch in {ref_dtype}; max |logit diff| {dlogit:.3e}); the engine does not compute "
+                         "what PyTorch computes")
     return record

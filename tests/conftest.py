@@ -78,13 +78,14 @@ def default_engine_dirs(tmp_path_factory, model_dirs):
 
 @pytest.fixture(scope="session")
 def fp16_engine_dir(tmp_path_factory, model_dirs):
-    """tiny-llama exported in fp16 (weights and activations): the fp16 rows of the parity matrix."""
+    """tiny-llama exported in fp16 (weights and activations), standard-op graph (the TensorRT stand-in builds
+    from it): the fp16 rows of the parity matrix. The fused fp16 graph: tests/test_dtype.py."""
     from refit.export.onnx_export import ExportOptions
     from refit.rollout.build import build
 
     out = tmp_path_factory.mktemp("engines-fp16") / "tiny-llama"
-    return build(model_dirs["tiny-llama"], out, opts=ExportOptions(dtype="fp16", max_batch=16, max_len=128),
-                       log=lambda *_: None)
+    return build(model_dirs["tiny-llama"], out, opts=ExportOptions(dtype="fp16", max_batch=16, max_len=128,
+                                                                   attention="plain"), log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")

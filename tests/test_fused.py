@@ -58,8 +58,8 @@ def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
     from refit.export.onnx_export import ExportOptions
     from refit.rollout.build import build
 
-    with pytest.raises(RefitError, match="attention=fused does not apply.*dtype fp16"):
-        build(model_dirs["tiny-gpt2"], tmp_path / "fp16", opts=ExportOptions(attention="fused", dtype="fp16"),
+    with pytest.raises(RefitError, match="attention=fused does not apply.*dtype bf16.*no bf16 kernel"):
+        build(model_dirs["tiny-gpt2"], tmp_path / "bf16", opts=ExportOptions(attention="fused", dtype="bf16"),
                     log=lambda *_: None)
     with pytest.raises(RefitError, match="unknown attention"):
         build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(attention="flash"), log=lambda *_: None)

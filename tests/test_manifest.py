@@ -93,6 +93,8 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     caps = fresh.pop("capabilities")  # the sections added since (optional: old folders load without them)
     assert fresh.pop("attention") == "fused" and fresh.pop("attention_reason")
     assert fresh["options"].pop("attention") == "auto"  # the ExportOptions field that chose it
+    # the gate's reference dtype and how the engine ran (export/precision.py)
+    assert fresh["parity"].pop("reference_dtype") == fresh["dtype"] and fresh["parity"].pop("engine_run")
     for graph, constants in fresh.pop("constants", {}).items():  # initializers no weight reaches
         assert graph in fresh["graphs"] and all(v == "constant" or v.startswith("buffer ") for v in constants.values())
     if m.attention == "fused":  # the fused graph names its own dynamic dims (cap instead of past/total)

@@ -9,12 +9,15 @@ engine that did not take the new weights would otherwise sample from a stale pol
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 
 from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.core.errors import RefitError
+from refit.core.manifest import MANIFEST, Manifest
+from refit.export.onnx_export import DTYPES, PARITY_TOL
 from refit.export.weight_map import canonical_params
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.policy import learner_view
@@ -85,14 +88,45 @@ def probe_length(rollout, response_length: int) -> int:
     return min(response_length, rollout.probe_tokens) if rollout.probe_tokens > 0 else response_length
 
 
+def engine_dtype(engine) -> str:
+    """The dtype of ``engine``'s weights and activations: its manifest's (ONNX Runtime, TensorRT, a pool or a
+    counting wrapper over one), "fp32" for the PyTorch backends."""
+    m = getattr(engine, "manifest", None)
+    if m is None and getattr(engine, "path", None) is not None and (Path(engine.path) / MANIFEST).exists():
+        m = Manifest.read(engine.path)
+    return getattr(m, "dtype", None) or "fp32"
+
+
+def probe_reference(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, float]:
+    """(the model the probe compares a ``dtype`` engine with, the least tolerance that comparison needs).
+
+    fp32: ``model`` itself, no floor. fp16/bf16: a copy of ``model`` whose weights are rounded to ``dtype``
+    and computed in fp32, so the probe sees the engine's own weights (a push that did not take still shows)
+    and only the engine's activation rounding remains, which the export's gate bounds at
+    ``PARITY_TOL[dtype]`` (engine vs PyTorch in ``dtype``). The fp32 weights themselves would add the
+    weights' rounding to every log-prob, which grows with width and depth. Costs one fp32 copy of the model.
+    """
+    if dtype == "fp32":
+        return model, 0.0
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in [*rounded.parameters(), *rounded.buffers()]:
+            if p.is_floating_point():
+                p.copy_(p.to(DTYPES[dtype]).float())
+    return rounded, PARITY_TOL[dtype]
+
+
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
                 run_dir: Path, label: str = "engine") -> float:
-    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``."""
+    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``
+    (for an fp16/bf16 engine: against ``model``'s weights in that dtype, ``tol`` at least the dtype's gate
+    tolerance, :func:`probe_reference`)."""
     p = probe
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
-    mine = learner_view(model, None, p, temperature)[0]
+    ref, floor = probe_reference(model, engine_dtype(engine))
+    mine = learner_view(ref, None, p, temperature)[0]
     diff = float(((eng - mine).abs() * p.response_mask).max())
-    return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
+    return check_parity(diff, max(tol, floor), engine.weights_version, run_dir, label, "the probe batch")
 
 
 def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: str = "engine",

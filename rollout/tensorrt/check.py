@@ -241,7 +241,7 @@ def _hf_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]] | None:
 
 
 def _engine_shape(hf_shape: tuple[int, ...], transform: str) -> tuple[int, ...] | None:
-    if transform == "identity":
+    if transform in ("identity", "affine"):  # affine: elementwise scale * w + shift, same shape
         return tuple(hf_shape)
     if transform == "transpose" and len(hf_shape) == 2:
         return tuple(reversed(hf_shape))
@@ -281,10 +281,12 @@ def check_weight_map(manifest: Manifest, onnx_path: str | Path, graph: str | Non
                 continue
             if t.engine not in external:
                 problems.append(f"{where}: initializer is inline, not external data (refit cannot replace it)")
-            if want_type is not None and init.data_type != want_type:
-                problems.append(f"{where}: dtype {onnx.TensorProto.DataType.Name(init.data_type)}, manifest says {manifest.dtype}")
+            want = _ONNX_ELEM.get(t.stored_dtype) if t.stored_dtype else want_type  # a target kept in its own dtype
+            if want is not None and init.data_type != want:
+                problems.append(f"{where}: dtype {onnx.TensorProto.DataType.Name(init.data_type)}, manifest says "
+                                f"{t.stored_dtype or manifest.dtype}")
             shape = tuple(init.dims)
-            if t.transform not in ("identity", "transpose"):
+            if t.transform not in ("identity", "transpose", "affine"):
                 problems.append(f"{where}: unknown transform {t.transform!r}")
                 continue
             implied.add(tuple(reversed(shape)) if t.transform == "transpose" else shape)
