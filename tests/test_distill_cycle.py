@@ -154,7 +154,7 @@ def test_bart_family_distill_kl_is_zero_when_student_is_teacher(model_dirs, engi
     KL at step 0 and the loss of an on-policy (student-engine) step are 0 within 1e-6, whether the teacher
     side comes from the teacher engine's top-k or from the PyTorch teacher; the pushed student engine
     agrees with the learner after the first update."""
-    from refit.learner.distill.evaluate import evaluate
+    from refit.learner.distill.cycle import evaluate
 
     cfg = _cfg(model_dirs, engine_dirs, tmp_path, teacher_model_dir=str(model_dirs[arch]),
                student_model_dir=str(model_dirs[arch]), teacher_engine_dir=str(engine_dirs[arch]),
