@@ -30,9 +30,9 @@ def _quiet(*_):
     pass
 
 
-def ppo_smoke(rec: dict, root: Path) -> dict:
+def ppo_smoke(rec: dict, root: Path, **overrides) -> dict:
     """Two PPO steps on the family's engine (a dense reward, so step 2's policy has moved); KL(0), the
-    smallest and the last exact KL, the largest probe diff."""
+    smallest and the last exact KL, the largest probe diff. ``overrides``: further flat config fields."""
     from learner.ppo.config import PPOConfig
     from learner.ppo.cycle import run_ppo
     from learner.run.metrics import read_metrics
@@ -40,7 +40,7 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
     cfg = PPOConfig.from_flat(
         model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
         num_generations=2, num_mini_batches=2, response_length=4, top_k=20, top_p=0.9, kl_estimator="exact",
-        reward="learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
+        reward="learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **{**SMOKE, **overrides})
     rows = read_metrics(run_ppo(cfg, log=_quiet))
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],
@@ -49,7 +49,7 @@ def ppo_smoke(rec: dict, root: Path) -> dict:
             "steps": len(rows)}
 
 
-def distill_smoke(rec: dict, root: Path) -> dict:
+def distill_smoke(rec: dict, root: Path, **overrides) -> dict:
     """Two distillation steps, the model its own teacher: held-out KL at step 0, the loss of each step."""
     from learner.distill.config import DistillConfig
     from learner.distill.cycle import run_distill
@@ -58,7 +58,8 @@ def distill_smoke(rec: dict, root: Path) -> dict:
     cfg = DistillConfig.from_flat(
         teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
         student_engine_dir=rec["engine_dir"], output_dir=str(root / "distill"), batch_size=4, eval_size=4,
-        num_prompts=32, max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
+        num_prompts=32, max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0,
+        **{**SMOKE, **overrides})
     rows = read_metrics(run_distill(cfg, log=_quiet))
     steps = [r for r in rows if r["step"] > 0]
     return {"kl0": rows[0]["eval/kl_to_teacher"], "step1_loss": steps[0]["loss"],
