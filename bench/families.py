@@ -8,6 +8,10 @@ teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0)
 first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table
 (and, with ``--readme``, replaces the table between the README's ``families`` markers); the last
 stdout line is one JSON document with every record, as the benchmarks do.
+
+``--set real`` runs the published geometries of :mod:`export.published` instead (real widths, head dims,
+vocabularies; 2 layers), one process each (:mod:`bench.real`), and adds a weight-push check and the
+export's seconds and peak RSS; its table goes between the README's ``real-geometry`` markers.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from export.families import FAMILIES, export_family
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
+REAL_MARKS = ("<!-- real-geometry:start -->", "<!-- real-geometry:end -->")
 # flat field names (learner.run.config.from_flat maps them to their sections)
 SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
 
@@ -132,12 +137,35 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> None:
+def _push_cell(r: dict) -> str:
+    ok = r["changed_by"] > 1e-2 and r["vs_torch"] <= 1e-4 and r["restored"] <= 1e-5
+    return f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors, moved {r['changed_by']:.1f}, vs PyTorch {r['vs_torch']:.1e}"
+
+
+def markdown_real(records: list[dict]) -> str:
+    """The real-geometry table (bench.real records)."""
+    lines = ["| model (2 layers) | params | export | parity max abs dlogprob | weight push (perturbed, vs PyTorch) "
+             "| PPO (2 steps, top-k 20, top-p 0.9) | distill (2 steps, self-teacher) | export s, peak RSS "
+             "| whole row s, peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        where = f"{r.get('seconds', '')} s, {r.get('peak_rss_gb', '')} GB"
+        if r["export"] != "ok":
+            spent = f"{r['export_s']} s, {r['export_rss_gb']} GB" if "export_s" in r else ""
+            lines.append(f"| {r['family']} | {r.get('params_m', '')}M | {r['export']} | | | | | {spent} | {where} |")
+            continue
+        lines.append(f"| {r['family']} | {r['params_m']}M | ok, {r['attention']} attention | {r['parity']:.1e} "
+                     f"| {_cell(r['push'], _push_cell)} | {_cell(r['ppo'], _ppo_cell)} "
+                     f"| {_cell(r['distill'], _distill_cell)} | {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str, marks: tuple[str, str] = (MARK_START, MARK_END)) -> None:
+    start, end = marks
     text = readme.read_text()
-    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{readme} has no {MARK_START} ... {MARK_END} markers")
-    readme.write_text(pattern.sub(lambda _: f"{MARK_START}\n{table}\n{MARK_END}", text))
+        raise SystemExit(f"{readme} has no {start} ... {end} markers")
+    readme.write_text(pattern.sub(lambda _: f"{start}\n{table}\n{end}", text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help=f"families to run (default all: {', '.join(FAMILIES)})")
     p.add_argument("--work-dir", default="", help="where checkpoints, engines and runs go (default: a temp folder)")
     p.add_argument("--readme", default="", help="replace the table between the family markers of this file")
+    p.add_argument("--set", choices=("tiny", "real"), default="tiny",
+                   help="tiny: one 2-layer, 32-64-wide checkpoint per family; real: the published geometries of "
+                        "export.published (real widths and vocabularies, 2 layers), one process each")
+    p.add_argument("--rss-cap-gb", type=float, default=16.0, help="--set real: stop a geometry above this peak RSS")
     a = p.parse_args(argv)
+    if a.set == "real":
+        return _main_real(p, a)
     chosen = {n: g for n, g in FAMILIES.items() if a.only is None or n in a.only or g in a.only}
     if not chosen:
         p.error(f"no family matches {a.only}; known: {', '.join(FAMILIES)}")
@@ -159,6 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if a.readme:
         update_readme(Path(a.readme), table)
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("model_dir", "engine_dir")} for r in records]))
+    return 0
+
+
+def _main_real(p, a) -> int:
+    from bench.real import run_real
+    from export.published import PUBLISHED
+
+    names = [n for n in PUBLISHED if a.only is None or n in a.only]
+    if not names:
+        p.error(f"no published geometry matches {a.only}; known: {', '.join(PUBLISHED)}")
+    with tempfile.TemporaryDirectory(prefix="refit-real-") as tmp:
+        root = Path(a.work_dir) if a.work_dir else Path(tmp)
+        records = run_real(names, root, a.rss_cap_gb)
+    table = markdown_real(records)
+    print(table)
+    if a.readme:
+        update_readme(Path(a.readme), table, REAL_MARKS)
     print(json.dumps([{k: v for k, v in r.items() if k not in ("model_dir", "engine_dir")} for r in records]))
     return 0
 

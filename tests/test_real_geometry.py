@@ -207,3 +207,64 @@ def test_distill_two_steps_at_real_geometry(exported):
     assert r["steps"] == 2
     assert abs(r["kl0"]) <= 1e-6 and abs(r["step1_loss"]) <= 1e-6  # its own teacher: nothing to learn
     assert r["probe"] <= TOL
+
+
+# ----------------------------------------------------------------------------- one full-depth model, end to end
+
+
+@pytest.mark.slow
+def test_full_depth_smollm2_export_ppo_push_resume(tmp_path, tokenizer):
+    """SmolLM2-135M at its published depth (30 layers, 134.5M parameters, random weights): export through the
+    parity gate, two PPO steps (a weight push and probe each), stop, resume from the checkpoint for two more;
+    KL(0) = 0, exact KL >= 0, every probe within the gate's tolerance, the engine's weights version goes on
+    from the checkpoint; then the trained policy pushed whole into an engine of the exported weights equals
+    PyTorch holding the trained policy."""
+    import time
+
+    from export.manifest import Manifest
+    from export.onnx_export import ExportOptions, export_onnx
+    from learner.ppo.config import PPOConfig
+    from learner.ppo.cycle import run_ppo
+    from learner.run.metrics import read_metrics
+
+    t0 = time.perf_counter()
+    model_dir = build_published("SmolLM2 135M", tmp_path / "model", n_layers=None, tokenizer=tokenizer)
+    engine_dir = export_onnx(model_dir, tmp_path / "engine", ExportOptions(max_batch=16, max_len=128),
+                             log=lambda *_: None)
+    m = Manifest.read(engine_dir)
+    assert m.dims.n_layers == 30 and m.parity.max_abs_logprob_diff <= TOL and m.attention == "fused"
+    t_export = time.perf_counter() - t0
+    cfg = dict(model_dir=str(model_dir), engine_dir=str(engine_dir), output_dir=str(tmp_path / "run"), steps=4,
+               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
+               save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
+               num_prompts=32, learning_rate=1e-4, kl_estimator="exact", top_k=20, top_p=0.9,
+               reward="learner.examples.tasks:length_reward", export_final=False)
+    run_ppo(PPOConfig.from_flat(**cfg, max_steps_this_run=2), log=lambda *_: None)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    run_dir = run_ppo(PPOConfig.from_flat(**cfg), resume=True, log=lambda *_: None)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["engine/weights_version"] for r in rows] == [1, 2, 3, 4]
+    assert abs(rows[0]["kl/exact"]) <= 1e-6 and min(r["kl/exact"] for r in rows) >= 0
+    assert max(r["probe/max_abs_logprob_diff"] for r in rows if "probe/max_abs_logprob_diff" in r) <= TOL
+    # the trained policy (the last checkpoint) pushed whole into a fresh engine of the exported weights
+    from export.weight_map import canonical_params
+    from rollout.ort_backend import OrtEngine
+    from rollout.torch_backend import TorchEngine
+    from rollout.types import SamplingParams
+
+    ort, ref = OrtEngine(engine_dir), TorchEngine(run_dir / "checkpoints" / "step_000004" / "policy")
+    batch = ref.generate([tokenizer(t).input_ids for t in TEXTS], SamplingParams(max_new_tokens=8, seed=0))
+    score = lambda e: e.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids,  # noqa: E731
+                              batch.response_mask).logprobs
+    before = score(ort)
+    params, _ = canonical_params(ref.model)
+    ort.update_weights({n: t.detach() for n, t in params.items()})
+    after, want = score(ort), score(ref)
+    moved, vs_torch = float((after - before).abs().max()), float((after - want).abs().max())
+    ort.close()
+    ref.close()
+    assert moved > 0 and vs_torch <= TOL
+    print(f"\nfull-depth SmolLM2-135M: build + export {t_export:.1f} s (parity {m.parity.max_abs_logprob_diff:.2e}), "
+          f"total {time.perf_counter() - t0:.1f} s; KL(0) {rows[0]['kl/exact']:.2e}, step-4 exact KL "
+          f"{rows[-1]['kl/exact']:.2e}; trained policy pushed: moved {moved:.2e}, vs PyTorch {vs_torch:.2e}")
