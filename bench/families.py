@@ -154,8 +154,8 @@ def markdown_real(records: list[dict]) -> str:
             lines.append(f"| {r['family']} | {r.get('params_m', '')}M | {r['export']} | | | | | {spent} | {where} |")
             continue
         lines.append(f"| {r['family']} | {r['params_m']}M | ok, {r['attention']} attention | {r['parity']:.1e} "
-                     f"| {_cell(r['push'], _push_cell)} | {_cell(r['ppo'], _ppo_cell)} "
-                     f"| {_cell(r['distill'], _distill_cell)} | {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
+                     f"| {_cell(r.get('push', 'not reached'), _push_cell)} | {_cell(r.get('ppo', 'not reached'), _ppo_cell)} "
+                     f"| {_cell(r.get('distill', 'not reached'), _distill_cell)} | {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
     return "\n".join(lines)
 
 

@@ -129,9 +129,18 @@ def _export_child(model_dir: Path, engine_dir: Path, rss_cap_gb: float | None) -
     return {"export": "ok", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
 
 
+def _emit(rec: dict, stage: str) -> None:
+    """Print the record so far as one JSON line (the parent keeps the last one, also when it stops this process
+    at its RSS cap): the stage about to run and this process's peak RSS (GB) until now."""
+    import resource
+
+    rec.update(stage=stage, rss_so_far_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2))
+    print(json.dumps(rec), flush=True)
+
+
 def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> dict:
     """Everything the table reports for one published geometry (2 layers), in this process (the export in a
-    child). ``root`` holds the checkpoint, the engine and the runs."""
+    child). ``root`` holds the checkpoint, the engine and the runs. Prints the record after each stage."""
     from dataclasses import asdict
 
     from bench.families import _run, distill_smoke, ppo_smoke
@@ -146,8 +155,10 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     rec = {"family": name, "source": PUBLISHED[name].source, "params_m": round(n_params(name) / 1e6, 1),
            "build_s": round(time.perf_counter() - t0, 1), "model_dir": str(model_dir),
            "engine_dir": str(root / "engines" / slug)}
+    _emit(rec, "export")
     rec.update(_export_child(model_dir, Path(rec["engine_dir"]), rss_cap_gb))
     if rec["export"] != "ok":
+        _emit(rec, "done")
         return rec
     m = Manifest.read(rec["engine_dir"])
     rec.update(parity=m.parity.max_abs_logprob_diff, attention=m.attention or "plain",
@@ -157,9 +168,11 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, above
     for stage, fn in (("push", lambda r, _: push_check(r["model_dir"], r["engine_dir"], prompts)),
                       ("ppo", lambda r, d: ppo_smoke(r, d, **quick)), ("distill", lambda r, d: distill_smoke(r, d, **quick))):
+        _emit(rec, stage)
         t = time.perf_counter()
         rec[stage] = _run(fn, rec, root / "runs" / slug)
         rec[f"{stage}_s"] = round(time.perf_counter() - t, 1)
+    _emit(rec, "done")
     return rec
 
 
@@ -172,8 +185,10 @@ def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print) 
             cmd += ["--rss-cap-gb", str(rss_cap_gb)]
         m = measured(cmd, rss_cap_gb)
         lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
-        rec = json.loads(lines[-1]) if lines else {
-            "family": name, "export": f"stopped at the {rss_cap_gb:g} GB RSS cap" if m.capped else f"failed: {m.last_error}"}
+        rec = json.loads(lines[-1]) if lines else {"family": name, "stage": "build", "export": "not reached"}
+        if rec["stage"] != "done":  # stopped (cap) or crashed in that stage; its cell says so
+            why = f"stopped at the {rss_cap_gb:g} GB RSS cap" if m.capped else f"failed: {m.last_error}"
+            rec[rec["stage"]] = f"{why} (this stage)"
         rec.update(seconds=m.seconds, peak_rss_gb=m.peak_rss_gb)
         log(f"{name}: export {rec['export']}, {m.seconds} s, peak RSS {m.peak_rss_gb} GB")
         records.append(rec)
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
     p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export above this peak RSS")
     a = p.parse_args(argv)
-    print(json.dumps(geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb)))
+    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb)  # prints its record after each stage
     return 0
 
 
