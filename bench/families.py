@@ -139,7 +139,8 @@ def markdown(records: list[dict]) -> str:
 
 def _push_cell(r: dict) -> str:
     ok = r["changed_by"] > 1e-2 and r["vs_torch"] <= 1e-4 and r["restored"] <= 1e-5
-    return f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors, moved {r['changed_by']:.1f}, vs PyTorch {r['vs_torch']:.1e}"
+    return (f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors, moved {r['changed_by']:.1f}, "
+            f"vs PyTorch {r['vs_torch']:.1e}")
 
 
 def markdown_real(records: list[dict]) -> str:
@@ -153,9 +154,10 @@ def markdown_real(records: list[dict]) -> str:
             spent = f"{r['export_s']} s, {r['export_rss_gb']} GB" if "export_s" in r else ""
             lines.append(f"| {r['family']} | {r.get('params_m', '')}M | {r['export']} | | | | | {spent} | {where} |")
             continue
+        push, ppo, distill = (r.get(k, "not reached") for k in ("push", "ppo", "distill"))
         lines.append(f"| {r['family']} | {r['params_m']}M | ok, {r['attention']} attention | {r['parity']:.1e} "
-                     f"| {_cell(r.get('push', 'not reached'), _push_cell)} | {_cell(r.get('ppo', 'not reached'), _ppo_cell)} "
-                     f"| {_cell(r.get('distill', 'not reached'), _distill_cell)} | {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
+                     f"| {_cell(push, _push_cell)} | {_cell(ppo, _ppo_cell)} | {_cell(distill, _distill_cell)} "
+                     f"| {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
     return "\n".join(lines)
 
 

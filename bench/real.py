@@ -123,7 +123,8 @@ def _export_child(model_dir: Path, engine_dir: Path, rss_cap_gb: float | None) -
            str(model_dir), "-o", str(engine_dir), *EXPORT_ARGS]
     m = measured(cmd, rss_cap_gb)
     if m.capped:
-        return {"export": f"stopped at the {rss_cap_gb:g} GB RSS cap", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
+        return {"export": f"stopped at the {rss_cap_gb:g} GB RSS cap", "export_s": m.seconds,
+                "export_rss_gb": m.peak_rss_gb}
     if m.rc != 0:
         return {"export": f"failed: {m.last_error}", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
     return {"export": "ok", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
@@ -166,8 +167,9 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     texts = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
     prompts = [tok(t).input_ids for t in texts]
     quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, above
-    for stage, fn in (("push", lambda r, _: push_check(r["model_dir"], r["engine_dir"], prompts)),
-                      ("ppo", lambda r, d: ppo_smoke(r, d, **quick)), ("distill", lambda r, d: distill_smoke(r, d, **quick))):
+    stages = (("push", lambda r, _: push_check(r["model_dir"], r["engine_dir"], prompts)),
+              ("ppo", lambda r, d: ppo_smoke(r, d, **quick)), ("distill", lambda r, d: distill_smoke(r, d, **quick)))
+    for stage, fn in stages:
         _emit(rec, stage)
         t = time.perf_counter()
         rec[stage] = _run(fn, rec, root / "runs" / slug)

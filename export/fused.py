@@ -250,7 +250,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     for scaled in ("logit_scale", "logits_scaling"):  # Cohere, Granite: applied after the lm_head in their forward
         if getattr(model.config, scaled, None) not in (None, 1, 1.0):
-            return f"config.{scaled} = {getattr(model.config, scaled)}: the fused graph's lm_head step does not apply it"
+            return f"config.{scaled} = {getattr(model.config, scaled)}: the fused graph's lm_head does not apply it"
     attn = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not attn or any(getattr(m, "layer_idx", None) is None for m in attn):
         return "an attention module does not know its layer index (layer_idx)"

@@ -120,7 +120,8 @@ def test_onnxruntime_softcap_matches_the_reference_op():
 
     n, d, cap, b, chunk, start, scale, softcap, window = 2, 8, 12, 2, 3, 4, 0.7, 0.5, 3
     vi = h.make_tensor_value_info
-    ins = [vi(x, TP.FLOAT, ["b", "s", n * d]) for x in "qkv"] + [vi(x, TP.FLOAT, ["b", n, "c", d]) for x in ("pk", "pv")]
+    ins = [vi(x, TP.FLOAT, ["b", "s", n * d]) for x in "qkv"]
+    ins += [vi(x, TP.FLOAT, ["b", n, "c", d]) for x in ("pk", "pv")]
     ins += [vi("sk", TP.INT32, ["b"]), vi("tot", TP.INT32, []), vi("ab", TP.FLOAT, ["b", n, "s", "t"]),
             vi("qs", TP.INT32, ["b"])]
     node = h.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sk", "tot", "", "", "", "ab"] + [""] * 5
