@@ -271,3 +271,21 @@ def test_full_depth_smollm2_export_ppo_push_resume(tmp_path, tokenizer):
     print(f"\nfull-depth SmolLM2-135M: build + export {t_export:.1f} s (parity {m.parity.max_abs_logprob_diff:.2e}), "
           f"total {time.perf_counter() - t0:.1f} s; KL(0) {rows[0]['kl/exact']:.2e}, step-4 exact KL "
           f"{rows[-1]['kl/exact']:.2e}; trained policy pushed: moved {moved:.2e}, vs PyTorch {vs_torch:.2e}")
+
+
+# ----------------------------------------------------------------------------- the table's measurements
+
+
+def test_measured_peak_rss_and_cap():
+    """bench.real.measured: a child holding 400 MB reports a peak of at least that (wait4's ru_maxrss), and
+    the same child under a 0.2 GB cap is stopped, not waited for."""
+    import sys
+
+    from bench.real import measured
+
+    hold = [sys.executable, "-c", "import time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                                  "time.sleep(3); print('done')"]
+    m = measured(hold)
+    assert m.rc == 0 and not m.capped and m.stdout.strip() == "done" and m.peak_rss_gb >= 400 / 1024
+    capped = measured(hold, rss_cap_gb=0.2)
+    assert capped.capped and capped.rc != 0 and capped.seconds < 3 and "done" not in capped.stdout
