@@ -145,17 +145,21 @@ def _push_cell(r: dict) -> str:
 
 def markdown_real(records: list[dict]) -> str:
     """The real-geometry table (bench.real records)."""
-    lines = ["| model (2 layers) | params | export | parity max abs dlogprob | weight push (perturbed, vs PyTorch) "
-             "| PPO (2 steps, top-k 20, top-p 0.9) | distill (2 steps, self-teacher) | export s, peak RSS "
-             "| whole row s, peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    from export.published import PUBLISHED
+
+    lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
+             "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) | distill (2 steps, self-teacher) | export s, peak RSS "
+             "| whole row s, peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         where = f"{r.get('seconds', '')} s, {r.get('peak_rss_gb', '')} GB"
         if r["export"] != "ok":
             spent = f"{r['export_s']} s, {r['export_rss_gb']} GB" if "export_s" in r else ""
-            lines.append(f"| {r['family']} | {r.get('params_m', '')}M | {r['export']} | | | | | {spent} | {where} |")
+            lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r.get('params_m', '')}M "
+                         f"| {r['export']} | | | | | {spent} | {where} |")
             continue
         push, ppo, distill = (r.get(k, "not reached") for k in ("push", "ppo", "distill"))
-        lines.append(f"| {r['family']} | {r['params_m']}M | ok, {r['attention']} attention | {r['parity']:.1e} "
+        lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r['params_m']}M "
+                     f"| ok, {r['attention']} attention | {r['parity']:.1e} "
                      f"| {_cell(push, _push_cell)} | {_cell(ppo, _ppo_cell)} | {_cell(distill, _distill_cell)} "
                      f"| {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
     return "\n".join(lines)
