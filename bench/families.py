@@ -149,7 +149,8 @@ def markdown_real(records: list[dict]) -> str:
 
     lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
              "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) "
-             "| distill (2 steps, self-teacher) | export s, peak RSS | whole row s, peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| distill (2 steps, self-teacher) | export s, peak RSS | whole row s, peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         where = f"{r.get('seconds', '')} s, {r.get('peak_rss_gb', '')} GB"
         if r["export"] != "ok":
