@@ -125,6 +125,9 @@ def _export_child(model_dir: Path, engine_dir: Path, rss_cap_gb: float | None) -
     if m.capped:
         return {"export": f"stopped at the {rss_cap_gb:g} GB RSS cap", "export_s": m.seconds,
                 "export_rss_gb": m.peak_rss_gb}
+    if m.rc < 0:  # no Python error to report: a signal (9 with no cap of ours: the kernel's OOM killer)
+        return {"export": f"killed by signal {-m.rc} at {m.peak_rss_gb} GB RSS", "export_s": m.seconds,
+                "export_rss_gb": m.peak_rss_gb}
     if m.rc != 0:
         return {"export": f"failed: {m.last_error}", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
     return {"export": "ok", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
