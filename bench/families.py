@@ -8,6 +8,10 @@ teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0)
 first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table
 (and, with ``--readme``, replaces the table between the README's ``families`` markers); the last
 stdout line is one JSON document with every record, as the benchmarks do.
+
+``--set real`` runs the published geometries of :mod:`refit.learner.examples.published` instead (real widths, head dims,
+vocabularies; 2 layers), one process each (:mod:`refit.bench.real`), and adds a weight-push check and the
+export's seconds and peak RSS; its table goes between the README's ``real-geometry`` markers.
 """
 
 from __future__ import annotations
@@ -20,59 +24,10 @@ import time
 from pathlib import Path
 
 from refit.bench.export_families import FAMILIES, export_family
+from refit.bench.smokes import _quiet, _run, distill_smoke, ppo_smoke
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
-# flat field names (refit.learner.run.config.from_flat maps them to their sections)
-SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
-
-
-def _quiet(*_):
-    pass
-
-
-def ppo_smoke(rec: dict, root: Path) -> dict:
-    """Two PPO steps on the family's engine (a dense reward, so step 2's policy has moved); KL(0), the
-    smallest and the last exact KL, the largest probe diff."""
-    from refit.learner.ppo.config import PPOConfig
-    from refit.learner.ppo.cycle import run_ppo
-    from refit.learner.run.metrics import read_metrics
-
-    cfg = PPOConfig.from_flat(
-        model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
-        num_generations=2, advantage_estimator="gae", num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
-        kl_estimator="exact",
-        reward="refit.learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **SMOKE)
-    rows = read_metrics(run_ppo(cfg, log=_quiet, overwrite=True))  # the bench's own folder, rerun
-    return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
-            "last_exact_kl": rows[-1]["kl/exact"],
-            # pushes are checked on the next rollout (the last one on the probe batch): not every row has one
-            "probe": max(r["probe/max_abs_logprob_diff"] for r in rows if "probe/max_abs_logprob_diff" in r),
-            "steps": len(rows)}
-
-
-def distill_smoke(rec: dict, root: Path) -> dict:
-    """Two distillation steps, the model its own teacher: held-out KL at step 0, the loss of each step."""
-    from refit.learner.distill.config import DistillConfig
-    from refit.learner.distill.cycle import run_distill
-    from refit.learner.run.metrics import read_metrics
-
-    cfg = DistillConfig.from_flat(
-        teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
-        student_engine_dir=rec["engine_dir"], output_dir=str(root / "distill"), batch_size=4, eval_size=4,
-        num_prompts=32, max_new_tokens=4, teacher_topk=8, lmbda=0.5, eval_every=2, warmup_steps=0, **SMOKE)
-    rows = read_metrics(run_distill(cfg, log=_quiet, overwrite=True))
-    steps = [r for r in rows if r["step"] > 0]
-    return {"kl0": rows[0]["eval/kl_to_teacher"], "step1_loss": steps[0]["loss"],
-            "probe": max(r["probe/max_abs_logprob_diff"] for r in steps), "steps": len(steps)}
-
-
-def _run(stage, rec: dict, root: Path) -> dict | str:
-    try:
-        return stage(rec, root)
-    except Exception as e:  # noqa: BLE001 - a failing family is a row of the table, not the end of the report
-        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
+REAL_MARKS = ("<!-- real-geometry:start -->", "<!-- real-geometry:end -->")
 def family_record(name: str, geometry: str, root: Path, tokenizer, log=print) -> dict:
     t0 = time.perf_counter()
     rec = {"family": name, **export_family(geometry, root, tokenizer, log=_quiet)}
@@ -132,12 +87,42 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> None:
+def _push_cell(r: dict) -> str:
+    ok = r["changed_by"] > 1e-2 and r["vs_torch"] <= 1e-4 and r["restored"] <= 1e-5
+    return (f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors, moved {r['changed_by']:.1f}, "
+            f"vs PyTorch {r['vs_torch']:.1e}")
+
+
+def markdown_real(records: list[dict]) -> str:
+    """The real-geometry table (refit.bench.real records)."""
+    from refit.learner.examples.published import PUBLISHED
+
+    lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
+             "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) "
+             "| distill (2 steps, self-teacher) | export s, peak RSS | whole row s, peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        where = f"{r.get('seconds', '')} s, {r.get('peak_rss_gb', '')} GB"
+        if r["export"] != "ok":
+            spent = f"{r['export_s']} s, {r['export_rss_gb']} GB" if "export_s" in r else ""
+            lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r.get('params_m', '')}M "
+                         f"| {r['export']} | | | | | {spent} | {where} |")
+            continue
+        push, ppo, distill = (r.get(k, "not reached") for k in ("push", "ppo", "distill"))
+        lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r['params_m']}M "
+                     f"| ok, {r['attention']} attention | {r['parity']:.1e} "
+                     f"| {_cell(push, _push_cell)} | {_cell(ppo, _ppo_cell)} | {_cell(distill, _distill_cell)} "
+                     f"| {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str, marks: tuple[str, str] = (MARK_START, MARK_END)) -> None:
+    start, end = marks
     text = readme.read_text()
-    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{readme} has no {MARK_START} ... {MARK_END} markers")
-    readme.write_text(pattern.sub(lambda _: f"{MARK_START}\n{table}\n{MARK_END}", text))
+        raise SystemExit(f"{readme} has no {start} ... {end} markers")
+    readme.write_text(pattern.sub(lambda _: f"{start}\n{table}\n{end}", text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help=f"families to run (default all: {', '.join(FAMILIES)})")
     p.add_argument("--work-dir", default="", help="where checkpoints, engines and runs go (default: a temp folder)")
     p.add_argument("--readme", default="", help="replace the table between the family markers of this file")
+    p.add_argument("--set", choices=("tiny", "real"), default="tiny",
+                   help="tiny: one 2-layer, 32-64-wide checkpoint per family; real: the published geometries of "
+                        "refit.learner.examples.published (real widths and vocabularies, 2 layers), one process each")
+    p.add_argument("--rss-cap-gb", type=float, default=16.0, help="--set real: stop a geometry above this peak RSS")
     a = p.parse_args(argv)
+    if a.set == "real":
+        return _main_real(p, a)
     chosen = {n: g for n, g in FAMILIES.items() if a.only is None or n in a.only or g in a.only}
     if not chosen:
         p.error(f"no family matches {a.only}; known: {', '.join(FAMILIES)}")
@@ -159,6 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if a.readme:
         update_readme(Path(a.readme), table)
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("model_dir", "engine_dir")} for r in records]))
+    return 0
+
+
+def _main_real(p, a) -> int:
+    from refit.bench.real import run_real
+    from refit.learner.examples.published import PUBLISHED
+
+    names = [n for n in PUBLISHED if a.only is None or n in a.only]
+    if not names:
+        p.error(f"no published geometry matches {a.only}; known: {', '.join(PUBLISHED)}")
+    with tempfile.TemporaryDirectory(prefix="refit-real-") as tmp:
+        root = Path(a.work_dir) if a.work_dir else Path(tmp)
+        records = run_real(names, root, a.rss_cap_gb)
+    table = markdown_real(records)
+    print(table)
+    if a.readme:
+        update_readme(Path(a.readme), table, REAL_MARKS)
     print(json.dumps([{k: v for k, v in r.items() if k not in ("model_dir", "engine_dir")} for r in records]))
     return 0
 

@@ -104,7 +104,7 @@ def push_stage(model_dir: str, engine_dir: str) -> dict:
 
 
 def ppo_stage(model_dir: str, engine_dir: str, root: str) -> dict:
-    from refit.bench.families import ppo_smoke
+    from refit.bench.smokes import ppo_smoke
 
     return ppo_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root))
 

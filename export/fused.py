@@ -42,7 +42,7 @@ ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and 
 def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
         past_value: torch.Tensor, seqlens_k: torch.Tensor, total_len: torch.Tensor, query_seqlens: torch.Tensor,
         attention_bias: torch.Tensor | None, num_heads: int, kv_num_heads: int, scale: float,
-        local_window: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        local_window: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GroupQueryAttention's contract in PyTorch (the reference the ONNX graph is tested against).
 
     query (B, S, N*D), key/value (B, S, H_kv*D), past_key/value (B, H_kv, C, D); seqlens_k and
@@ -53,8 +53,10 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
     position (its last dim must equal total_len, as the ORT kernel checks). ``local_window`` >= 1 (the
     op's ``local_window_size``): a query at position p sees keys [p - local_window + 1, p] only, a
     sliding window of local_window tokens (-1: none; measured on ORT 1.32 CPU against this function:
-    the window counts the query's own token, HF Mistral's ``sliding_window``). Returns
-    (output (B, S, N*D), present_key, present_value); output rows >= Q are 0.
+    the window counts the query's own token, HF Mistral's ``sliding_window``). ``softcap`` > 0 (the op's
+    ``softcap``; Gemma-2's ``attn_logit_softcapping``): scaled scores become ``softcap * tanh(scores / softcap)``
+    before the bias and the mask (0: none). Returns (output (B, S, N*D), present_key, present_value); output
+    rows >= Q are 0.
     """
     b, s, _ = query.shape
     d = past_key.shape[3]
@@ -72,6 +74,8 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
         keys = pk[i, :, :t].repeat_interleave(rep, 0)  # (N, T, D)
         vals = pv[i, :, :t].repeat_interleave(rep, 0)
         scores = q[i, :, :n] @ keys.transpose(-1, -2) * scale  # (N, Q, T)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         if attention_bias is not None:
             scores = scores + attention_bias[i if attention_bias.shape[0] > 1 else 0, :, :n, :t]
         pos = t - n + torch.arange(n)[:, None]  # (Q, 1) each query's absolute position
@@ -84,7 +88,7 @@ def gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: t
 
 @gqa.register_fake
 def _(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias, num_heads,
-      kv_num_heads, scale, local_window=-1):
+      kv_num_heads, scale, local_window=-1, softcap=0.0):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -114,11 +118,12 @@ def _register_onnx_schema() -> None:
                           ("I", ["tensor(int64)"], "")],
         attributes=[S.Attribute("num_heads", S.AttrType.INT), S.Attribute("kv_num_heads", S.AttrType.INT),
                     S.Attribute("scale", S.AttrType.FLOAT, required=False),
-                    S.Attribute("local_window_size", S.AttrType.INT, required=False)]))
+                    S.Attribute("local_window_size", S.AttrType.INT, required=False),
+                    S.Attribute("softcap", S.AttrType.FLOAT, required=False)]))
 
 
 def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, query_seqlens, attention_bias,
-              num_heads: int, kv_num_heads: int, scale: float, local_window: int = -1):
+              num_heads: int, kv_num_heads: int, scale: float, local_window: int = -1, softcap: float = 0.0):
     """``refit::gqa`` -> com.microsoft.GroupQueryAttention (opset 1), inputs by the op's schema order."""
     import onnxscript
 
@@ -126,7 +131,8 @@ def _gqa_onnx(query, key, value, past_key, past_value, seqlens_k, total_len, que
     return msft.GroupQueryAttention(
         query, key, value, past_key, past_value, seqlens_k, total_len,
         None, None, None, attention_bias, None, None, None, None, None, query_seqlens,  # rotary, sink, quant: unused
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, local_window_size=local_window, _outputs=3)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, local_window_size=local_window,
+        softcap=softcap, _outputs=3)
 
 
 def translation_table() -> dict:
@@ -138,17 +144,21 @@ def translation_table() -> dict:
 def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: (B, N, S, D) q, (B, H_kv, S, D) k/v of the new tokens only
     (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers, lengths and
-    attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress."""
+    attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress.
+    What the layer asks for is passed on per layer: its ``scaling`` (Gemma-2: ``query_pre_attn_scalar ** -0.5``),
+    ``sliding_window`` (None on a full layer of Gemma-2's alternating pattern) and ``softcap``."""
     st = ACTIVE[-1]
     i = module.layer_idx
     window = kwargs.get("sliding_window")  # HF (Mistral): query q sees keys (q - window, q], i.e. window tokens
+    softcap = kwargs.get("softcap")  # HF (Gemma-2): attn_logit_softcapping, None when off
     b, n, s, d = query.shape
     h = key.shape[1]
     out, pk, pv = torch.ops.refit.gqa(
         query.transpose(1, 2).reshape(b, s, n * d), key.transpose(1, 2).reshape(b, s, h * d),
         value.transpose(1, 2).reshape(b, s, h * d), st["past"][2 * i], st["past"][2 * i + 1],
         st["seqlens_k"], st["total_len"], st["query_seqlens"], st.get("bias"), n, h,
-        float(scaling if scaling is not None else d ** -0.5), int(window) if window else -1)
+        float(scaling if scaling is not None else d ** -0.5), int(window) if window else -1,
+        float(softcap) if softcap else 0.0)
     st["present"][2 * i], st["present"][2 * i + 1] = pk, pv
     return out.view(b, s, n, d), None
 
@@ -202,6 +212,9 @@ class FusedDecoder(torch.nn.Module):
         b, k = logits_index.shape
         picked = hidden.gather(1, logits_index[:, :, None].expand(b, k, hidden.shape[-1]))  # (B, K, H)
         logits = self.model.get_output_embeddings()(picked)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma-2, as its forward does
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return (logits, *state["present"])
 
 
@@ -213,7 +226,9 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
 
     Decided from what the model does, not its type: a decoder-only model whose attention layers go
     through transformers' ``AttentionInterface`` (``_supports_attention_backend``) and know their layer
-    (``layer_idx``), a sliding window (Mistral) given to the op as ``local_window_size``; an encoder-decoder
+    (``layer_idx``), a sliding window (Mistral; Gemma-2's alternating layers, per layer) given to the op as
+    ``local_window_size``, attention soft-capping as its ``softcap`` and the layer's scaling as its ``scale``,
+    Gemma-2's final logit soft-capping applied after the lm_head; an encoder-decoder
     one whose decoder has either T5's relative position bias or one absolute position embedding (BART, Marian;
     :func:`refit.export.fused_seq2seq.seq2seq_refusal`). Whether the graph computes what PyTorch computes is
     the parity gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
@@ -231,6 +246,9 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
         return f"sliding window {caps.sliding_window}: the op's local_window_size must be >= 1"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
+    for scaled in ("logit_scale", "logits_scaling"):  # Cohere, Granite: applied after the lm_head in their forward
+        if getattr(model.config, scaled, None) not in (None, 1, 1.0):
+            return f"config.{scaled} = {getattr(model.config, scaled)}: the fused graph's lm_head does not apply it"
     attn = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not attn or any(getattr(m, "layer_idx", None) is None for m in attn):
         return "an attention module does not know its layer index (layer_idx)"

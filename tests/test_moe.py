@@ -107,7 +107,7 @@ def test_push_expert_weights(moe_dirs, moe_engines, prompts, name):
 
 @pytest.mark.parametrize("name", MOE)
 def test_ppo_two_steps_kl_zero_then_nonnegative(moe_dirs, moe_engines, tmp_path, name):
-    from refit.bench.families import ppo_smoke
+    from refit.bench.smokes import ppo_smoke
 
     r = ppo_smoke({"model_dir": str(moe_dirs[name]), "engine_dir": str(moe_engines[name])}, tmp_path)
     assert r["steps"] == 2

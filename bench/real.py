@@ -1,0 +1,217 @@
+"""The family table at real geometry: ``python -m refit.bench.families --set real``.
+
+Each geometry of :data:`refit.learner.examples.published.PUBLISHED` (published widths, head dims, vocabulary, rope
+settings; depth cut to 2 layers) runs in its own process (:func:`measured`, peak RSS from ``wait4`` and
+a cap that stops it before it takes the machine): build the random-weight checkpoint, export it in a
+further process (its seconds and peak RSS are the export's own), read the parity figure and the graph
+the export chose, push perturbed weights into the engine and compare with PyTorch holding the same
+weights (:func:`push_check`), then the two-step PPO and distillation smokes of :mod:`refit.bench.families`.
+The child prints its record as one JSON line; the parent adds the process's peak RSS and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+EXPORT_ARGS = ["--max-batch", "16", "--max-len", "128"]  # as refit.bench.export_families.export_family
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One child process: exit status, wall seconds, peak RSS (GB, the child and the children it waited for),
+    whether the RSS cap (or the time limit) stopped it, its stdout and the last line of its stderr."""
+
+    rc: int
+    seconds: float
+    peak_rss_gb: float
+    capped: bool
+    stdout: str
+    last_error: str
+
+
+def _tree_rss_kb(pgid: int) -> int:
+    """Resident KB of every process in process group ``pgid`` (the child and what it started)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid:  # field 5, pgrp (after the ")" of comm: state, ppid, pgrp)
+                total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE") // 1024  # field 24, rss in pages
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while being read
+    return total
+
+
+def measured(cmd: list[str], rss_cap_gb: float | None = None, timeout_s: float | None = None) -> Measured:
+    """Run ``cmd`` in its own process group; peak RSS from ``wait4`` (Linux: the largest of the child and its
+    reaped descendants). With ``rss_cap_gb`` the group is polled every 0.2 s and killed above the cap."""
+    import signal
+
+    t0 = time.perf_counter()
+    out_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"refit-measured-{os.getpid()}-{time.time_ns()}.out"
+    err_path = out_path.with_suffix(".err")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
+        capped = False
+        while True:  # wait4, not Popen.poll: the rusage of this child alone (and what it reaped)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            over_time = timeout_s is not None and time.perf_counter() - t0 > timeout_s
+            if over_time or (rss_cap_gb is not None and _tree_rss_kb(proc.pid) > rss_cap_gb * 2 ** 20):
+                capped = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.2)
+    proc.returncode = rc = os.waitstatus_to_exitcode(status)  # reaped here; Popen must not wait again
+    maxrss_kb = usage.ru_maxrss
+    stdout, errs = out_path.read_text(), [ln for ln in err_path.read_text().splitlines() if ln.strip()]
+    out_path.unlink()
+    err_path.unlink()
+    return Measured(rc, round(time.perf_counter() - t0, 1), round(maxrss_kb / 2 ** 20, 2), capped, stdout,
+                    errs[-1][:200] if errs else "")
+
+
+def push_check(model_dir: str, engine_dir: str, prompts: list[list[int]], scale: float = 0.05) -> dict:
+    """Perturb the input embedding and every weight of the first layer(s) (``.0.``: attention, MLP, norms;
+    encoder and decoder), push into the ONNX Runtime engine and into the PyTorch reference, and compare:
+    how far the push moved the engine's log-probs of a fixed sampled batch, how far the engine then is from
+    PyTorch, and how far the restored weights are from the original output."""
+    import torch
+
+    from refit.export.weight_map import canonical_params
+    from refit.rollout.ort_backend import OrtEngine
+    from refit.rollout.torch_backend import TorchEngine
+    from refit.rollout.types import SamplingParams
+
+    ort, ref = OrtEngine(engine_dir), TorchEngine(model_dir)
+    try:
+        params, _ = canonical_params(ref.model)
+        emb = ref.model.get_input_embeddings().weight
+        names = [n for n, t in params.items() if ".0." in n or t is emb]
+        g = torch.Generator().manual_seed(0)
+        new = {n: params[n].detach() + scale * torch.randn(params[n].shape, generator=g) for n in names}
+        old = {n: params[n].detach().clone() for n in names}
+        batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
+
+        def score(eng):
+            return eng.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask).logprobs
+
+        before = score(ort)
+        ort.update_weights(new)
+        ref.update_weights(new)
+        after, want = score(ort), score(ref)
+        ort.update_weights(old)
+        restored = score(ort)
+        return {"pushed": len(names), "changed_by": float((after - before).abs().max()),
+                "vs_torch": float((after - want).abs().max()), "restored": float((restored - before).abs().max())}
+    finally:
+        ort.close()
+        ref.close()
+
+
+def _export_child(model_dir: Path, engine_dir: Path, rss_cap_gb: float | None) -> dict:
+    cmd = [sys.executable, "-c", "import sys; from refit.rollout.build import main; sys.exit(main(sys.argv[1:]))",
+           str(model_dir), "-o", str(engine_dir), *EXPORT_ARGS]
+    m = measured(cmd, rss_cap_gb)
+    if m.capped:
+        return {"export": f"stopped at the {rss_cap_gb:g} GB RSS cap", "export_s": m.seconds,
+                "export_rss_gb": m.peak_rss_gb}
+    if m.rc < 0:  # no Python error to report: a signal (9 with no cap of ours: the kernel's OOM killer)
+        return {"export": f"killed by signal {-m.rc} at {m.peak_rss_gb} GB RSS", "export_s": m.seconds,
+                "export_rss_gb": m.peak_rss_gb}
+    if m.rc != 0:
+        return {"export": f"failed: {m.last_error}", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
+    return {"export": "ok", "export_s": m.seconds, "export_rss_gb": m.peak_rss_gb}
+
+
+def _emit(rec: dict, stage: str) -> None:
+    """Print the record so far as one JSON line (the parent keeps the last one, also when it stops this process
+    at its RSS cap): the stage about to run and this process's peak RSS (GB) until now."""
+    import resource
+
+    rec.update(stage=stage, rss_so_far_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2))
+    print(json.dumps(rec), flush=True)
+
+
+def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> dict:
+    """Everything the table reports for one published geometry (2 layers), in this process (the export in a
+    child). ``root`` holds the checkpoint, the engine and the runs. Prints the record after each stage."""
+    from dataclasses import asdict
+
+    from refit.bench.smokes import _run, distill_smoke, ppo_smoke
+    from refit.core.manifest import Manifest
+    from refit.learner.examples.models import build_tokenizer
+    from refit.learner.examples.published import PUBLISHED, build_published, n_params
+
+    slug = name.lower().replace(" ", "-").replace(".", "")
+    tok = build_tokenizer()
+    t0 = time.perf_counter()
+    model_dir = build_published(name, root / "models" / slug, tokenizer=tok)
+    rec = {"family": name, "source": PUBLISHED[name].source, "params_m": round(n_params(name) / 1e6, 1),
+           "build_s": round(time.perf_counter() - t0, 1), "model_dir": str(model_dir),
+           "engine_dir": str(root / "engines" / slug)}
+    _emit(rec, "export")
+    rec.update(_export_child(model_dir, Path(rec["engine_dir"]), rss_cap_gb))
+    if rec["export"] != "ok":
+        _emit(rec, "done")
+        return rec
+    m = Manifest.read(rec["engine_dir"])
+    rec.update(parity=m.parity.max_abs_logprob_diff, attention=m.attention or "plain",
+               capabilities=asdict(m.capabilities))
+    texts = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
+    prompts = [tok(t).input_ids for t in texts]
+    quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, above
+    stages = (("push", lambda r, _: push_check(r["model_dir"], r["engine_dir"], prompts)),
+              ("ppo", lambda r, d: ppo_smoke(r, d, **quick)), ("distill", lambda r, d: distill_smoke(r, d, **quick)))
+    for stage, fn in stages:
+        _emit(rec, stage)
+        t = time.perf_counter()
+        rec[stage] = _run(fn, rec, root / "runs" / slug)
+        rec[f"{stage}_s"] = round(time.perf_counter() - t, 1)
+    _emit(rec, "done")
+    return rec
+
+
+def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print) -> list[dict]:
+    """One child process per geometry (:func:`geometry_record`), its peak RSS and seconds added."""
+    records = []
+    for name in names:
+        cmd = [sys.executable, "-m", "refit.bench.real", name, "--work-dir", str(root)]
+        if rss_cap_gb is not None:
+            cmd += ["--rss-cap-gb", str(rss_cap_gb)]
+        m = measured(cmd, rss_cap_gb)
+        lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
+        rec = json.loads(lines[-1]) if lines else {"family": name, "stage": "build", "export": "not reached"}
+        if rec["stage"] != "done":  # stopped (cap) or crashed in that stage; its cell says so
+            why = f"stopped at the {rss_cap_gb:g} GB RSS cap" if m.capped else f"failed: {m.last_error}"
+            rec[rec["stage"]] = f"{why} (this stage)"
+        rec.update(seconds=m.seconds, peak_rss_gb=m.peak_rss_gb)
+        log(f"{name}: export {rec['export']}, {m.seconds} s, peak RSS {m.peak_rss_gb} GB")
+        records.append(rec)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child: ``python -m refit.bench.real NAME --work-dir DIR``; prints the record as one JSON line."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m refit.bench.real", description=geometry_record.__doc__.split("\n")[0])
+    p.add_argument("name", help="a geometry of refit.learner.examples.published.PUBLISHED")
+    p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
+    p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export above this peak RSS")
+    a = p.parse_args(argv)
+    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb)  # prints its record after each stage
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
