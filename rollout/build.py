@@ -132,6 +132,7 @@ class ExportConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from refit.core.checkpoint import model_info
     from refit.export.guard import guard_engine, require_tokenizer
 
     a, _ = parse(ExportConfig, argv, "refit export")
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         from refit.core.errors import RefitError
 
         raise RefitError("give the engine folder to write: -o OUT_DIR")
+    model_info(Path(a.model_dir))  # not a checkpoint, an unknown model type: said before the tokenizer
     require_tokenizer(a.model_dir)
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
