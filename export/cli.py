@@ -36,11 +36,16 @@ class ExportConfig:
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
                 "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
+    quantize: Literal["none", "int8", "fp8"] = opt(
+        "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-row activations; TensorRT: "
+                "int8 or fp8 Q/DQ), weight pushes re-quantized; parity-gated against PyTorch on the same quantized "
+                "weights, the gap to fp32 recorded in the manifest")
 
 
 def main(argv: list[str] | None = None) -> int:
     a, _ = parse(ExportConfig, argv, "refit export")
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
-                         parity_tol=a.parity_tol, attention=a.attention)
+                         parity_tol=a.parity_tol, attention=a.attention,
+                         quantize=a.quantize)
     print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
     return 0

@@ -35,7 +35,7 @@ from refit.export.weight_map import (build_weight_map, canonical_params, check_o
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
+ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int8: 3}  # onnx.TensorProto enums
 OPSET = 18
 EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
@@ -53,6 +53,9 @@ class ExportOptions:
     # "plain" (standard ops, concatenated cache; TensorRT and the fallback), "auto" (fused where it
     # applies and passes the parity gate, else plain; the manifest records which and why)
     attention: str = "auto"
+    # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
+    # re-quantized; on TensorRT "int8" | "fp8" (export/tensorrt_quant.py); "none": as exported (dtype)
+    quantize: str = "none"
 
 
 PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
@@ -226,7 +229,10 @@ def weights_hash(model_dir: Path) -> str:
 
 
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:
-    blob = json.dumps({"w": weights_hash(model_dir), "o": asdict(opts), "v": EXPORTER_VERSION}, sort_keys=True)
+    o = asdict(opts)
+    if o.get("quantize") == "none":  # the key of an unquantized export is what it was before the field existed
+        del o["quantize"]
+    blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -274,6 +280,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     tok = load_tokenizer(model_dir, info)
     if opts.dtype not in DTYPES:
         raise RefitError(f"unknown dtype {opts.dtype!r}; choose fp32, fp16 or bf16")
+    _check_quantize(opts)
     key = cache_key(model_dir, opts)
     if _check_out_dir(out_dir, key):
         log(f"refit export: {out_dir} is up to date (same weights and options), reused")
@@ -311,6 +318,19 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
         f"attention {manifest.attention})")
     return out_dir
+
+
+def _check_quantize(opts: ExportOptions) -> None:
+    """One line for a quantization this export cannot make (export/quantize.py; TensorRT: export/tensorrt_quant.py)."""
+    q = opts.quantize
+    if opts.backend == "tensorrt":
+        if q not in ("none", "int8", "fp8"):
+            raise RefitError(f"unknown quantize {q!r} for TensorRT; choose none, int8 or fp8")
+        return
+    if q not in ("none", "int8"):
+        raise RefitError(f"unknown quantize {q!r} for ONNX Runtime; choose none or int8 (fp8: TensorRT only)")
+    if q != "none" and opts.dtype != "fp32":
+        raise RefitError(f"quantize {q} starts from fp32 weights; got dtype {opts.dtype}")
 
 
 def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
@@ -368,6 +388,11 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
     tol = opts.parity_tol if opts.parity_tol is not None else PARITY_TOL[opts.dtype]
     manifest = replace(manifest, parity=parity_gate(model, tmp, manifest, tok, tol),
                        export_seconds=round(time.perf_counter() - t0, 3))
+    if opts.quantize != "none" and opts.backend != "tensorrt":  # int8 twins of the gated fp32 graphs, gated again
+        from refit.export.quantize import quantize_folder
+
+        manifest = quantize_folder(tmp, manifest, model, tok, real)
+        manifest = replace(manifest, export_seconds=round(time.perf_counter() - t0, 3))
     manifest.write(tmp)
     return manifest
 

@@ -32,11 +32,12 @@ from refit.core.errors import RefitError
 from refit.export.graph import open_session
 from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
+from refit.export.quantize import quantize_push
 from refit.export.weight_map import engine_weights
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 from refit.rollout.sampling import one_thread
 
-_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64}  # onnx TensorProto -> numpy
+_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64, 3: np.int8}  # onnx TensorProto -> numpy
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -225,7 +226,7 @@ class OrtEngine(LoopEngine):
         """
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
-        mapped = engine_weights(named, wmap, self._dtype)
+        mapped = quantize_push(engine_weights(named, wmap, self._dtype), self.manifest.quantization)  # int8: twins
         for g, new in mapped.items():
             for name, t in new.items():
                 old = self.weights[g].get(name)
