@@ -22,16 +22,18 @@ ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported 
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 
-def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime") -> bool:
+def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime",
+          quantize: str = "none") -> bool:
     """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
-    (for TensorRT: with the standard-op graph, not the fused-attention one)."""
+    (for TensorRT: with the standard-op graph, not the fused-attention one), quantized as asked."""
     from refit.core.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
         return False
     m = Manifest.read(engine_dir)
     return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
-            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused"))
+            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused")
+            and (m.quantization.scheme if m.quantization else "none") == quantize)
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
@@ -52,7 +54,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.export.tensorrt_build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
+    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend, quantize=opts.quantize):
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
         export_onnx(model_dir, engine_dir, opts, log=log)
@@ -64,18 +66,22 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
 
 
 def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  backend: str = "onnxruntime", log=print) -> Path:
+                  backend: str = "onnxruntime", log=print, quantize: str = "none") -> Path:
     """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom."""
-    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize)
     return build(model_dir, engine_dir, backend, opts, reuse_if_fits=(rows, max_len), log=log)
 
 
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  log=print) -> Path:
+                  log=print, quantize: str = "none") -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
     if backend in TORCH_BACKENDS:
+        if quantize != "none":
+            from refit.core.errors import RefitError
+
+            raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime), not {backend}")
         return Path(model_dir)
-    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log)
+    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize)
 
 
 def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | None = None, log=print) -> Path:

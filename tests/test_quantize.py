@@ -112,3 +112,55 @@ def test_bad_quantize_option_is_one_line(model_dirs, tmp_path):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(quantize="fp8"))
     with pytest.raises(RefitError, match="starts from fp32"):
         export_onnx(model_dirs["tiny-gpt2"], tmp_path / "x", ExportOptions(quantize="int8", dtype="fp16"))
+
+
+def _ppo_cfg(model_dirs, engine_dir, out, **kw):
+    from refit.learner.ppo.config import PPOConfig
+
+    base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dir), output_dir=str(out), steps=2,
+                batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4, save_steps=2,
+                probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9, num_prompts=32,
+                learning_rate=1e-3, export_final=False, quantize="int8")
+    return PPOConfig.from_flat(**{**base, **kw})
+
+
+@pytest.mark.parametrize("ref_backend", ["auto", "onnxruntime"])
+def test_kl_is_zero_at_step_zero_with_int8_policy_engine(int8_dirs, model_dirs, tmp_path, ref_backend):
+    """The rollout runs in int8, the reference and the KL in fp32 (PyTorch, or an fp32 engine beside the int8 one):
+    every KL estimator is 0 within 1e-6 at step 0, the mismatch is named 'precision', TIS is on by default."""
+    from refit.learner.ppo.cycle import experience, setup
+    from refit.learner.ppo.mismatch import name_mismatch
+
+    cfg = _ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", batch_size=8, ref_backend=ref_backend)
+    assert cfg.correction == "tis"
+    run = setup(cfg, resume=False, log=lambda *_: None)
+    assert run.engine.manifest.quantization is not None and run.engine_manifest is not None
+    if ref_backend == "auto":
+        assert run.ref_engine is None  # PyTorch
+    else:
+        assert run.ref_engine.manifest.quantization is None and run.ref_engine.manifest.dtype == "fp32"
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=3))
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    for k in ("k1", "k2", "k3", "exact"):
+        assert abs(stats[f"kl/{k}"]) <= 1e-6, (k, stats[f"kl/{k}"])
+    assert stats["mismatch/max_abs_diff"] > 1e-3  # the engine is int8, the learner fp32
+    assert name_mismatch(stats, quantized=True) == "precision"
+    assert "mismatch/tis_grad_scale" in stats and stats["mismatch/tis_grad_scale"] != 1.0
+
+
+def test_int8_ppo_run_pushes_and_probes_against_the_quantized_learner(int8_dirs, model_dirs, tmp_path):
+    """Two steps end to end: each push is probed against the learner's weights quantized as the engine does
+    (an fp32 comparison would fail: the gap is the engine's precision); the log names 'precision' once."""
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.metrics import read_metrics
+
+    lines: list[str] = []
+    run_dir = run_ppo(_ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", steps=3, save_steps=3,
+                               probe_on_rollout=False), log=lines.append)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward/mean" in r and "kl/exact" in r]
+    assert abs(train[0]["kl/exact"]) < 1e-6
+    assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in train)
+    assert all(r["mismatch/max_abs_diff"] > 1e-3 for r in train)
+    told = [ln for ln in lines if "mismatch (precision)" in ln]
+    assert len(told) == 1 and "correction: tis" in told[0], lines

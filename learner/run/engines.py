@@ -56,7 +56,8 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
                      gpu_share: float = 1.0) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
-    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log)
+    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
+                        getattr(cfg.rollout, "quantize", "none"))
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None)
@@ -86,9 +87,13 @@ def probe_length(rollout, response_length: int) -> int:
 
 
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                run_dir: Path, label: str = "engine") -> float:
-    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``."""
+                run_dir: Path, label: str = "engine", as_engine=None) -> float:
+    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``.
+
+    ``as_engine``: model -> the model the engine should equal (an int8 engine: the learner's weights quantized
+    as the engine quantizes them, export/quantize.reference_model); default the model itself."""
     p = probe
+    model = as_engine(model) if as_engine is not None else model
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
     mine = learner_view(model, None, p, temperature)[0]
     diff = float(((eng - mine).abs() * p.response_mask).max())
@@ -106,7 +111,7 @@ def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: st
 
 
 def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                 run_dir: Path, label: str = "engine") -> tuple[int, float]:
+                 run_dir: Path, label: str = "engine", as_engine=None) -> tuple[int, float]:
     """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff)."""
     engine.update_weights(canonical_params(model)[0])
-    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label)
+    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, as_engine)
