@@ -198,10 +198,15 @@ class Quantization:
     quantized_matmuls: int  # graph nodes that run in int8
     float_matmuls: int  # weight matmuls left in fp32 (no Linear/Conv1D reference for them)
     reference: str  # what the gate compared with (a PyTorch forward of the same quantized weights)
-    max_abs_logprob_diff: float  # engine vs that reference: the gated quantity
-    tolerance_logprob: float
+    max_abs_logprob_diff: float  # engine vs that reference: the gated quantity (max over positions and vocab)
+    tolerance_logprob: float  # 2 x the rounding floor's max, at least 1e-3; the push probe's tolerance too
     # int8 engine vs the fp32 PyTorch forward on the parity prompts: a property of the engine, not a failure
     gap_vs_fp32: Mapping[str, float]
+    # the reference against itself, its matmul inputs perturbed by 1e-6 relative: how far int8 rounding alone moves
+    # the log-probs on these prompts ({"max_abs_logprob", "mean_abs_logprob"})
+    rounding_floor: Mapping[str, float] = field(default_factory=dict)
+    mean_abs_logprob_diff: float = 0.0  # engine vs reference, mean: gated too ...
+    tolerance_mean: float = 0.0  # ... at 2 x the floor's mean, at least 1e-4
 
 
 Profiles = Mapping[str, Mapping[str, Mapping[str, ShapeRange]]]  # {graph: {profile: {input: range}}}

@@ -23,9 +23,22 @@ distinct matmul input (shared by the matmuls that read it) and keeps rows indepe
 
 Exactness. The integer product is exact, so a PyTorch forward that quantizes the same weights and the same
 activations the same way (:func:`int8_linear`, :func:`reference_model`) computes what the engine computes up
-to fp32 rounding elsewhere; the parity gate compares the engine with it (tolerance :data:`GATE_TOL`), so a push
-is checked exactly as on an fp32 engine, and records the engine's log-prob gap to the fp32 model in the
-manifest (``quantization.gap_vs_fp32``), a property of the engine, not a failure.
+to fp32 rounding elsewhere; the parity gate compares the engine with it, and records the engine's log-prob
+gap to the fp32 model in the manifest (``quantization.gap_vs_fp32``), a property of the engine, not a failure.
+One thing is not exact: rounding an activation to its int8 code is a step function, so where ONNX Runtime's
+and PyTorch's fp32 (LayerNorm, attention, ...) differ in the last bits, an activation just at a half-step
+takes the neighbouring code in one of them, and the step travels through the later layers and the KV cache.
+Tiny models never hit it (measured 2e-7); GPT-2 small (random weights, the gate's 4 prompts) did: 5.0e-2
+max |dlogprob| engine vs reference, the same as the reference against *itself* with its matmul inputs
+perturbed by 1e-7 relative (5.8e-2), while the whole int8-vs-fp32 gap was 9.0e-2 (mean 4.0e-3 vs 1.4e-2);
+the demo's policy (2 layers, 128 wide) once gave 1.13e-3 on its push probe (4 x 6 tokens) where fp32 gives 3e-5.
+So the gate measures that rounding floor first (:func:`rounding_floor`: the reference against itself,
+inputs perturbed by :data:`FLOOR_JITTER`, three seeds) and allows twice it (at least :data:`GATE_TOL_MIN`), on
+the max and on the mean. The learner's push probe does the same on its own batch
+(``refit.learner.run.engines.probe_check`` with ``int8_manifest``): within the probe tolerance, passed; else
+the floor is measured on the probe batch and the engine must be within twice it. A push that changes the
+output by less than the floor cannot be told from rounding; a push not taken after one PPO step is caught
+(tests/test_quantize.py).
 
 Weight map. The manifest's ``weight_map`` is unchanged (HF name -> fp32 engine name); ``quantization.weights``
 names each fp32 engine weight's int8 twin. :func:`quantize_push` turns a mapped push into the twins (the
@@ -45,8 +58,8 @@ from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, QuantizedWeight, Quantization
 
 SCHEMES = ("none", "int8")  # ExportOptions.quantize on the ONNX Runtime engine
-GATE_TOL = 2e-2  # max |logprob diff| engine vs the quantize-dequantize PyTorch forward (fp32 rounding flips an
-#                 activation's int8 code now and then: one code step of one activation, not a wrong weight)
+GATE_TOL_MIN = 1e-3  # the int8 gate's least tolerance on max |logprob diff| (the fp32 probe's default)
+FLOOR_JITTER = 1e-6  # relative perturbation of every quantized matmul input when measuring the rounding floor
 _TINY = 1e-30  # floor of a row's max |x|: an all-zero row quantizes to 0, never divides by 0
 
 
@@ -69,12 +82,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / t), t
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                jitter: torch.Generator | None = None) -> torch.Tensor:
     """The engine's int8 matmul in PyTorch: (..., K) x (K, N) int8 -> (..., N) float32, as the graph computes it.
 
     The integer dot products are exact in float64 (|sum| <= K * 127^2 < 2^53); ``float()`` rounds them as
-    ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order, then the bias."""
-    codes, t = quantize_rows(x.float())
+    ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order, then the bias.
+    ``jitter``: perturb ``x`` by :data:`FLOOR_JITTER` relative noise first (:func:`rounding_floor`)."""
+    x = x.float()
+    if jitter is not None:
+        x = x * (1 + FLOOR_JITTER * torch.randn(x.shape, generator=jitter))
+    codes, t = quantize_rows(x)
     acc = (codes.double() @ q.double()).float()
     y = acc * t * scale
     return y + bias if bias is not None else y
@@ -114,9 +132,10 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("q", q)
         self.register_buffer("scale", s)
         self.bias = None if bias is None else bias.detach().float()
+        self.jitter: torch.Generator | None = None  # set by rounding_floor only
 
     def forward(self, x):
-        return int8_linear(x, self.q, self.scale, self.bias).to(x.dtype)
+        return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
 
 
 def _module_kn(module) -> torch.Tensor | None:
@@ -165,6 +184,23 @@ def reference_model(model, manifest: Manifest):
                 m = ref.get_submodule(owner)
                 setattr(ref.get_submodule(parent) if parent else ref, leaf, Int8Linear(_module_kn(m), m.bias))
     return ref
+
+
+def rounding_floor(ref, forward, distance, seeds: int = 3) -> float:
+    """max over ``seeds`` of ``distance(forward(ref) with every Int8Linear input perturbed by FLOOR_JITTER)``: how far
+    the quantized function moves under fp32 rounding noise alone. ``ref`` is left unperturbed."""
+    mods = [m for m in ref.modules() if isinstance(m, Int8Linear)]
+    worst = 0.0
+    try:
+        for s in range(seeds):
+            gen = torch.Generator().manual_seed(s)
+            for m in mods:
+                m.jitter = gen
+            worst = max(worst, float(distance(forward(ref))))
+    finally:
+        for m in mods:
+            m.jitter = None
+    return worst
 
 
 # ----------------------------------------------------------------------------- the graph rewrite
@@ -296,25 +332,33 @@ def quantize_folder(folder: Path, manifest: Manifest, model, tokenizer, real: di
                      engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()})
     quant = Quantization(scheme="int8", weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
                          reference="PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.int8_linear",
-                         max_abs_logprob_diff=float("nan"), tolerance_logprob=GATE_TOL, gap_vs_fp32={})
+                         max_abs_logprob_diff=float("nan"), tolerance_logprob=float("nan"), gap_vs_fp32={})
     manifest = replace(manifest, graphs=graphs, hashes=hashes, quantization=quant)
     manifest.write(folder)
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask = pad_batch(seqs, manifest.special_ids.pad, manifest.padding.prompt_side)
     eng, fed = engine_greedy_logits(folder, manifest, ids, mask, 4)
-    ref = torch_reference_logits(reference_model(model, manifest), manifest, ids, mask, fed)
+    qmodel = reference_model(model, manifest)
+    ref = torch_reference_logits(qmodel, manifest, ids, mask, fed)
     fp32 = torch_reference_logits(model, manifest, ids, mask, fed)
     le, lr, lf = _log_softmax(eng), _log_softmax(ref), _log_softmax(fp32)
-    dlogp = float(np.abs(le - lr).max())
+    dlogp, dmean = float(np.abs(le - lr).max()), float(np.abs(le - lr).mean())
+    fwd = lambda m: _log_softmax(torch_reference_logits(m, manifest, ids, mask, fed))  # noqa: E731
+    floor = {"max_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).max()),
+             "mean_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).mean())}
+    tol, tol_mean = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"]), max(GATE_TOL_MIN / 10, 2 * floor["mean_abs_logprob"])
     gap = {"max_abs_logprob": float(np.abs(le - lf).max()), "mean_abs_logprob": float(np.abs(le - lf).mean()),
            "max_abs_logit": float(np.abs(eng.astype(np.float64) - fp32).max()),
            # the engine's own greedy token's log-prob, int8 minus fp32, averaged: the bias a rollout sees
            "mean_token_logprob_gap": float(np.take_along_axis(le - lf, fed[..., None], -1).mean()),
            "greedy_agreement": float((eng.argmax(-1) == fp32.argmax(-1)).mean())}
-    if not np.isfinite(dlogp) or dlogp > GATE_TOL:
-        raise RefitError(f"int8 parity gate failed: max |logprob diff| {dlogp:.3e} > {GATE_TOL:g} against the "
-                         "quantize-dequantize PyTorch forward; the int8 engine does not compute what it should")
+    if not (np.isfinite(dlogp) and dlogp <= tol and dmean <= tol_mean):
+        raise RefitError(f"int8 parity gate failed: |logprob diff| max {dlogp:.3e} (tol {tol:.3g}), mean {dmean:.3e} "
+                         f"(tol {tol_mean:.3g}) against the quantize-dequantize PyTorch forward (rounding floor max "
+                         f"{floor['max_abs_logprob']:.3g}); the int8 engine does not compute what it should")
     log(f"refit export: int8 engine, {n_q} matmuls in int8 ({n_left} left fp32); gate max|dlogprob| {dlogp:.2e} "
-        f"(tol {GATE_TOL:g}); gap to fp32: max|dlogprob| {gap['max_abs_logprob']:.3f}, greedy agreement "
-        f"{gap['greedy_agreement']:.2f}")
-    return replace(manifest, quantization=replace(quant, max_abs_logprob_diff=dlogp, gap_vs_fp32=gap))
+        f"(tol {tol:.3g}, rounding floor {floor['max_abs_logprob']:.2e}); gap to fp32: max|dlogprob| "
+        f"{gap['max_abs_logprob']:.3f}, greedy agreement {gap['greedy_agreement']:.2f}")
+    return replace(manifest, quantization=replace(quant, max_abs_logprob_diff=dlogp, mean_abs_logprob_diff=dmean,
+                                                  tolerance_logprob=tol, tolerance_mean=tol_mean,
+                                                  rounding_floor=floor, gap_vs_fp32=gap))

@@ -69,6 +69,7 @@ def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs,
     m = Manifest.read(int8_dirs[arch])
     q = m.quantization
     assert q is not None and q.max_abs_logprob_diff <= q.tolerance_logprob and q.float_matmuls == 0
+    assert q.mean_abs_logprob_diff <= q.tolerance_mean and q.rounding_floor["max_abs_logprob"] >= 0
     assert q.gap_vs_fp32["max_abs_logprob"] > 10 * q.max_abs_logprob_diff  # int8 is not fp32 ...
     assert q.gap_vs_fp32["greedy_agreement"] > 0.5  # ... but close to it
     eng = OrtEngine(int8_dirs[arch])
@@ -120,7 +121,7 @@ def _ppo_cfg(model_dirs, engine_dir, out, **kw):
     base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dir), output_dir=str(out), steps=2,
                 batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4, save_steps=2,
                 probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9, num_prompts=32,
-                learning_rate=1e-3, export_final=False, quantize="int8")
+                learning_rate=1e-3, warmup_steps=0, export_final=False, quantize="int8")
     return PPOConfig.from_flat(**{**base, **kw})
 
 
@@ -164,3 +165,24 @@ def test_int8_ppo_run_pushes_and_probes_against_the_quantized_learner(int8_dirs,
     assert all(r["mismatch/max_abs_diff"] > 1e-3 for r in train)
     told = [ln for ln in lines if "mismatch (precision)" in ln]
     assert len(told) == 1 and "correction: tis" in told[0], lines
+
+
+def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, prompts, tmp_path):
+    """The learner moved every weight by 1e-3 (AdamW's first step at lr 1e-3): an int8 engine that did not take
+    the push fails the probe; once pushed, it passes (against the learner quantized as the engine is)."""
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
+    from refit.learner.run.engines import probe_check
+
+    m = Manifest.read(int8_dirs["tiny-gpt2"])
+    eng = OrtEngine(int8_dirs["tiny-gpt2"])
+    model = load_model(model_dirs["tiny-gpt2"])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.sign(torch.randn(p.shape, generator=gen)))
+    probe = eng.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m)
+    eng.update_weights(canonical_params(model)[0])
+    assert probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m) <= 1e-3

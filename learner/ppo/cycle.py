@@ -24,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.checkpoint import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.quantize import reference_model
 from refit.export.weight_map import canonical_params
 from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
@@ -274,9 +273,10 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
             run.engine.update_weights(canonical_params(run.policy)[0])
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
-            as_engine = None if run.engine_manifest is None else partial(reference_model, manifest=run.engine_manifest)
+            # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
             run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.rollout.temperature,
-                                                      cfg.rollout.probe_tol, run.run_dir, as_engine=as_engine)
+                                                      cfg.rollout.probe_tol, run.run_dir,
+                                                      int8_manifest=run.engine_manifest)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())

@@ -87,16 +87,25 @@ def probe_length(rollout, response_length: int) -> int:
 
 
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                run_dir: Path, label: str = "engine", as_engine=None) -> float:
+                run_dir: Path, label: str = "engine", int8_manifest=None) -> float:
     """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``.
 
-    ``as_engine``: model -> the model the engine should equal (an int8 engine: the learner's weights quantized
-    as the engine quantizes them, export/quantize.reference_model); default the model itself."""
+    ``int8_manifest``: the engine is int8 (export/quantize.py): the learner side is ``model`` quantized as the engine
+    quantizes it (``reference_model``); above ``tol``, the int8 rounding floor on this batch is measured and the
+    engine must be within twice it (export/quantize.py, Exactness)."""
     p = probe
-    model = as_engine(model) if as_engine is not None else model
+    if int8_manifest is not None:
+        from refit.export.quantize import reference_model, rounding_floor
+
+        model = reference_model(model, int8_manifest)
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
     mine = learner_view(model, None, p, temperature)[0]
-    diff = float(((eng - mine).abs() * p.response_mask).max())
+    dist = lambda other: float(((eng - other).abs() * p.response_mask).max())  # noqa: E731
+    diff = dist(mine)
+    if int8_manifest is not None and diff > tol:
+        floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
+                               lambda j: float(((j - mine).abs() * p.response_mask).max()))
+        tol = max(tol, 2 * floor)
     return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
 
 
@@ -111,7 +120,7 @@ def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: st
 
 
 def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                 run_dir: Path, label: str = "engine", as_engine=None) -> tuple[int, float]:
+                 run_dir: Path, label: str = "engine", int8_manifest=None) -> tuple[int, float]:
     """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff)."""
     engine.update_weights(canonical_params(model)[0])
-    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, as_engine)
+    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest)
