@@ -36,10 +36,10 @@ class ExportConfig:
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
                 "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
-    quantize: Literal["none", "int8", "fp8"] = opt(
-        "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-row activations; TensorRT: "
-                "int8 or fp8 Q/DQ), weight pushes re-quantized; parity-gated against PyTorch on the same quantized "
-                "weights, the gap to fp32 recorded in the manifest")
+    quantize: Literal["none", "int8"] = opt(
+        "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-column int8 weights, per-row int8 "
+                "activations), weight pushes re-quantized; parity-gated against PyTorch on the same quantized "
+                "weights, the gap to fp32 recorded in the manifest (not on TensorRT yet)")
 
 
 def main(argv: list[str] | None = None) -> int:
