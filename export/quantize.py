@@ -8,7 +8,7 @@ then ``y = float(acc) * t * s`` (+ the bias). Every other op (attention, norms, 
 
 Why this op, by measurement (the 49 weight matmuls of one GPT-2-small decode step at batch 32, one
 ONNX Runtime 1.32 session per variant, 2 threads, interleaved rounds, best of 5, same run; this CPU has
-AVX-512 VNNI and AMX-int8; /tmp benchmark, numbers in docs/int8.md):
+AVX-512 VNNI and AMX-int8; scripts/int8_matmul_ops.py, numbers in docs/int8.md):
 
     fp32 MatMul 434 ms | MatMulInteger, per-tensor activations (quantize_dynamic's pattern) 82 ms (5.3x)
     | DynamicQuantizeMatMul 90 ms (4.8x) | MatMulInteger, per-row activations (this scheme) 120 ms (3.6x)

@@ -150,7 +150,7 @@ def test_kl_is_zero_at_step_zero_with_int8_policy_engine(int8_dirs, model_dirs, 
 
 
 def test_int8_ppo_run_pushes_and_probes_against_the_quantized_learner(int8_dirs, model_dirs, tmp_path):
-    """Two steps end to end: each push is probed against the learner's weights quantized as the engine does
+    """Three steps end to end: each push is probed against the learner's weights quantized as the engine does
     (an fp32 comparison would fail: the gap is the engine's precision); the log names 'precision' once."""
     from refit.learner.ppo.cycle import run_ppo
     from refit.learner.run.metrics import read_metrics
