@@ -53,10 +53,11 @@ def push_seconds(engine, params: dict[str, torch.Tensor], repeats: int) -> list[
 _CT2_SCRIPT = r"""
 import json, sys, time, statistics, ctranslate2
 d = json.loads(sys.argv[1])
+vocab = json.load(open(d["model"] + "/vocabulary.json"))
 gen = ctranslate2.Generator(d["model"], device="cpu", compute_type="int8", intra_threads=d["threads"], inter_threads=1)
 out = {}
 for bs in d["batch_sizes"]:
-    toks = [[str(t) for t in p] for p in d["prompts"][:bs]]
+    toks = [[vocab[t] for t in p] for p in d["prompts"][:bs]]
     run = lambda s: gen.generate_batch(toks, max_length=d["new_tokens"], min_length=d["new_tokens"], sampling_topk=0,
                                        sampling_temperature=1.0, include_prompt_in_result=False, beam_size=1)
     run(0)
@@ -67,6 +68,32 @@ for bs in d["batch_sizes"]:
     out[str(bs)] = {"tokens_per_s": n / statistics.median(t), "call_s": statistics.median(t), "tokens": n}
 print(json.dumps(out))
 """
+
+
+def _full_vocab_source(model_dir: Path, work: Path) -> Path:
+    """``model_dir`` itself when its tokenizer covers the model's vocabulary, else a folder beside it with the same
+    weights (symlinked) and a placeholder word-level tokenizer of ``vocab_size`` tokens ``t0``, ``t1``, ...: the
+    benchmark geometries pair a 50257-row model with a 384-token tokenizer, and CTranslate2's converter wants
+    one vocabulary entry per row (the bench feeds token ids, so the names do not matter)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    n = cfg.vocab_size
+    if len(AutoTokenizer.from_pretrained(model_dir)) == n:
+        return model_dir
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    src = work / f"{model_dir.name}-ct2-source"
+    src.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and "token" not in f.name and not (src / f.name).exists():
+            (src / f.name).symlink_to(f.resolve())
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(n)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {k: f"t{getattr(cfg, f'{k}_id', None) or 0}" for k in ("bos_token", "eos_token", "pad_token")}
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", **special).save_pretrained(str(src))
+    return src
 
 
 def ctranslate2_int8(python: str, model_dir: Path, work: Path, prompts, batch_sizes, new_tokens, repeats,
@@ -83,7 +110,8 @@ def ctranslate2_int8(python: str, model_dir: Path, work: Path, prompts, batch_si
     env = {**os.environ, "PYTHONPATH": site.stdout.strip()}
     if not (out / "model.bin").exists():
         conv = subprocess.run([sys.executable, "-c", "from ctranslate2.converters.transformers import main; main()",
-                               "--model", str(model_dir), "--output_dir", str(out), "--quantization", "int8",
+                               "--model", str(_full_vocab_source(model_dir, work)), "--output_dir", str(out),
+                               "--quantization", "int8",
                                "--force"], capture_output=True, text=True, env=env)
         if conv.returncode:
             return {"error": "conversion failed: " + (conv.stderr.strip().splitlines() or ["?"])[-1]}
