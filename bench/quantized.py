@@ -102,8 +102,8 @@ def ctranslate2_int8(python: str, model_dir: Path, work: Path, prompts, batch_si
 
     The converter runs in this process's environment with ``python``'s site-packages appended (it needs
     transformers and torch, which are here; ctranslate2 is there)."""
-    site = subprocess.run([python, "-c", "import ctranslate2, os; print(os.path.dirname(os.path.dirname(ctranslate2.__file__)))"],
-                          capture_output=True, text=True)
+    where = "import ctranslate2, os; print(os.path.dirname(os.path.dirname(ctranslate2.__file__)))"
+    site = subprocess.run([python, "-c", where], capture_output=True, text=True)
     if site.returncode:
         return {"error": f"no ctranslate2 under {python}: {site.stderr.strip().splitlines()[-1:]}"}
     out = work / f"{model_dir.name}-ct2-int8"
@@ -121,7 +121,7 @@ def ctranslate2_int8(python: str, model_dir: Path, work: Path, prompts, batch_si
     if run.returncode:
         return {"error": "run failed: " + (run.stderr.strip().splitlines() or ["?"])[-1]}
     res = json.loads(run.stdout.strip().splitlines()[-1])
-    log(f"ctranslate2 int8: " + ", ".join(f"batch {b} {r['tokens_per_s']:.1f} tok/s" for b, r in res.items()))
+    log("ctranslate2 int8: " + ", ".join(f"batch {b} {r['tokens_per_s']:.1f} tok/s" for b, r in res.items()))
     return res
 
 

@@ -232,7 +232,8 @@ def _weight_use(node, inits: dict, names: set[str]) -> tuple[str, str, str | Non
     return None
 
 
-def rewrite_graph(proto, weights: dict[str, torch.Tensor], names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
+def rewrite_graph(proto, weights: dict[str, torch.Tensor],
+                  names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
     """Rewrite every MatMul / Gemm by a weight in ``names`` (fp32 engine names, tensors in ``weights``) of ``proto``
     to the int8 scheme, in place. Returns ({fp32 name: twin}, {twin initializer: tensor}, weight matmuls left fp32).
 
@@ -263,7 +264,8 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor], names: set[str]) -> t
         w, layout, bias = use
         tw = twins.get(w)
         if tw is None:
-            tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout, keep_float=False)
+            tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout,
+                                            keep_float=False)
             arrays[tw.weight], arrays[tw.scale] = quantize_weight(kn(weights[w], layout))
         elif tw.layout != layout:
             raise RefitError(f"quantize: weight {w} is multiplied in two layouts; not supported")
@@ -271,7 +273,8 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor], names: set[str]) -> t
         if x not in rowq:
             q = f"{x}_i8"
             new_nodes += [helper.make_node("Abs", [x], [f"{q}_abs"], name=f"{q}_abs"),
-                          helper.make_node("ReduceMax", [f"{q}_abs", "int8_last"], [f"{q}_max"], name=f"{q}_max", keepdims=1),
+                          helper.make_node("ReduceMax", [f"{q}_abs", "int8_last"], [f"{q}_max"], name=f"{q}_max",
+                                           keepdims=1),
                           helper.make_node("Max", [f"{q}_max", "int8_tiny"], [f"{q}_amax"], name=f"{q}_amax"),
                           helper.make_node("Div", [f"{q}_amax", "int8_c127"], [f"{q}_t"], name=f"{q}_t"),
                           helper.make_node("Div", [x, f"{q}_t"], [f"{q}_d"], name=f"{q}_d"),
@@ -335,11 +338,13 @@ def quantize_folder(folder: Path, manifest: Manifest, model, tokenizer, real: di
         _write_graph(proto, {**real.get(g, {}), **arrays}, path)
         graphs[g] = replace(spec, sha256=_sha256_files([path]), weights_sha256=_sha256_files([folder / spec.data]))
     if not n_q:
-        raise RefitError("quantize int8: no weight matmul of this model maps to a Linear or Conv1D layer; nothing to quantize")
+        raise RefitError("quantize int8: no weight matmul of this model maps to a Linear or Conv1D layer; "
+                         "nothing to quantize")
     hashes = replace(manifest.hashes, graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                      engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()})
     quant = Quantization(scheme="int8", weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
-                         reference="PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.int8_linear",
+                         reference="PyTorch uncached forward, quantized Linear/Conv1D layers as "
+                                   "export/quantize.int8_linear",
                          max_abs_logprob_diff=float("nan"), tolerance_logprob=float("nan"), gap_vs_fp32={})
     manifest = replace(manifest, graphs=graphs, hashes=hashes, quantization=quant)
     manifest.write(folder)
@@ -354,7 +359,8 @@ def quantize_folder(folder: Path, manifest: Manifest, model, tokenizer, real: di
     fwd = lambda m: _log_softmax(torch_reference_logits(m, manifest, ids, mask, fed))  # noqa: E731
     floor = {"max_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).max()),
              "mean_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).mean())}
-    tol, tol_mean = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"]), max(GATE_TOL_MIN / 10, 2 * floor["mean_abs_logprob"])
+    tol = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"])
+    tol_mean = max(GATE_TOL_MIN / 10, 2 * floor["mean_abs_logprob"])
     gap = {"max_abs_logprob": float(np.abs(le - lf).max()), "mean_abs_logprob": float(np.abs(le - lf).mean()),
            "max_abs_logit": float(np.abs(eng.astype(np.float64) - fp32).max()),
            # the engine's own greedy token's log-prob, int8 minus fp32, averaged: the bias a rollout sees

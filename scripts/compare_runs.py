@@ -19,7 +19,8 @@ def summarise(rows: list[dict]) -> dict:
     train = [r for r in rows if "reward/mean" in r]
     rew = [r["reward/mean"] for r in train]
     kl = [r["kl/exact"] for r in train]
-    return {"steps": len(train), "reward_first5": round(sum(rew[:5]) / 5, 4), "reward_last5": round(sum(rew[-5:]) / 5, 4),
+    return {"steps": len(train), "reward_first5": round(sum(rew[:5]) / 5, 4),
+            "reward_last5": round(sum(rew[-5:]) / 5, 4),
             "kl_exact_first": kl[0], "kl_exact_last": kl[-1], "kl_exact_min": min(kl),
             "mismatch_mean_abs_diff_mean": sum(r["mismatch/mean_abs_diff"] for r in train) / len(train),
             "tis_grad_scale_mean": (sum(r["mismatch/tis_grad_scale"] for r in train) / len(train)

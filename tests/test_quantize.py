@@ -28,8 +28,8 @@ def int8_dirs(tmp_path_factory, model_dirs):
     from refit.export.onnx_export import ExportOptions, export_onnx
 
     root = tmp_path_factory.mktemp("int8")
-    return BuiltOnce(lambda g: export_onnx(model_dirs[g], root / g, ExportOptions(max_batch=16, max_len=128,
-                                                                                  quantize="int8"), log=lambda *_: None))
+    opts = ExportOptions(max_batch=16, max_len=128, quantize="int8")
+    return BuiltOnce(lambda g: export_onnx(model_dirs[g], root / g, opts, log=lambda *_: None))
 
 
 def _reference(model_dir, manifest, pushed=None):
