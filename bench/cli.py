@@ -54,6 +54,10 @@ class BenchGenerate(OnModel):
     batch_sizes: str = opt("1,8,32", "comma list of batch sizes")
     prompt_len: int = opt(32, "prompt tokens per row")
     new_tokens: int = opt(64, "generated tokens per row")
+    quantize: str = opt("none", "int8: the int8 engine (export --quantize int8) vs the fp32 engine vs HF generate(), "
+                                "the log-prob gap and the push time (bench/quantized.py); --backends is then unused")
+    ct2_python: str = opt("", "with --quantize int8: a Python that has ctranslate2 (a separate venv) to run "
+                              "CTranslate2 int8 on the same model too")
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ def _usage() -> str:
     return "\n".join(lines + ["", "Run 'refit bench <bench> --help' for its options."])
 
 
-def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256) -> tuple[Path, Path]:
+def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256,
+                      quantize: str = "none") -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
     from refit.rollout.build import build
     from refit.learner.examples.models import build_model
@@ -111,9 +116,10 @@ def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_
     if not s.model and not (model / "config.json").exists():
         log(f"building the {s.geometry} geometry locally in {model}")
         build_model(s.geometry, model)
-    engine = Path(s.engine) if s.engine else work / f"{model.name}-engine"
+    suffix = "" if quantize == "none" else f"-{quantize}"
+    engine = Path(s.engine) if s.engine else work / f"{model.name}-engine{suffix}"
     backend = "tensorrt" if "tensorrt" in backends.split(",") else "onnxruntime"
-    build(model, engine, backend, ExportOptions(max_batch=64, max_len=max_len), log=log)
+    build(model, engine, backend, ExportOptions(max_batch=64, max_len=max_len, quantize=quantize), log=log)
     return model, engine
 
 
@@ -127,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     which = argv[0]
     a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
     m = a.machine
-    if which == "generate":
+    if which == "generate" and a.quantize != "none":
+        from refit.bench.quantized import bench_quantized
+
+        model, fp32 = _model_and_engine(m, a.source)
+        _, int8 = _model_and_engine(m, a.source, quantize=a.quantize)
+        out = bench_quantized(model, fp32, int8, [int(x) for x in a.batch_sizes.split(",")], a.prompt_len,
+                              a.new_tokens, a.source.repeats, m.threads, a.ct2_python, Path(m.work_dir))
+    elif which == "generate":
         from refit.bench.generate import bench_generate
 
         model, engine = _model_and_engine(m, a.source, a.backends)

@@ -184,6 +184,36 @@ class TrtPlan:
     not_refittable: tuple[str, ...]  # mapped weights TensorRT constant-folded: a push to them fails
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """The int8 twin of one mapped fp32 engine weight (export/quantize.py): what a push re-quantizes."""
+
+    weight: str  # int8 initializer (K, N): round(w / scale) in [-127, 127], one scale per output column
+    scale: str  # float32 initializer (N,): max |w[:, n]| / 127
+    layout: str  # "kn" (MatMul/Gemm B as stored) | "nk" (Gemm transB=1: the fp32 weight is stored (N, K))
+    keep_float: bool  # the fp32 weight still feeds another node (a tied embedding's Gather) and stays
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """An int8 engine's record (export/quantize.py): its scheme, its twins, its gate and its gap to fp32."""
+
+    scheme: str  # "int8": per-column symmetric int8 weights x per-row symmetric int8 activations, MatMulInteger
+    weights: Mapping[str, Mapping[str, QuantizedWeight]]  # {graph: {fp32 engine weight name: its twin}}
+    quantized_matmuls: int  # graph nodes that run in int8
+    float_matmuls: int  # weight matmuls left in fp32 (no Linear/Conv1D reference for them)
+    reference: str  # what the gate compared with (a PyTorch forward of the same quantized weights)
+    max_abs_logprob_diff: float  # engine vs that reference: the gated quantity (max over positions and vocab)
+    tolerance_logprob: float  # 2 x the rounding floor's max, at least 1e-3; the push probe's tolerance too
+    # int8 engine vs the fp32 PyTorch forward on the parity prompts: a property of the engine, not a failure
+    gap_vs_fp32: Mapping[str, float]
+    # the reference against itself, its matmul inputs perturbed by 1e-6 relative: how far int8 rounding alone moves
+    # the log-probs on these prompts ({"max_abs_logprob", "mean_abs_logprob"})
+    rounding_floor: Mapping[str, float] = field(default_factory=dict)
+    mean_abs_logprob_diff: float = 0.0  # engine vs reference, mean: gated too ...
+    tolerance_mean: float = 0.0  # ... at 2 x the floor's mean, at least 1e-4
+
+
 Profiles = Mapping[str, Mapping[str, Mapping[str, ShapeRange]]]  # {graph: {profile: {input: range}}}
 
 
@@ -224,6 +254,8 @@ class Manifest:
     # ``inv_freq`` buffer or a folded scale; constants of the graph that training never changes
     # (export/weight_map.py decides by provenance: no HF parameter reaches them)
     constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=_OPTIONAL)
+    # int8 rollout engine (export/quantize.py; ExportOptions.quantize): its linear layers' int8 twins; None: fp32
+    quantization: Quantization | None = field(default=None, metadata=_OPTIONAL)
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 
     # ---------------------------------------------------------------------- file

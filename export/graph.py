@@ -10,11 +10,14 @@ old values (measured on this machine).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from refit.core.errors import RefitError
+from refit.export.weight_map import tensor_bytes
 
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
 
@@ -125,3 +128,46 @@ def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None =
     except Exception as e:  # noqa: BLE001 - corrupt/missing graph files become one line
         raise RefitError(f"cannot load engine graph {graph_path}: {str(e).splitlines()[0][:300]}") from None
     return sess, keep
+
+
+ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int8: 3}  # onnx.TensorProto enums
+
+
+def write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Put the real weights into ``proto`` and save it with every mapped weight as external data."""
+    import onnx
+
+    data_name = path.name + ".data"
+    offset = 0
+    with open(path.parent / data_name, "wb") as f:
+        for init in proto.graph.initializer:
+            t = weights.get(init.name)
+            if t is None:
+                continue  # a graph constant (shape, scalar, rotary frequencies): stays inline
+            raw = tensor_bytes(t)
+            pad = (-offset) % 64  # 64-byte alignment lets runtimes map tensors in place
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(raw)
+            del init.dims[:]
+            init.dims.extend(t.shape)
+            init.data_type = ONNX_DTYPE[t.dtype]
+            init.ClearField("raw_data")
+            for fld in ("float_data", "int32_data", "int64_data", "double_data"):
+                init.ClearField(fld)
+            del init.external_data[:]
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = init.external_data.add()
+                entry.key, entry.value = k, v
+            init.data_location = onnx.TensorProto.EXTERNAL
+            offset += len(raw)
+    onnx.save_model(proto, str(path))
+
+
+def sha256_files(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -34,10 +34,10 @@ from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
 from refit.export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
                                fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
                                weight_digests)
+from refit.export.graph import ONNX_DTYPE, sha256_files as _sha256_files, write_graph as _write_graph
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto enums
 OPSET = 18
 EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
@@ -55,6 +55,9 @@ class ExportOptions:
     # "plain" (standard ops, concatenated cache; TensorRT and the fallback), "auto" (fused where it
     # applies and passes the parity gate, else plain; the manifest records which and why)
     attention: str = "auto"
+    # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
+    # re-quantized (not on TensorRT yet); "none": as exported (dtype)
+    quantize: str = "none"
 
 
 PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
@@ -207,53 +210,16 @@ def _initializer_arrays(proto) -> dict:
     return {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
 
 
-def _write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Put the real weights into ``proto`` and save it with every mapped weight as external data."""
-    import onnx
-
-    data_name = path.name + ".data"
-    offset = 0
-    with open(path.parent / data_name, "wb") as f:
-        for init in proto.graph.initializer:
-            t = weights.get(init.name)
-            if t is None:
-                continue  # a graph constant (shape, scalar, rotary frequencies): stays inline
-            raw = tensor_bytes(t)
-            pad = (-offset) % 64  # 64-byte alignment lets runtimes map tensors in place
-            f.write(b"\0" * pad)
-            offset += pad
-            f.write(raw)
-            del init.dims[:]
-            init.dims.extend(t.shape)
-            init.data_type = ONNX_DTYPE[t.dtype]
-            init.ClearField("raw_data")
-            for fld in ("float_data", "int32_data", "int64_data", "double_data"):
-                init.ClearField(fld)
-            del init.external_data[:]
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
-                entry = init.external_data.add()
-                entry.key, entry.value = k, v
-            init.data_location = onnx.TensorProto.EXTERNAL
-            offset += len(raw)
-    onnx.save_model(proto, str(path))
-
-
-def _sha256_files(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def weights_hash(model_dir: Path) -> str:
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
     return _sha256_files(files)
 
 
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:
-    blob = json.dumps({"w": weights_hash(model_dir), "o": asdict(opts), "v": EXPORTER_VERSION}, sort_keys=True)
+    o = asdict(opts)
+    if o.get("quantize") == "none":  # the key of an unquantized export is what it was before the field existed
+        del o["quantize"]
+    blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -297,18 +263,19 @@ Gate = Callable[..., Parity]  # (model, folder, manifest, tokenizer, tol) -> the
 
 
 def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions = ExportOptions(),
-                log=print, *, gate: Gate) -> Path:
+                log=print, *, gate: Gate, int8_gate: Callable[..., Manifest] | None = None) -> Path:
     """Export ``model_dir`` to the engine folder ``out_dir`` (reused when weights and options match).
 
     ``gate`` judges the written folder before it is moved into place: the exporter runs nothing itself;
     :func:`refit.rollout.build.build` passes :func:`refit.rollout.parity.parity_gate`, which decodes through
-    the engine's own loop.
+    the engine's own loop, and ``int8_gate`` (:func:`refit.rollout.parity.int8_parity_gate`) for ``--quantize int8``.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     info = model_info(model_dir)
     tok = load_tokenizer(model_dir, info)
     if opts.dtype not in DTYPES:
         raise RefitError(f"unknown dtype {opts.dtype!r}; choose fp32, fp16 or bf16")
+    _check_quantize(opts)
     key = cache_key(model_dir, opts)
     if _check_out_dir(out_dir, key):
         log(f"refit export: {out_dir} is up to date (same weights and options), reused")
@@ -336,7 +303,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         tmp.mkdir()
         try:
             manifest = _export_to(tmp, (model, shadow, params, fp_params, tied), info, caps, tok, opts, key,
-                                  (attention, why), model_dir, t0, gate)
+                                  (attention, why), model_dir, t0, (gate, int8_gate))
             _atomic_replace(tmp, out_dir)
             break
         except Exception as e:  # noqa: BLE001 - under "auto" a failing fused graph falls back to plain
@@ -351,6 +318,17 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
         f"attention {manifest.attention})")
     return out_dir
+
+
+def _check_quantize(opts: ExportOptions) -> None:
+    """One line for a quantization this export cannot make (export/quantize.py)."""
+    q = opts.quantize
+    if opts.backend == "tensorrt" and q != "none":  # explicit Q/DQ + refit of quantized weights: not built yet
+        raise RefitError(f"quantize {q} is not available on TensorRT yet (ONNX Runtime CPU: quantize int8)")
+    if q not in ("none", "int8"):
+        raise RefitError(f"unknown quantize {q!r} for ONNX Runtime; choose none or int8 (fp8: TensorRT only)")
+    if q != "none" and opts.dtype != "fp32":
+        raise RefitError(f"quantize {q} starts from fp32 weights; got dtype {opts.dtype}")
 
 
 def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
@@ -374,9 +352,10 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
 
 
 def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions, key: str,
-               attention: tuple[str, str], model_dir: Path, t0: float, gate: Gate) -> Manifest:
+               attention: tuple[str, str], model_dir: Path, t0: float, gates: tuple) -> Manifest:
     """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest."""
     model, shadow, params, fp_params, tied = models
+    gate, int8_gate = gates
     fused = attention[0] == "fused"
     specs = graph_specs(copy.deepcopy(shadow) if fused else shadow, caps, attention[0])
     digests = {d for d, (_, how) in weight_digests(fp_params, DTYPES[opts.dtype]).items() if how == "identity"}
@@ -416,6 +395,13 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
         for f in (files or {}).values():
             (tmp / f).unlink(missing_ok=True)
     manifest = replace(manifest, parity=parity, export_seconds=round(time.perf_counter() - t0, 3))
+    if opts.quantize != "none":  # int8 twins of the gated fp32 graphs, gated again (by the caller's int8 gate)
+        from refit.export.quantize import quantize_folder
+
+        if int8_gate is None:
+            raise RefitError("quantize int8: this caller gave the exporter no int8 gate (refit.rollout.build.build does)")
+        manifest = int8_gate(tmp, quantize_folder(tmp, manifest, model, real), model, tok)
+        manifest = replace(manifest, export_seconds=round(time.perf_counter() - t0, 3))
     manifest.write(tmp)
     return manifest
 

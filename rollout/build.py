@@ -24,22 +24,24 @@ import tyro
 
 from refit.core.parsing import opt, parse
 from refit.export.onnx_export import ExportOptions, export_onnx, weights_hash
-from refit.rollout.parity import parity_gate
+from refit.rollout.parity import int8_parity_gate, parity_gate
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 
-def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime") -> bool:
+def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime",
+          quantize: str = "none") -> bool:
     """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
-    (for TensorRT: with the standard-op graph, not the fused-attention one)."""
+    (for TensorRT: with the standard-op graph, not the fused-attention one), quantized as asked."""
     from refit.core.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
         return False
     m = Manifest.read(engine_dir)
     return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
-            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused"))
+            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused")
+            and (m.quantization.scheme if m.quantization else "none") == quantize)
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
@@ -60,10 +62,10 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.rollout.tensorrt.build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend):
+    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend, quantize=opts.quantize):
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
-        export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate)
+        export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate, int8_gate=int8_parity_gate)
     if backend == "tensorrt":
         from refit.rollout.tensorrt.build import build_engines
 
@@ -72,18 +74,22 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
 
 
 def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  backend: str = "onnxruntime", log=print) -> Path:
+                  backend: str = "onnxruntime", log=print, quantize: str = "none") -> Path:
     """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom."""
-    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize)
     return build(model_dir, engine_dir, backend, opts, reuse_if_fits=(rows, max_len), log=log)
 
 
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  log=print) -> Path:
+                  log=print, quantize: str = "none") -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
     if backend in TORCH_BACKENDS:
+        if quantize != "none":
+            from refit.core.errors import RefitError
+
+            raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime), not {backend}")
         return Path(model_dir)
-    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log)
+    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize)
 
 
 def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | None = None, log=print) -> Path:
@@ -127,6 +133,10 @@ class ExportConfig:
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
                 "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
+    quantize: Literal["none", "int8"] = opt(
+        "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-column int8 weights, per-row int8 "
+                "activations), weight pushes re-quantized; parity-gated against PyTorch on the same quantized "
+                "weights, the gap to fp32 recorded in the manifest (not on TensorRT yet)")
     overwrite: bool = opt(False, "replace an engine folder exported from other weights (without it: refused); an "
                                  "HF model or a run folder is never written over")
 
@@ -144,6 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     require_tokenizer(a.model_dir)
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
-                         parity_tol=a.parity_tol, attention=a.attention)
+                         parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize)
     print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
     return 0

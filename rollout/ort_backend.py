@@ -32,12 +32,13 @@ from refit.core.errors import RefitError
 from refit.export.graph import open_session
 from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
+from refit.export.quantize import quantize_push
 from refit.export.weight_map import engine_weights
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 from refit.rollout.ort_run import run_bound
 from refit.rollout.sampling import one_thread
 
-_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64,
+_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64, 3: np.int8,
        16: np.int16}  # onnx TensorProto -> numpy; bf16 (16) read as its bytes, then viewed as torch.bfloat16
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -222,7 +223,7 @@ class OrtEngine(LoopEngine):
         """
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
-        mapped = engine_weights(named, wmap, self._weight_dtype)
+        mapped = quantize_push(engine_weights(named, wmap, self._weight_dtype), self.manifest.quantization)  # int8
         for g, new in mapped.items():
             for name, t in new.items():
                 old = self.weights[g].get(name)

@@ -40,6 +40,19 @@ def test_bench_generate_encoder_decoder(tmp_path):
     assert out["onnxruntime_attention"] == "fused"
 
 
+def test_bench_generate_quantized_json(tmp_path):
+    """--quantize int8: the int8 engine vs the fp32 engine vs HF generate(), the log-prob gap, the push times."""
+    out = _bench(tmp_path, "generate", "--batch-sizes", "1,2", "--new-tokens", "4", "--prompt-len", "8",
+                 "--quantize", "int8")
+    assert {(r["backend"], r["batch"]) for r in out["results"]} == {
+        (b, n) for b in ("hf_generate", "fp32", "int8") for n in (1, 2)}
+    assert set(out["int8_over_fp32"]) == {"1", "2"} and all(v > 0 for v in out["int8_over_fp32"].values())
+    gap = out["logprob_gap_sampled"]
+    assert gap["tokens"] > 0 and gap["max_abs"] >= gap["p99_abs"] >= 0 and out["logprob_gap_export"]["max_abs_logprob"] > 0
+    assert out["update_weights_s"]["int8"] > 0 and out["update_weights_s"]["fp32"] > 0
+    assert "error" in out["ctranslate2_int8"]  # not asked for
+
+
 def test_bench_refit_json(tmp_path):
     out = _bench(tmp_path, "refit")
     assert out["update_weights_s"] > 0 and out["reexport_s"] > 0 and out["ratio_reexport_over_update"] > 0

@@ -95,6 +95,7 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     assert fresh["options"].pop("attention") == "auto"  # the ExportOptions field that chose it
     # the gate's reference dtype and how the engine ran (export/precision.py)
     assert fresh["parity"].pop("reference_dtype") == fresh["dtype"] and fresh["parity"].pop("engine_run")
+    assert fresh["options"].pop("quantize") == "none"  # int8 engines (export/quantize.py) add manifest.quantization
     for graph, constants in fresh.pop("constants", {}).items():  # initializers no weight reaches
         assert graph in fresh["graphs"] and all(v == "constant" or v.startswith("buffer ") for v in constants.values())
     if m.attention == "fused":  # the fused graph names its own dynamic dims (cap instead of past/total)
@@ -108,12 +109,12 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
 
 def test_unknown_top_level_section_is_preserved(tmp_path):
     raw = _raw("gpt2")
-    raw["quantization"] = {"scheme": "int8", "per_channel": True}  # e.g. a newer exporter's section
+    raw["sparsity"] = {"scheme": "2:4", "per_channel": True}  # e.g. a newer exporter's section
     m = Manifest.from_dict(raw)
-    assert m.extra == {"quantization": raw["quantization"]} and m.to_dict() == raw
+    assert m.extra == {"sparsity": raw["sparsity"]} and m.to_dict() == raw
     replace(m, export_seconds=1.0).write(tmp_path)  # what build_engines does: rewrite with one field changed
     back = json.loads((tmp_path / MANIFEST).read_text())
-    assert back["quantization"] == raw["quantization"] and back["export_seconds"] == 1.0
+    assert back["sparsity"] == raw["sparsity"] and back["export_seconds"] == 1.0
 
 
 def test_capabilities_record_must_agree_with_the_geometry(engine_dirs):

@@ -112,3 +112,20 @@ def test_scale_flags_pass_through(tmp_path):
     r = subprocess.run(["bash", "scripts/distill_batch.sh", "--nproc", "two"], capture_output=True, text=True,
                        timeout=60, env=env, cwd=ROOT)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_compare_runs_plots_and_summarises(tmp_path):
+    """scripts/compare_runs.py: one PNG, one JSON line with each run's reward over its first/last 5 steps."""
+    for name, base in (("a", 0.0), ("b", 0.5)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": s, "reward/mean": base + s / 10, "kl/exact": s / 100, "mismatch/mean_abs_diff": 1e-3}
+                for s in range(1, 11)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    r = subprocess.run([sys.executable, "scripts/compare_runs.py", "--out", str(tmp_path / "c.png"),
+                        f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert out["runs"]["a"]["reward_first5"] == 0.3 and out["runs"]["b"]["reward_last5"] == 1.3
+    assert out["runs"]["a"]["kl_exact_first"] == 0.01 and out["runs"]["a"]["tis_grad_scale_mean"] is None

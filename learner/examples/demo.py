@@ -63,6 +63,10 @@ class DemoConfig:
     seed: int = opt(0, "seed for everything")
     progress: bool = opt(True, "show a progress bar (--no_progress or --no-progress: none)")
     policy_only: bool = opt(False, "only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
+    quantize: Literal["none", "int8"] = opt("none", "rollout engine precision (rollout.quantize): int8 linear layers, "
+                                                    "the learner and its reference in fp32")
+    mismatch_correction: Literal["auto", "none", "tis", "seq_mask"] = opt(
+        "auto", "PPO's rollout/learner mismatch correction (auto: tis with --quantize int8, else none)")
     chat: bool = opt(False, "a chat policy: the tokenizer has a chat template and the warm-up sees templated user "
                             "turns (with --policy_only, e.g. for examples/trl_chat)")
 
@@ -74,7 +78,8 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
         batch_size=a.batch_size, num_generations=a.num_generations, advantage_estimator="gae",
         max_operand=a.max_operand, learning_rate=3e-4,
         num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, temperature=1.0, top_k=0,
-        save_steps=10, engine_threads=a.threads, progress=a.progress)
+        save_steps=10, engine_threads=a.threads, progress=a.progress, quantize=a.quantize,
+        mismatch_correction=a.mismatch_correction)
 
 
 def main(argv: list[str] | None = None) -> int:

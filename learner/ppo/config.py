@@ -121,7 +121,10 @@ class PPOConfig:
     horizon: float = _f(10000.0, "adaptive KL: horizon")
     response_length: int = _f(8, "max new tokens per response")
     sampling: Annotated[Sampling, FLAT] = _f(help_="", factory=Sampling)  # --top_k, --top_p (no prefix)
-    mismatch_correction: Literal["none", "tis", "seq_mask"] = _f("none", "rollout/learner mismatch correction")
+    mismatch_correction: Literal["auto", "none", "tis", "seq_mask"] = _f(
+        "auto", "rollout/learner mismatch correction: tis (truncated importance sampling, weights "
+                "min(pi_learner / pi_engine, tis_cap)), seq_mask (drop sequences that disagree by more than "
+                "seq_mask_threshold), none; auto: tis with a quantized engine (rollout.quantize), else none")
     tis_cap: float = _f(2.0, "truncated importance sampling cap C")
     tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "
                                     "scales the policy gradient, falls below this")
@@ -145,6 +148,13 @@ class PPOConfig:
     # TRL names this config does not take -> the Refit field that does it, for the one-line refusal in YAML and
     # flags (refit.core.parsing reads NAME_HINTS); refit.learner.trl_compat.GRPOConfig takes them with TRL's meanings
     NAME_HINTS: ClassVar[dict[str, str]] = TRL_HINTS
+
+    @property
+    def correction(self) -> str:
+        """``mismatch_correction`` resolved: 'auto' is 'tis' with a quantized rollout engine, else 'none'."""
+        if self.mismatch_correction != "auto":
+            return self.mismatch_correction
+        return "tis" if self.rollout.quantize != "none" else "none"
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from refit.core.checkpoint import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
 from refit.export.weight_map import canonical_params
 from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
@@ -76,6 +77,8 @@ class Run:
     unchecked_push: bool = False  # a push whose parity check is the next rollout's (probe_on_rollout)
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
+    engine_manifest: Manifest | None = None  # a quantized policy engine's manifest (rollout.quantize), else None
+    precision_told: bool = False  # the int8 engine's "precision" mismatch is named once per run
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
     reward_log: RewardLog = field(default_factory=RewardLog)  # TRL's log_metric / log_extra, flushed every step
 
@@ -128,8 +131,11 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
     if engine is None:
         return run
+    if cfg.rollout.quantize != "none":  # the probe compares the engine with the learner quantized as the engine is
+        run.engine_manifest = Manifest.read(cfg.model.engine_dir or run_dir / "engine")
+        run.unchecked_push = False  # checked on the probe batch, not on the rollout (its fp32 log-probs differ)
     run.expected_version = engine.weights_version
-    run.ref_engine = reference_engine(cfg, run_dir)
+    run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len)
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
                                 SamplingParams(max_new_tokens=probe_length(cfg.rollout, cfg.response_length),
@@ -137,15 +143,23 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     return run
 
 
-def reference_engine(cfg: PPOConfig, run_dir: Path) -> Engine | None:
+def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
-    policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``."""
+    policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
+
+    A quantized policy engine (rollout.quantize) keeps the reference at full precision: PyTorch under ``auto``,
+    an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
     from refit.rollout.engine import create_engine
 
     engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
-    if cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and not engine_backend):
+    quantized = cfg.rollout.quantize != "none"
+    if cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)):
         return None
     folder = Path(cfg.model.engine_dir or run_dir / "engine")
+    if quantized:
+        from refit.rollout.build import ensure_engine
+
+        folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
     return create_engine("onnxruntime", folder, threads=cfg.rollout.engine_threads or None)
 
 
@@ -163,11 +177,11 @@ def experience(run: Run, rollout, scores: torch.Tensor,
     mask = rollout.response_mask.clone()
     stats = mismatch_stats(rollout, old_lp)
     is_weights = None
-    if cfg.mismatch_correction == "tis":
+    if cfg.correction == "tis":
         is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs, cfg.tis_cap) * mask
         # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
         stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, mask))
-    elif cfg.mismatch_correction == "seq_mask":
+    elif cfg.correction == "seq_mask":
         drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs, mask, cfg.seq_mask_threshold)
         mask = mask * (~drop).float()[:, None]
         stats["mismatch/seq_masked_frac"] = float(drop.float().mean())
@@ -266,21 +280,27 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
     t3 = time.perf_counter()
     if due(step, cfg.rollout.sync_every, cfg.run.steps):
-        if cfg.probe_on_rollout and step < cfg.run.steps:  # checked by the next step's rollout
+        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None:  # the next rollout checks it
             run.engine.update_weights(canonical_params(run.policy)[0])
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
+            # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
             run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.rollout.temperature,
-                                                      cfg.rollout.probe_tol, run.run_dir)
+                                                      cfg.rollout.probe_tol, run.run_dir,
+                                                      int8_manifest=run.engine_manifest)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())
     warn_small_tis_weights(run, step, stats, sampling, log)
-    cause = name_mismatch(stats)
-    if cause is not None:
-        log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}")
+    quantized = run.engine_manifest is not None
+    cause = name_mismatch(stats, quantized=quantized)
+    if cause is not None and not (quantized and cause == "precision" and run.precision_told):
+        run.precision_told = run.precision_told or cause == "precision"
+        log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
+            + (f" [correction: {cfg.correction}; told once]" if quantized and cause == "precision" else ""))
     if stats["kl/k1"] < -1e-6:
-        log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates))
+        log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
+                                                   quantized))
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
             **reward_stats, **logged, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
             "response/length": tokens / rollout.num_rows, "engine/weights_version": run.engine.weights_version,

@@ -5,7 +5,8 @@ log-probs (``rollout_plain_logprobs``) and the learner's (``old_logprobs``) sits
 
 - padding: rows whose prompt carries padding disagree much more than rows that do not
   (left padding forced on T5's encoder, positions not taken from the mask; the TRL seed bug);
-- precision: every row disagrees a little (fp16/bf16 on one side, fp32 on the other);
+- precision: every row disagrees a little (fp16/bf16 on one side, fp32 on the other), or, with an int8
+  rollout engine (``rollout.quantize``), every row disagrees by the engine's recorded int8-vs-fp32 gap;
 - weights: large disagreement everywhere (a stale or wrong weight push).
 
 Truncated sampling (top-k/top-p) is not a mismatch of the two models: it makes the sampled
@@ -38,14 +39,17 @@ def mismatch_stats(batch, old_logprobs: torch.Tensor) -> dict[str, float]:
     return stats
 
 
-def name_mismatch(stats: dict[str, float], tol: float = 1e-3) -> str | None:
-    """'padding' | 'precision' | 'weights' | None (agreement within ``tol``)."""
+def name_mismatch(stats: dict[str, float], tol: float = 1e-3, quantized: bool = False) -> str | None:
+    """'padding' | 'precision' | 'weights' | None (agreement within ``tol``).
+
+    ``quantized``: the engine runs in int8 and each push was checked against the learner's weights quantized
+    the same way (the probe), so a disagreement on every row is its precision, whatever its size."""
     if stats["mismatch/max_abs_diff"] <= tol:
         return None
     padded, unpadded = stats["mismatch/padded_rows_mean_abs_diff"], stats["mismatch/unpadded_rows_mean_abs_diff"]
     if padded > 10 * max(unpadded, 1e-6):
         return "padding"
-    if stats["mismatch/mean_abs_diff"] < PRECISION_LIMIT:
+    if quantized or stats["mismatch/mean_abs_diff"] < PRECISION_LIMIT:
         return "precision"
     return "weights"
 
@@ -54,7 +58,8 @@ _CAUSES = {
     "padding": "engine and learner disagree on padded rows only: the padding side or position ids differ "
                "(never force left padding on an encoder; decoder positions must come from the attention mask)",
     "precision": "engine and learner disagree a little on every row: they run at different precisions "
-                 "(fp16/bf16 vs fp32); export and learn at the same dtype or enable mismatch_correction=tis",
+                 "(fp16/bf16 vs fp32, or an int8 rollout engine vs the fp32 learner); export and learn at the same "
+                 "dtype or enable mismatch_correction=tis (the default with rollout.quantize)",
     "weights": "engine and learner disagree everywhere: the engine holds other weights than the learner "
                "(stale or failed weight push)",
 }
@@ -64,10 +69,11 @@ def describe(cause: str | None) -> str:
     return _CAUSES.get(cause or "", "engine and learner agree")
 
 
-def explain_negative_kl(k1_mean: float, exact_kl_mean: float | None, stats: dict[str, float], truncates: bool) -> str:
+def explain_negative_kl(k1_mean: float, exact_kl_mean: float | None, stats: dict[str, float], truncates: bool,
+                        quantized: bool = False) -> str:
     """Why the k1 estimate went below zero, most likely cause first (one line)."""
     reasons = []
-    cause = name_mismatch(stats)
+    cause = name_mismatch(stats, quantized=quantized)
     if cause is not None:
         reasons.append(describe(cause))
     if truncates:

@@ -110,6 +110,11 @@ class RolloutSection:
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
+    quantize: Literal["none", "int8"] = _f(
+        "none", "rollout engine precision: int8 runs the engine's linear layers in int8 (export --quantize int8; "
+                "onnxruntime backend), pushes re-quantized; the probe then compares the engine with the learner's "
+                "weights quantized the same way, the reference and KL stay fp32, and PPO's mismatch_correction "
+                "'auto' becomes tis")
     probe_size: int = _f(4, "rows in the fixed probe batch")
     probe_tokens: int = _f(16, "response tokens per probe row (0: the full response length). The probe's learner "
                                "forward is most of a push's cost: 8 x 192 tokens took 1.0-1.4 s of a 1.2-2.3 s push "

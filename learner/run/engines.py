@@ -59,7 +59,8 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
                      gpu_share: float = 1.0) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
-    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log)
+    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
+                        getattr(cfg.rollout, "quantize", "none"))
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None)
@@ -117,16 +118,30 @@ def probe_reference(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module
 
 
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                run_dir: Path, label: str = "engine") -> float:
+                run_dir: Path, label: str = "engine", int8_manifest=None) -> float:
     """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``
     (for an fp16/bf16 engine: against ``model``'s weights in that dtype, ``tol`` at least the dtype's gate
-    tolerance, :func:`probe_reference`)."""
+    tolerance, :func:`probe_reference`).
+
+    ``int8_manifest``: the engine is int8 (export/quantize.py): the learner side is ``model`` quantized as the engine
+    quantizes it (``reference_model``); above ``tol``, the int8 rounding floor on this batch is measured and the
+    engine must be within twice it (export/quantize.py, Exactness)."""
     p = probe
+    if int8_manifest is not None:
+        from refit.export.quantize import reference_model, rounding_floor
+
+        model = reference_model(model, int8_manifest)
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
     ref, floor = probe_reference(model, engine_dtype(engine))
     mine = learner_view(ref, None, p, temperature)[0]
-    diff = float(((eng - mine).abs() * p.response_mask).max())
-    return check_parity(diff, max(tol, floor), engine.weights_version, run_dir, label, "the probe batch")
+    dist = lambda other: float(((eng - other).abs() * p.response_mask).max())  # noqa: E731
+    diff = dist(mine)
+    tol = max(tol, floor)
+    if int8_manifest is not None and diff > tol:
+        floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
+                               lambda j: float(((j - mine).abs() * p.response_mask).max()))
+        tol = max(tol, 2 * floor)
+    return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
 
 
 def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: str = "engine",
@@ -140,7 +155,7 @@ def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: st
 
 
 def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                 run_dir: Path, label: str = "engine") -> tuple[int, float]:
+                 run_dir: Path, label: str = "engine", int8_manifest=None) -> tuple[int, float]:
     """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff)."""
     engine.update_weights(canonical_params(model)[0])
-    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label)
+    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest)

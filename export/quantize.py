@@ -1,0 +1,349 @@
+"""int8 rollout engines (``refit export --quantize int8``): the fp32 graph's weight matmuls rewritten to run in
+int8 on ONNX Runtime's CPU provider, re-quantized from the learner's fp32 tensors on every push.
+
+Scheme (one, named ``"int8"``): weights per output column, symmetric, ``q = round(w / s)`` in [-127, 127]
+with ``s = max|w[:, n]| / 127``; activations per row (per token), symmetric, ``a = round(x / t) + 128``
+(uint8, zero point 128) with ``t = max|x[row]| / 127``; ``MatMulInteger`` multiplies them exactly in int32,
+then ``y = float(acc) * t * s`` (+ the bias). Every other op (attention, norms, softmax) stays fp32.
+
+Why this op, by measurement (the 49 weight matmuls of one GPT-2-small decode step at batch 32, one
+ONNX Runtime 1.32 session per variant, 2 threads, interleaved rounds, best of 5, same run; this CPU has
+AVX-512 VNNI and AMX-int8; scripts/int8_matmul_ops.py, numbers in docs/int8.md):
+
+    fp32 MatMul 434 ms | MatMulInteger, per-tensor activations (quantize_dynamic's pattern) 82 ms (5.3x)
+    | DynamicQuantizeMatMul 90 ms (4.8x) | MatMulInteger, per-row activations (this scheme) 120 ms (3.6x)
+    | MatMulNBits bits=8 block 128 accuracy_level=4 235 ms (1.8x; blocks 32/64: 1.3-1.4x)
+
+``MatMulInteger`` goes to MLAS's quantized GEMM (AMX / VNNI kernels); ``MatMulNBits``' int8-compute path
+is several times slower here. The per-tensor activation scale of ``quantize_dynamic`` (``DynamicQuantizeLinear``)
+is faster still but couples the rows of a batch: a row's logits would depend on which rows share its batch
+(in-flight batching refills slots; idle slots feed padding through the MLP), so a row's tokens would stop
+being a function of (seed, prompt, sample, weights). The per-row scale costs a few elementwise ops per
+distinct matmul input (shared by the matmuls that read it) and keeps rows independent.
+
+Exactness. The integer product is exact, so a PyTorch forward that quantizes the same weights and the same
+activations the same way (:func:`int8_linear`, :func:`reference_model`) computes what the engine computes up
+to fp32 rounding elsewhere; the parity gate compares the engine with it, and records the engine's log-prob
+gap to the fp32 model in the manifest (``quantization.gap_vs_fp32``), a property of the engine, not a failure.
+One thing is not exact: rounding an activation to its int8 code is a step function, so where ONNX Runtime's
+and PyTorch's fp32 (LayerNorm, attention, ...) differ in the last bits, an activation just at a half-step
+takes the neighbouring code in one of them, and the step travels through the later layers and the KV cache.
+Tiny models never hit it (measured 2e-7); GPT-2 small (random weights, the gate's 4 prompts) did: 5.0e-2
+max |dlogprob| engine vs reference, the same as the reference against *itself* with its matmul inputs
+perturbed by 1e-7 relative (5.8e-2), while the whole int8-vs-fp32 gap was 9.0e-2 (mean 4.0e-3 vs 1.4e-2);
+the demo's policy (2 layers, 128 wide) once gave 1.13e-3 on its push probe (4 x 6 tokens) where fp32 gives 3e-5.
+So the gate measures that rounding floor first (:func:`rounding_floor`: the reference against itself,
+inputs perturbed by :data:`FLOOR_JITTER`, three seeds) and allows twice it (at least :data:`GATE_TOL_MIN`), on
+the max and on the mean. The learner's push probe does the same on its own batch
+(``refit.learner.run.engines.probe_check`` with ``int8_manifest``): within the probe tolerance, passed; else
+the floor is measured on the probe batch and the engine must be within twice it. A push that changes the
+output by less than the floor cannot be told from rounding; a push not taken after one PPO step is caught
+(tests/test_quantize.py).
+
+Weight map. The manifest's ``weight_map`` is unchanged (HF name -> fp32 engine name); ``quantization.weights``
+names each fp32 engine weight's int8 twin. :func:`quantize_push` turns a mapped push into the twins (the
+fp32 weight itself is dropped unless another node, a tied embedding's ``Gather``, still reads it).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest, QuantizedWeight, Quantization
+
+SCHEMES = ("none", "int8")  # ExportOptions.quantize on the ONNX Runtime engine
+GATE_TOL_MIN = 1e-3  # the int8 gate's least tolerance on max |logprob diff| (the fp32 probe's default)
+FLOOR_JITTER = 1e-6  # relative perturbation of every quantized matmul input when measuring the rounding floor
+_TINY = 1e-30  # floor of a row's max |x|: an all-zero row quantizes to 0, never divides by 0
+
+
+# ----------------------------------------------------------------------------- the arithmetic (torch)
+
+
+def quantize_weight(w_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, N) float weight -> (q (K, N) int8 in [-127, 127], scale (N,) float32): per output column, symmetric.
+
+    Works on the memory layout it is given (a transposed view, e.g. a Linear weight or a Gemm transB=1
+    weight, is reduced along its contiguous rows, then the int8 result transposed once): the same numbers
+    either way (max, one division and rounding per element), 4.7 -> ~1 s for GPT-2 small's push."""
+    w = w_kn.detach().float()
+    nk = not w.is_contiguous() and w.t().is_contiguous()
+    if nk:
+        w = w.t()  # (N, K) contiguous: reduce along rows
+    axis = 1 if nk else 0
+    scale = torch.maximum(w.amax(axis), w.amin(axis).neg_()).clamp_min_(_TINY).div_(127.0)  # (N,)
+    q = torch.div(w, scale[:, None] if nk else scale).round_().clamp_(-127, 127).to(torch.int8)
+    return (q.t().contiguous() if nk else q), scale.contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) activations -> (codes (..., K) float in [-127, 127], scale (..., 1)): per row, symmetric.
+
+    The graph's ops in the graph's order: ``Div(max|x|, 127)``, ``Round(Div(x, t))`` (half to even, as ONNX)."""
+    t = x.abs().amax(-1, keepdim=True).clamp_min(_TINY) / 127.0
+    return torch.round(x / t), t
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                jitter: torch.Generator | None = None) -> torch.Tensor:
+    """The engine's int8 matmul in PyTorch: (..., K) x (K, N) int8 -> (..., N) float32, as the graph computes it.
+
+    The integer dot products are exact in float64 (|sum| <= K * 127^2 < 2^53); ``float()`` rounds them as
+    ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order, then the bias.
+    ``jitter``: perturb ``x`` by :data:`FLOOR_JITTER` relative noise first (:func:`rounding_floor`)."""
+    x = x.float()
+    if jitter is not None:
+        x = x * (1 + FLOOR_JITTER * torch.randn(x.shape, generator=jitter))
+    codes, t = quantize_rows(x)
+    acc = (codes.double() @ q.double()).float()
+    y = acc * t * scale
+    return y + bias if bias is not None else y
+
+
+def kn(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """A mapped fp32 engine tensor as (K, N): ``nk`` (a Gemm with transB=1 stores it (N, K)) is transposed."""
+    return w.t() if layout == "nk" else w
+
+
+def quantize_push(mapped: dict[str, dict[str, torch.Tensor]], quant: Quantization | None) -> dict:
+    """``{graph: {fp32 engine name: tensor}}`` (a mapped push) -> the same with each quantized weight replaced by
+    its int8 twin and scale (and kept too where ``keep_float``). Unquantized names pass through."""
+    if quant is None:
+        return mapped
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for g, new in mapped.items():
+        twins, dst = quant.weights.get(g, {}), out.setdefault(g, {})
+        for name, t in new.items():
+            tw = twins.get(name)
+            if tw is None or tw.keep_float:
+                dst[name] = t
+            if tw is not None:
+                dst[tw.weight], dst[tw.scale] = quantize_weight(kn(t, tw.layout))
+    return out
+
+
+# ----------------------------------------------------------------------------- the PyTorch reference
+
+
+class Int8Linear(torch.nn.Module):
+    """A Linear / GPT-2 Conv1D replaced by :func:`int8_linear` over its quantized weight (the gate's reference)."""
+
+    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        q, s = quantize_weight(w_kn)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", s)
+        self.bias = None if bias is None else bias.detach().float()
+        self.jitter: torch.Generator | None = None  # set by rounding_floor only
+
+    def forward(self, x):
+        return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
+
+
+def _module_kn(module) -> torch.Tensor | None:
+    """The (K, N) weight a Linear (out, in) or Conv1D (in, out) multiplies by; None for any other module."""
+    kind = type(module).__name__
+    if isinstance(module, torch.nn.Linear):
+        return module.weight.t()
+    if kind == "Conv1D":
+        return module.weight
+    return None
+
+
+def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]:
+    """{graph: {fp32 engine weight: [Linear / Conv1D module names that multiply by it]}} (tied aliases included).
+
+    A graph matmul is quantized only where this finds its module: that module is what the reference replaces."""
+    aliases: dict[str, list[str]] = {}
+    for alias, canon in manifest.tied.items():
+        aliases.setdefault(canon, []).append(alias)
+    out: dict[str, dict[str, list[str]]] = {}
+    for hf, targets in manifest.weight_map.items():
+        mods = []
+        for name in [hf, *aliases.get(hf, [])]:
+            owner, _, leaf = name.rpartition(".")
+            try:
+                m = model.get_submodule(owner)
+            except AttributeError:
+                continue
+            if leaf == "weight" and _module_kn(m) is not None:
+                mods.append(owner)
+        for t in targets:
+            if mods and t.transform in ("identity", "transpose"):
+                out.setdefault(t.graph, {})[t.engine] = mods
+    return out
+
+
+def reference_model(model, manifest: Manifest):
+    """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine."""
+    ref = copy.deepcopy(model)
+    quant = manifest.quantization
+    mods = matmul_modules(ref, manifest)
+    for g, twins in (quant.weights if quant else {}).items():
+        for name in twins:
+            for owner in mods[g][name]:
+                parent, _, leaf = owner.rpartition(".")
+                m = ref.get_submodule(owner)
+                setattr(ref.get_submodule(parent) if parent else ref, leaf, Int8Linear(_module_kn(m), m.bias))
+    return ref
+
+
+def rounding_floor(ref, forward, distance, seeds: int = 3) -> float:
+    """max over ``seeds`` of ``distance(forward(ref) with every Int8Linear input perturbed by FLOOR_JITTER)``: how far
+    the quantized function moves under fp32 rounding noise alone. ``ref`` is left unperturbed."""
+    mods = [m for m in ref.modules() if isinstance(m, Int8Linear)]
+    worst = 0.0
+    try:
+        for s in range(seeds):
+            gen = torch.Generator().manual_seed(s)
+            for m in mods:
+                m.jitter = gen
+            worst = max(worst, float(distance(forward(ref))))
+    finally:
+        for m in mods:
+            m.jitter = None
+    return worst
+
+
+# ----------------------------------------------------------------------------- the graph rewrite
+
+
+def _attr(node, name, default):
+    for a in node.attribute:
+        if a.name == name:
+            return a.f if a.type == a.FLOAT else a.i
+    return default
+
+
+def _weight_use(node, inits: dict, names: set[str]) -> tuple[str, str, str | None] | None:
+    """(weight, layout, bias or None) when ``node`` is a plain MatMul / Gemm by one of ``names``, else None."""
+    if node.op_type == "MatMul" and node.input[1] in names and len(inits[node.input[1]].dims) == 2:
+        return node.input[1], "kn", None
+    if (node.op_type == "Gemm" and node.input[1] in names and _attr(node, "transA", 0) == 0
+            and _attr(node, "alpha", 1.0) == 1.0 and _attr(node, "beta", 1.0) == 1.0):
+        return node.input[1], "nk" if _attr(node, "transB", 0) else "kn", (node.input[2] if len(node.input) > 2
+                                                                        and node.input[2] else None)
+    return None
+
+
+def rewrite_graph(proto, weights: dict[str, torch.Tensor],
+                  names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
+    """Rewrite every MatMul / Gemm by a weight in ``names`` (fp32 engine names, tensors in ``weights``) of ``proto``
+    to the int8 scheme, in place. Returns ({fp32 name: twin}, {twin initializer: tensor}, weight matmuls left fp32).
+
+    Per distinct input the row quantization runs once (Q, K, V projections share it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    consts = [numpy_helper.from_array(np.array(127, np.float32), "int8_c127"),
+              numpy_helper.from_array(np.array(128, np.float32), "int8_c128"),
+              numpy_helper.from_array(np.array(128, np.uint8), "int8_zp"),
+              numpy_helper.from_array(np.array(_TINY, np.float32), "int8_tiny"),
+              numpy_helper.from_array(np.array([-1], np.int64), "int8_last")]
+    twins: dict[str, QuantizedWeight] = {}
+    arrays: dict[str, torch.Tensor] = {}
+    rowq: dict[str, tuple[str, str]] = {}  # activation name -> (uint8 codes, row scale)
+    used_float: set[str] = set()
+    left = 0
+    new_nodes = []
+    for node in g.node:
+        use = _weight_use(node, inits, names)
+        if use is None:
+            new_nodes.append(node)
+            used_float.update(node.input)
+            if node.op_type in ("MatMul", "Gemm") and any(i in inits and len(inits[i].dims) == 2 for i in node.input):
+                left += 1
+            continue
+        w, layout, bias = use
+        tw = twins.get(w)
+        if tw is None:
+            tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout,
+                                            keep_float=False)
+            arrays[tw.weight], arrays[tw.scale] = quantize_weight(kn(weights[w], layout))
+        elif tw.layout != layout:
+            raise RefitError(f"quantize: weight {w} is multiplied in two layouts; not supported")
+        x, p = node.input[0], f"{node.name or node.output[0]}_i8"
+        if x not in rowq:
+            q = f"{x}_i8"
+            new_nodes += [helper.make_node("Abs", [x], [f"{q}_abs"], name=f"{q}_abs"),
+                          helper.make_node("ReduceMax", [f"{q}_abs", "int8_last"], [f"{q}_max"], name=f"{q}_max",
+                                           keepdims=1),
+                          helper.make_node("Max", [f"{q}_max", "int8_tiny"], [f"{q}_amax"], name=f"{q}_amax"),
+                          helper.make_node("Div", [f"{q}_amax", "int8_c127"], [f"{q}_t"], name=f"{q}_t"),
+                          helper.make_node("Div", [x, f"{q}_t"], [f"{q}_d"], name=f"{q}_d"),
+                          helper.make_node("Round", [f"{q}_d"], [f"{q}_r"], name=f"{q}_r"),
+                          helper.make_node("Add", [f"{q}_r", "int8_c128"], [f"{q}_u"], name=f"{q}_u"),
+                          helper.make_node("Cast", [f"{q}_u"], [f"{q}_codes"], name=f"{q}_codes", to=TensorProto.UINT8)]
+            rowq[x] = (f"{q}_codes", f"{q}_t")
+        codes, t = rowq[x]
+        out = node.output[0]
+        y = f"{p}_y" if bias else out
+        new_nodes += [helper.make_node("MatMulInteger", [codes, tw.weight, "int8_zp"], [f"{p}_acc"], name=f"{p}_mm"),
+                      helper.make_node("Cast", [f"{p}_acc"], [f"{p}_f"], name=f"{p}_f", to=TensorProto.FLOAT),
+                      helper.make_node("Mul", [f"{p}_f", t], [f"{p}_ft"], name=f"{p}_ft"),
+                      helper.make_node("Mul", [f"{p}_ft", tw.scale], [y], name=f"{p}_fs")]
+        if bias:
+            new_nodes.append(helper.make_node("Add", [y, bias], [out], name=f"{p}_bias"))
+    del g.node[:]
+    g.node.extend(new_nodes)
+    for w, tw in list(twins.items()):
+        if w in used_float:
+            twins[w] = QuantizedWeight(tw.weight, tw.scale, tw.layout, keep_float=True)
+    keep = [t for t in g.initializer if t.name not in twins or twins[t.name].keep_float]
+    del g.initializer[:]
+    g.initializer.extend(keep + consts)
+    for tw in twins.values():  # placeholders: export.graph.write_graph puts the real bytes in as external data
+        for n in (tw.weight, tw.scale):
+            g.initializer.append(numpy_helper.from_array(np.zeros(0, np.float32), n))
+    return twins, arrays, left
+
+
+# ----------------------------------------------------------------------------- the export step
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).double().log_softmax(-1).numpy()
+
+
+def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dict[str, torch.Tensor]]) -> Manifest:
+    """Rewrite the gated fp32 graphs in ``folder`` to the int8 scheme; the manifest with its quantization record
+    (written; its gate figures are filled by the int8 gate, :func:`refit.rollout.parity.int8_parity_gate`, which
+    runs the engine against the quantize-dequantize PyTorch forward, :func:`reference_model`).
+
+    ``real``: the fp32 engine weights ({graph: {engine name: tensor}}) the folder's graphs were written with."""
+    import onnx
+
+    from refit.export.graph import sha256_files as _sha256_files, write_graph as _write_graph
+
+    mods = matmul_modules(model, manifest)
+    twins, graphs, n_q, n_left = {}, dict(manifest.graphs), 0, 0
+    for g, spec in manifest.graphs.items():
+        path = folder / spec.file
+        proto = onnx.load(str(path), load_external_data=False)
+        n_before = sum(n.op_type in ("MatMul", "Gemm") for n in proto.graph.node)
+        tw, arrays, left = rewrite_graph(proto, real.get(g, {}), set(mods.get(g, {})))
+        n_q += n_before - sum(n.op_type in ("MatMul", "Gemm") for n in proto.graph.node)
+        n_left += left
+        if tw:
+            twins[g] = tw
+        _write_graph(proto, {**real.get(g, {}), **arrays}, path)
+        graphs[g] = replace(spec, sha256=_sha256_files([path]), weights_sha256=_sha256_files([folder / spec.data]))
+    if not n_q:
+        raise RefitError("quantize int8: no weight matmul of this model maps to a Linear or Conv1D layer; "
+                         "nothing to quantize")
+    hashes = replace(manifest.hashes, graphs_sha256={g: v.sha256 for g, v in graphs.items()},
+                     engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()})
+    quant = Quantization(scheme="int8", weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
+                         reference="PyTorch uncached forward, quantized Linear/Conv1D layers as "
+                                   "export/quantize.int8_linear",
+                         max_abs_logprob_diff=float("nan"), tolerance_logprob=float("nan"), gap_vs_fp32={})
+    manifest = replace(manifest, graphs=graphs, hashes=hashes, quantization=quant)
+    manifest.write(folder)
+    return manifest

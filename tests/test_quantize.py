@@ -1,0 +1,190 @@
+"""int8 rollout engines (export/quantize.py) against the quantize-dequantize PyTorch reference.
+
+The reference is the fp32 HF model whose quantized Linear / Conv1D layers run ``int8_linear`` (the same int8
+weights, the same per-row activation codes, exact integer products): the engine must match it to fp32 rounding,
+before and after a push of perturbed fp32 tensors (re-quantized on the way in), and a push must change the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
+from refit.export.quantize import int8_linear, quantize_rows, quantize_weight, reference_model
+from refit.rollout.ort_backend import OrtEngine
+from refit.rollout.torch_backend import TorchEngine
+from refit.rollout.types import SamplingParams
+
+TOL = 2e-3  # engine vs reference log-probs: fp32 rounding may move one activation code by one step
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def int8_dirs(tmp_path_factory, model_dirs):
+    from conftest import BuiltOnce
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
+
+    root = tmp_path_factory.mktemp("int8")
+    opts = ExportOptions(max_batch=16, max_len=128, quantize="int8")
+    return BuiltOnce(lambda g: build(model_dirs[g], root / g, opts=opts, log=lambda *_: None))
+
+
+def _reference(model_dir, manifest, pushed=None):
+    """TorchEngine over the quantize-dequantize model of ``model_dir``'s weights (with ``pushed`` loaded first)."""
+    from refit.core.checkpoint import load_model
+
+    model = load_model(model_dir)
+    if pushed:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for n, t in pushed.items():
+                params[n].copy_(t)
+    return TorchEngine(reference_model(model, manifest)), model
+
+
+def _score(eng, batch):
+    return eng.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask).logprobs
+
+
+def test_quantize_weight_by_hand():
+    w = torch.tensor([[1.0, -0.5], [-2.54, 0.25], [0.0, 0.0]])  # (K=3, N=2)
+    q, s = quantize_weight(w)
+    torch.testing.assert_close(s, torch.tensor([2.54 / 127, 0.5 / 127]))
+    assert q.dtype == torch.int8 and q.tolist() == [[50, -127], [-127, 64], [0, 0]]  # 0.25/(0.5/127) = 63.5 -> 64
+    codes, t = quantize_rows(torch.tensor([[0.0, 0.0], [1.0, -0.5]]))
+    assert codes.tolist() == [[0.0, 0.0], [127.0, -64.0]] and t[1, 0] == 1.0 / 127  # -63.5 -> -64 (half to even)
+    x = torch.tensor([[1.0, -0.5, 0.25]])
+    want = (codes_x := quantize_rows(x)[0]) @ q.float() * (x.abs().max() / 127) * s
+    torch.testing.assert_close(int8_linear(x, q, s, None), want)
+    assert codes_x.tolist() == [[127.0, -64.0, 32.0]]
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs, prompts, arch):
+    """GPT-2: Conv1D weights, the tied lm_head (its fp32 twin kept for the embedding); Llama: transposed
+    q/k/v/o and MLP weights sharing one row quantization per input, grouped-query attention."""
+    m = Manifest.read(int8_dirs[arch])
+    q = m.quantization
+    assert q is not None and q.max_abs_logprob_diff <= q.tolerance_logprob and q.float_matmuls == 0
+    assert q.mean_abs_logprob_diff <= q.tolerance_mean and q.rounding_floor["max_abs_logprob"] >= 0
+    assert q.gap_vs_fp32["max_abs_logprob"] > 10 * q.max_abs_logprob_diff  # int8 is not fp32 ...
+    assert q.gap_vs_fp32["greedy_agreement"] > 0.5  # ... but close to it
+    eng = OrtEngine(int8_dirs[arch])
+    ref, model = _reference(model_dirs[arch], m)
+    batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
+    before = _score(eng, batch)
+    torch.testing.assert_close(before, _score(ref, batch), atol=TOL, rtol=0)
+    fp32 = _score(TorchEngine(model), batch)
+    assert (before - fp32).abs().max() > 10 * (before - _score(ref, batch)).abs().max()
+
+    gen = torch.Generator().manual_seed(1)
+    params = dict(model.named_parameters())
+    pushed = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    eng.update_weights(pushed)
+    after = _score(eng, batch)
+    assert (after - before).abs().max() > 1e-2, "a perturbed push must change the output"
+    ref2, _ = _reference(model_dirs[arch], m, pushed)
+    torch.testing.assert_close(after, _score(ref2, batch), atol=TOL, rtol=0)  # re-quantized exactly as the reference
+    greedy = SamplingParams(max_new_tokens=8, greedy=True)
+    assert torch.equal(eng.generate(prompts, greedy).response_ids, ref2.generate(prompts, greedy).response_ids)
+    eng.update_weights({n: p.detach() for n, p in params.items()})  # restore
+    torch.testing.assert_close(_score(eng, batch), before, atol=1e-6, rtol=0)
+
+
+def test_int8_rows_are_independent(int8_dirs, prompts):
+    """Per-row activation scales: a row's log-probs do not depend on the rows beside it."""
+    eng = OrtEngine(int8_dirs["tiny-gpt2"])
+    batch = eng.generate(prompts, SamplingParams(max_new_tokens=6, seed=3))
+    full = _score(eng, batch)
+    for i in range(len(prompts)):
+        one = eng.score(batch.prompt_ids[i:i + 1], batch.prompt_mask[i:i + 1], batch.response_ids[i:i + 1],
+                        batch.response_mask[i:i + 1]).logprobs
+        m = batch.response_mask[i].bool()
+        torch.testing.assert_close(one[0][m], full[i][m], atol=1e-5, rtol=0)
+
+
+def test_bad_quantize_option_is_one_line(model_dirs, tmp_path):
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
+
+    with pytest.raises(RefitError, match="fp8: TensorRT only"):
+        build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(quantize="fp8"))
+    with pytest.raises(RefitError, match="starts from fp32"):
+        build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(quantize="int8", dtype="fp16"))
+
+
+def _ppo_cfg(model_dirs, engine_dir, out, **kw):
+    from refit.learner.ppo.config import PPOConfig
+
+    base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dir), output_dir=str(out), steps=2,
+                batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4, save_steps=2,
+                probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9, num_prompts=32,
+                learning_rate=1e-3, warmup_steps=0, export_final=False, quantize="int8")
+    return PPOConfig.from_flat(**{**base, **kw})
+
+
+@pytest.mark.parametrize("ref_backend", ["auto", "onnxruntime"])
+def test_kl_is_zero_at_step_zero_with_int8_policy_engine(int8_dirs, model_dirs, tmp_path, ref_backend):
+    """The rollout runs in int8, the reference and the KL in fp32 (PyTorch, or an fp32 engine beside the int8 one):
+    every KL estimator is 0 within 1e-6 at step 0, the mismatch is named 'precision', TIS is on by default."""
+    from refit.learner.ppo.cycle import experience, setup
+    from refit.learner.ppo.mismatch import name_mismatch
+
+    cfg = _ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", batch_size=8, ref_backend=ref_backend)
+    assert cfg.correction == "tis"
+    run = setup(cfg, resume=False, log=lambda *_: None)
+    assert run.engine.manifest.quantization is not None and run.engine_manifest is not None
+    if ref_backend == "auto":
+        assert run.ref_engine is None  # PyTorch
+    else:
+        assert run.ref_engine.manifest.quantization is None and run.ref_engine.manifest.dtype == "fp32"
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=3))
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    for k in ("k1", "k2", "k3", "exact"):
+        assert abs(stats[f"kl/{k}"]) <= 1e-6, (k, stats[f"kl/{k}"])
+    assert stats["mismatch/max_abs_diff"] > 1e-3  # the engine is int8, the learner fp32
+    assert name_mismatch(stats, quantized=True) == "precision"
+    assert "mismatch/tis_grad_scale" in stats and stats["mismatch/tis_grad_scale"] != 1.0
+
+
+def test_int8_ppo_run_pushes_and_probes_against_the_quantized_learner(int8_dirs, model_dirs, tmp_path):
+    """Three steps end to end: each push is probed against the learner's weights quantized as the engine does
+    (an fp32 comparison would fail: the gap is the engine's precision); the log names 'precision' once."""
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.metrics import read_metrics
+
+    lines: list[str] = []
+    run_dir = run_ppo(_ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", steps=3, save_steps=3,
+                               probe_on_rollout=False), log=lines.append)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward/mean" in r and "kl/exact" in r]
+    assert abs(train[0]["kl/exact"]) < 1e-6
+    assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in train)
+    assert all(r["mismatch/max_abs_diff"] > 1e-3 for r in train)
+    told = [ln for ln in lines if "mismatch (precision)" in ln]
+    assert len(told) == 1 and "correction: tis" in told[0], lines
+
+
+def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, prompts, tmp_path):
+    """The learner moved every weight by 1e-3 (AdamW's first step at lr 1e-3): an int8 engine that did not take
+    the push fails the probe; once pushed, it passes (against the learner quantized as the engine is)."""
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import canonical_params
+    from refit.learner.run.engines import probe_check
+
+    m = Manifest.read(int8_dirs["tiny-gpt2"])
+    eng = OrtEngine(int8_dirs["tiny-gpt2"])
+    model = load_model(model_dirs["tiny-gpt2"])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.sign(torch.randn(p.shape, generator=gen)))
+    probe = eng.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m)
+    eng.update_weights(canonical_params(model)[0])
+    assert probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m) <= 1e-3
