@@ -1,0 +1,129 @@
+"""Per-token log-prob, entropy and exact KL over a large vocabulary, token chunk by token chunk.
+
+With a 128k-256k vocabulary one (B, T, V) fp32 tensor is hundreds of MB (8 x 64 x 151936: 311 MB), and the
+plain formulas of :mod:`refit.learner.losses.core` make several: ``logsumexp``'s exponentials, the entropy's
+softmax and product (kept for backward), the exact KL's two log-softmaxes, their difference and product.
+:func:`token_stats` computes all three from ONE log-softmax per chunk of ``chunk_size`` positions, so
+only (B, chunk, V) temporaries exist, and its backward (a :class:`torch.autograd.Function`) writes the
+gradient into one (B, T, V) buffer chunk by chunk from the closed forms, recomputing the chunk's
+log-softmax instead of keeping it: the logits and their gradient are the only full-size tensors, as
+in Liger-Kernel's fused linear cross-entropy (https://github.com/linkedin/Liger-Kernel).
+
+Closed forms, with ``z = logits / temperature``, ``p = softmax(z)``, ``q = softmax(ref / temperature)``:
+
+- ``lp = z_y - logsumexp(z)``;            d lp / d z_j = [j = y] - p_j
+- ``H = -sum p log p``;                   d H / d z_j = -p_j (log p_j + H)
+- ``KL = sum p (log p - log q)``;         d KL / d z_j = p_j (log p_j - log q_j - KL)
+
+and d / d logits = (d / d z) / temperature. The KL is clamped at 0 as in
+:func:`refit.learner.losses.core.exact_kl_from_logits` (rounding of identical inputs), its gradient 0 where
+the clamp bites. The reference is a constant (the frozen model, or an engine's log-probs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 24  # default: chunks of about 16M logits (64 MB in fp32) per temporary
+
+
+class TokenStats(NamedTuple):
+    logprobs: torch.Tensor  # (B, T) log-prob of each label under softmax(logits / temperature)
+    entropy: torch.Tensor  # (B, T) entropy of that distribution
+    exact_kl: Optional[torch.Tensor]  # (B, T) KL(pi || ref) over the vocabulary, >= 0; None without ref_logits
+
+
+def default_chunk(batch: int, vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
+    """Token positions per chunk so that one (batch, chunk, vocab) temporary holds about ``elements`` values."""
+    return max(1, elements // max(1, batch * vocab))
+
+
+def _chunk_forward(z: torch.Tensor, labels: torch.Tensor, z_ref: Optional[torch.Tensor]):
+    """(lp, H, KL or None, logp, KL before the clamp or None) of one chunk; ``z`` already divided by temperature."""
+    logp = F.log_softmax(z, dim=-1)  # (B, c, V)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)
+    kl = raw = None
+    if z_ref is not None:
+        raw = (p * (logp - F.log_softmax(z_ref, dim=-1))).sum(-1)
+        kl = raw.clamp_min(0.0)
+    return lp, ent, kl, logp, raw
+
+
+class _TokenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ref_logits, temperature: float, chunk: int):
+        b, t, _ = logits.shape
+        lp, ent = logits.new_empty(b, t), logits.new_empty(b, t)
+        kl = logits.new_empty(b, t) if ref_logits is not None else None
+        for s in range(0, t, chunk):
+            c = slice(s, min(s + chunk, t))
+            z_ref = ref_logits[:, c] / temperature if ref_logits is not None else None
+            out = _chunk_forward(logits[:, c] / temperature, labels[:, c], z_ref)
+            lp[:, c], ent[:, c] = out[0], out[1]
+            if kl is not None:
+                kl[:, c] = out[2]
+        ctx.save_for_backward(logits, labels, ref_logits, ent, kl)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if kl is None:
+            return lp, ent
+        return lp, ent, kl
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, g_kl=None):
+        logits, labels, ref_logits, ent, kl = ctx.saved_tensors
+        temp, chunk, t = ctx.temperature, ctx.chunk, logits.shape[1]
+        grad = torch.empty_like(logits)  # (B, T, V): the one full-size tensor of the backward
+        for s in range(0, t, chunk):
+            c = slice(s, min(s + chunk, t))
+            z_ref = ref_logits[:, c] / temp if ref_logits is not None else None
+            _, _, _, logp, raw = _chunk_forward(logits[:, c] / temp, labels[:, c], z_ref)
+            p = logp.exp()
+            # d/dz of sum_t (g_lp lp + g_ent H + g_kl KL): the closed forms of the module docstring
+            coef = -(g_ent[:, c, None] * (logp + ent[:, c, None]))  # entropy term / p
+            if z_ref is not None and g_kl is not None:
+                g = torch.where(raw >= 0, g_kl[:, c], torch.zeros_like(g_kl[:, c]))  # clamp_min's gradient
+                coef = coef + g[..., None] * (logp - F.log_softmax(z_ref, dim=-1) - kl[:, c, None])
+            coef = coef - g_lp[:, c, None]  # the log-prob term's -p part
+            gc = p * coef
+            gc.scatter_add_(-1, labels[:, c, None], g_lp[:, c, None])  # and its one-hot part
+            grad[:, c] = gc / temp if temp != 1.0 else gc
+        return grad, None, None, None, None
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, ref_logits: Optional[torch.Tensor] = None,
+                temperature: float = 1.0, chunk_size: Optional[int] = None) -> TokenStats:
+    """Log-prob of ``labels``, entropy and (with ``ref_logits``) exact KL(pi || ref) per token, chunked over T.
+
+    Args:
+        logits: (B, T, V) float, aligned with labels (logits[:, t] predicts labels[:, t]); may require grad.
+        labels: (B, T) integer token ids.
+        ref_logits: optional (B, T, V) reference logits or log-probs (a constant: no gradient flows to it).
+        temperature: both distributions are softmax(x / temperature).
+        chunk_size: positions per chunk; None: :func:`default_chunk` (about 64 MB per temporary).
+    Returns:
+        :class:`TokenStats` of (B, T) tensors; equal to :func:`refit.learner.losses.core.logprobs_from_logits`,
+        :func:`~refit.learner.losses.core.entropy_from_logits` and :func:`~refit.learner.losses.core.exact_kl_from_logits`
+        up to rounding, gradients included.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"token_stats: logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
+                         f"{tuple(labels.shape)}")
+    if ref_logits is not None and ref_logits.shape != logits.shape:
+        raise ValueError(f"token_stats: ref_logits {tuple(ref_logits.shape)} != logits {tuple(logits.shape)}")
+    if ref_logits is not None and ref_logits.requires_grad:
+        raise ValueError("token_stats: ref_logits must not require grad (the reference is frozen)")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    b, t, v = logits.shape
+    chunk = chunk_size or default_chunk(b, v)
+    ref = ref_logits.to(logits.dtype) if ref_logits is not None else None
+    out = _TokenStats.apply(logits, labels.long(), ref, float(temperature), max(1, min(chunk, max(t, 1))))
+    return TokenStats(out[0], out[1], out[2] if ref is not None else None)
+
+
+__all__ = ["TokenStats", "default_chunk", "token_stats"]
