@@ -254,6 +254,8 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
         return ScoreResult(logprobs=empty, topk_logprobs=torch.zeros(b, 0, topk) if topk else None,
                            topk_ids=torch.zeros(b, 0, topk, dtype=torch.int64) if topk else None)
     lps, tk_lp, tk_ids = [], [], []
+    # topk = V: the whole distribution, written chunk by chunk into its (B, Tr, V) result (no cat, no masked copy)
+    full = torch.empty(b, tr, spec.vocab_size) if topk == spec.vocab_size else None
     with torch.no_grad():
         state = new_state()
         logits = state.prefill(prompt_ids.long(), prompt_mask.long())[:, None]  # (B, 1, V) -> token 0
@@ -262,8 +264,8 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
             lp = torch.log_softmax(logits.float() / temperature, -1)  # (B, c, V), c <= chunk_size
             c = lp.shape[1]
             lps.append(lp.gather(-1, resp[:, pos:pos + c, None]).squeeze(-1))
-            if topk == spec.vocab_size:  # every token: no sort, no ids
-                tk_lp.append(lp)
+            if full is not None:  # every token: no sort, no ids
+                full[:, pos:pos + c] = lp
             elif topk:
                 v, i = lp.topk(topk, dim=-1)
                 tk_lp.append(v)
@@ -279,7 +281,7 @@ def run_score(new_state: Callable[[], StepState], spec: ModelSpec, prompt_ids: t
         return ScoreResult(logprobs=logprobs)
     on = rmask[..., None] > 0
     if topk == spec.vocab_size:
-        return ScoreResult(logprobs=logprobs, topk_logprobs=torch.cat(tk_lp, 1) * on,
+        return ScoreResult(logprobs=logprobs, topk_logprobs=full.mul_(on),
                            topk_ids=torch.arange(topk).expand(b, tr, topk))
     return ScoreResult(logprobs=logprobs, topk_logprobs=torch.cat(tk_lp, 1) * on,
                        topk_ids=torch.where(on, torch.cat(tk_ids, 1), spec.pad_id))

@@ -88,11 +88,13 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         else:
             ref = engine_ref_logprobs(ref_model, batch, s, temperature, pol.logits.shape[-1]).to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
-        parts["lp"].append(L.logprobs_from_logits(pol.logits, ids).cpu())
+        st = L.token_stats(pol.logits, ids, ref)  # token-chunked: (b, chunk, V) temporaries only
+        parts["lp"].append(st.logprobs.cpu())
         parts["v"].append(pol.values.float().cpu() if pol.values is not None else torch.zeros(ids.shape))
-        parts["ent"].append(L.entropy_from_logits(pol.logits).cpu())
-        parts["ref"].append(L.logprobs_from_logits(ref, ids).cpu())
-        parts["kl"].append(L.exact_kl_from_logits(pol.logits, ref).cpu())
+        parts["ent"].append(st.entropy.cpu())
+        parts["ref"].append(L.token_stats(ref, ids).logprobs.cpu())
+        parts["kl"].append(st.exact_kl.cpu())
+        del ref, st
     c = {k: torch.cat(v) for k, v in parts.items()}
     return Scored(c["lp"], c["v"], c["ent"], c["ref"], c["kl"])
 
@@ -173,7 +175,7 @@ def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     if kind == "exact":
         if logits is None or ref_logits is None:
             raise RefitError("kl_estimator=exact in the loss needs the reference model's logits")
-        return L.exact_kl_from_logits(logits, ref_logits)
+        return L.exact_kl_from_logits(logits, ref_logits, chunk_size=L.default_chunk(*logits.shape[::2]))
     return L.kl_estimate(logprobs, ref_logprobs, kind)
 
 
@@ -189,10 +191,19 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
     dev = out.logits.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask = g(exp.mask)
-    logprobs = L.logprobs_from_logits(out.logits, g(exp.response_ids))
+    ref_logits = None
+    if s.kl_in_loss and s.kl_estimator == "exact":
+        if ref_model is None:
+            raise RefitError("kl_penalty=loss with kl_estimator=exact: ppo_update needs ref_model")
+        with torch.no_grad(), ctx:
+            ref_logits = response_forward(ref_model, *args).logits.to(dev)
+    # log-prob, entropy (and exact KL) from one token-chunked pass: the logits and their gradient are the only
+    # (B, Tr, V) tensors (learner/losses/chunked.py)
+    st = L.token_stats(out.logits, g(exp.response_ids), ref_logits)
+    logprobs = st.logprobs
     pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
                                    is_weights=g(exp.is_weights), num_tokens=n_tokens)
-    ent = L.token_mean(L.entropy_from_logits(out.logits), mask, n_tokens)
+    ent = L.token_mean(st.entropy, mask, n_tokens)
     loss = pg - s.entropy_coef * ent
     stats = {**pstats, "entropy": ent.detach()}
     if s.use_critic:
@@ -201,13 +212,8 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
         loss = loss + s.vf_coef * vf
         stats.update(vstats)
     if s.kl_in_loss:
-        ref_logits = None
-        if s.kl_estimator == "exact":
-            if ref_model is None:
-                raise RefitError("kl_penalty=loss with kl_estimator=exact: ppo_update needs ref_model")
-            with torch.no_grad(), ctx:
-                ref_logits = response_forward(ref_model, *args).logits.to(dev)
-        per_token = kl_loss_term(logprobs, g(exp.ref_logprobs), s.kl_estimator, out.logits, ref_logits)
+        per_token = (st.exact_kl if s.kl_estimator == "exact"
+                     else kl_loss_term(logprobs, g(exp.ref_logprobs), s.kl_estimator))
         kl = L.token_mean(per_token, mask, n_tokens)
         loss = loss + s.kl_coef * kl
         stats["kl_loss"] = kl.detach()

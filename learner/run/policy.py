@@ -66,12 +66,23 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         tp = prompt_ids.shape[1]
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
+        # logits of the last tr + 1 positions only (the prompt's would be (B, Tp, V) of nothing used)
+        keep = {"logits_to_keep": tr + 1} if _keeps_logits(model) else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    output_hidden_states=want_hidden)
-        logits = out.logits[:, tp - 1: tp - 1 + tr]
+                    output_hidden_states=want_hidden, **keep)
+        first = out.logits.shape[1] - (tr + 1)  # tp - 1 when every position's logits came back
+        logits = out.logits[:, first: first + tr]
         hidden = out.hidden_states[-1][:, tp - 1: tp - 1 + tr] if want_hidden else None
     values = value_head(hidden) if (value_head is not None and hidden is not None) else None
-    return ForwardOut(logits=logits.float() / temperature, values=values)
+    logits = logits.float()  # no copy for an fp32 model; a (B, Tr, V) copy only to divide by a temperature
+    return ForwardOut(logits=logits / temperature if temperature != 1.0 else logits, values=values)
+
+
+def _keeps_logits(model) -> bool:
+    """The HF causal LM takes ``logits_to_keep`` (transformers >= 4.50: every decoder-only family here)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters
 
 
 @torch.no_grad()
@@ -82,8 +93,9 @@ def learner_view(model, value_head: ValueHead | None, batch, temperature: float,
         s = slice(i, i + chunk)
         out = response_forward(model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
                                batch.is_seq2seq, temperature, value_head)
-        lps.append(L.logprobs_from_logits(out.logits, batch.response_ids[s].to(out.logits.device)).cpu())
-        ents.append(L.entropy_from_logits(out.logits).cpu())
+        st = L.token_stats(out.logits, batch.response_ids[s].to(out.logits.device))  # the update's own formulas
+        lps.append(st.logprobs.cpu())
+        ents.append(st.entropy.cpu())
         if out.values is not None:
             vals.append(out.values.float().cpu())
     return torch.cat(lps), (torch.cat(vals) if vals else None), torch.cat(ents)
