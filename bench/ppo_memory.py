@@ -5,8 +5,10 @@ Qwen2.5-0.5B's widths and vocabulary (hidden 896, 14 heads, 2 KV heads, intermed
 tied, qkv bias), exports it once (plain attention), then runs one PPO step (engine rollout, the
 reference on the ONNX Runtime engine: ``score(topk=V)``, the learner's scoring forward, the update)
 in a fresh process per ``--source`` checkout and per KL setting. Reported per variant: RSS after setup
-(models, engines, optimizer) and the process's peak RSS, whose difference is what the step itself
-adds: (B, T, V) logits, log-softmax temporaries, gradients. The last line is one JSON document.
+(models, engines) and the process's peak RSS over step 1 (which also allocates the gradients and Adam's
+state), then step 2's own peak over its starting RSS (the high-water mark reset between the steps):
+(B, T, V) logits, log-softmax temporaries, logits gradient, the weight push. The last line is one JSON
+document.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ model, engine, work, batch, resp, est, pen = sys.argv[1:8]
 prompts = Path(work) / "prompts.txt"
 prompts.write_text("\\n".join(f"{i}+{i}=" for i in range(4 * int(batch))) + "\\n")
 cfg = PPOConfig.from_flat(model_dir=model, engine_dir=engine, output_dir=str(Path(work) / "run"), backend="onnxruntime",
-    prompts_file=str(prompts), reward="refit.bench.ppo:length_reward", steps=1, batch_size=int(batch), num_generations=1,
+    prompts_file=str(prompts), reward="refit.bench.ppo:length_reward", steps=2, batch_size=int(batch), num_generations=1,
     response_length=int(resp), num_ppo_epochs=1, num_mini_batches=1, progress=False,
     tensorboard=False, plots=False, save_steps=1000, kl_estimator=est, kl_penalty=pen)
 run = setup(cfg, resume=False, log=lambda *_: None)
@@ -40,8 +42,50 @@ before = status("VmRSS")
 t = time.perf_counter()
 m = train_step(run, 1, log=lambda *_: None)
 s = time.perf_counter() - t
-print(json.dumps({"rss_after_setup_mb": before, "peak_rss_mb": status("VmHWM"), "step_seconds": round(s, 1),
-                  "kl_exact": m.get("kl/exact"), "kl_k1": m.get("kl/k1")}))
+row = {"rss_after_setup_mb": before, "peak_rss_mb": status("VmHWM"), "step_seconds": round(s, 1),
+       "kl_exact": m.get("kl/exact"), "kl_k1": m.get("kl/k1")}
+# step 2 alone: the optimizer state and gradients exist already; the high-water mark is reset to the
+# current RSS (Linux clear_refs 5), so its peak is this step's own
+open("/proc/self/clear_refs", "w").write("5")
+row["rss_before_step2_mb"] = status("VmRSS")
+m = train_step(run, 2, log=lambda *_: None)
+row["step2_peak_rss_mb"] = status("VmHWM")
+row["step2_adds_mb"] = row["step2_peak_rss_mb"] - row["rss_before_step2_mb"]
+print(json.dumps(row))
+"""
+
+
+# The learner's part alone (no engine: ONNX Runtime's backend keeps freed heap memory process-wide, which
+# blurs RSS): score_batch with a PyTorch reference + exact KL, then the single-pass PPO update with the exact
+# KL in the loss, on a random (B, Tp + Tr) batch, fp32.
+_LEARNER = """
+import json, sys, types
+import torch
+torch.set_num_threads(2)
+from transformers import AutoModelForCausalLM
+from refit.learner.ppo.update import Experience, UpdateSettings, policy_forward, ppo_update, score_batch
+from refit.learner.run.policy import ValueHead, hidden_size
+model_dir, b, tr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+pol = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+vh = ValueHead(hidden_size(pol))
+g = torch.Generator().manual_seed(0)
+v = pol.config.vocab_size
+batch = types.SimpleNamespace(prompt_ids=torch.randint(4, v, (b, 16), generator=g), prompt_mask=torch.ones(b, 16, dtype=torch.long),
+    response_ids=torch.randint(4, v, (b, tr), generator=g), response_mask=torch.ones(b, tr), is_seq2seq=False, num_rows=b)
+s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.01, 1.0, 1.0, kl_coef=0.05, kl_in_loss=True, kl_estimator="exact")
+opt = torch.optim.SGD(list(pol.parameters()) + list(vh.parameters()), lr=1e-6)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+def status(key):
+    return int([l for l in open("/proc/self/status") if l.startswith(key + ":")][0].split()[1]) // 1024
+before = status("VmRSS")
+fwd = policy_forward(pol, vh, batch, s)
+sc = score_batch(pol, vh, ref, batch, 1.0, policy_out=fwd)
+exp = Experience(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, sc.logprobs, sc.ref_logprobs,
+                 sc.values, torch.randn(b, tr, generator=g), torch.zeros(b, tr), None)
+st = ppo_update(pol, vh, opt, sched, exp, s, torch.Generator().manual_seed(1), ref_model=ref, forward=fwd)
+print(json.dumps({"rss_before_mb": before, "peak_rss_mb": status("VmHWM"), "learner_adds_mb": status("VmHWM") - before,
+                  "kl_exact_max": float(sc.exact_kl.max()), "kl_loss": st.get("kl_loss")}))
 """
 
 
@@ -76,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--response", type=int, default=64)
     p.add_argument("--kl", nargs="+", default=["exact:reward"], help="kl_estimator:kl_penalty settings to run")
+    p.add_argument("--learner-only", action="store_true", help="measure the learner's score + update alone, "
+                   "PyTorch reference, no engine")
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     work = a.work.resolve()
@@ -86,8 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "refit.bench.ppo_memory", "--work", str(work), "--layers", str(a.layers),
                         "--build-only"], check=True)
     rows = []
+    if a.learner_only:
+        for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[1]])]:
+            r = subprocess.run([sys.executable, "-c", _LEARNER, str(work / "model"), str(a.batch), str(a.response)],
+                               cwd=src, env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True)
+            row = {"source": str(src), "part": "learner (score_batch + single-pass update, exact KL in reward and loss)"}
+            row.update(json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0
+                       else {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]})
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        a.kl = []
     for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[1]])]:
-        for kl in a.kl:
+        for kl in a.kl:  # noqa: B007
             est, pen = kl.split(":")
             run_dir = work / f"run-{len(rows)}"
             run_dir.mkdir(parents=True, exist_ok=True)
