@@ -10,13 +10,13 @@ old values (measured on this machine).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.integrity import sha256_files  # noqa: F401 - the exporter hashes graph files with it
 from refit.export.weight_map import tensor_bytes
 
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
@@ -162,12 +162,3 @@ def write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
             init.data_location = onnx.TensorProto.EXTERNAL
             offset += len(raw)
     onnx.save_model(proto, str(path))
-
-
-def sha256_files(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
