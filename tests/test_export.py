@@ -227,7 +227,7 @@ def test_bad_input_output_holds_something_else(tmp_path, model_dirs):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    _one_line_error(_cli("export", str(model_dirs["tiny-gpt2"]), "-o", str(out)), "holds something else")
+    _one_line_error(_cli("export", str(model_dirs["tiny-gpt2"]), "-o", str(out)), "holds other files, not an engine")
     assert (out / "precious.txt").read_text() == "keep me"
 
 

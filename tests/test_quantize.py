@@ -121,7 +121,8 @@ def _ppo_cfg(model_dirs, engine_dir, out, **kw):
     from refit.learner.ppo.config import PPOConfig
 
     base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dir), output_dir=str(out), steps=2,
-                batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4, save_steps=2,
+                batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1,
+                response_length=4, save_steps=2,
                 probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9, num_prompts=32,
                 learning_rate=1e-3, warmup_steps=0, export_final=False, quantize="int8")
     return PPOConfig.from_flat(**{**base, **kw})
