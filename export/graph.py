@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.integrity import sha256_files  # noqa: F401 - the exporter hashes graph files with it
 from refit.export.weight_map import tensor_bytes
 
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}

@@ -31,13 +31,12 @@ from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_i
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
 from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
-from refit.export.weight_map import (build_weight_map, canonical_params, check_one_to_one, engine_weights,
-                               fingerprint_, graph_buffers, tensor_bytes, weight_derived_values,
-                               weight_digests)
-from refit.export.graph import ONNX_DTYPE, sha256_files as _sha256_files, write_graph as _write_graph
+from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one, engine_weights,
+                                     fingerprint_, graph_buffers, weight_derived_values, weight_digests)
+from refit.core.integrity import sha256_files as _sha256_files
+from refit.export.graph import write_graph as _write_graph
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPSET = 18
 EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 

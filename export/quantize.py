@@ -308,9 +308,6 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor],
 # ----------------------------------------------------------------------------- the export step
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(x).double().log_softmax(-1).numpy()
-
 
 def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dict[str, torch.Tensor]]) -> Manifest:
     """Rewrite the gated fp32 graphs in ``folder`` to the int8 scheme; the manifest with its quantization record
@@ -320,7 +317,8 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
     ``real``: the fp32 engine weights ({graph: {engine name: tensor}}) the folder's graphs were written with."""
     import onnx
 
-    from refit.export.graph import sha256_files as _sha256_files, write_graph as _write_graph
+    from refit.core.integrity import sha256_files as _sha256_files
+    from refit.export.graph import write_graph as _write_graph
 
     mods = matmul_modules(model, manifest)
     twins, graphs, n_q, n_left = {}, dict(manifest.graphs), 0, 0

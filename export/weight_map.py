@@ -91,14 +91,14 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # manifest dtype -> torch
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def apply_transform(t: torch.Tensor, target: WeightTarget) -> torch.Tensor:
     """HF tensor (already in the engine's dtype) -> the tensor ``target`` stores."""
     if target.stored_dtype is not None:
-        t = t.to(_TORCH_DTYPES[target.stored_dtype])
+        t = t.to(DTYPES[target.stored_dtype])
     if target.transform == "identity":
         return t
     if target.transform == "transpose":
@@ -165,7 +165,7 @@ def _affine_of(arr: np.ndarray, candidates: list[tuple[str, torch.Tensor]]) -> t
             continue
         want = np.ascontiguousarray(arr).tobytes()
         stored = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16"}.get(arr.dtype, "bf16")
-        stored_dtype = None if _TORCH_DTYPES[stored] == w.dtype else stored  # None: the engine's dtype
+        stored_dtype = None if DTYPES[stored] == w.dtype else stored  # None: the engine's dtype
         for s in _nearby(scale):  # the fit is approximate; the folded bytes are exact
             for b in _nearby(shift):
                 tgt = WeightTarget(engine="", graph="", transform="affine", scale=s, shift=b, stored_dtype=stored_dtype)

@@ -127,7 +127,6 @@ def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=pri
     from refit.core.padding import pad_batch
     from refit.export.quantize import GATE_TOL_MIN, reference_model, rounding_floor
 
-    _log_softmax = log_softmax
     quant = manifest.quantization
     n_q, n_left = quant.quantized_matmuls, quant.float_matmuls
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
@@ -136,9 +135,9 @@ def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=pri
     qmodel = reference_model(model, manifest)
     ref = torch_reference_logits(qmodel, manifest, ids, mask, fed)
     fp32 = torch_reference_logits(model, manifest, ids, mask, fed)
-    le, lr, lf = _log_softmax(eng), _log_softmax(ref), _log_softmax(fp32)
+    le, lr, lf = log_softmax(eng), log_softmax(ref), log_softmax(fp32)
     dlogp, dmean = float(np.abs(le - lr).max()), float(np.abs(le - lr).mean())
-    fwd = lambda m: _log_softmax(torch_reference_logits(m, manifest, ids, mask, fed))  # noqa: E731
+    fwd = lambda m: log_softmax(torch_reference_logits(m, manifest, ids, mask, fed))  # noqa: E731
     floor = {"max_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).max()),
              "mean_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).mean())}
     tol = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"])

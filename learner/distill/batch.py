@@ -3,7 +3,6 @@ the batch's tokens (dataset, student engine or teacher engine) and the teacher's
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
