@@ -110,11 +110,11 @@ def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> 
             out[flat.get(key, key)] = v
             continue
         section, _, leaf = key.rpartition(".")
-        old = next((k for k in (f"{section}_{leaf}" if section else "", leaf) if k in legacy), None)
+        old = next((k for k in (key, f"{section}_{leaf}" if section else "", leaf) if k in legacy), None)
         if old is None:
             unknown.append(key)
             continue
-        notes.append(f"{key} -> {legacy[old]}")
+        notes.append(f"{key} -> {next((n for n, p in flat.items() if p == legacy[old]), legacy[old])}")
         out[legacy[old]] = v
     if unknown:
         raise RefitError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} "
@@ -220,6 +220,7 @@ def _negate(path: str) -> str:
 def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]) -> tuple[list[str], list[str]]:
     """Old flat flags -> dotted ones (with notes); ``--flag true|false`` -> ``--flag`` / ``--no_flag``."""
     known = set(leaves(cls)) | set(flat_leaves(cls)) | bools
+    spelled = {path: name for name, path in flat_leaves(cls).items()}  # a FLAT field's flag has no prefix
     types = leaves(cls)
     bool_or = {p for p, tp in types.items() if typing.get_origin(tp) in (typing.Union, UnionType)
                and bool in typing.get_args(tp)}
@@ -234,6 +235,7 @@ def normalise_argv(argv: list[str], cls, legacy: dict[str, str], bools: set[str]
         neg = key.startswith("no_") and key not in known and key[3:] in legacy
         if key not in known and (key in legacy or neg):
             new = legacy[key[3:]] if neg else legacy[key]
+            new = spelled.get(new, new)
             notes.append(f"--{name} -> --{_negate(new) if neg else new}")
             key = name = _negate(new) if neg else new
         if key in bool_or and not eq and i < len(argv) and argv[i].lower() in ("true", "false"):

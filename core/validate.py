@@ -5,10 +5,10 @@ and YAML into a frozen dataclass (:func:`refit.core.parsing.parse`), and :func:`
 every leaf field and checks it against :data:`RULES`, the one table of ranges. A field is matched by
 its dotted path first (``run.device``), else by its own name (``temperature``): the same name means
 the same thing in every command, so ``--temperature 0`` is refused by ``generate`` exactly as
-``--rollout.temperature 0`` is by ``ppo``. A refusal is one line naming the field, the value and the
+``--loss_temperature 0`` is by ``distill``. A refusal is one line naming the field, the value and the
 allowed range::
 
-    config: rollout.temperature = 0.0 is out of range; allowed: > 0 (a finite number)
+    config: optim.learning_rate = nan is out of range; allowed: >= 0 (a finite number)
 
 Fields the table does not name are not range-checked (strings, paths, bools, choices that tyro
 already restricts with ``Literal``). A tuple field (``reward_weights``) has each element checked.

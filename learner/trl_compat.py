@@ -43,7 +43,7 @@ scale_rewards ("group")       scale_rewards: True/'group', 'batch', False/'none'
 advantage estimator           grpo (GRPOTrainer), rloo (RLOOTrainer)
 learning_rate (1e-6)          optim.learning_rate; lr_scheduler_type ('linear'), warmup_steps, weight_decay,
                               max_grad_norm as TRL (warmup_ratio: of the optimizer steps)
-temperature, top_p, top_k     rollout.temperature, top_p, top_k (None: 0, no top-k)
+temperature, top_p, top_k     temperature, top_p, top_k (the sampling section; None: 0, no top-k)
 output_dir, seed              run.output_dir, run.seed
 save_steps (500, opt. steps)  ckpt.save_steps in rollouts (a multiple of the optimizer steps per rollout); a
                               float < 1 is a fraction of max_steps, as in TRL; save_total_limit:
@@ -270,7 +270,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "response_length": a.max_completion_length, "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1],
         "cliprange": a.epsilon, "optim.learning_rate": a.learning_rate, "optim.lr_scheduler_type": a.lr_scheduler_type,
         "optim.warmup_steps": warmup, "optim.weight_decay": a.weight_decay, "optim.max_grad_norm": a.max_grad_norm,
-        "rollout.temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
+        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "ckpt.save_steps": min(save, steps), "log.tensorboard": bool({"tensorboard", "all"} & set(report)),
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
     }

@@ -37,8 +37,7 @@ class GenerateConfig:
                        "model of the engine), tensorrt (NVIDIA only)")
     device: Literal["cpu", "cuda"] = opt("cpu", "onnxruntime execution device")
     max_new_tokens: int = opt(32, "most tokens generated per completion")
-    temperature: float = opt(1.0, "divide the logits by this before sampling (> 0)")
-    sampling: Annotated[Sampling, FLAT] = opt(help_="", factory=Sampling)  # --top_k, --top_p
+    sampling: Annotated[Sampling, FLAT] = opt(help_="", factory=Sampling)  # --temperature, --top_k, --top_p
     greedy: bool = opt(False, "take the most likely token at every step (no sampling)")
     n: int = opt(1, "completions per prompt")
     seed: int | None = opt(None, "sampling seed (same seed, same tokens); default: random")
@@ -102,13 +101,11 @@ def _records(batch, texts: list[str], tok) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     from refit.rollout.engine import create_engine
-    from refit.rollout.types import SamplingParams
 
     a, _ = parse(GenerateConfig, argv, "refit generate")
     engine_dir = Path(a.engine_dir)
     try:
-        sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.sampling.top_k,
-                                  top_p=a.sampling.top_p, greedy=a.greedy, n=a.n, seed=a.seed)
+        sampling = a.sampling.params(a.max_new_tokens, greedy=a.greedy, n=a.n, seed=a.seed)
     except ValueError as e:
         raise RefitError(str(e)) from None
     texts = _prompts(a)

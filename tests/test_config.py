@@ -146,3 +146,32 @@ def test_flat_sampling_section_keeps_its_spellings(tmp_path, capsys):
     g, _ = parse(GenerateConfig, ["e", "--top_k", "3", "--config", _yaml(tmp_path, "top_p: 0.5\n")], "refit generate")
     assert (g.sampling.top_k, g.sampling.top_p) == (3, 0.5)
     assert capsys.readouterr().err == ""
+
+
+def test_one_sampling_section_for_every_job_and_the_engine(tmp_path, capsys):
+    """temperature, top_k and top_p are one section (refit.rollout.config.Sampling) in ppo, distill and generate,
+    spelled the same in each, and SamplingParams is made from it in one place (Sampling.params)."""
+    from refit.rollout.config import Sampling
+    from refit.rollout.types import SamplingParams
+
+    flags = ["--temperature", "0.7", "--top_k", "5", "--top_p", "0.9"]
+    want = Sampling(temperature=0.7, top_k=5, top_p=0.9)
+    assert parse_job(PPOConfig, flags, "refit ppo")[0].sampling == want
+    assert parse_job(DistillConfig, flags, "refit distill")[0].sampling == want
+    assert parse(GenerateConfig, ["e", *flags], "refit generate")[0].sampling == want
+    for cls in (PPOConfig, DistillConfig, GenerateConfig):
+        assert {"temperature", "top_k", "top_p"} <= set(flat_leaves(cls))
+        assert not any(p.endswith(".temperature") and not p.startswith("sampling.") for p in leaves(cls))
+    assert capsys.readouterr().err == ""
+    # every Sampling field is a SamplingParams field of the same meaning; params() keeps the call's own fields
+    assert {f.name for f in dataclasses.fields(Sampling)} <= {f.name for f in dataclasses.fields(SamplingParams)}
+    assert want.params(12, n=2, seed=4, stop_ids=(3,)) == SamplingParams(
+        max_new_tokens=12, temperature=0.7, top_k=5, top_p=0.9, n=2, seed=4, stop_ids=(3,))
+    # rollout.temperature, where PPO and distill kept it before: read, with one deprecation line naming the new name
+    old, _ = parse_job(PPOConfig, ["--rollout.temperature", "0.7", "--top_k", "5", "--top_p", "0.9"], "refit ppo")
+    assert old.sampling == want and "--rollout.temperature -> --temperature" in capsys.readouterr().err
+    f = _yaml(tmp_path, "rollout: {temperature: 0.7, backend: torch}\n")
+    d, _ = parse_job(DistillConfig, ["--config", f], "refit distill")
+    assert (d.sampling.temperature, d.rollout.backend) == (0.7, "torch")
+    assert "rollout.temperature -> temperature" in capsys.readouterr().err
+    assert PPOConfig.from_flat(temperature=0.7).sampling.temperature == 0.7

@@ -59,7 +59,7 @@ def test_lmbda_decides_who_generates(model_dirs, engine_dirs, tmp_path, lmbda, e
     else:
         assert flags == [int(draws_student(run.cfg, s)) for s in steps] and 0 < sum(flags) < 6
     for a, _, out in calls:  # on-policy batches are sampled (not greedy) at the configured temperature
-        assert not a[1].greedy and a[1].temperature == run.cfg.rollout.temperature and out.num_rows == 8
+        assert not a[1].greedy and a[1].temperature == run.cfg.sampling.temperature and out.num_rows == 8
 
 
 @pytest.mark.parametrize("mode,expect", [

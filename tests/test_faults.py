@@ -44,8 +44,9 @@ def one_line(rc: int, line: str, *words: str) -> None:
 
 BAD_VALUES = [  # (command argv, field named, allowed range named)
     (["ppo", "--top_p", "0"], "top_p = 0.0", "(0, 1]"),
-    (["ppo", "--rollout.temperature", "0"], "rollout.temperature = 0.0", "> 0"),
-    (["ppo", "--rollout.temperature", "-1"], "rollout.temperature = -1.0", "> 0"),
+    (["ppo", "--temperature", "0"], "temperature = 0.0", "> 0"),
+    (["distill", "--temperature", "-1"], "temperature = -1.0", "> 0"),
+    (["ppo", "--rollout.temperature", "-1"], "temperature = -1.0", "> 0"),  # the deprecated spelling, same rule
     (["ppo", "--optim.learning_rate", "nan"], "optim.learning_rate = nan", "finite"),
     (["ppo", "--response_length", "0"], "response_length = 0", ">= 1"),
     (["ppo", "--num_generations", "0"], "num_generations = 0", ">= 1"),

@@ -67,7 +67,7 @@ def test_other_trl_names_and_defaults():
              temperature=0.7, top_p=0.9, top_k=None, max_completion_length=12, seed=5, save_steps=3, warmup_ratio=0.25,
              save_total_limit=3, report_to=["tensorboard"], reward_weights=[1, 0.5], loss_type="bnpo",
              use_vllm=False, gradient_checkpointing=True, refit={"rollout.backend": "torch", "top_k": 0})
-    assert (c.cliprange, c.optim.learning_rate, c.rollout.temperature, c.sampling.top_p, c.sampling.top_k) == (
+    assert (c.cliprange, c.optim.learning_rate, c.sampling.temperature, c.sampling.top_p, c.sampling.top_k) == (
         0.3, 3e-5, 0.7, 0.9, 0)
     assert (c.response_length, c.run.seed, c.run.steps, c.ckpt.keep_checkpoints, c.log.tensorboard) == (
         12, 5, 4, 3, True)

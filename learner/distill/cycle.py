@@ -110,15 +110,13 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     seed = cfg.run.seed * 1_000_003 + step
     t0 = time.perf_counter()
     if draws_student(cfg, step):
-        out = run.student_engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                  temperature=cfg.rollout.temperature, seed=seed,
-                                                                  stop_ids=run.stop_ids))
+        out = run.student_engine.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed,
+                                                                       stop_ids=run.stop_ids))
         check_version(out, run.expected_version)
         source = "student"
     elif cfg.seq_kd:
-        out = run.teacher.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                           temperature=cfg.rollout.temperature, seed=seed,
-                                                           return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
+        out = run.teacher.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed,
+                                                                return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
         source = "teacher"
     else:
         return dataset_batch(run, idx), {}
@@ -286,7 +284,7 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
         if b.teacher_topk_logprobs is not None and cfg.loss != "topk_kl":  # free diagnostic from the same pass
             stats["teacher_topk_kl"] = D.topk_kl_loss(logits.detach(), b.teacher_topk_logprobs[rows],
                                                       b.teacher_topk_ids[rows], b.response_mask[rows],
-                                                      cfg.rollout.temperature)[0]
+                                                      cfg.sampling.temperature)[0]
         for key, v in stats.items():
             acc.setdefault(key, []).append(float(v))
     stats = {f"distill/{key}": sum(v) if key in LOSS_STATS else sum(v) / len(v) for key, v in acc.items()}

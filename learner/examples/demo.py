@@ -24,6 +24,9 @@ import tyro
 from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
 from refit.core.parsing import opt, parse
 from refit.learner.ppo.config import PPOConfig
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
+                                      RolloutSection, RunSection)
+from refit.rollout.config import Sampling
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
@@ -73,13 +76,14 @@ class DemoConfig:
 
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
     """The demo's PPO run: the demo's settings on top of PPOConfig's defaults."""
-    return PPOConfig.from_flat(
-        model_dir=str(policy), output_dir=str(Path(a.out) / "ppo"), backend=a.backend, seed=a.seed, steps=a.steps,
-        batch_size=a.batch_size, num_generations=a.num_generations, advantage_estimator="gae",
-        max_operand=a.max_operand, learning_rate=3e-4,
-        num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.01, response_length=6, temperature=1.0, top_k=0,
-        save_steps=10, engine_threads=a.threads, progress=a.progress, quantize=a.quantize,
-        mismatch_correction=a.mismatch_correction)
+    return PPOConfig(
+        run=RunSection(output_dir=str(Path(a.out) / "ppo"), seed=a.seed, steps=a.steps, batch_size=a.batch_size),
+        model=ModelSection(model_dir=str(policy)), data=DataSection(max_operand=a.max_operand),
+        rollout=RolloutSection(backend=a.backend, engine_threads=a.threads, quantize=a.quantize),
+        optim=OptimSection(learning_rate=3e-4), ckpt=CheckpointSection(save_steps=10),
+        log=LogSection(progress=a.progress), sampling=Sampling(temperature=1.0, top_k=0),
+        num_generations=a.num_generations, advantage_estimator="gae", num_ppo_epochs=2, num_mini_batches=2,
+        kl_coef=0.01, response_length=6, mismatch_correction=a.mismatch_correction)
 
 
 def main(argv: list[str] | None = None) -> int:

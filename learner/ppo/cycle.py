@@ -168,7 +168,7 @@ def experience(run: Run, rollout, scores: torch.Tensor,
     """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages.
 
     ``policy_out``: the update's forward, already run (single pass); else the policy is scored here."""
-    cfg, t = run.cfg, run.cfg.rollout.temperature
+    cfg, t = run.cfg, run.cfg.sampling.temperature
     critic = cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
     # one policy forward (or none: policy_out) + one reference forward
@@ -226,7 +226,7 @@ def update_settings(run: Run) -> UpdateSettings:
     cfg = run.cfg
     return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.optim.gradient_accumulation_steps,
                           cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.optim.max_grad_norm,
-                          cfg.rollout.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+                          cfg.sampling.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
                           autocast_bf16=cfg.run.bf16 and next(run.policy.parameters()).is_cuda)
 
@@ -244,9 +244,8 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     state = trainer_state(run, step)
     idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
     run.data_position += cfg.run.batch_size
-    sampling = SamplingParams(max_new_tokens=cfg.response_length, temperature=cfg.rollout.temperature,
-                              top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, n=cfg.num_generations,
-                              seed=cfg.run.seed * 1_000_003 + step, stop_ids=run.stop_ids)
+    sampling = cfg.sampling.params(cfg.response_length, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
+                                   stop_ids=run.stop_ids)
     rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
     check_version(rollout, run.expected_version)
     timings["time/rollout"] = time.perf_counter() - t0
@@ -285,7 +284,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
             # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
-            run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.rollout.temperature,
+            run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.sampling.temperature,
                                                       cfg.rollout.probe_tol, run.run_dir,
                                                       int8_manifest=run.engine_manifest)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))

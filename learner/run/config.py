@@ -11,8 +11,10 @@ section     class                     fields
 ``model``   :class:`ModelSection`     model_dir, engine_dir (distill has two: ``student`` and ``teacher``)
 ``data``    :class:`DataSection`      dataset, dataset_split, prompt_column, dataset_text_field, eval_split,
                                       eval_fraction (a local dataset); task, num_prompts, max_operand
-``rollout`` :class:`RolloutSection`   backend, engine_threads, temperature, sync_every, probe_tol, probe_size,
-                                      probe_tokens
+``rollout`` :class:`RolloutSection`   backend, engine_threads, sync_every, probe_tol, probe_size,
+                                      probe_tokens, quantize
+``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
+                                      ``--temperature``, ``top_k:``; the one section generate shares too)
 ``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
                                       max_grad_norm, gradient_accumulation_steps
 ``ckpt``    :class:`CheckpointSection`  save_steps, keep_checkpoints
@@ -102,11 +104,10 @@ class DataSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    """The rollout engines: backend, threads, sampling temperature, weight pushes and the probe after each."""
+    """The rollout engines: backend, threads, weight pushes and the probe after each (sampling: :class:`Sampling`)."""
 
     backend: Backend = _f("onnxruntime", "engine backend ('hf': transformers generate(), the PPO baseline)")
     engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
-    temperature: float = _f(1.0, "sampling temperature of engine generation (PPO: the learner's too)")
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
@@ -167,6 +168,8 @@ class ScaleSection:
 # the flat names of the release before sections, where they are not the field's own name
 _RENAMED = {"scale.workers": "rollout_workers", "scale.worker_cpus": "rollout_worker_cpus",
             "scale.worker_gpus": "rollout_worker_gpus"}
+# fields that moved to another section: old dotted path -> new one (read with a deprecation note)
+MOVED = {"rollout.temperature": "sampling.temperature"}
 
 
 def flat_names(cls) -> dict[str, str]:
@@ -180,6 +183,7 @@ def flat_names(cls) -> dict[str, str]:
         if leaf and path not in flat:
             old = _RENAMED.get(path) or (f"{section}_{leaf}" if section in ("student", "teacher") else leaf)
             out[old] = path
+    out.update({old: new for old, new in MOVED.items() if new in flat or new in out.values()})
     return out
 
 
