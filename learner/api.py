@@ -96,8 +96,8 @@ def run_ppo(config, reward_funcs: Sequence[Callable | str] | None = None, train_
         config = with_values(config, **{"data.dataset": dataset_path(train_dataset, run_dir)})
     run_dir, _ = run_job(ppo_job(log, rewards), config, resume, log)
     final = run_dir / "final"
-    return RunResult(run_dir, read_metrics(run_dir), summary(run_dir),
-                     final if (final / "config.json").exists() else None)
+    return RunResult(run_dir=run_dir, metrics=read_metrics(run_dir), summary=summary(run_dir),
+                     final_dir=final if (final / "config.json").exists() else None)
 
 
 def run_distill(config, train_dataset: Any = None, resume: bool = False, log=print) -> RunResult:
@@ -123,5 +123,6 @@ def run_distill(config, train_dataset: Any = None, resume: bool = False, log=pri
     run_dir = run_cycle(config, resume, log)
     s = run_dir / "summary.json"
     final = run_dir / "final"
-    return RunResult(run_dir, read_metrics(run_dir), json.loads(s.read_text()) if s.exists() else {},
-                     final if (final / "config.json").exists() else None)
+    return RunResult(run_dir=run_dir, metrics=read_metrics(run_dir),
+                     summary=json.loads(s.read_text()) if s.exists() else {},
+                     final_dir=final if (final / "config.json").exists() else None)

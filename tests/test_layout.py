@@ -117,3 +117,24 @@ def test_one_decode_loop():
     assert callers == {"refit.rollout.decode"}, callers
     parity = (ROOT / "rollout" / "parity.py").read_text()
     assert "decode_loop(" in parity, "the parity gate must drive the engines' decode loop"
+
+
+# the records that cross a stage boundary (rollout -> learner -> update, the distill batch, the jobs' state)
+RECORDS = {"RolloutBatch", "ScoreResult", "SamplingParams", "DistillBatch", "EvalSet", "Experience", "Scored",
+           "ForwardOut", "UpdateSettings", "PromptSet", "RunResult", "Run", "NamedReward", "TrainerState"}
+
+
+def test_records_are_built_with_keywords():
+    """A record with many fields built positionally breaks silently when a field is added or reordered: every
+    construction of a stage-boundary record in the rooms passes at most one argument by position."""
+    defined, bad = set(), []
+    for path in _modules().values():
+        tree = ast.parse(path.read_text())
+        defined |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)} & RECORDS
+        for n in ast.walk(tree):
+            f = n.func if isinstance(n, ast.Call) else None
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in RECORDS and len(n.args) > 1:
+                bad.append(f"{path.relative_to(ROOT)}:{n.lineno} {name}({len(n.args)} positional)")
+    assert defined == RECORDS, f"records renamed or gone: {sorted(RECORDS - defined)}"
+    assert not bad, bad

@@ -7,7 +7,6 @@ import json
 import runpy
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,7 +115,7 @@ def test_grpo_loss_with_beta_is_trls_dapo_loss(model_dirs):
             p.add_(0.05 * torch.randn_like(p))
             q.add_(0.05 * torch.randn_like(q))
     cfg = _ppo(beta=0.3, epsilon=0.1, temperature=0.9, max_steps=1)
-    s = update_settings(SimpleNamespace(cfg=cfg, kl_coef=cfg.kl_coef, policy=policy))
+    s = update_settings(cfg, cfg.kl_coef, on_cuda=False)
     b, tp, tr = 4, 5, 6
     g = torch.Generator().manual_seed(1)
     v = ref.config.vocab_size

@@ -94,11 +94,15 @@ class Run:
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
-def dataset_batch(run: Run, idx: list[int]) -> DistillBatch:
-    ids, mask = pad_batch([run.prompt_ids[i] for i in idx], run.pad_id, run.prompt_side)
-    resp, rmask = pad_batch([run.completion_ids[i][:run.cfg.max_new_tokens] for i in idx], run.pad_id, "right")
-    return DistillBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(resp),
-                        torch.from_numpy(rmask).float(), "dataset", run.is_seq2seq)
+def dataset_batch(prompts: list[list[int]], completions: list[list[int]], max_new_tokens: int, pad_id: int,
+                  prompt_side: str, is_seq2seq: bool) -> DistillBatch:
+    """A supervised batch from dataset rows: prompts padded on ``prompt_side``, completions cut to
+    ``max_new_tokens`` and right-padded."""
+    ids, mask = pad_batch(prompts, pad_id, prompt_side)
+    resp, rmask = pad_batch([c[:max_new_tokens] for c in completions], pad_id, "right")
+    return DistillBatch(prompt_ids=torch.from_numpy(ids), prompt_mask=torch.from_numpy(mask),
+                        response_ids=torch.from_numpy(resp), response_mask=torch.from_numpy(rmask).float(),
+                        source="dataset", is_seq2seq=is_seq2seq)
 
 
 def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
@@ -119,23 +123,26 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
                                                                 return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
         source = "teacher"
     else:
-        return dataset_batch(run, idx), {}
+        return dataset_batch([run.prompt_ids[i] for i in idx], [run.completion_ids[i] for i in idx],
+                             cfg.max_new_tokens, run.pad_id, run.prompt_side, run.is_seq2seq), {}
     dt = time.perf_counter() - t0
-    batch = DistillBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, source,
-                         out.is_seq2seq, out.topk_logprobs, out.topk_ids)
+    batch = DistillBatch(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, response_ids=out.response_ids,
+                         response_mask=out.response_mask, source=source, is_seq2seq=out.is_seq2seq,
+                         teacher_topk_logprobs=out.topk_logprobs, teacher_topk_ids=out.topk_ids)
     return batch, {f"{source}/tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9)}
 
 
-def teacher_targets(run: Run, b: DistillBatch) -> int:
-    """Step 2: fill the teacher side of ``b`` for the configured loss; return the PyTorch teacher passes."""
-    cfg = run.cfg
+def teacher_targets(cfg: DistillConfig, b: DistillBatch, teacher_model: torch.nn.Module | None,
+                    teacher: Engine) -> int:
+    """Step 2: fill the teacher side of ``b`` for ``cfg.loss`` (full logits from the PyTorch ``teacher_model``, or
+    the ``teacher`` engine's top-k); return the PyTorch teacher passes."""
     if cfg.loss in FULL_VOCAB_LOSSES:
         with torch.no_grad():
-            b.teacher_logits = response_forward(run.teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
+            b.teacher_logits = response_forward(teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
                                                 b.is_seq2seq).logits.cpu()
         return 1
     if cfg.loss == "topk_kl" and b.teacher_topk_logprobs is None:
-        r = run.teacher.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+        r = teacher.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
                               temperature=cfg.loss_temperature, topk=cfg.teacher_topk)
         b.teacher_topk_logprobs, b.teacher_topk_ids = r.topk_logprobs, r.topk_ids
     return 0
@@ -159,11 +166,12 @@ def evaluate(run: Run) -> dict[str, float]:
             "time/eval": time.perf_counter() - t0}
 
 
-def teacher_accuracy(run: Run) -> float:
+def teacher_accuracy(teacher: CountingEngine, eval_set: EvalSet, tok, max_new_tokens: int,
+                     stop_ids: tuple[int, ...] = ()) -> float:
     """Greedy exact match of the teacher engine on the held-out prompts (not a training pass; not counted)."""
-    out = run.teacher.inner.generate(run.eval.prompt_ids, SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                                         greedy=True, stop_ids=run.stop_ids))
-    return exact_match(run.tok, out, run.eval.pairs)
+    out = teacher.inner.generate(eval_set.prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, greedy=True,
+                                                                     stop_ids=stop_ids))
+    return exact_match(tok, out, eval_set.pairs)
 
 
 def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
@@ -189,8 +197,10 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
         student = load_model(cfg.student.model_dir, s_info).to(device)
         optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
-        run = Run(cfg, run_dir, tok, student, None, None, None, optimizer, scheduler, prompt_ids, completion_ids,
-                  None, seq2seq, s_info.pad_id, s_info.padding_side, dist=dist)
+        run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student, teacher_model=None, student_engine=None,
+                  teacher=None, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
+                  completion_ids=completion_ids, eval=None, is_seq2seq=seq2seq, pad_id=s_info.pad_id,
+                  prompt_side=s_info.padding_side, dist=dist)
         if resume:
             run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler, lambda *_: None)[1]["step"]
         dist.wrap(student)
@@ -204,9 +214,11 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = load_model(cfg.student.model_dir, s_info).to(device)
     optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
-    run = Run(cfg, run_dir, tok, student, teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine,
-              teacher_engine, optimizer, scheduler, prompt_ids, completion_ids, eval_set, seq2seq, s_info.pad_id,
-              s_info.padding_side, stop_ids=stop_ids, dist=dist)
+    run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student,
+              teacher_model=teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine=student_engine,
+              teacher=teacher_engine, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
+              completion_ids=completion_ids, eval=eval_set, is_seq2seq=seq2seq, pad_id=s_info.pad_id,
+              prompt_side=s_info.padding_side, stop_ids=stop_ids, dist=dist)
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler, log)
         run.start_step = state["step"]
@@ -307,7 +319,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     b, gen_stats = make_batch(run, step)
     t1 = time.perf_counter()
-    torch_passes = teacher_targets(run, b.check())
+    torch_passes = teacher_targets(run.cfg, b.check(), run.teacher_model, run.teacher)
     t2 = time.perf_counter()
     stats = update(run, run.dist.share(b))  # [dist] the batch to ranks > 0 (no-op for one process)
     t3 = time.perf_counter()
@@ -344,6 +356,12 @@ def _postfix(m: dict) -> dict:
     return {"loss": f"{m['loss']:.3f}", "src": src}
 
 
+def initial(run: Run) -> dict[str, float]:
+    """The held-out figures at step 0, and the teacher's own accuracy on them (the ceiling the student aims at)."""
+    return {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run.teacher, run.eval, run.tok,
+                                                                       run.cfg.max_new_tokens, run.stop_ids)}
+
+
 def final(run: Run) -> None:
     """The student out as OUTPUT_DIR/final (from_pretrained) and OUTPUT_DIR/final_engine (refit.learner.run.final)."""
     cfg = run.cfg
@@ -356,7 +374,7 @@ def final(run: Run) -> None:
 DISTILL_JOB = Job("distill", setup=setup, step=train_and_evaluate, save=save, postfix=_postfix, plot_panels=PLOT_PANELS,
                   # the student's engine first: with rollout_workers > 1 the teacher's pool (made first) owns Ray
                   engines=lambda run: [run.student_engine, run.teacher],
-                  initial=lambda run: {**evaluate(run), "eval/teacher_accuracy": teacher_accuracy(run)}, final=final)
+                  initial=initial, final=final)
 
 
 def run_distill(cfg: DistillConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:

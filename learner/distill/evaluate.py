@@ -36,7 +36,7 @@ def make_eval_set(cfg, teacher_engine, teacher_model, held, ids: list[list[int]]
     with torch.no_grad():
         logits = response_forward(teacher_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                   seq2seq).logits.cpu()
-    return EvalSet(list(held), ids, batch, logits)
+    return EvalSet(pairs=list(held), prompt_ids=ids, batch=batch, teacher_logits=logits)
 
 
 

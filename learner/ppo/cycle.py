@@ -116,9 +116,10 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     rewards = rewards or load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
     if not resume:
         (run_dir / "completions.jsonl").unlink(missing_ok=True)  # log_extra rows of an earlier run here
-    run = Run(cfg, run_dir, tok, engine, policy, ref, value_head, optimizer, scheduler, data.prompts, prompt_ids,
-              rewards, cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids, stop_ids=end_of_turn_ids(tok),
-              dist=dist)
+    run = Run(cfg=cfg, run_dir=run_dir, tok=tok, engine=engine, policy=policy, ref=ref, value_head=value_head,
+              optimizer=optimizer, scheduler=scheduler, prompts=data.prompts, prompt_ids=prompt_ids,
+              reward_fn=rewards, kl_coef=cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids,
+              stop_ids=end_of_turn_ids(tok), dist=dist)
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
@@ -201,8 +202,9 @@ def experience(run: Run, rollout, scores: torch.Tensor,
         returns = torch.zeros_like(adv)
         stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
     stats["policy/entropy"] = float(L.masked_mean(entropy, rollout.response_mask))
-    exp = Experience(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, mask, old_lp, ref_lp, values,
-                     adv, returns, is_weights)
+    exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
+                     mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp, values=values, advantages=adv,
+                     returns=returns, is_weights=is_weights)
     return exp, stats
 
 
@@ -222,13 +224,19 @@ def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], samplin
         "mismatch/tis_grad_scale, warned once")
 
 
-def update_settings(run: Run) -> UpdateSettings:
-    cfg = run.cfg
-    return UpdateSettings(cfg.num_ppo_epochs, cfg.num_mini_batches, cfg.optim.gradient_accumulation_steps,
-                          cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.entropy_coef, cfg.optim.max_grad_norm,
-                          cfg.sampling.temperature, kl_coef=run.kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+def on_cuda(model: torch.nn.Module) -> bool:
+    return next(model.parameters()).is_cuda
+
+
+def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSettings:
+    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast only ``on_cuda``."""
+    return UpdateSettings(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
+                          gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
+                          cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
+                          entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
+                          temperature=cfg.sampling.temperature, kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
-                          autocast_bf16=cfg.run.bf16 and next(run.policy.parameters()).is_cuda)
+                          autocast_bf16=cfg.run.bf16 and on_cuda)
 
 
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
@@ -237,11 +245,11 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
         exp, run.kl_coef = run.dist.share((None, run.kl_coef))
         distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                               update_settings(run), update_gen, ref_model=run.ref)
+                               update_settings(cfg, run.kl_coef, on_cuda(run.policy)), update_gen, ref_model=run.ref)
         return {}
     timings = {}
     t0 = time.perf_counter()
-    state = trainer_state(run, step)
+    state = trainer_state(cfg, len(run.prompts), run.data_position, step)
     idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
     run.data_position += cfg.run.batch_size
     sampling = cfg.sampling.params(cfg.response_length, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
@@ -257,7 +265,7 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
                                          {**columns, **run.reward_log.kwargs(state)})
     logged, extra = run.reward_log.flush()  # TRL's log_metric means and log_extra columns
     write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
-    settings = update_settings(run)
+    settings = update_settings(cfg, run.kl_coef, on_cuda(run.policy))
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
     fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
            if cfg.single_pass and single_pass(settings, run.dist.enabled) else None)
@@ -314,13 +322,14 @@ def save(run: Run, step: int) -> Path:
                            state, run.cfg.ckpt.keep_checkpoints)
 
 
-def trainer_state(run: Run, step: int, evaluating: bool = False) -> TrainerState:
+def trainer_state(cfg: PPOConfig, num_prompts: int, data_position: int, step: int,
+                  evaluating: bool = False) -> TrainerState:
     """TRL's view of the run at the rollout of ``step`` (or at the evaluation after ``step``): the optimizer
-    steps taken before it and the passes over the training prompts."""
-    cfg, n = run.cfg, max(1, len(run.prompts))
+    steps taken before it and the passes over the ``num_prompts`` training prompts (``data_position`` used)."""
+    n = max(1, num_prompts)
     per = cfg.num_ppo_epochs * cfg.num_mini_batches  # optimizer steps per rollout
     done = step if evaluating else max(step - 1, 0)  # rollouts whose update is in the weights
-    return TrainerState(global_step=done * per, max_steps=cfg.run.steps * per, epoch=run.data_position / n,
+    return TrainerState(global_step=done * per, max_steps=cfg.run.steps * per, epoch=data_position / n,
                         num_train_epochs=cfg.run.steps * cfg.run.batch_size / n, step=step)
 
 
@@ -339,7 +348,7 @@ def evaluate(run: Run, step: int = 0) -> dict[str, float]:
         prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
         for k, v in x.items():
             extra.setdefault(k, []).extend(v)
-    hooks = run.reward_log.kwargs(trainer_state(run, step, evaluating=True))
+    hooks = run.reward_log.kwargs(trainer_state(run.cfg, len(run.prompts), run.data_position, step, evaluating=True))
     total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, {**extra, **hooks},
                                  prefix="eval/reward")
     logged, _ = run.reward_log.flush(prefix="eval/")

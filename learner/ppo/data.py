@@ -30,7 +30,8 @@ def load_prompt_sets(cfg) -> tuple[PromptSet, PromptSet | None]:
     from refit.learner.examples.tasks import TASKS
 
     kw = {"max_operand": d.max_operand} if d.task == "addition" else {}
-    return PromptSet([e.prompt for e in TASKS[d.task](d.num_prompts, seed=cfg.run.seed, **kw)], {}, d.task), None
+    return PromptSet(prompts=[e.prompt for e in TASKS[d.task](d.num_prompts, seed=cfg.run.seed, **kw)],
+                     source=d.task), None
 
 
 def reward_inputs(tok, batch: RolloutBatch, data: PromptSet, rows: list[int]) -> tuple[list, list, dict[str, Any]]:

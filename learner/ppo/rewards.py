@@ -177,7 +177,7 @@ def load_rewards(specs: list, weights: list[float]) -> list[NamedReward]:
         fn = load_reward(spec) if isinstance(spec, str) else spec
         name = getattr(fn, "__name__", None) or f"reward{i}"
         name = name if name not in {r.name for r in out} else f"{name}_{i}"
-        out.append(NamedReward(name, fn, float(weights[i]) if weights else 1.0))
+        out.append(NamedReward(name=name, fn=fn, weight=float(weights[i]) if weights else 1.0))
     return out
 
 
@@ -253,7 +253,7 @@ def as_rewards(obj) -> list[NamedReward]:
     """A list of NamedReward as is; a bare callable (tests, library use) as one reward of weight 1."""
     if isinstance(obj, list):
         return obj
-    return [NamedReward(getattr(obj, "__name__", "reward") or "reward", obj, 1.0)]
+    return [NamedReward(name=getattr(obj, "__name__", "reward") or "reward", fn=obj)]
 
 
 @dataclass

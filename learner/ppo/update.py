@@ -81,8 +81,8 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         if policy_out is None:
             pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
         else:
-            pol = ForwardOut(policy_out.logits[s].detach(),
-                             None if policy_out.values is None else policy_out.values[s].detach())
+            pol = ForwardOut(logits=policy_out.logits[s].detach(),
+                             values=None if policy_out.values is None else policy_out.values[s].detach())
         if isinstance(ref_model, torch.nn.Module):
             ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
         else:
@@ -96,7 +96,7 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         parts["kl"].append(st.exact_kl.cpu())
         del ref, st
     c = {k: torch.cat(v) for k, v in parts.items()}
-    return Scored(c["lp"], c["v"], c["ent"], c["ref"], c["kl"])
+    return Scored(logprobs=c["lp"], values=c["v"], entropy=c["ent"], ref_logprobs=c["ref"], exact_kl=c["kl"])
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:

@@ -43,7 +43,7 @@ class PromptSet:
         return {k: [v[i] for i in idx] for k, v in self.columns.items()}
 
     def subset(self, idx: list[int]) -> "PromptSet":
-        return PromptSet([self.prompts[i] for i in idx], self.take(idx), self.source)
+        return PromptSet(prompts=[self.prompts[i] for i in idx], columns=self.take(idx), source=self.source)
 
 
 def _load_all(path: Path):
@@ -114,7 +114,7 @@ def _to_prompt_set(ds, column: str, source: str) -> PromptSet:
         raise RefitError(f"dataset {source} has no column {column!r} (columns: {', '.join(ds.column_names)}); set "
                          "prompt_column (or dataset_text_field)")
     cols = {c: list(ds[c]) for c in ds.column_names if c != column}
-    return PromptSet(list(ds[column]), cols, source)
+    return PromptSet(prompts=list(ds[column]), columns=cols, source=source)
 
 
 def load_prompt_dataset(path: str, split: str = "train", prompt_column: str = "prompt", eval_split: str = "",
@@ -145,7 +145,7 @@ def text_file_prompts(path: str) -> PromptSet:
     lines = [ln for ln in read_text(p, "prompts file").splitlines() if ln.strip()]
     if not lines:
         raise RefitError(f"prompts file {p} holds no prompts")
-    return PromptSet(lines, {}, str(p))
+    return PromptSet(prompts=lines, source=str(p))
 
 
 def cap(ps: PromptSet | None, n: int, seed: int) -> PromptSet | None:
