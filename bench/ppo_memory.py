@@ -59,20 +59,26 @@ print(json.dumps(row))
 # blurs RSS): score_batch with a PyTorch reference + exact KL, then the single-pass PPO update with the exact
 # KL in the loss, on a random (B, Tp + Tr) batch, fp32.
 _LEARNER = """
-import json, sys, types
+import json, sys, time, types
 import torch
 torch.set_num_threads(2)
 from transformers import AutoModelForCausalLM
 from refit.learner.ppo.update import Experience, UpdateSettings, policy_forward, ppo_update, score_batch
 from refit.learner.run.policy import ValueHead, hidden_size
-model_dir, b, tr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-pol = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-vh = ValueHead(hidden_size(pol))
+model_dir, b, tr, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), torch.device(sys.argv[4])
+pol = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(device)
+ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+vh = ValueHead(hidden_size(pol)).to(device)
 g = torch.Generator().manual_seed(0)
 v = pol.config.vocab_size
-batch = types.SimpleNamespace(prompt_ids=torch.randint(4, v, (b, 16), generator=g), prompt_mask=torch.ones(b, 16, dtype=torch.long),
-    response_ids=torch.randint(4, v, (b, tr), generator=g), response_mask=torch.ones(b, tr), is_seq2seq=False, num_rows=b)
+batch = types.SimpleNamespace(prompt_ids=torch.randint(4, v, (b, 16), generator=g).to(device),
+    prompt_mask=torch.ones(b, 16, dtype=torch.long, device=device), response_ids=torch.randint(4, v, (b, tr), generator=g).to(device),
+    response_mask=torch.ones(b, tr, device=device), is_seq2seq=False, num_rows=b)
+cuda = device.type == "cuda"
+if cuda:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+cuda_before = torch.cuda.memory_allocated() if cuda else 0
+t0 = time.perf_counter()
 s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.01, 1.0, 1.0, kl_coef=0.05, kl_in_loss=True, kl_estimator="exact")
 opt = torch.optim.SGD(list(pol.parameters()) + list(vh.parameters()), lr=1e-6)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
@@ -82,15 +88,23 @@ before = status("VmRSS")
 fwd = policy_forward(pol, vh, batch, s)
 sc = score_batch(pol, vh, ref, batch, 1.0, policy_out=fwd)
 exp = Experience(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, sc.logprobs, sc.ref_logprobs,
-                 sc.values, torch.randn(b, tr, generator=g), torch.zeros(b, tr), None)
+                 sc.values, torch.randn(b, tr, generator=g).to(device), torch.zeros(b, tr, device=device), None)
 st = ppo_update(pol, vh, opt, sched, exp, s, torch.Generator().manual_seed(1), ref_model=ref, forward=fwd)
-print(json.dumps({"rss_before_mb": before, "peak_rss_mb": status("VmHWM"), "learner_adds_mb": status("VmHWM") - before,
-                  "kl_exact_max": float(sc.exact_kl.max()), "kl_loss": st.get("kl_loss")}))
+if cuda:
+    torch.cuda.synchronize()
+row = {"device": str(device), "seconds": round(time.perf_counter() - t0, 3), "rss_before_mb": before,
+       "peak_rss_mb": status("VmHWM"), "learner_adds_mb": status("VmHWM") - before,
+       "kl_exact_min": float(sc.exact_kl.min()), "kl_exact_max": float(sc.exact_kl.max()), "kl_loss": st.get("kl_loss")}
+if cuda:  # the CUDA caching allocator's high-water mark over score + update, above the models' own memory
+    row.update(cuda_name=torch.cuda.get_device_name(), cuda_before_mb=cuda_before >> 20,
+               cuda_peak_mb=torch.cuda.max_memory_allocated() >> 20,
+               cuda_adds_mb=(torch.cuda.max_memory_allocated() - cuda_before) >> 20)
+print(json.dumps(row))
 """
 
 
-def build(work: Path, layers: int) -> tuple[Path, Path]:
-    """The checkpoint and its engine folder (reused when present)."""
+def build(work: Path, layers: int, with_engine: bool = True) -> tuple[Path, Path]:
+    """The checkpoint and (``with_engine``) its engine folder, reused when present."""
     model, engine = work / "model", work / "engine"
     if not (model / "config.json").exists():
         import torch
@@ -105,10 +119,11 @@ def build(work: Path, layers: int) -> tuple[Path, Path]:
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(model))
         build_tokenizer(model)
-    if not (engine / "manifest.json").exists():
-        from refit.export.onnx_export import ExportOptions, export_onnx
+    if with_engine and not (engine / "manifest.json").exists():
+        from refit.export.onnx_export import ExportOptions
+        from refit.rollout.build import build as build_engine
 
-        export_onnx(model, engine, ExportOptions(attention="plain", max_len=256), log=lambda *_: None)
+        build_engine(model, engine, opts=ExportOptions(attention="plain", max_len=256), log=lambda *_: None)
     return model, engine
 
 
@@ -122,19 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kl", nargs="+", default=["exact:reward"], help="kl_estimator:kl_penalty settings to run")
     p.add_argument("--learner-only", action="store_true", help="measure the learner's score + update alone, "
                    "PyTorch reference, no engine")
+    p.add_argument("--device", default="cpu", help="the learner's device for --learner-only (cpu, cuda)")
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     work = a.work.resolve()
     if a.build_only:
-        build(work, a.layers)
+        build(work, a.layers, with_engine=not a.learner_only)
         return 0
-    if not (work / "engine" / "manifest.json").exists():  # in a child: the driver stays small while steps run
+    done = work / "model" / "config.json" if a.learner_only else work / "engine" / "manifest.json"
+    if not done.exists():  # in a child: the driver stays small while steps run
         subprocess.run([sys.executable, "-m", "refit.bench.ppo_memory", "--work", str(work), "--layers", str(a.layers),
-                        "--build-only"], check=True)
+                        "--build-only"] + (["--learner-only"] if a.learner_only else []), check=True)
     rows = []
     if a.learner_only:
         for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[1]])]:
-            r = subprocess.run([sys.executable, "-c", _LEARNER, str(work / "model"), str(a.batch), str(a.response)],
+            r = subprocess.run([sys.executable, "-c", _LEARNER, str(work / "model"), str(a.batch), str(a.response),
+                                a.device],
                                cwd=src, env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True)
             row = {"source": str(src), "part": "learner (score_batch + single-pass update, exact KL in reward and loss)"}
             row.update(json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0
@@ -158,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["step_adds_mb"] = row["peak_rss_mb"] - row["rss_after_setup_mb"]
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(json.dumps({"bench": "ppo_memory", "vocab": 151936, "layers": a.layers, "batch": a.batch,
+    print(json.dumps({"bench": "ppo_memory", "vocab": 151936, "device": a.device if a.learner_only else "cpu", "layers": a.layers, "batch": a.batch,
                       "response_length": a.response, "rows": rows,
                       "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
     return 0

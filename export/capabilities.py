@@ -27,6 +27,7 @@ import inspect
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.hf_compat import cache_kw, cache_of
 from refit.core.manifest import Capabilities
 
 PROBE_TOL = 1e-4  # max |logit| / |hidden| difference a padding probe allows (fp32)
@@ -112,14 +113,15 @@ def _cached_forward(model, kind: str, start_id: int | None, cache):
     ids = torch.tensor([_PROBE_IDS])
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
     if cache is not None:
-        kw["cache"] = cache
+        kw.update(cache_kw(cache))
     if kind == "decoder":
         if _accepts(model.forward, "position_ids"):
             kw["position_ids"] = torch.arange(3)[None]
         out = model(**kw)
-        return out, out.cache, None
+        return out, cache_of(out), None
     out = model(decoder_input_ids=torch.tensor([[start_id]]), **kw)
-    return out, getattr(out.cache, "self_attention_cache", out.cache), getattr(out.cache, "cross_attention_cache", None)
+    c = cache_of(out)
+    return out, getattr(c, "self_attention_cache", c), getattr(c, "cross_attention_cache", None)
 
 
 def _same_heads(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -125,7 +125,9 @@ def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None =
     try:
         sess = ort.InferenceSession(str(graph_path), so, providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - corrupt/missing graph files become one line
-        raise RefitError(f"cannot load engine graph {graph_path}: {str(e).splitlines()[0][:300]}") from None
+        # ONNX Runtime repeats the path ("Load model from <path> failed:<reason>"); keep the reason
+        reason = str(e).splitlines()[0].replace(f"Load model from {graph_path} failed:", "").strip()
+        raise RefitError(f"cannot load engine graph {graph_path}: {reason[:300]}") from None
     return sess, keep
 
 

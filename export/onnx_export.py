@@ -308,7 +308,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         except Exception as e:  # noqa: BLE001 - under "auto" a failing fused graph falls back to plain
             if attention != "fused" or opts.attention != "auto":
                 raise
-            attention, why = "plain", f"fused graph failed ({str(e).splitlines()[0][:200]}); fell back to plain"
+            attention, why = "plain", f"fused graph failed ({str(e).splitlines()[0][-300:]}); fell back to plain"
             log(f"refit export: {why}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

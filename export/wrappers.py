@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from refit.core.hf_compat import cache_kw, cache_of
+
 
 def _fill(cache: DynamicCache, flat: tuple[torch.Tensor, ...]) -> DynamicCache:
     for i in range(len(flat) // 2):
@@ -57,9 +59,9 @@ class DecoderWithPast(torch.nn.Module):
         cache = _fill(DynamicCache(), past)
         kw = {"logits_to_keep": logits_index} if self.keep_arg else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=True, **kw)
+                         use_cache=True, **cache_kw(cache), **kw)
         logits = out.logits if self.keep_arg else out.logits.index_select(1, logits_index)
-        return (logits, *_flatten(out.cache))
+        return (logits, *_flatten(cache_of(out)))
 
 
 class Seq2SeqEncoder(torch.nn.Module):
@@ -101,6 +103,6 @@ class Seq2SeqDecoderWithPast(torch.nn.Module):
         enc_hidden = cross[0].new_zeros(b, s, self.hidden_size)
         out = self.model(
             encoder_outputs=(enc_hidden,), attention_mask=encoder_attention_mask,
-            decoder_input_ids=decoder_input_ids, cache=cache, use_cache=True,
+            decoder_input_ids=decoder_input_ids, use_cache=True, **cache_kw(cache),
         )
-        return (out.logits, *_flatten(out.cache.self_attention_cache))
+        return (out.logits, *_flatten(cache_of(out).self_attention_cache))

@@ -15,6 +15,7 @@ import torch
 
 from refit.export.capabilities import decoder_start_id
 from refit.core.errors import RefitError
+from refit.core.hf_compat import cache_kw
 from refit.core.padding import position_ids_from_mask
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 
@@ -22,14 +23,14 @@ from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_na
 def prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Decoder-only: (B, Tp) left-padded prompt into an empty cache -> (B, V) last-position logits."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                cache=cache, use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **cache_kw(cache))
     return out.logits[:, -1].float()
 
 
 def extend(model, cache, ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
     """Decoder-only: (B, c) new tokens; ``full_mask`` (B, past + c) -> (B, c, V) logits."""
     pos = position_ids_from_mask(full_mask)[:, -ids.shape[1]:]
-    return model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache, use_cache=True).logits.float()
+    return model(input_ids=ids, attention_mask=full_mask, position_ids=pos, use_cache=True, **cache_kw(cache)).logits.float()
 
 
 class _DecoderState:
@@ -67,7 +68,7 @@ class _Seq2SeqState:
 
     def extend(self, ids, mask):  # no decoder mask: finished rows' outputs are ignored, never attended
         return self.model(encoder_outputs=self.enc, attention_mask=self.enc_mask, decoder_input_ids=ids,
-                          cache=self.cache, use_cache=True).logits.float()
+                          use_cache=True, **cache_kw(self.cache)).logits.float()
 
 
 def _load(source, dtype):

@@ -81,3 +81,35 @@ def test_without_reference_and_bad_input():
         L.token_stats(logits, labels, logits)
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
         L.token_stats(logits[0], labels)
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_at_vocab_152k_matches_float64_formulas(device, dtype):
+    """At Qwen2.5's vocabulary (151936), fp32 and bf16 logits (a bf16 learner's lm_head), on the CPU and on a
+    CUDA device: values and gradients against the unchunked float64 formulas of the same, already rounded,
+    logits. bf16 chunks are computed in fp32 (the values are fp32, only the gradient is rounded to bf16);
+    identical inputs give KL 0 and a zero KL gradient (KL(0) = 0 of a policy against itself)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    logits, ref, labels = _inputs(b=2, t=33, v=151936, dtype=torch.float32)
+    logits, ref = logits.detach().to(dtype), ref.to(dtype)
+    dev = logits.to(device).requires_grad_()
+    st = L.token_stats(dev, labels.to(device), ref.to(device), 0.7, chunk_size=8)  # 8 does not divide 33
+    w = torch.randn(3, 2, 33, generator=torch.Generator().manual_seed(1))
+    (g,) = torch.autograd.grad(sum((x * wi.to(device)).sum() for x, wi in zip(st, w)), dev)
+    z64 = logits.double().requires_grad_()
+    want = _reference(z64, ref.double(), labels, 0.7)
+    (g64,) = torch.autograd.grad(sum((x * wi.double()).sum() for x, wi in zip(want, w)), z64)
+    for a, b in zip(st, want):
+        assert a.device.type == device and a.dtype == torch.float32
+        torch.testing.assert_close(a.detach().double().cpu(), b.detach(), rtol=1e-4, atol=1e-4)  # fp32 sums of 152k terms
+    assert g.dtype == dtype
+    # the gradient as a whole (fp32 log-softmaxes over 152k terms err by ~2e-5 relative; bf16 rounds the result)
+    err = float((g.double().cpu() - g64).norm() / g64.norm())
+    assert err <= {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype], err
+    same = L.token_stats(dev, labels.to(device), dev.detach().clone(), chunk_size=8)
+    assert float(same.exact_kl.abs().max()) <= 1e-6
+    (gk,) = torch.autograd.grad(same.exact_kl.sum(), dev)
+    assert float(gk.abs().max()) <= 1e-6

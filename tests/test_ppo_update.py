@@ -99,7 +99,7 @@ def _bf16_update(policy, vh, exp, autocast: bool) -> tuple[dict, list[torch.dtyp
     return stats, seen
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bf16_autocast_runs_the_forward_in_bf16_and_matches_fp32(models, device):
     """bf16 autocast on the learner's device: the lm_head computes in bf16, the loss stays within bf16
     precision of the fp32 update. CPU autocast is in every torch build; CUDA needs a bf16-capable GPU."""

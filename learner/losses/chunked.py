@@ -17,7 +17,9 @@ Closed forms, with ``z = logits / temperature``, ``p = softmax(z)``, ``q = softm
 
 and d / d logits = (d / d z) / temperature. The KL is clamped at 0 as in
 :func:`refit.learner.losses.core.exact_kl_from_logits` (rounding of identical inputs), its gradient 0 where
-the clamp bites. The reference is a constant (the frozen model, or an engine's log-probs).
+the clamp bites. The reference is a constant (the frozen model, or an engine's log-probs). fp16/bf16 logits
+(a bf16 learner's head) are upcast to fp32 one chunk at a time: the values are fp32, the gradient has the
+logits' dtype.
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ def _chunk_forward(z: torch.Tensor, labels: torch.Tensor, z_ref: Optional[torch.
     return lp, ent, kl, logp, raw
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The chunk's arithmetic type: fp16/bf16 logits (a bf16 learner) are upcast to fp32 one chunk at a time,
+    as TRL and OpenRLHF upcast the whole (B, T, V) tensor; fp32 and fp64 stay as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _TokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ref_logits, temperature: float, chunk: int):
         b, t, _ = logits.shape
-        lp, ent = logits.new_empty(b, t), logits.new_empty(b, t)
-        kl = logits.new_empty(b, t) if ref_logits is not None else None
+        acc = _acc(logits.dtype)
+        lp, ent = logits.new_empty(b, t, dtype=acc), logits.new_empty(b, t, dtype=acc)
+        kl = logits.new_empty(b, t, dtype=acc) if ref_logits is not None else None
         for s in range(0, t, chunk):
             c = slice(s, min(s + chunk, t))
-            z_ref = ref_logits[:, c] / temperature if ref_logits is not None else None
-            out = _chunk_forward(logits[:, c] / temperature, labels[:, c], z_ref)
+            z_ref = ref_logits[:, c].to(acc) / temperature if ref_logits is not None else None
+            out = _chunk_forward(logits[:, c].to(acc) / temperature, labels[:, c], z_ref)
             lp[:, c], ent[:, c] = out[0], out[1]
             if kl is not None:
                 kl[:, c] = out[2]
@@ -80,8 +89,8 @@ class _TokenStats(torch.autograd.Function):
         grad = torch.empty_like(logits)  # (B, T, V): the one full-size tensor of the backward
         for s in range(0, t, chunk):
             c = slice(s, min(s + chunk, t))
-            z_ref = ref_logits[:, c] / temp if ref_logits is not None else None
-            _, _, _, logp, raw = _chunk_forward(logits[:, c] / temp, labels[:, c], z_ref)
+            z_ref = ref_logits[:, c].to(ent.dtype) / temp if ref_logits is not None else None
+            _, _, _, logp, raw = _chunk_forward(logits[:, c].to(ent.dtype) / temp, labels[:, c], z_ref)
             p = logp.exp()
             # d/dz of sum_t (g_lp lp + g_ent H + g_kl KL): the closed forms of the module docstring
             coef = -(g_ent[:, c, None] * (logp + ent[:, c, None]))  # entropy term / p
