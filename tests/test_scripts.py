@@ -21,7 +21,7 @@ def _run(script, *args, timeout=600):
 
 
 @pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh",
-                                    "distill_batch.sh", "family_table.sh"])
+                                    "distill_batch.sh", "family_table.sh", "cuda_check.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -129,3 +129,20 @@ def test_compare_runs_plots_and_summarises(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 0
     assert out["runs"]["a"]["reward_first5"] == 0.3 and out["runs"]["b"]["reward_last5"] == 1.3
     assert out["runs"]["a"]["kl_exact_first"] == 0.01 and out["runs"]["a"]["tis_grad_scale_mean"] is None
+
+
+def test_cuda_check_without_a_gpu_says_so(tmp_path):
+    """scripts/cuda_check.sh on a machine without CUDA: the versions, then one JSON line saying why nothing ran."""
+    if torch_cuda():
+        pytest.skip("a CUDA device is here: the script would run its checks")
+    r = subprocess.run(["bash", "scripts/cuda_check.sh"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "w")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"cuda_check": {"skipped": "no CUDA device visible to torch"}}
+    assert json.loads((tmp_path / "out" / "versions.json").read_text())["gpu"] is None
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
