@@ -20,7 +20,9 @@ from pathlib import Path
 from refit.bench.real import EXPORT_ARGS, measured
 
 MODELS = {"SmolLM2 135M": "smollm2-135m", "Qwen2.5 0.5B": "qwen25-05b"}
-_EXPORT = "import sys; from refit.rollout.build import main; sys.exit(main(sys.argv[1:]))"
+# the child runs in the checkout (``python -c`` puts its working folder first on sys.path) and says whose code it ran
+_EXPORT = ("import sys, refit.export.onnx_export as e; print('code:', e.__file__, flush=True); "
+           "from refit.rollout.build import main; sys.exit(main(sys.argv[1:]))")
 _PUSH = ("import json, sys; from refit.bench.real import push_check; from refit.learner.examples.models import "
          "build_tokenizer; tok = build_tokenizer(); p = [tok(t).input_ids for t in ('12+34=', 'sort 9172 = ', "
          "'Refit trains language models with', '7')]; print(json.dumps(push_check(sys.argv[1], sys.argv[2], p)))")
@@ -40,11 +42,16 @@ def export_once(source: Path, model_dir: Path, engine_dir: Path, rss_cap_gb: flo
     """Export ``model_dir`` into a fresh ``engine_dir`` with the code of checkout ``source``, in its own process."""
     from refit.core.manifest import Manifest
 
+    source, model_dir, engine_dir = source.resolve(), model_dir.resolve(), engine_dir.resolve()
     shutil.rmtree(engine_dir, ignore_errors=True)
-    cmd = ["env", f"PYTHONPATH={source}", sys.executable, "-c", _EXPORT, str(model_dir), "-o", str(engine_dir),
-           *EXPORT_ARGS]
+    cmd = ["env", "-C", str(source), f"PYTHONPATH={source}", sys.executable, "-c", _EXPORT, str(model_dir), "-o",
+           str(engine_dir), *EXPORT_ARGS]
     m = measured(cmd, rss_cap_gb)
-    rec = {"source": str(source), "rc": m.rc, "seconds": m.seconds, "peak_rss_kb": m.peak_rss_kb, "capped": m.capped}
+    code = [ln.split(": ", 1)[1] for ln in m.stdout.splitlines() if ln.startswith("code: ")]
+    rec = {"source": str(source), "code": code[0] if code else None, "rc": m.rc, "seconds": m.seconds,
+           "peak_rss_kb": m.peak_rss_kb, "capped": m.capped}
+    if code and not code[0].startswith(str(source) + "/"):
+        raise SystemExit(f"the export meant to run {source} ran {code[0]}")
     stage = [ln for ln in m.stdout.splitlines() if "peak RSS (MB) by the end" in ln]
     if stage:
         rec["stages"] = stage[-1].split(": ", 1)[1]
@@ -94,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             row["same_weight_map"] = old["weight_map_sha256"] == new["weight_map_sha256"]
             row["rss_ratio"] = round(new["peak_rss_kb"] / old["peak_rss_kb"], 3)
         if a.push_check and new["rc"] == 0:
-            m = measured(["env", f"PYTHONPATH={a.new}", sys.executable, "-c", _PUSH, str(model_dir),
-                          str(root / "engines" / f"new-{model_dir.name}")], a.rss_cap_gb)
+            new_src = Path(a.new).resolve()
+            m = measured(["env", "-C", str(new_src), f"PYTHONPATH={new_src}", sys.executable, "-c", _PUSH,
+                          str(model_dir.resolve()), str((root / "engines" / f"new-{model_dir.name}").resolve())],
+                         a.rss_cap_gb)
             lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
             row["push"] = json.loads(lines[-1]) if lines else f"failed: {m.last_error}"
             print(f"{name} push into the new engine: {row['push']}", flush=True)
