@@ -407,7 +407,19 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
     for g, (m, _) in traced.items():
         protos[g] = _placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
         gemm_for_transposed_weights(protos[g])
+    _free_storage(fp_params.values())
     return io, protos, wmap, constants
+
+
+def _free_storage(tensors) -> None:
+    """Give back the memory of ``tensors`` (the fingerprinted weights, read by now) whoever still refers to them:
+    onnxscript's rewrite rules (``SimplePatternMatcher._graph``) keep the last graph they matched, and with it the
+    traced module's parameters (measured: 29 of 38 parameters of a 4-layer SmolLM2 alive after the trace returned
+    and a gc). Each tensor object is emptied (``.data`` swapped for an empty tensor) rather than its storage
+    resized: the weights transformers loads are views of the checkpoint's file mapping, which cannot be resized."""
+    with torch.no_grad():
+        for t in tensors:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions,
