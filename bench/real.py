@@ -33,6 +33,7 @@ class Measured:
     capped: bool
     stdout: str
     last_error: str
+    peak_rss_kb: int = 0  # the same peak, as wait4 gives it (KB, what /usr/bin/time -v reports)
 
 
 def _tree_rss_kb(pgid: int) -> int:
@@ -77,7 +78,7 @@ def measured(cmd: list[str], rss_cap_gb: float | None = None, timeout_s: float |
     out_path.unlink()
     err_path.unlink()
     return Measured(rc, round(time.perf_counter() - t0, 1), round(maxrss_kb / 2 ** 20, 2), capped, stdout,
-                    errs[-1][:200] if errs else "")
+                    errs[-1][:200] if errs else "", int(maxrss_kb))
 
 
 def push_check(model_dir: str, engine_dir: str, prompts: list[list[int]], scale: float = 0.05) -> dict:

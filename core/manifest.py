@@ -244,6 +244,8 @@ class Manifest:
     capabilities: Capabilities | None = field(default=None, metadata=_OPTIONAL)  # the probe's findings
     parity: Parity | None = field(default=None, metadata=_OPTIONAL)  # added once the gate passed
     export_seconds: float | None = field(default=None, metadata=_OPTIONAL)  # whole export, gate included
+    # the exporting process's peak resident size (MB, its high-water mark by the end of the export; export/memory.py)
+    export_peak_rss_mb: int | None = field(default=None, metadata=_OPTIONAL)
     tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=_OPTIONAL)  # {graph: plan} once built
     # decoder attention (export/fused.py): "fused" = GroupQueryAttention over a preallocated KV buffer
     # (graph inputs seqlens_k/query_seqlens, compact rows); "plain" or None (folders exported before
@@ -355,6 +357,8 @@ def _scalar_problems(m: Manifest) -> list[str]:
     for name in ("pad", "eos"):
         if getattr(m.special_ids, name) < 0:
             p.append(f"special_ids.{name} is negative")
+    if m.export_peak_rss_mb is not None and m.export_peak_rss_mb <= 0:
+        p.append(f"export_peak_rss_mb is {m.export_peak_rss_mb}, must be positive")
     if m.attention not in (None, "plain", "fused"):
         p.append(f"attention {m.attention!r} is not plain or fused")
     if m.kind == "seq2seq" and m.special_ids.decoder_start is None:

@@ -10,13 +10,14 @@ old values (measured on this machine).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.export.weight_map import tensor_bytes
+from refit.export.weight_map import byte_view
 
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
 
@@ -134,22 +135,27 @@ def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None =
 ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int8: 3}  # onnx.TensorProto enums
 
 
-def write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Put the real weights into ``proto`` and save it with every mapped weight as external data."""
+def write_graph(proto, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Put the real weights into ``proto`` and save it with every mapped weight as external data.
+
+    ``weights``: {initializer: tensor}, a dict or a lazy mapping (:class:`refit.export.weight_map.EngineWeightsView`),
+    read one tensor at a time and written from the tensor's own memory (no bytes copy); the initializers it names
+    may be placeholders (external-data records without data), their dims and dtype are set from the tensor.
+    """
     import onnx
 
     data_name = path.name + ".data"
     offset = 0
     with open(path.parent / data_name, "wb") as f:
         for init in proto.graph.initializer:
-            t = weights.get(init.name)
-            if t is None:
+            if init.name not in weights:
                 continue  # a graph constant (shape, scalar, rotary frequencies): stays inline
-            raw = tensor_bytes(t)
+            t = weights[init.name]
+            raw = byte_view(t)
             pad = (-offset) % 64  # 64-byte alignment lets runtimes map tensors in place
             f.write(b"\0" * pad)
             offset += pad
-            f.write(raw)
+            f.write(raw.data)
             del init.dims[:]
             init.dims.extend(t.shape)
             init.data_type = ONNX_DTYPE[t.dtype]
@@ -157,9 +163,10 @@ def write_graph(proto, weights: dict[str, torch.Tensor], path: Path) -> None:
             for fld in ("float_data", "int32_data", "int64_data", "double_data"):
                 init.ClearField(fld)
             del init.external_data[:]
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(raw.nbytes))):
                 entry = init.external_data.add()
                 entry.key, entry.value = k, v
             init.data_location = onnx.TensorProto.EXTERNAL
-            offset += len(raw)
+            offset += raw.nbytes
+            del t, raw
     onnx.save_model(proto, str(path))

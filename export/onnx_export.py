@@ -3,17 +3,20 @@
 Choice of exporter: ``torch.onnx.export(dynamo=True)``
 (torch.export + onnxscript) with the small wrappers in :mod:`refit.export.wrappers`. It works on the
 transformers 5.x line that users are on; optimum's exporter pins transformers < 4.58. Its
-default optimisations rename, pre-transpose and merge weights, so the exporter traces a
-fingerprinted copy of the model and builds the HF -> engine weight map by content
+default optimisations rename, pre-transpose and merge weights, so the exporter traces the model
+with fingerprinted weights (overwritten in place) and builds the HF -> engine weight map by content
 (:mod:`refit.export.weight_map`); the real weights are then written through that map.
 
-Steps (each cached, Polygraphy-style): load + validate -> trace graphs -> map weights ->
-write graphs with external weight data -> parity gate (given by the caller) -> manifest -> atomic rename.
+Steps (each cached, Polygraphy-style): load + validate -> fingerprint in place, trace graphs, map weights ->
+load the real weights again, write graphs with external weight data -> parity gate (given by the caller) ->
+manifest -> atomic rename. One PyTorch model is alive at a time, and the weights are not copied on the way to
+disk (numpy views of the traced graphs for the map, placeholders in the protos, bytes written from the
+tensors' memory); each stage's peak RSS is printed and the whole export's recorded (``export_peak_rss_mb``).
 """
 
 from __future__ import annotations
 
-import copy
+import gc
 import hashlib
 import json
 import os
@@ -31,8 +34,10 @@ from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_i
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
 from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
-from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one, engine_weights,
-                                     fingerprint_, graph_buffers, weight_derived_values, weight_digests)
+from refit.export.memory import StagePeaks
+from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one,
+                                     engine_weight_views, fingerprint_, graph_buffers, weight_derived_values,
+                                     weight_digests)
 from refit.core.integrity import sha256_files as _sha256_files
 from refit.export.graph import write_graph as _write_graph
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
@@ -110,7 +115,10 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
 
 
 def _trace(spec: dict, weights: set[str]):
-    """torch.onnx.export of one wrapper: (ONNX ModelProto with weights inline, provenance).
+    """torch.onnx.export of one wrapper: (the optimised ``onnx_ir`` model, provenance).
+
+    The model's initializers are the traced module's own tensors (or the optimiser's folded ones), not copies;
+    no ``ModelProto`` with every weight inline is made (:func:`_placeholder_proto` makes one without them).
 
     Exported unoptimised first, so :func:`refit.export.weight_map.weight_derived_values` can see which values
     the weights (content digests ``weights``) reach before constant folding hides it; then optimised
@@ -133,7 +141,7 @@ def _trace(spec: dict, weights: set[str]):
                              f"forward ({_first_line(e)})") from None
         provenance = weight_derived_values(prog.model.graph, weights)
         prog.optimize()
-    return prog.model_proto, provenance
+    return prog.model, provenance
 
 
 def _first_line(e: Exception) -> str:
@@ -203,10 +211,24 @@ def gemm_for_transposed_weights(proto) -> int:
     return done
 
 
-def _initializer_arrays(proto) -> dict:
-    from onnx import numpy_helper
+def _initializer_views(model) -> dict[str, np.ndarray]:
+    """{name: array} of an ``onnx_ir`` model's initializers: numpy views of the tensors' own memory (the traced
+    module's parameters, the optimiser's folded arrays), the dtypes ``onnx.numpy_helper.to_array`` gives; no copies."""
+    return {name: v.const_value.numpy() for name, v in model.graph.initializers.items() if v.const_value is not None}
 
-    return {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+
+def _placeholder_proto(model, weights: set[str]):
+    """The ``ModelProto`` of an ``onnx_ir`` model with each initializer in ``weights`` a placeholder: an external-data
+    record with its dims and dtype and no bytes (:func:`refit.export.graph.write_graph` points it at the real
+    weight's bytes). The rest (shapes, graph constants) inline. Replaces those initializers in ``model`` too, so
+    it no longer holds their (fingerprinted) tensors."""
+    import onnx_ir as ir
+
+    for name in weights:
+        v = model.graph.initializers[name]
+        t = v.const_value
+        v.const_value = ir.ExternalTensor("placeholder", 0, t.nbytes, t.dtype, shape=t.shape, name=name)
+    return ir.serde.serialize_model(model)
 
 
 def weights_hash(model_dir: Path) -> str:
@@ -280,29 +302,25 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         log(f"refit export: {out_dir} is up to date (same weights and options), reused")
         return out_dir
     t0 = time.perf_counter()
+    peaks = StagePeaks()
     dtype = DTYPES[opts.dtype]
     model = load_model(model_dir, info, dtype=dtype)
     with torch.no_grad():  # refuses, in one line, a model without what the engines need; nothing written yet
         caps = detect(model, info.kind, info.padding_side, info.pad_id, model_dir)
-    params, tied = canonical_params(model)
     moe = _moe_check(model, model_dir)  # one line, before anything is written
-    shadow = copy.deepcopy(model)
-    fingerprint_(shadow)
-    if moe:
-        from refit.export.moe import use_grouped_experts
-
-        use_grouped_experts(shadow)  # the traced copy's experts run as refit::expert_linear (export/moe.py)
-    fp_params, _ = canonical_params(shadow)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     attention, why = choose_attention(model, caps, opts)
+    models = _OneModel(lambda: load_model(model_dir, info, dtype=dtype), model)
+    del model  # held by ``models`` only: it is fingerprinted in place for the trace
+    peaks.mark("load")
     while True:
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _export_to(tmp, (model, shadow, params, fp_params, tied), info, caps, tok, opts, key,
-                                  (attention, why), model_dir, t0, (gate, int8_gate))
+            manifest = _export_to(tmp, models, info, caps, tok, opts, key, (attention, why), model_dir, t0,
+                                  (gate, int8_gate), moe, peaks)
             _atomic_replace(tmp, out_dir)
             break
         except Exception as e:  # noqa: BLE001 - under "auto" a failing fused graph falls back to plain
@@ -313,10 +331,26 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     p = manifest.parity
+    log(peaks.line())
     log(f"refit export: wrote {out_dir} in {manifest.export_seconds:.1f} s; parity max|dlogit|="
         f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
-        f"attention {manifest.attention})")
+        f"attention {manifest.attention}; peak RSS {manifest.export_peak_rss_mb} MB)")
     return out_dir
+
+
+class _OneModel:
+    """The export's one PyTorch model at a time. :meth:`take` hands out the model as first loaded (it is then
+    fingerprinted in place and traced), and after that a fresh load with the real weights (written, then the
+    parity gate's reference); the exporter keeps no other reference, so the fingerprinted model is gone before
+    the real one is loaded again (reading a safetensors checkpoint costs seconds; a second model in memory
+    costs its size)."""
+
+    def __init__(self, load: Callable, first=None):
+        self._load, self._first = load, first
+
+    def take(self):
+        model, self._first = self._first, None
+        return model if model is not None else self._load()
 
 
 def _check_quantize(opts: ExportOptions) -> None:
@@ -350,30 +384,72 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
     return "plain", reason
 
 
-def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions, key: str,
-               attention: tuple[str, str], model_dir: Path, t0: float, gates: tuple) -> Manifest:
-    """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest."""
-    model, shadow, params, fp_params, tied = models
+def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype, moe: bool) -> tuple:
+    """Fingerprint ``model`` in place (:func:`refit.export.weight_map.fingerprint_`: its real weights are gone),
+    trace its graphs and map them by content. Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the
+    mapped weights as placeholders}, weight map, constants); nothing returned refers to the model's tensors."""
+    fingerprint_(model)
+    if moe:
+        from refit.export.moe import use_grouped_experts
+
+        use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (export/moe.py)
+    fp_params, _ = canonical_params(model)
+    specs = graph_specs(model, caps, attention)
+    io = {s["name"]: (tuple(s["inputs"]), tuple(s["outputs"])) for s in specs}
+    digests = {d for d, (_, how) in weight_digests(fp_params, dtype).items() if how == "identity"}
+    traced = {s["name"]: _trace(s, digests) for s in specs}
+    del specs
+    wmap, constants = build_weight_map(fp_params, {g: _initializer_views(m) for g, (m, _) in traced.items()},
+                                       dtype, {g: prov for g, (_, prov) in traced.items()},
+                                       graph_buffers(model, fp_params))
+    check_one_to_one(wmap)
+    protos = {}
+    for g, (m, _) in traced.items():
+        protos[g] = _placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
+        gemm_for_transposed_weights(protos[g])
+    _free_storage(fp_params.values())
+    return io, protos, wmap, constants
+
+
+def _free_storage(tensors) -> None:
+    """Give back the memory of ``tensors`` (the fingerprinted weights, read by now) whoever still refers to them:
+    onnxscript's rewrite rules (``SimplePatternMatcher._graph``) keep the last graph they matched, and with it the
+    traced module's parameters (measured: 29 of 38 parameters of a 4-layer SmolLM2 alive after the trace returned
+    and a gc). Each tensor object is emptied (``.data`` swapped for an empty tensor) rather than its storage
+    resized: the weights transformers loads are views of the checkpoint's file mapping, which cannot be resized."""
+    with torch.no_grad():
+        for t in tensors:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions,
+               key: str, attention: tuple[str, str], model_dir: Path, t0: float, gates: tuple, moe: bool,
+               peaks: StagePeaks) -> Manifest:
+    """Trace, map, write and gate one engine folder in ``tmp``; returns its manifest.
+
+    One PyTorch model at a time (``models``): the traced one, fingerprinted in place, is dropped before the real
+    weights are loaded again to be written (through lazy views of the map, one engine tensor at a time) and
+    to be the parity gate's reference."""
     gate, int8_gate = gates
     fused = attention[0] == "fused"
-    specs = graph_specs(copy.deepcopy(shadow) if fused else shadow, caps, attention[0])
-    digests = {d for d, (_, how) in weight_digests(fp_params, DTYPES[opts.dtype]).items() if how == "identity"}
-    traced = {s["name"]: _trace(s, digests) for s in specs}
-    protos = {g: proto for g, (proto, _) in traced.items()}
-    for p in protos.values():
-        gemm_for_transposed_weights(p)
-    wmap, constants = build_weight_map(fp_params, {g: _initializer_arrays(p) for g, p in protos.items()},
-                                       DTYPES[opts.dtype], {g: prov for g, (_, prov) in traced.items()},
-                                       graph_buffers(model, params))
-    check_one_to_one(wmap)
-    real = engine_weights(params, wmap, DTYPES[opts.dtype])
+    dtype = DTYPES[opts.dtype]
+    io, protos, wmap, constants = _trace_and_map(models.take(), caps, attention[0], dtype, moe)
+    gc.collect()  # the exporter's reference cycles hold the traced (fingerprinted) model
+    peaks.mark("trace+map")
+    model = models.take()
+    params, tied = canonical_params(model)
+    if set(params) != set(wmap):  # the same checkpoint loaded twice: the same names
+        raise RefitError(f"{model_dir} loaded again has other weights than the traced model "
+                         f"({sorted(set(params) ^ set(wmap))[:3]})")
+    real = engine_weight_views(params, wmap, dtype)
     graphs = {}
-    for s in specs:
-        path = tmp / f"{s['name']}.onnx"
-        _write_graph(protos[s["name"]], real.get(s["name"], {}), path)
-        graphs[s["name"]] = GraphSpec(
-            file=path.name, data=path.name + ".data", inputs=tuple(s["inputs"]), outputs=tuple(s["outputs"]),
+    for name, (inputs, outputs) in io.items():
+        path = tmp / f"{name}.onnx"
+        _write_graph(protos.pop(name), real.get(name, {}), path)
+        graphs[name] = GraphSpec(
+            file=path.name, data=path.name + ".data", inputs=inputs, outputs=outputs,
             sha256=_sha256_files([path]), weights_sha256=_sha256_files([tmp / (path.name + ".data")]))
+    peaks.mark("write")
     tok.save_pretrained(str(tmp / "tokenizer"))
     shutil.copy(model_dir / "config.json", tmp / "config.json")
     manifest = replace(_manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, time.perf_counter() - t0),
@@ -394,6 +470,7 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
         for f in (files or {}).values():
             (tmp / f).unlink(missing_ok=True)
     manifest = replace(manifest, parity=parity, export_seconds=round(time.perf_counter() - t0, 3))
+    peaks.mark("gate")
     if opts.quantize != "none":  # int8 twins of the gated fp32 graphs, gated again (by the caller's int8 gate)
         from refit.export.quantize import quantize_folder
 
@@ -401,6 +478,8 @@ def _export_to(tmp: Path, models: tuple, info: ModelInfo, caps: Capabilities, to
             raise RefitError("quantize int8: this caller gave the exporter no int8 gate (refit.rollout.build.build does)")
         manifest = int8_gate(tmp, quantize_folder(tmp, manifest, model, real), model, tok)
         manifest = replace(manifest, export_seconds=round(time.perf_counter() - t0, 3))
+        peaks.mark("int8")
+    manifest = replace(manifest, export_peak_rss_mb=peaks.peak_mb)
     manifest.write(tmp)
     return manifest
 

@@ -48,6 +48,7 @@ fp32 weight itself is dropped unless another node, a tied embedding's ``Gather``
 from __future__ import annotations
 
 import copy
+from collections import ChainMap
 from dataclasses import replace
 from pathlib import Path
 
@@ -314,7 +315,8 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
     (written; its gate figures are filled by the int8 gate, :func:`refit.rollout.parity.int8_parity_gate`, which
     runs the engine against the quantize-dequantize PyTorch forward, :func:`reference_model`).
 
-    ``real``: the fp32 engine weights ({graph: {engine name: tensor}}) the folder's graphs were written with."""
+    ``real``: the fp32 engine weights ({graph: {engine name: tensor}}, dicts or lazy views) the folder's graphs were
+    written with."""
     import onnx
 
     from refit.core.integrity import sha256_files as _sha256_files
@@ -331,7 +333,7 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
         n_left += left
         if tw:
             twins[g] = tw
-        _write_graph(proto, {**real.get(g, {}), **arrays}, path)
+        _write_graph(proto, ChainMap(arrays, real.get(g, {})), path)  # lazy: one fp32 weight at a time
         graphs[g] = replace(spec, sha256=_sha256_files([path]), weights_sha256=_sha256_files([folder / spec.data]))
     if not n_q:
         raise RefitError("quantize int8: no weight matmul of this model maps to a Linear or Conv1D layer; "

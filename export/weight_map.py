@@ -32,6 +32,7 @@ recorded in ``tied``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -82,13 +83,22 @@ def fingerprint_(model: torch.nn.Module, seed: int = 1234) -> None:
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02 + 0.5)
 
 
-def _digest(raw: bytes, shape) -> str:
-    return hashlib.sha1(raw + str(tuple(shape)).encode()).hexdigest()
+def _digest(raw, shape) -> str:
+    """sha1 of the bytes (any buffer: bytes, a numpy array; read in place) and the shape."""
+    h = hashlib.sha1(raw)
+    h.update(str(tuple(shape)).encode())
+    return h.hexdigest()
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes (any dtype, bf16 included) in row-major order as a flat uint8 array: a view of its memory
+    when it is a contiguous CPU tensor (no copy), else of one contiguous copy."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Raw bytes of a tensor (any dtype, bf16 included) in row-major order."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return byte_view(t).tobytes()
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # manifest dtype -> torch
@@ -109,7 +119,8 @@ def apply_transform(t: torch.Tensor, target: WeightTarget) -> torch.Tensor:
 
 
 def _np_digest(arr: np.ndarray) -> str:
-    return _digest(np.ascontiguousarray(arr).tobytes(), arr.shape)
+    flat = np.ascontiguousarray(arr).reshape(-1)  # a view when contiguous
+    return _digest(flat.view(np.uint8) if flat.size else b"", arr.shape)
 
 
 # ops whose output reads only the shape or dtype of some inputs: {op: the inputs whose values it reads}
@@ -199,7 +210,7 @@ def weight_digests(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
             if transform == "transpose" and a.dim() != 2:
                 continue
             t = a.t() if transform == "transpose" else a
-            by_digest.setdefault(_digest(tensor_bytes(t), t.shape), (hf_name, transform))
+            by_digest.setdefault(_digest(byte_view(t), t.shape), (hf_name, transform))
     return by_digest
 
 
@@ -218,7 +229,7 @@ def build_weight_map(
     buffer_names: dict[str, str] = {}
     for n, b in (buffers or {}).items():
         if b.is_floating_point():
-            buffer_names.setdefault(_digest(tensor_bytes(b), b.shape), n)
+            buffer_names.setdefault(_digest(byte_view(b), b.shape), n)
     by_numel: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for hf_name, p in params.items():
         by_numel.setdefault(p.numel(), []).append((hf_name, p.detach().to(dtype).cpu()))
@@ -267,19 +278,64 @@ def check_one_to_one(wmap: WeightMap) -> None:
             owners[key] = hf_name
 
 
+def _engine_tensor(t: torch.Tensor, tgt: WeightTarget, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor ``tgt`` stores, from the HF tensor ``t``: a view of ``t`` where dtype and layout allow."""
+    # a copy kept in its own dtype (stored_dtype, T5's fp32 ``wo``) is not rounded through the engine's
+    own = tgt.stored_dtype is not None and tgt.transform in ("identity", "transpose")
+    x = t.detach().to(device="cpu") if own else t.detach().to(device="cpu", dtype=dtype)
+    return apply_transform(x, tgt).contiguous()
+
+
+def _check_known(params, wmap: WeightMap) -> None:
+    for hf_name in params:
+        if hf_name not in wmap:
+            raise RefitError(f"{hf_name!r} is not in the engine's weight map")
+
+
 def engine_weights(
     params: dict[str, torch.Tensor], wmap: WeightMap, dtype: torch.dtype
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{graph: {engine_name: tensor}} for the given HF tensors (any subset of the map's keys)."""
+    _check_known(params, wmap)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for hf_name, t in params.items():
-        targets = wmap.get(hf_name)
-        if targets is None:
-            raise RefitError(f"{hf_name!r} is not in the engine's weight map")
-        src = t.detach().to(device="cpu", dtype=dtype)
-        for tgt in targets:
-            # a copy kept in its own dtype (stored_dtype, T5's fp32 ``wo``) is not rounded through the engine's
-            own = tgt.stored_dtype is not None and tgt.transform in ("identity", "transpose")
-            x = t.detach().to(device="cpu") if own else src
-            out.setdefault(tgt.graph, {})[tgt.engine] = apply_transform(x, tgt).contiguous()
+        for tgt in wmap[hf_name]:
+            out.setdefault(tgt.graph, {})[tgt.engine] = _engine_tensor(t, tgt, dtype)
     return out
+
+
+class EngineWeightsView(Mapping):
+    """One graph's engine weights ``{engine_name: tensor}`` computed from the HF tensors when read, one at a time.
+
+    What :func:`engine_weights` returns for that graph, without holding it: a transposed or converted weight
+    is made when it is looked up and freed when its reader drops it (the exporter writes the graphs and the
+    int8 rewrite reads them through this; a whole dict of them would be a second copy of the model)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], targets: dict[str, tuple[str, WeightTarget]],
+                 dtype: torch.dtype):
+        self._params, self._targets, self._dtype = params, targets, dtype
+
+    def __getitem__(self, engine: str) -> torch.Tensor:
+        hf_name, tgt = self._targets[engine]
+        return _engine_tensor(self._params[hf_name], tgt, self._dtype)
+
+    def __contains__(self, engine) -> bool:  # without making the tensor (Mapping's default would)
+        return engine in self._targets
+
+    def __iter__(self):
+        return iter(self._targets)
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+
+def engine_weight_views(
+    params: dict[str, torch.Tensor], wmap: WeightMap, dtype: torch.dtype
+) -> dict[str, EngineWeightsView]:
+    """{graph: :class:`EngineWeightsView`}: :func:`engine_weights` read lazily, the same tensors, none held."""
+    _check_known(params, wmap)
+    by_graph: dict[str, dict[str, tuple[str, WeightTarget]]] = {}
+    for hf_name in params:
+        for tgt in wmap[hf_name]:
+            by_graph.setdefault(tgt.graph, {})[tgt.engine] = (hf_name, tgt)
+    return {g: EngineWeightsView(params, targets, dtype) for g, targets in by_graph.items()}

@@ -133,11 +133,13 @@ class OrtEngine(LoopEngine):
     encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`refit.export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
+    ``hold_weights=False``: the sessions read the weights from the folder's files themselves and the engine keeps
+    no copy of them in Python (the export's parity gate: one copy fewer of the model); it then takes no push.
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
                  keep_heap: bool = True, slots: int | None = None, inflight: bool = True,
-                 graph_files: dict[str, str] | None = None):
+                 graph_files: dict[str, str] | None = None, hold_weights: bool = True):
         from refit.export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
@@ -163,7 +165,8 @@ class OrtEngine(LoopEngine):
         self._threads, self._opt_level = threads, opt_level
         self._dtype = _TORCH_DTYPE.get(self.manifest.dtype, torch.float32)  # activations and K/V at the graph's edges
         self._weight_dtype = {**_TORCH_DTYPE, "bf16": torch.bfloat16}[self.manifest.dtype]
-        self.weights = read_engine_weights(self.engine_dir, self.manifest)  # the held set: our own buffers
+        # the held set, our own buffers; None: the sessions read the files, no push (hold_weights=False)
+        self.weights = read_engine_weights(self.engine_dir, self.manifest) if hold_weights else None
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
@@ -185,6 +188,10 @@ class OrtEngine(LoopEngine):
         """
         fresh = {}
         for g, override in new.items():
+            if self.weights is None:  # not held: ONNX Runtime reads the graph's external data files
+                fresh[g] = open_session(self.engine_dir / self._files[g], None, self._threads, self._providers,
+                                        self._opt_level)[0]
+                continue
             arrays = {n: override.get(n, t) for n, t in self.weights[g].items()}  # torch tensors, bf16 included
             fresh[g] = open_session(self.engine_dir / self._files[g], arrays,
                                     self._threads, self._providers, self._opt_level)[0]
@@ -221,6 +228,9 @@ class OrtEngine(LoopEngine):
            sessions are reopened from the held set, unchanged, and the error raised,
         3. copy the mapped tensors into the held set, in place, for later partial pushes.
         """
+        if self.weights is None:
+            raise RefitError(f"update_weights: the engine over {self.engine_dir} was opened without holding its "
+                             "weights (hold_weights=False, as the export's parity gate opens it); it takes no push")
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
         mapped = quantize_push(engine_weights(named, wmap, self._weight_dtype), self.manifest.quantization)  # int8

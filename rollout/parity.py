@@ -63,7 +63,9 @@ def engine_greedy_logits(engine_dir: Path, ids: np.ndarray, mask: np.ndarray, n_
     """
     from refit.rollout.engine import create_engine
 
-    eng = engine if engine is not None else create_engine("onnxruntime", engine_dir, graph_files=files)
+    # the gate pushes nothing: the sessions read the weights from the files, no copy of them held in Python
+    eng = engine if engine is not None else create_engine("onnxruntime", engine_dir, graph_files=files,
+                                                          hold_weights=False, keep_heap=False)
     try:
         state = _Recorded(eng._new_state(ids.shape[1] + n_decode + 1))
         spec = replace(eng.spec, eos_id=-1)  # no stop: every row decodes 1 + n_decode positions

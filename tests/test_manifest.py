@@ -96,6 +96,7 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     # the gate's reference dtype and how the engine ran (export/precision.py)
     assert fresh["parity"].pop("reference_dtype") == fresh["dtype"] and fresh["parity"].pop("engine_run")
     assert fresh["options"].pop("quantize") == "none"  # int8 engines (export/quantize.py) add manifest.quantization
+    assert isinstance(fresh.pop("export_peak_rss_mb"), int)  # the export's own peak RSS (export/memory.py)
     for graph, constants in fresh.pop("constants", {}).items():  # initializers no weight reaches
         assert graph in fresh["graphs"] and all(v == "constant" or v.startswith("buffer ") for v in constants.values())
     if m.attention == "fused":  # the fused graph names its own dynamic dims (cap instead of past/total)
@@ -115,6 +116,22 @@ def test_unknown_top_level_section_is_preserved(tmp_path):
     replace(m, export_seconds=1.0).write(tmp_path)  # what build_engines does: rewrite with one field changed
     back = json.loads((tmp_path / MANIFEST).read_text())
     assert back["sparsity"] == raw["sparsity"] and back["export_seconds"] == 1.0
+
+
+def test_export_peak_rss_is_a_typed_optional_field(tmp_path):
+    """Old folders load without it; present, it is a positive whole number of MB, written back as read."""
+    raw = _raw("gpt2")
+    assert Manifest.from_dict(raw).export_peak_rss_mb is None and "export_peak_rss_mb" not in raw
+    m = replace(Manifest.from_dict(raw), export_peak_rss_mb=2345)
+    m.write(tmp_path)
+    back = json.loads((tmp_path / MANIFEST).read_text())
+    assert back["export_peak_rss_mb"] == 2345 and Manifest.read(tmp_path) == m
+    assert list(back).index("export_peak_rss_mb") == list(back).index("export_seconds") + 1
+    raw["export_peak_rss_mb"] = 0
+    _one_line_error(raw, "export_peak_rss_mb is 0")
+    raw["export_peak_rss_mb"] = "big"
+    with pytest.raises(RefitError, match="export_peak_rss_mb"):
+        Manifest.from_dict(raw)
 
 
 def test_capabilities_record_must_agree_with_the_geometry(engine_dirs):

@@ -45,3 +45,42 @@ def test_a_weight_the_graph_uses_only_through_exp_is_refused_in_one_line(model_d
               log=lambda *_: None)
     assert "\n" not in str(e.value) and "stale" in str(e.value)
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no temporary folder left
+
+
+def test_lazy_engine_weight_views_are_the_engine_weights(engine_dirs, model_dirs):
+    """What the exporter writes through (engine_weight_views: one tensor made when read) is exactly what a push maps
+    (engine_weights), transposed and tied weights included; looking a name up makes nothing."""
+    from refit.core.checkpoint import load_model
+    from refit.export.weight_map import DTYPES, canonical_params, engine_weight_views, engine_weights
+
+    for arch in ("tiny-llama", "tiny-gpt2"):
+        m = Manifest.read(engine_dirs[arch])
+        params, _ = canonical_params(load_model(model_dirs[arch]))
+        eager = engine_weights(params, m.weight_map, DTYPES[m.dtype])
+        lazy = engine_weight_views(params, m.weight_map, DTYPES[m.dtype])
+        assert set(lazy) == set(eager)
+        for g, view in lazy.items():
+            assert set(view) == set(eager[g]) and len(view) == len(eager[g]) and "no such weight" not in view
+            for name in view:
+                assert torch.equal(view[name], eager[g][name]) and view[name].is_contiguous()
+    with pytest.raises(RefitError, match="not in the engine's weight map"):
+        engine_weight_views({"nope": torch.zeros(1)}, m.weight_map, torch.float32)
+
+
+def test_digests_read_buffers_in_place_and_equal_the_bytes_digest():
+    """The map's content digests hash a tensor's or array's memory where it lies; the value is the digest of its bytes."""
+    import hashlib
+
+    import numpy as np
+
+    from refit.export.weight_map import _digest, _np_digest, byte_view, tensor_bytes
+
+    old = lambda raw, shape: hashlib.sha1(raw + str(tuple(shape)).encode()).hexdigest()  # noqa: E731
+    t = torch.randn(5, 7)
+    for x in (t, t.t(), t.bfloat16(), t.half()[1:3]):
+        assert _digest(byte_view(x), x.shape) == old(tensor_bytes(x), x.shape)
+    a = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for arr in (a, a.T, np.float32(3.0), np.zeros((0, 3), np.float32)):
+        arr = np.asarray(arr)
+        assert _np_digest(arr) == old(np.ascontiguousarray(arr).tobytes(), arr.shape)
+    assert np.shares_memory(byte_view(t), t.numpy())

@@ -204,3 +204,20 @@ def test_marian_final_logits_bias_alone(engine_dirs, model_dirs, prompts):
     ort, ref = _pair("tiny-marian", engine_dirs, model_dirs)
     bias = dict(ref.model.named_buffers())["final_logits_bias"]
     _roundtrip(ort, ref, prompts, {"final_logits_bias": _noisy(bias, 3)})
+
+
+def test_engine_that_does_not_hold_its_weights_runs_the_same_and_refuses_a_push(engine_dirs, model_dirs, prompts):
+    """The export's parity gate opens the engine with ``hold_weights=False``: the sessions read the weights from the
+    folder's files, no copy held in Python. It computes exactly what the holding engine computes, and a push (which
+    would need the held set) is refused in one line, leaving the engine as it was."""
+    held, ref = _pair("tiny-llama", engine_dirs, model_dirs)
+    light = OrtEngine(engine_dirs["tiny-llama"], hold_weights=False, keep_heap=False)
+    assert light.weights is None
+    batch = _probe(ref, prompts)
+    torch.testing.assert_close(_score(light, batch), _score(held, batch), atol=0, rtol=0)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(RefitError, match="without holding its weights") as e:
+        light.update_weights({name: _noisy(dict(ref.model.named_parameters())[name], 1)})
+    assert "\n" not in str(e.value) and light.weights_version == 0
+    torch.testing.assert_close(_score(light, batch), _score(held, batch), atol=0, rtol=0)
+    light.close()
