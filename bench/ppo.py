@@ -106,7 +106,9 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "speedup_vs_hf_per_iteration": [round(hr["time/step"] / orow["time/step"], 3)
                                             for orow, hr in zip(rows[overlapped][1:], rows["hf"][1:])],
             "push_probe_share_of_step": round(o["time/weight_push"] / o["time/step"], 4),
-            "hidden_generation_share": round(1 - o["time/rollout"] / max(o["time/generate"], 1e-9), 4),
+            # the part of the generation not waited for (before the step's batch, or before the push)
+            "hidden_generation_share": round(1 - (o["time/rollout"] + o["time/push_wait"]) / max(o["time/generate"],
+                                                                                              1e-9), 4),
             "version_lag": [r["mismatch/version_lag"] for r in rows[overlapped]]}
         log(f"overlapped (k={max_staleness}): {out['overlap']['speedup_vs_hf']}x HF generate() per iteration, "
             f"{out['overlap']['speedup_vs_sync']}x the synchronous engine loop; push+probe "
