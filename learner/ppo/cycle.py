@@ -44,8 +44,8 @@ from refit.learner.run.data import prompt_indices
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
-from refit.learner.run.engines import (check_parity, engine_for_model, pick_device, probe_check, probe_length,
-                                       push_weights)
+from refit.learner.run.engines import (check_parity, engine_for_model, pick_device, probe_check,
+                                       probe_learner_side, probe_length, push_weights)
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
 from refit.rollout.engine import Engine, check_version
@@ -313,7 +313,7 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
         check_version(rollout, run.expected_version)
     else:  # time/rollout: the wait for it; time/generate: its own generation
         rollout, timings["time/generate"], lag = take_rollout(run, step, idx, sampling)
-        timings["time/push_wait"] = 0.0
+        timings["time/push_wait"] = timings["time/probe_learner"] = 0.0
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
@@ -345,7 +345,12 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings["time/update"] = time.perf_counter() - t2
     if cfg.adap_kl_ctrl:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
+    learner_side = None
     if run.ahead is not None and due(step, cfg.rollout.sync_every, cfg.run.steps):
+        t = time.perf_counter()  # the probe's learner half, for the weights about to be pushed, while the engine runs
+        learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
+                                          run.engine_manifest)
+        timings["time/probe_learner"] = time.perf_counter() - t
         timings["time/push_wait"] = run.ahead.wait()  # a push never meets a generation
     t3 = time.perf_counter()
     if due(step, cfg.rollout.sync_every, cfg.run.steps):
@@ -357,7 +362,7 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
             # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
             run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.sampling.temperature,
                                                       cfg.rollout.probe_tol, run.run_dir,
-                                                      int8_manifest=run.engine_manifest)
+                                                      int8_manifest=run.engine_manifest, learner_side=learner_side)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())

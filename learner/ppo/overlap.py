@@ -7,7 +7,8 @@ The protocol (one engine, one rollout in flight, on one background thread)::
              its age: learner version - batch.weights_version must be in [0, k] pushes, else one RefitError line
              submit batch s+1: the prompts and the seed of step s+1, exactly those the synchronous loop uses
              rewards, learner scores, PPO update on batch s      ||  the engine generates batch s+1
-             a push due: wait for batch s+1, then push + probe   (a push never meets a generation)
+             a push due: the probe's learner half (the new weights' log-probs on the probe batch), then wait
+             for batch s+1, then push + the probe's engine half   (a push never meets a generation)
 
 Batch s+1 therefore comes from the weights pushed at step s-1: one push behind the learner that updates on it
 (AReaL's max_head_offpolicyness, NeMo-RL's max_trajectory_age_steps, both 1 here). With one batch in flight the
