@@ -182,3 +182,18 @@ def test_k1_with_sync_every_2(model_dirs, engine_dirs, tmp_path):
     assert [r["mismatch/version_lag"] for r in rows] == [0, 0, 1, 0]
     assert [r["engine/weights_version"] for r in rows] == [0, 1, 1, 2]
     assert ["probe/max_abs_logprob_diff" in r for r in rows] == [False, True, False, True]
+
+
+def test_k1_push_that_does_not_take_stops_on_the_probe_batch(model_dirs, engine_dirs, tmp_path):
+    """Overlapped, the next rollout comes from older weights and cannot check a push: the probe batch does, at the
+    push, in one line."""
+    from conftest import corrupting
+
+    run = setup(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), resume=False, log=lambda *_: None)
+    try:
+        run.engine.update_weights = corrupting(run.engine.update_weights)
+        with pytest.raises(RefitError, match="parity probe failed after weight push .* on the probe batch"):
+            train_step(run, 1, log=lambda *_: None)
+    finally:
+        run.ahead.close()
+        run.engine.close()
