@@ -33,7 +33,8 @@ what the uninterrupted run logs.
 Threads: ONNX Runtime releases the GIL in ``run()`` and torch in its kernels. The engine gets
 ``rollout.engine_threads`` intra-op threads (0: half of torch's, at least one), the learner's torch keeps the rest
 (at least one); the background thread runs the decode loop's host work (sampling) on one torch thread (torch's
-intra-op setting is per thread).
+intra-op setting is per thread). The decode loop's Python shares the GIL with the learner's; with ``scale.workers``
+>= 2 (a RayEnginePool) the background thread only waits on the actors, whose processes generate.
 """
 
 from __future__ import annotations
