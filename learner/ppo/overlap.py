@@ -25,7 +25,8 @@ Pushes are checked on the fixed probe batch: the next rollout's log-probs come f
 learner's, so they cannot check the push (``probe_on_rollout`` applies to k = 0 only).
 
 Every step is deterministic as in the synchronous loop: a row's tokens are a function of (seed, prompt, sample,
-weights version) (refit.rollout.sampling.RowStreams; the background thread draws from no global generator). A
+weights version) (refit.rollout.sampling.RowStreams; the engines draw from no global generator, but the 'hf'
+baseline seeds torch's, which the learner does not use: eval-mode models, a generator of its own per step). A
 checkpoint holds the batch in flight (``pending_rollout.pt``, written after waiting for it): the weights it was
 generated with are not in the checkpoint, so a resumed run reads it back rather than regenerating it, and logs
 what the uninterrupted run logs.
