@@ -73,6 +73,8 @@ class BenchPPO(OnModel):
     batch_size: int = opt(8, "rows per PPO iteration")
     response_length: int = opt(192, "generated tokens per row")
     backend: str = opt("onnxruntime", "engine backend compared with HF generate()")
+    max_staleness: int = opt(0, "k >= 1: also time the engine loop with generation overlapped with the update "
+                                "(rollout.max_staleness k), side by side with the synchronous loop and HF")
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),
-                        repeats=a.source.repeats)
+                        repeats=a.source.repeats, max_staleness=a.max_staleness)
     print(json.dumps(out))
     return 0

@@ -13,6 +13,14 @@ about 65%: the learner's forward/backward passes are compute-bound on the CPU, w
 GPU they are the cheap part. The ratio therefore falls as the batch grows (more learner tokens
 per decode step) and with the model size (``--geometry gpt2-small``: the 124M backward pass
 dominates); the JSON carries the per-phase times so the reason is visible in every run.
+
+``--max_staleness k`` (k >= 1) adds a third run, the engine loop with generation overlapped with the update
+(``rollout.max_staleness``, refit.learner.ppo.overlap), set up and interleaved with the other two: its
+``time/rollout`` is the wait for a batch generated during the previous update, ``time/generate`` that
+generation's own time, ``time/push_wait`` the wait for the generation in flight before a push, and
+``time/weight_push`` the push with the probe's engine half, ``time/probe_learner`` the probe's learner half,
+computed before the wait (every push is checked on the probe batch there). Its engine and
+learner split the threads (``threads`` 2: one each); the synchronous runs keep all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 import torch
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/weight_push", "time/step")
+OVERLAP_PHASES = ("time/generate", "time/push_wait", "time/probe_learner")  # the overlapped run's own
 
 
 def _prompts_file(work: Path, n: int, length: int) -> Path:
@@ -37,22 +46,28 @@ def _prompts_file(work: Path, n: int, length: int) -> Path:
 
 
 def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response_length: int, threads: int,
-              work: Path, repeats: int = 2, log=print) -> dict:
-    """Both runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
-    a change in the machine's load during the benchmark falls on both alike; one warm-up iteration each."""
+              work: Path, repeats: int = 2, log=print, max_staleness: int = 0) -> dict:
+    """The runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
+    a change in the machine's load during the benchmark falls on all alike; one warm-up iteration each.
+    ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``)."""
     from refit.learner.ppo.config import PPOConfig
     from refit.learner.ppo.cycle import setup, train_step
+    from refit.learner.ppo.overlap import split_threads
     torch.set_num_threads(threads)
     prompts = _prompts_file(work, 4 * batch_size, 32)
-    names = (backend, "hf")
+    overlapped = f"{backend}-overlap"
+    names = (backend, "hf") + ((overlapped,) if max_staleness else ())
     runs = {}
     for name in names:
+        k = max_staleness if name == overlapped else 0
         cfg = PPOConfig.from_flat(
             model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
-            backend=name, prompts_file=str(prompts), reward="refit.bench.ppo:length_reward",
-            steps=repeats + 2, batch_size=batch_size, num_generations=1, response_length=response_length,
-            num_ppo_epochs=1, num_mini_batches=1, engine_threads=threads, progress=False,
-            tensorboard=False, plots=False, save_steps=1000)
+            backend=backend if name == overlapped else name, prompts_file=str(prompts),
+            reward="refit.bench.ppo:length_reward", steps=repeats + 2, batch_size=batch_size, num_generations=1,
+            response_length=response_length, num_ppo_epochs=1, num_mini_batches=1,
+            engine_threads=0 if k else threads,  # overlapped: split between engine and learner (overlap.py)
+            max_staleness=k, progress=False, tensorboard=False, plots=False,
+            save_steps=1000)
         runs[name] = setup(cfg, resume=False, log=lambda *_: None)
     rows: dict[str, list[dict]] = {name: [] for name in names}
     try:
@@ -61,16 +76,18 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
                 rows[name].append(train_step(runs[name], step, log=lambda *_: None))
     finally:
         for run in runs.values():
+            if run.ahead is not None:
+                run.ahead.close()
             run.engine.close()
             if run.ref_engine is not None:
                 run.ref_engine.close()
     phases = {}
     for name in names:
         timed = rows[name][1:]  # the first iteration is the warm-up
-        phases[name] = {k: statistics.median(r[k] for r in timed) for k in PHASES}
-        log(f"{name:<12} " + "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in phases[name].items()))
+        phases[name] = {k: statistics.median(r[k] for r in timed) for k in PHASES + OVERLAP_PHASES if k in timed[0]}
+        log(f"{name:<20} " + "  ".join(f"{k.split('/')[1]} {v:.3f}s" for k, v in phases[name].items()))
     paired = [h["time/step"] / e["time/step"] for e, h in zip(rows[backend][1:], rows["hf"][1:])]
-    return {"bench": "ppo", "model": str(model), "backend": backend, "batch_size": batch_size,
+    out = {"bench": "ppo", "model": str(model), "backend": backend, "batch_size": batch_size,
             "response_length": response_length, "threads": threads, "repeats": repeats,
             "phases_s": phases, "rollout_speedup": round(phases["hf"]["time/rollout"] / phases[backend]["time/rollout"], 3),
             "speedup": round(phases["hf"]["time/step"] / phases[backend]["time/step"], 3),
@@ -79,6 +96,30 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "learner": {k: getattr(runs[backend].cfg, k) for k in ("single_pass", "probe_on_rollout")},
             "engine_attention": _attention(engine), "ref_backend": {n: "onnxruntime" if runs[n].ref_engine is not None
                                                                    else "torch" for n in names}}
+    if max_staleness:
+        o, e, h = phases[overlapped], phases[backend], phases["hf"]
+        run = runs[overlapped]
+        out["overlap"] = {
+            "max_staleness": max_staleness, "engine_threads": split_threads(0, threads)[0],
+            "learner_threads": run.learner_threads, "correction": run.cfg.correction,
+            "speedup_vs_hf": round(h["time/step"] / o["time/step"], 3),
+            "speedup_vs_sync": round(e["time/step"] / o["time/step"], 3),
+            "speedup_vs_hf_per_iteration": [round(hr["time/step"] / orow["time/step"], 3)
+                                            for orow, hr in zip(rows[overlapped][1:], rows["hf"][1:])],
+            "push_probe_share_of_step": round((o["time/weight_push"] + o["time/probe_learner"]) / o["time/step"],
+                                              4),
+            # the part after the wait for the generation (the learner half runs before it, hidden when the
+            # generation is the longer phase)
+            "push_probe_after_wait_share_of_step": round(o["time/weight_push"] / o["time/step"], 4),
+            # the part of the generation not waited for (before the step's batch, or before the push)
+            "hidden_generation_share": round(1 - (o["time/rollout"] + o["time/push_wait"]) / max(o["time/generate"],
+                                                                                              1e-9), 4),
+            "version_lag": [r["mismatch/version_lag"] for r in rows[overlapped]]}
+        log(f"overlapped (k={max_staleness}): {out['overlap']['speedup_vs_hf']}x HF generate() per iteration, "
+            f"{out['overlap']['speedup_vs_sync']}x the synchronous engine loop; push+probe "
+            f"{100 * out['overlap']['push_probe_share_of_step']:.1f}% of its step "
+            f"({100 * out['overlap']['push_probe_after_wait_share_of_step']:.1f}% after the wait for the generation)")
+    return out
 
 
 def _attention(engine: Path) -> str:

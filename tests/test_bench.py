@@ -86,3 +86,13 @@ def test_bench_workers_json(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["phases_s"]) == {"1", "2"} and out["timed_steps"] == 1
     assert out["step_ratio_1_over_n"] > 0 and out["phases_s"]["2"]["time/rollout"] > 0
+
+
+def test_bench_ppo_overlap_json(tmp_path):
+    """--max_staleness 1: the overlapped engine loop timed beside the synchronous one and HF generate()."""
+    out = _bench(tmp_path, "ppo", "--batch-size", "4", "--response-length", "4", "--max-staleness", "1")
+    assert set(out["phases_s"]) == {"onnxruntime", "hf", "onnxruntime-overlap"}
+    o = out["overlap"]
+    assert o["speedup_vs_hf"] > 0 and o["speedup_vs_sync"] > 0 and 0 < o["push_probe_share_of_step"] < 1
+    assert o["version_lag"][1:] == [1] * out["repeats"] and o["correction"] == "tis"
+    assert {"time/generate", "time/push_wait"} <= set(out["phases_s"]["onnxruntime-overlap"])

@@ -196,6 +196,31 @@ def test_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_
         run.engine.close()
 
 
+def test_overlapped_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine_dirs, tmp_path):
+    """rollout.max_staleness 1 over a RayEnginePool: the background thread waits on the actors (generation in
+    their processes), each push waits for it; step 2's batch is one push behind."""
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.ppo.cycle import setup, train_step
+
+    cfg = PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+                              output_dir=str(tmp_path), steps=2, batch_size=4, num_generations=2,
+                              advantage_estimator="grpo", num_mini_batches=1, num_ppo_epochs=1, response_length=4,
+                              save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False,
+                              max_operand=9, num_prompts=16, rollout_workers=2, rollout_worker_cpus=0.25,
+                              max_staleness=1)
+    n = torch.get_num_threads()
+    run = setup(cfg, resume=False, log=lambda *_: None)
+    try:
+        rows = [train_step(run, s, log=lambda *_: None) for s in (1, 2)]
+        assert [m["mismatch/version_lag"] for m in rows] == [0, 1]
+        assert [m["engine/weights_version"] for m in rows] == [1, 2]
+        assert all(m["probe/max_abs_logprob_diff"] <= cfg.rollout.probe_tol for m in rows)
+    finally:
+        run.ahead.close()
+        run.engine.close()
+        torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------- DDP learner
 
 DDP_SETTINGS = dict(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=2, cliprange=0.2,

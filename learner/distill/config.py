@@ -78,6 +78,8 @@ class DistillConfig:
         check([
             (self.rollout.backend == "hf", "rollout.backend 'hf' is the PPO baseline; distill runs on "
                                            "onnxruntime, torch or tensorrt engines"),
+            (self.rollout.max_staleness != 0, "rollout.max_staleness (generation overlapped with the update) is "
+                                              "PPO only; distill generates, then updates"),
             (not 0.0 <= self.lmbda <= 1.0, f"lmbda must be in [0, 1], got {self.lmbda}"),
             (not 0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}"),
             (self.loss == "ce" and (not self.seq_kd or self.lmbda > 0),

@@ -7,6 +7,9 @@
                    fixed probe batch scored on both sides); stop on disagreement
                    5. checkpoint every ``save_steps`` steps (atomic)   6. metrics.jsonl / TensorBoard
 
+With ``rollout.max_staleness`` k >= 1 the engine generates step s+1's batch on a background thread during
+steps 2-3 of step s, and each push waits for it (refit.learner.ppo.overlap: the protocol, threads, resume).
+
 Every random choice of step ``s`` (prompt order, sampling seed, minibatch order) is derived
 from ``(seed, s)``, so ``--resume`` from a checkpoint reproduces the uninterrupted run's metrics.
 """
@@ -14,7 +17,7 @@ from ``(seed, s)``, so ``--resume`` from a checkpoint reproduces the uninterrupt
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +31,8 @@ from refit.export.weight_map import canonical_params
 from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
+from refit.learner.ppo.overlap import (PENDING_FILE, RolloutAhead, check_staleness, split_threads,
+                                       torch_threads)
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
@@ -39,7 +44,8 @@ from refit.learner.run.data import prompt_indices
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
-from refit.learner.run.engines import check_parity, engine_for_model, pick_device, probe_length, push_weights
+from refit.learner.run.engines import (check_parity, engine_for_model, pick_device, probe_check,
+                                       probe_learner_side, probe_length, push_weights)
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
 from refit.rollout.engine import Engine, check_version
@@ -78,7 +84,9 @@ class Run:
     probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
     ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
     engine_manifest: Manifest | None = None  # a quantized policy engine's manifest (rollout.quantize), else None
-    precision_told: bool = False  # the int8 engine's "precision" mismatch is named once per run
+    told: set[str] = field(default_factory=set)  # mismatch causes named once per run (int8 precision, version lag)
+    ahead: RolloutAhead | None = None  # rollout.max_staleness >= 1: the next step's batch, generated in the background
+    learner_threads: int | None = None  # with ``ahead``: the learner's torch threads in a step (the engine: the rest)
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
     reward_log: RewardLog = field(default_factory=RewardLog)  # TRL's log_metric / log_extra, flushed every step
 
@@ -101,8 +109,16 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         raise RefitError("eval_steps needs held-out prompts: set data.eval_split or data.eval_fraction with a dataset")
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.response_length + 8
     engine = None  # [dist] ranks > 0 hold no engine
+    overlap = cfg.rollout.max_staleness > 0 and dist.is_main
+    engine_cfg, learner_threads = cfg, None
+    if overlap:  # the engine's intra-op threads and the learner's torch threads share the machine
+        total = torch.get_num_threads()
+        engine_threads, learner_threads = split_threads(cfg.rollout.engine_threads, total)
+        engine_cfg = replace(cfg, rollout=replace(cfg.rollout, engine_threads=engine_threads))
+        log(f"refit ppo: rollout.max_staleness {cfg.rollout.max_staleness}: generation overlapped with the update; "
+            f"engine {engine_threads} intra-op thread(s), learner {learner_threads} torch thread(s) (of {total})")
     if dist.is_main:
-        engine = engine_for_model(cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
+        engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log)
     policy = load_model(cfg.model.model_dir, info).to(device)
     ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
@@ -119,14 +135,16 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     run = Run(cfg=cfg, run_dir=run_dir, tok=tok, engine=engine, policy=policy, ref=ref, value_head=value_head,
               optimizer=optimizer, scheduler=scheduler, prompts=data.prompts, prompt_ids=prompt_ids,
               reward_fn=rewards, kl_coef=cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids,
-              stop_ids=end_of_turn_ids(tok), dist=dist)
+              stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads)
+    ck = None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
             engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
-            run.unchecked_push = cfg.probe_on_rollout  # checked by the first rollout (else by no probe until a push)
+            # checked by the first rollout (else by no probe until a push; overlapped: on the probe batch, below)
+            run.unchecked_push = cfg.probe_on_rollout and not overlap
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
                 f"engine weights_version {engine.weights_version})")
     dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
@@ -136,17 +154,28 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         run.engine_manifest = Manifest.read(cfg.model.engine_dir or run_dir / "engine")
         run.unchecked_push = False  # checked on the probe batch, not on the rollout (its fp32 log-probs differ)
     run.expected_version = engine.weights_version
-    run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len)
+    run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len,
+                                      threads=learner_threads)  # the reference scores in the learner's thread
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
                                 SamplingParams(max_new_tokens=probe_length(cfg.rollout, cfg.response_length),
                                                greedy=True, stop_ids=run.stop_ids))
+    if overlap:
+        run.ahead = RolloutAhead(engine)
+        if ck is not None:  # the checkpoint's weights checked on the probe batch; its batch in flight taken back
+            probe_check(engine, policy, run.probe, cfg.sampling.temperature, cfg.rollout.probe_tol, run_dir,
+                        int8_manifest=run.engine_manifest)
+            if (ck / PENDING_FILE).is_file():
+                pending = torch.load(ck / PENDING_FILE, weights_only=False)
+                run.ahead.restore(pending["step"], pending["batch"])
     return run
 
 
-def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128) -> Engine | None:
+def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
+                     threads: int | None = None) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
     policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
+    ``threads``: its intra-op threads (default ``rollout.engine_threads``; an overlapped run: the learner's).
 
     A quantized policy engine (rollout.quantize) keeps the reference at full precision: PyTorch under ``auto``,
     an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
@@ -161,7 +190,7 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
         from refit.rollout.build import ensure_engine
 
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
-    return create_engine("onnxruntime", folder, threads=cfg.rollout.engine_threads or None)
+    return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None)
 
 
 def experience(run: Run, rollout, scores: torch.Tensor,
@@ -239,7 +268,34 @@ def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSett
                           autocast_bf16=cfg.run.bf16 and on_cuda)
 
 
+def step_batch(run: Run, step: int, position: int) -> tuple[list[int], SamplingParams]:
+    """The prompts (dataset rows from ``position``) and the sampling (seed) of ``step``'s rollout: a function of
+    (seed, step, position), whether it is generated in its step or the step before (overlapped)."""
+    cfg = run.cfg
+    idx = prompt_indices(len(run.prompts), position, cfg.run.batch_size, cfg.run.seed)
+    sampling = cfg.sampling.params(cfg.response_length, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
+                                   stop_ids=run.stop_ids)
+    return idx, sampling
+
+
+def take_rollout(run: Run, step: int, idx: list[int], sampling: SamplingParams) -> tuple[RolloutBatch, float, int]:
+    """Overlapped (``run.ahead``): this step's batch (generated ahead, else now), its generation seconds and its lag
+    in pushes (checked against rollout.max_staleness); then the next step's batch is started in the background."""
+    cfg = run.cfg
+    rollout, seconds = run.ahead.take(step) or run.ahead.generate([run.prompt_ids[i] for i in idx], sampling)
+    lag = check_staleness(rollout, run.expected_version, cfg.rollout.max_staleness)
+    if step < cfg.run.steps:  # the next step's batch, generated while this one is scored and updated on
+        nidx, nsampling = step_batch(run, step + 1, run.data_position)
+        run.ahead.submit(step + 1, [run.prompt_ids[i] for i in nidx], nsampling)
+    return rollout, seconds, lag
+
+
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
+    with torch_threads(run.learner_threads):  # overlapped: the learner's share of the threads (else unchanged)
+        return _train_step(run, step, log)
+
+
+def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     cfg = run.cfg
     update_gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_033 + step)  # minibatch order, same on every rank
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
@@ -250,12 +306,14 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings = {}
     t0 = time.perf_counter()
     state = trainer_state(cfg, len(run.prompts), run.data_position, step)
-    idx = prompt_indices(len(run.prompts), run.data_position, cfg.run.batch_size, cfg.run.seed)
+    idx, sampling = step_batch(run, step, run.data_position)
     run.data_position += cfg.run.batch_size
-    sampling = cfg.sampling.params(cfg.response_length, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
-                                   stop_ids=run.stop_ids)
-    rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
-    check_version(rollout, run.expected_version)
+    if run.ahead is None:
+        rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
+        check_version(rollout, run.expected_version)
+    else:  # time/rollout: the wait for it; time/generate: its own generation
+        rollout, timings["time/generate"], lag = take_rollout(run, step, idx, sampling)
+        timings["time/push_wait"] = timings["time/probe_learner"] = 0.0
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
@@ -270,6 +328,8 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
            if cfg.single_pass and single_pass(settings, run.dist.enabled) else None)
     exp, stats = experience(run, rollout, scores, fwd)
+    if run.ahead is not None:
+        stats["mismatch/version_lag"] = float(lag)
     if run.unchecked_push:  # the first rollout after a push is its parity probe, before any update uses it
         stats["probe/max_abs_logprob_diff"] = check_parity(
             stats["mismatch/max_abs_diff"], cfg.rollout.probe_tol, rollout.weights_version, run.run_dir,
@@ -285,41 +345,53 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings["time/update"] = time.perf_counter() - t2
     if cfg.adap_kl_ctrl:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
+    learner_side = None
+    if run.ahead is not None and due(step, cfg.rollout.sync_every, cfg.run.steps):
+        t = time.perf_counter()  # the probe's learner half, for the weights about to be pushed, while the engine runs
+        learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
+                                          run.engine_manifest)
+        timings["time/probe_learner"] = time.perf_counter() - t
+        timings["time/push_wait"] = run.ahead.wait()  # a push never meets a generation
     t3 = time.perf_counter()
     if due(step, cfg.rollout.sync_every, cfg.run.steps):
-        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None:  # the next rollout checks it
+        # the next rollout checks it (not an overlapped run's: that one comes from older weights than the learner's)
+        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None and run.ahead is None:
             run.engine.update_weights(canonical_params(run.policy)[0])
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
             # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
             run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.sampling.temperature,
                                                       cfg.rollout.probe_tol, run.run_dir,
-                                                      int8_manifest=run.engine_manifest)
+                                                      int8_manifest=run.engine_manifest, learner_side=learner_side)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
     timings["time/weight_push"] = time.perf_counter() - t3
     tokens = float(rollout.response_mask.sum())
     warn_small_tis_weights(run, step, stats, sampling, log)
     quantized = run.engine_manifest is not None
     cause = name_mismatch(stats, quantized=quantized)
-    if cause is not None and not (quantized and cause == "precision" and run.precision_told):
-        run.precision_told = run.precision_told or cause == "precision"
+    once = cause == "version_lag" or (quantized and cause == "precision")  # expected every step: named once
+    if cause is not None and not (once and cause in run.told):
+        if once:
+            run.told.add(cause)
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
-            + (f" [correction: {cfg.correction}; told once]" if quantized and cause == "precision" else ""))
+            + (f" [correction: {cfg.correction}; told once]" if once else ""))
     if stats["kl/k1"] < -1e-6:
         log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
                                                    quantized))
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
             **reward_stats, **logged, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
             "response/length": tokens / rollout.num_rows, "engine/weights_version": run.engine.weights_version,
-            "tokens_per_s": tokens / max(timings["time/rollout"], 1e-9), **timings,
+            "tokens_per_s": tokens / max(timings.get("time/generate") or timings["time/rollout"], 1e-9), **timings,
             "time/step": time.perf_counter() - t0}
 
 
 def save(run: Run, step: int) -> Path:
     state = {"kl_coef": run.kl_coef, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
+    held = run.ahead.held() if run.ahead is not None else None  # the batch in flight: its weights are gone
+    files = {PENDING_FILE: {"step": held[0], "batch": held[1]}} if held is not None else None
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
-                           state, run.cfg.ckpt.keep_checkpoints)
+                           state, run.cfg.ckpt.keep_checkpoints, files=files)
 
 
 def trainer_state(cfg: PPOConfig, num_prompts: int, data_position: int, step: int,
@@ -338,6 +410,8 @@ def evaluate(run: Run, step: int = 0) -> dict[str, float]:
     cfg, t0 = run.cfg, time.perf_counter()
     if run.eval_set is None or not cfg.eval_steps:
         return {}
+    if run.ahead is not None:
+        run.ahead.wait()  # the engine is idle (a push was due at an evaluation step, so nothing is in flight)
     chunk = max(1, cfg.run.batch_size * cfg.num_generations)  # what the engine was sized for
     sampling = SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids)
     prompts, completions, extra, tokens = [], [], {}, 0.0
@@ -377,7 +451,7 @@ def final(run: Run, log=print) -> None:
 def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
     """The PPO job for :func:`refit.learner.run.loop.run_job`; ``rewards``: loaded already (Python callables)."""
     return Job("ppo", setup=partial(setup, rewards=rewards), step=partial(step_and_evaluate, log=log), save=save,
-               engines=lambda run: [run.engine, run.ref_engine],
+               engines=lambda run: [run.ahead, run.engine, run.ref_engine],  # the thread first: it uses the engine
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
                plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))
 

@@ -7,7 +7,11 @@ log-probs (``rollout_plain_logprobs``) and the learner's (``old_logprobs``) sits
   (left padding forced on T5's encoder, positions not taken from the mask; the TRL seed bug);
 - precision: every row disagrees a little (fp16/bf16 on one side, fp32 on the other), or, with an int8
   rollout engine (``rollout.quantize``), every row disagrees by the engine's recorded int8-vs-fp32 gap;
-- weights: large disagreement everywhere (a stale or wrong weight push).
+- weights: large disagreement everywhere (a stale or wrong weight push);
+- version_lag: generation overlapped with the update (``rollout.max_staleness``): the batch was sampled with
+  weights ``mismatch/version_lag`` pushes older than the learner's, so the two disagree by the updates between
+  them, on purpose; corrected by the importance weights (tis) and not a fault (each push is checked on the probe
+  batch instead).
 
 Truncated sampling (top-k/top-p) is not a mismatch of the two models: it makes the sampled
 distribution differ from the policy, which biases k1 computed from the sampler's log-probs.
@@ -40,15 +44,19 @@ def mismatch_stats(batch, old_logprobs: torch.Tensor) -> dict[str, float]:
 
 
 def name_mismatch(stats: dict[str, float], tol: float = 1e-3, quantized: bool = False) -> str | None:
-    """'padding' | 'precision' | 'weights' | None (agreement within ``tol``).
+    """'padding' | 'version_lag' | 'precision' | 'weights' | None (agreement within ``tol``).
 
     ``quantized``: the engine runs in int8 and each push was checked against the learner's weights quantized
-    the same way (the probe), so a disagreement on every row is its precision, whatever its size."""
+    the same way (the probe), so a disagreement on every row is its precision, whatever its size.
+    ``stats["mismatch/version_lag"]`` > 0 (overlapped generation): the batch comes from older weights than the
+    learner's, so a disagreement on every row is that lag (each push was checked on the probe batch)."""
     if stats["mismatch/max_abs_diff"] <= tol:
         return None
     padded, unpadded = stats["mismatch/padded_rows_mean_abs_diff"], stats["mismatch/unpadded_rows_mean_abs_diff"]
     if padded > 10 * max(unpadded, 1e-6):
         return "padding"
+    if stats.get("mismatch/version_lag", 0) > 0:
+        return "version_lag"
     if quantized or stats["mismatch/mean_abs_diff"] < PRECISION_LIMIT:
         return "precision"
     return "weights"
@@ -62,6 +70,10 @@ _CAUSES = {
                  "dtype or enable mismatch_correction=tis (the default with rollout.quantize)",
     "weights": "engine and learner disagree everywhere: the engine holds other weights than the learner "
                "(stale or failed weight push)",
+    "version_lag": "the batch was sampled with older weights than the learner's (rollout.max_staleness: generation "
+                   "overlapped with the update; mismatch/version_lag pushes behind): expected, weighted by "
+                   "min(pi_learner / pi_engine, tis_cap) (mismatch_correction tis, the default with it); k1 over "
+                   "these samples is not KL(pi||ref) and can dip below 0 (kl/exact, a sum per position, cannot)",
 }
 
 

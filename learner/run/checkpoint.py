@@ -2,7 +2,8 @@
 
 A checkpoint folder ``checkpoints/step_000010/`` holds ``policy/`` (an HF checkpoint folder with
 its tokenizer: loadable and exportable as is), ``trainer.pt`` (value head, optimizer, scheduler,
-RNG states) and ``state.json`` (step, KL coefficient, data position, engine weight version, and the
+RNG states), any job file (PPO's ``pending_rollout.pt``: the batch in flight of an overlapped run) and
+``state.json`` (step, KL coefficient, data position, engine weight version, and the
 sha256 of every other file of the checkpoint, written last). ``--resume`` verifies those hashes and
 falls back, in one line, to the newest intact checkpoint when the newest one is damaged.
 """
@@ -36,7 +37,9 @@ def set_rng_state(s: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, optimizer, scheduler,
-                    state: dict, keep: int = 2) -> Path:
+                    state: dict, keep: int = 2, files: dict | None = None) -> Path:
+    """``files``: {name: object} written with torch.save beside trainer.pt (hashed like every file; PPO's batch in
+    flight with rollout.max_staleness)."""
     ck_root = Path(run_dir) / "checkpoints"
     ck_root.mkdir(parents=True, exist_ok=True)
     final = ck_root / f"step_{step:06d}"
@@ -50,6 +53,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
         torch.save(extra, tmp / "trainer.pt")
+        for name, obj in (files or {}).items():
+            torch.save(obj, tmp / name)
         files = {p.relative_to(tmp).as_posix(): sha256_files([p]) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "state.json").write_text(json.dumps({"step": step, **state, "sha256": files}, indent=1))
         fault_point("checkpoint.before_rename")

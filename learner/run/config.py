@@ -12,7 +12,7 @@ section     class                     fields
 ``data``    :class:`DataSection`      dataset, dataset_split, prompt_column, dataset_text_field, eval_split,
                                       eval_fraction (a local dataset); task, num_prompts, max_operand
 ``rollout`` :class:`RolloutSection`   backend, engine_threads, sync_every, probe_tol, probe_size,
-                                      probe_tokens, quantize
+                                      probe_tokens, quantize, max_staleness
 ``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
                                       ``--temperature``, ``top_k:``; the one section generate shares too)
 ``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
@@ -121,6 +121,13 @@ class RolloutSection:
                                "forward is most of a push's cost: 8 x 192 tokens took 1.0-1.4 s of a 1.2-2.3 s push "
                                "(bench ppo workload, 2 threads); 4 x 16 tokens still run every weight and check "
                                "every push")
+    max_staleness: int = _f(
+        0, "PPO: 0 = generate, then update (synchronous); k >= 1 = generate the next batch on a background thread "
+           "while the learner updates on this one (one batch in flight, so a batch is one weight push behind the "
+           "learner); a batch more than k pushes older than the learner's weights is refused in one line. The "
+           "engine gets rollout.engine_threads intra-op threads (0: half of torch's), the learner the rest; every "
+           "push waits for the generation in flight and is checked on the probe batch; mismatch_correction 'auto' "
+           "becomes tis (the engine's log-probs are the behaviour policy)")
 
 
 @dataclass(frozen=True)

@@ -117,27 +117,39 @@ def probe_reference(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module
     return rounded, PARITY_TOL[dtype]
 
 
+def probe_learner_side(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float,
+                       int8_manifest=None) -> tuple[torch.Tensor, float, torch.nn.Module]:
+    """The learner's half of :func:`probe_check`: (its log-probs on ``probe``, the tolerance floor, the model
+    compared). It needs only the weights about to be pushed, so an overlapped PPO run computes it while the engine
+    still generates (refit.learner.ppo.overlap), before the push."""
+    if int8_manifest is not None:
+        from refit.export.quantize import reference_model
+
+        model = reference_model(model, int8_manifest)
+    ref, floor = probe_reference(model, engine_dtype(engine))
+    return learner_view(ref, None, probe, temperature)[0], floor, model
+
+
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                run_dir: Path, label: str = "engine", int8_manifest=None) -> float:
+                run_dir: Path, label: str = "engine", int8_manifest=None, learner_side=None) -> float:
     """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``
     (for an fp16/bf16 engine: against ``model``'s weights in that dtype, ``tol`` at least the dtype's gate
     tolerance, :func:`probe_reference`).
 
     ``int8_manifest``: the engine is int8 (export/quantize.py): the learner side is ``model`` quantized as the engine
     quantizes it (``reference_model``); above ``tol``, the int8 rounding floor on this batch is measured and the
-    engine must be within twice it (export/quantize.py, Exactness)."""
-    p = probe
-    if int8_manifest is not None:
-        from refit.export.quantize import reference_model, rounding_floor
+    engine must be within twice it (export/quantize.py, Exactness).
 
-        model = reference_model(model, int8_manifest)
+    ``learner_side``: :func:`probe_learner_side`'s result, computed already (for the weights pushed)."""
+    p = probe
     eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
-    ref, floor = probe_reference(model, engine_dtype(engine))
-    mine = learner_view(ref, None, p, temperature)[0]
+    mine, floor, model = learner_side or probe_learner_side(engine, model, p, temperature, int8_manifest)
     dist = lambda other: float(((eng - other).abs() * p.response_mask).max())  # noqa: E731
     diff = dist(mine)
     tol = max(tol, floor)
     if int8_manifest is not None and diff > tol:
+        from refit.export.quantize import rounding_floor
+
         floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
                                lambda j: float(((j - mine).abs() * p.response_mask).max()))
         tol = max(tol, 2 * floor)
@@ -155,7 +167,9 @@ def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: st
 
 
 def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                 run_dir: Path, label: str = "engine", int8_manifest=None) -> tuple[int, float]:
-    """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff)."""
+                 run_dir: Path, label: str = "engine", int8_manifest=None, learner_side=None) -> tuple[int, float]:
+    """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff).
+    ``learner_side``: the probe's learner half for these weights, computed already (:func:`probe_learner_side`)."""
     engine.update_weights(canonical_params(model)[0])
-    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest)
+    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest,
+                                               learner_side)
