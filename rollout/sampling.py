@@ -54,7 +54,6 @@ def row_seed(seed: int, prompt: int, sample: int) -> int:
 
 MT_N, MT_M = 624, 397  # MT19937: state words, twist offset
 _MT_A, _MT_UPPER, _MT_LOWER = np.uint32(0x9908B0DF), np.uint32(0x80000000), np.uint32(0x7FFFFFFF)
-_MASK53 = np.uint64((1 << 53) - 1)
 
 
 def _mt_twist(state: np.ndarray) -> None:
@@ -162,10 +161,13 @@ class RowStreams:
     def exponential(self, n: int) -> torch.Tensor:
         """(rows, n) float64 Exp(1) draws, row i from stream i (each stream advances by n); see the class
         note on the last bit (:meth:`exact` gives the C library's values of the same draws)."""
-        w = self._words(2 * n).astype(np.uint64)
-        u = ((w[:, 0::2] << np.uint64(32)) | w[:, 1::2]) & _MASK53
-        self._u = u = u.astype(np.float64) * 2.0**-53
-        return torch.from_numpy(-np.log1p(-u))
+        w = self._words(2 * n)
+        # ((hi << 32 | lo) & (2^53 - 1)) * 2^-53, as the exact float64 sum of its two parts (no uint64 temporaries)
+        u = (w[:, 0::2] & np.uint32(0x1FFFFF)).astype(np.float64) * 2.0**-21
+        u += w[:, 1::2].astype(np.float64) * 2.0**-53
+        self._u = u
+        e = np.log1p(-u)
+        return torch.from_numpy(np.negative(e, out=e))
 
     def exact(self, rows: torch.Tensor) -> torch.Tensor:
         """(len(rows), n) float64: the last draw of those rows, exactly as ``exponential_`` gives it."""
