@@ -281,32 +281,34 @@ def _race(scores: torch.Tensor, generator: "torch.Generator | RowStreams",
         e = streams.exponential(n_blocks + RACE_BLOCK)  # (B, n_blocks + RACE_BLOCK), one stream per row
     else:
         e = torch.empty(b, n_blocks + RACE_BLOCK, dtype=torch.float64).exponential_(generator=generator)
-    ids, close = _race_keys(scores, mass, e, n_blocks, streams is not None)
+    # the scores as float64 in a (B, n_blocks * RACE_BLOCK) buffer, -inf past V (never drawn)
+    padded = buffers.get("padded", (b, n_blocks * RACE_BLOCK), torch.float64)
+    padded[:, :v] = scores
+    padded[:, v:] = NEG_INF
+    ids, close = _race_keys(padded, mass, e, n_blocks, streams is not None)
     if close is not None and close.any():  # a near tie: decide those rows with exponential_'s own values
         rows = close.nonzero().flatten()
-        e[rows] = streams.exact(rows)
-        ids[rows] = _race_keys(scores[rows], mass[rows], e[rows], n_blocks, False)[0]
+        ids[rows] = _race_keys(padded[rows], mass[rows], streams.exact(rows), n_blocks, False)[0]
     return ids, m, mass.sum(-1, keepdim=True)
 
 
-def _race_keys(scores: torch.Tensor, mass: torch.Tensor, e: torch.Tensor, n_blocks: int,
+def _race_keys(padded: torch.Tensor, mass: torch.Tensor, e: torch.Tensor, n_blocks: int,
                margins: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Both race levels from the Exp(1) draws ``e`` (B, n_blocks + RACE_BLOCK): (ids (B,), rows whose winning
-    key at either level is within EXACT_MARGIN of the runner-up, or None when ``margins`` is off)."""
-    v = scores.shape[1]
-    log_e = e.clamp(min=1e-300).log_()  # an E of exactly 0 would make a -inf key NaN
-    block_keys = mass.log() - log_e[:, :n_blocks]
-    block = block_keys.argmax(-1, keepdim=True)  # (B, 1)
-    idx = block * RACE_BLOCK + torch.arange(RACE_BLOCK)  # (B, RACE_BLOCK) token ids of the block
-    keys = scores.gather(-1, idx.clamp(max=v - 1)).double().masked_fill(idx >= v, NEG_INF) - log_e[:, n_blocks:]
-    ids = idx.gather(-1, keys.argmax(-1, keepdim=True)).squeeze(-1)
+    """Both race levels from float64 scores ``padded`` (B, n_blocks * RACE_BLOCK; -inf past V) and the Exp(1)
+    draws ``e`` (B, n_blocks + RACE_BLOCK): (ids (B,), rows whose winning key at either level is within
+    EXACT_MARGIN of the runner-up, or None when ``margins`` is off). ``e`` is overwritten."""
+    b = padded.shape[0]
+    log_e = e.clamp_(min=1e-300).log_()  # an E of exactly 0 would make a -inf key NaN
+    block_keys = mass.log().sub_(log_e[:, :n_blocks])
+    block = block_keys.argmax(-1)  # (B,)
+    keys = padded.view(b, n_blocks, RACE_BLOCK)[torch.arange(b), block].sub_(log_e[:, n_blocks:])  # (B, RACE_BLOCK)
+    top, slot = keys.max(-1)
+    ids = block * RACE_BLOCK + slot
     close = None
-    if margins:
-        close = torch.zeros(len(ids), dtype=torch.bool)
-        for k in (block_keys, keys):
-            if k.shape[1] > 1:
-                top = k.topk(2, -1).values
-                close |= (top[:, 0] - top[:, 1]) < EXACT_MARGIN  # -inf runner-up: inf, never close
+    if margins:  # a runner-up within the margin: at least two keys >= top - margin (-inf keys never are)
+        close = (keys >= (top - EXACT_MARGIN)[:, None]).sum(-1) > 1
+        if n_blocks > 1:
+            close |= (block_keys >= (block_keys.max(-1).values - EXACT_MARGIN)[:, None]).sum(-1) > 1
     return ids, close
 
 
