@@ -114,7 +114,7 @@ class FusedDecoderState(_FusedSteps):
         self.n = np.zeros(ids.shape[0], np.int32)
         cids = cids[:, :int(n.max())]  # a slice of a wider padded batch may be all padding on the left
         first, inverse = distinct_rows(cids, n)
-        if first is None:
+        if first is None or cids.shape[1] > self.kv.capacity:  # (too long: _run raises the one-line error)
             return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
         k, t, a = len(first), cids.shape[1], next(iter(self.kv.arrays.values()))
         tmp = KVBuffers(list(self.kv.arrays), k, a.shape[1], t, a.shape[3], a.dtype)

@@ -139,6 +139,8 @@ class RowStreams:
     def _words(self, k: int) -> np.ndarray:
         """(rows, k) uint32: the next k words of every row's MT19937 stream (each stream advances by k)."""
         parts = []
+        if not len(self.pos):
+            return np.empty((0, k), np.uint32)
         while k > 0:
             c = min(k, MT_N)
             p = self.pos
