@@ -54,6 +54,7 @@ class BenchGenerate(OnModel):
     batch_sizes: str = opt("1,8,32", "comma list of batch sizes")
     prompt_len: int = opt(32, "prompt tokens per row")
     new_tokens: int = opt(64, "generated tokens per row")
+    n: int = opt(1, "samples per prompt (a PPO/GRPO group): each batch is batch/n prompts x n samples")
     quantize: str = opt("none", "int8: the int8 engine (export --quantize int8) vs the fp32 engine vs HF generate(), "
                                 "the log-prob gap and the push time (bench/quantized.py); --backends is then unused")
     ct2_python: str = opt("", "with --quantize int8: a Python that has ctranslate2 (a separate venv) to run "
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(m, a.source, a.backends)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
-                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads)
+                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n)
     elif which == "refit":
         from refit.bench.generate import bench_refit
 

@@ -16,6 +16,16 @@ Engines: ``onnxruntime`` is the engine folder (the fused-attention graph by defa
 ``matmul_fraction``: the decode step's FLOPs (:func:`decode_step_gflop`) over its median time, divided
 by the GFLOP/s that plain ``torch.matmul`` of the same shapes reaches here in the same run
 (:func:`matmul_gflops`): how far the step is from the cores' matmul limit.
+The backends run interleaved (one timed call of each in turn, ``repeats`` rounds), so a load burst on
+the shared CPU hits all of them; each row also has every call's time (``call_s_all``) and the response
+tokens actually produced (``response_tokens``: an engine stops a row at EOS, which a small-vocabulary
+model samples often; the batch still runs until its longest row ends, so ``hf_call_s_over_engine_call_s``
+compares the same number of decode steps). ``n`` samples per prompt make each batch ``batch / n`` prompts
+(``num_return_sequences`` for HF), the PPO/GRPO shape. The small-model, large-batch workload:
+
+    refit bench generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 --n 8 \
+        --prompt_len 32 --new_tokens 128 --threads 1
+
 The last stdout line is one JSON document; it carries the load averages at the start and end
 (``load_avg``), since the CPU is shared.
 """
@@ -81,25 +91,23 @@ def _summarise(t_calls: list[float], runs: list[list], rows: int, new_tokens: in
     }
 
 
-def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+def engine_call(engine, prompts: list[list[int]], new_tokens: int, n: int = 1):
+    """One timed ``engine.generate`` of ``prompts`` x ``n`` samples, seeded by the repeat: r -> (seconds, step
+    events, response positions run, response tokens)."""
     from refit.rollout.types import SamplingParams
 
-    calls, runs, ran = [], [], []
-    engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))  # warm-up
-    with PeakRSS() as mem:
-        for r in range(repeats):
-            events: list = []
-            t0 = time.perf_counter()
-            out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=r),
-                                  on_step=events.append)
-            calls.append(time.perf_counter() - t0)
-            runs.append(events)
-            ran.append(out.response_ids.shape[1])
-    return _summarise(calls, runs, len(prompts), min(ran), mem.mb)
+    def call(r: int):
+        events: list = []
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=r, n=n),
+                              on_step=events.append)
+        return time.perf_counter() - t0, events, out.response_ids.shape[1], int(out.response_mask.sum())
+
+    return call
 
 
-def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int,
-                    side: str = "left") -> dict:
+def hf_call(model, prompts: list[list[int]], new_tokens: int, pad_id: int, side: str = "left", n: int = 1):
+    """The same for HF ``generate()`` (``num_return_sequences=n``, every row runs ``new_tokens``)."""
     from transformers import LogitsProcessorList
 
     from refit.core.padding import pad_batch
@@ -110,21 +118,49 @@ def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: i
     s2s = bool(getattr(model.config, "is_encoder_decoder", False))
     start = 1 if s2s else ids.shape[1]  # where the response begins in generate()'s input_ids
     kw = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
-              min_new_tokens=new_tokens, pad_token_id=pad_id)
+              min_new_tokens=new_tokens, pad_token_id=pad_id, num_return_sequences=n)
     no_stops = torch.zeros(0, dtype=torch.int64)  # min_new_tokens: every row runs to the end
-    with torch.no_grad():
-        model.generate(ids, **kw)  # warm-up
-        calls, runs = [], []
-        with PeakRSS() as mem:
-            for r in range(repeats):
-                torch.manual_seed(r)
-                events: list = []
-                t0 = time.perf_counter()
-                clock = LogitsProcessorList([HFStepClock(events.append, start, no_stops)])
-                model.generate(ids, logits_processor=clock, **kw)
-                calls.append(time.perf_counter() - t0)
-                runs.append(events)
-    return _summarise(calls, runs, len(prompts), new_tokens, mem.mb)
+
+    def call(r: int):
+        torch.manual_seed(r)
+        events: list = []
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            clock = LogitsProcessorList([HFStepClock(events.append, start, no_stops)])
+            model.generate(ids, logits_processor=clock, **kw)
+            seconds = time.perf_counter() - t0
+        return seconds, events, new_tokens, ids.shape[0] * n * new_tokens
+
+    return call
+
+
+def run_interleaved(calls: dict, rows: int, repeats: int) -> dict[str, dict]:
+    """Every call once as warm-up, then ``repeats`` rounds of one timed run of each, in turn: on a shared CPU
+    the backends see the same load (a load burst spreads over all of them rather than landing on one)."""
+    for call in calls.values():
+        call(0)  # warm-up
+    got = {name: ([], [], [], [], []) for name in calls}
+    for r in range(repeats):
+        for name, call in calls.items():
+            with PeakRSS() as mem:
+                seconds, events, ran, tokens = call(r)
+            for lst, x in zip(got[name], (seconds, events, ran, tokens, mem.mb)):
+                lst.append(x)
+    out = {}
+    for name, (secs, runs, ran, tokens, mems) in got.items():
+        out[name] = _summarise(secs, runs, rows, min(ran), max(mems))
+        out[name]["response_tokens"] = int(statistics.median(tokens))  # engines stop a row at EOS
+        out[name]["call_s_all"] = [round(x, 3) for x in secs]
+    return out
+
+
+def run_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    return run_interleaved({"e": engine_call(engine, prompts, new_tokens)}, len(prompts), repeats)["e"]
+
+
+def run_hf_generate(model, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int,
+                    side: str = "left") -> dict:
+    return run_interleaved({"hf": hf_call(model, prompts, new_tokens, pad_id, side)}, len(prompts), repeats)["hf"]
 
 
 def decode_step_gflop(model, batch: int, context: int) -> tuple[float, list[tuple[int, int]]]:
@@ -180,7 +216,7 @@ def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None
 
 
 def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
-                   new_tokens: int, repeats: int, threads: int, log=print) -> dict:
+                   new_tokens: int, repeats: int, threads: int, log=print, n: int = 1) -> dict:
     """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
     standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
     of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
@@ -207,31 +243,34 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
             engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
     limits = {}
     for bs in batch_sizes:
-        prompts = all_prompts[:bs]
+        if bs % n:
+            raise ValueError(f"batch size {bs} is not a multiple of --n {n}")
+        prompts = all_prompts[:bs // n]  # bs rows: bs / n prompts, n samples each (a PPO/GRPO group)
         gflop, shapes = decode_step_gflop(hf, bs, prompt_len + new_tokens // 2)
         by_threads = matmul_gflops(shapes, bs, threads)
         limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": max(by_threads.values()),
                       "matmul_gflops_by_threads": by_threads}
         log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP; torch.matmul of its shapes runs at "
             f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here (threads: {by_threads})")
-        r = run_hf_generate(hf, prompts, new_tokens, repeats, info.pad_id, side)
-        r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
-        results.append({"backend": "hf_generate", "batch": bs, **r})
-        log(f"batch {bs:>3} hf_generate   {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
-            f"decode p50 {r['decode_ms_p50']:6.1f} ms")
-        for name, eng in engines.items():
-            r = run_engine(eng, prompts, new_tokens, repeats)
+        calls = {"hf_generate": hf_call(hf, prompts, new_tokens, info.pad_id, side, n)}
+        calls.update({name: engine_call(eng, prompts, new_tokens, n) for name, eng in engines.items()})
+        for name, r in run_interleaved(calls, bs, repeats).items():
             r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
             results.append({"backend": name, "batch": bs, **r})
-            log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  ttft {r['ttft_ms']:7.1f} ms  "
-                f"decode p50 {r['decode_ms_p50']:6.1f} ms")
+            log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  call {r['call_s']:7.3f} s  "
+                f"ttft {r['ttft_ms']:7.1f} ms  decode p50 {r['decode_ms_p50']:6.1f} ms  "
+                f"({r['response_tokens']} response tokens)")
     for e in engines.values():
         e.close()
     base = {r["batch"]: r["tokens_per_s"] for r in results if r["backend"] == "hf_generate"}
+    calls_hf = {r["batch"]: r["call_s"] for r in results if r["backend"] == "hf_generate"}
     speedup = {b: {str(r["batch"]): round(r["tokens_per_s"] / base[r["batch"]], 3)
                    for r in results if r["backend"] == b} for b in backends}
+    call_ratio = {b: {str(r["batch"]): round(calls_hf[r["batch"]] / r["call_s"], 3)
+                      for r in results if r["backend"] == b} for b in backends}
     return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "threads": threads, "repeats": repeats, "results": results, "speedup_vs_hf_generate": speedup,
+            "n": n, "threads": threads, "repeats": repeats, "interleaved": True,
+            "hf_call_s_over_engine_call_s": call_ratio, "results": results, "speedup_vs_hf_generate": speedup,
             "onnxruntime_attention": Manifest.read(engine_dir).attention or "plain", "matmul_limit": limits,
             "load_avg": _load(load_before)}
 

@@ -29,6 +29,27 @@ def _run_fused(sess, host: dict[str, np.ndarray], kv: dict, bound: dict | None =
     return run_bound(sess, "cpu", host, bound or {}, ["logits"], inplace=kv)["logits"].numpy()
 
 
+DEDUP_MIN = 2  # prefill each distinct prompt once when rows repeat prompts at least this many times on average
+
+
+def distinct_rows(cids: np.ndarray, n: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Compact prompts (B, T) and lengths (B,) -> (the first row of each distinct prompt (k,), each row's index
+    into those (B,)), or (None, None) when rows repeat prompts fewer than :data:`DEDUP_MIN` times on average.
+
+    Measured 2026-12-04 (small-gpt2, 16 prompts x 8 samples x 32 tokens, 1 thread, interleaved, load 5.6 on 2
+    cores): the prefill of the (128, 32) batch took 270 ms row by row, 45 ms with the 16 distinct prompts run
+    once and their K/V (4 layers x K, V; 128 rows x 32 positions) copied. A row's logits and K/V do not
+    depend on the other rows of a run (tested: the same tokens and log-probs either way).
+    """
+    if len(n) < 2 * DEDUP_MIN - 1:
+        return None, None
+    key = np.concatenate([n[:, None].astype(np.int64), cids], 1)
+    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    if len(first) * DEDUP_MIN > len(n):
+        return None, None
+    return first, inverse.reshape(-1)
+
+
 class KVPool:
     """The engine's buffer set: one :class:`KVBuffers`, reallocated only when a call needs more rows or length."""
 
@@ -82,12 +103,27 @@ class FusedDecoderState(_FusedSteps):
     """:class:`refit.rollout.engine.StepState` over a fused decoder-only graph, with slots (in-flight batching)."""
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, Tp) left-padded prompt -> (B, V) logits after each row's last token."""
+        """(B, Tp) left-padded prompt -> (B, V) logits after each row's last token.
+
+        Rows that repeat a prompt (``n`` samples of it: a PPO/GRPO group) are prefilled once: the distinct
+        prompts run into a scratch buffer whose K/V are then copied to every row holding them (see
+        :func:`distinct_rows`).
+        """
         self.kv = self.pool.get(ids.shape[0], self.capacity)
         cids, _, n = compact(ids.numpy(), mask.numpy())
         self.n = np.zeros(ids.shape[0], np.int32)
         cids = cids[:, :int(n.max())]  # a slice of a wider padded batch may be all padding on the left
-        return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
+        first, inverse = distinct_rows(cids, n)
+        if first is None or cids.shape[1] > self.kv.capacity:  # (too long: _run raises the one-line error)
+            return self._run(cids, n, (n - 1)[:, None].astype(np.int64))[:, -1]
+        k, t, a = len(first), cids.shape[1], next(iter(self.kv.arrays.values()))
+        tmp = KVBuffers(list(self.kv.arrays), k, a.shape[1], t, a.shape[3], a.dtype)
+        u = n[first]
+        out = _run_fused(self.sess, step_inputs(cids[first], np.zeros(k, np.int32), u, (u - 1)[:, None]), tmp.values)
+        for name, buf in self.kv.arrays.items():
+            np.take(tmp.arrays[name], inverse, axis=0, out=buf[:, :, :t])
+        self.n = n.astype(np.int32)
+        return torch.from_numpy(out[:, -1]).float()[torch.from_numpy(inverse)]
 
     def open(self, slots: int) -> None:
         """In-flight batching (rollout/decode.py): buffers for ``slots`` rows, every one idle."""

@@ -231,3 +231,25 @@ def test_fused_engine_refused_off_the_cpu_provider(engine_dirs, arch):
     provider lookup or session (so the same line on a machine without CUDA)."""
     with pytest.raises(RefitError, match="fused-attention graph, run here on the CPU provider only"):
         create_engine("onnxruntime", engine_dirs[arch], device="cuda")
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_repeated_prompts_prefilled_once_give_the_same_rows(engine_dirs, prompts, arch, monkeypatch):
+    """n samples per prompt: the distinct prompts are prefilled once and their K/V copied to every row
+    (rollout/ort_fused.py distinct_rows); tokens and log-probs equal the row-by-row prefill exactly."""
+    import refit.rollout.ort_fused as fused
+
+    params = SamplingParams(max_new_tokens=10, seed=4, temperature=0.9, n=3, return_topk=2)
+    eng = create_engine("onnxruntime", engine_dirs[arch])
+    runs = []
+    real = fused._run_fused
+    monkeypatch.setattr(fused, "_run_fused", lambda sess, host, *a, **k: runs.append(host["input_ids"].shape)
+                        or real(sess, host, *a, **k))
+    deduped = eng.generate(prompts, params)
+    assert runs[0][0] == len(prompts), "the prefill ran once per distinct prompt"
+    monkeypatch.setattr(fused, "DEDUP_MIN", 10**9)
+    runs.clear()
+    each = eng.generate(prompts, params)
+    assert runs[0][0] == len(prompts) * params.n
+    _same(deduped, each, tol=0)
+    assert torch.equal(deduped.topk_ids, each.topk_ids)

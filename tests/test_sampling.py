@@ -211,3 +211,66 @@ def test_rollout_batch_rows():
     one = b.rows([1])
     assert one.num_rows == 1 and torch.equal(one.response_ids, b.response_ids[1:])
     one.check()
+
+
+def _per_row_reference(seed, keys, steps, logits, params):
+    """The per-row streams as they were: one torch.Generator per row, one exponential_ call per row per step."""
+    import refit.rollout.sampling as S
+
+    gens = [make_generator(S.row_seed(seed, *k)) for k in keys]
+
+    class PerRow(S.RowStreams):  # the old draw, row by row, through the same race
+        def exponential(self, n):
+            out = torch.empty(len(gens), n, dtype=torch.float64)
+            for i, g in enumerate(gens):
+                out[i].exponential_(generator=g)
+            return out
+
+    streams = PerRow(seed, [])
+    buf = StepBuffers()
+    return [sample_step(x, params, streams, buf)[0] for x, _ in zip(logits, range(steps))]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(seed=3), SamplingParams(seed=3, temperature=0.7, top_p=0.9)])
+def test_vectorised_row_streams_keep_per_row_tokens(params, monkeypatch):
+    """RowStreams steps every row's MT19937 at once: its draws are exponential_'s (exact() bit for bit,
+    exponential() to the last bit) and the tokens are the per-row generators' ones, on the default path
+    and on the near-tie path (every row redone with exact(), EXACT_MARGIN forced to inf)."""
+    import refit.rollout.sampling as S
+
+    keys = [(p, s) for p in range(9) for s in range(2)]
+    v = 2 * RACE_BLOCK + 40
+    logits = [torch.randn(len(keys), v, generator=torch.Generator().manual_seed(i)) * 3 for i in range(6)]
+    want = _per_row_reference(3, keys, 6, logits, params)
+    for margin in (S.EXACT_MARGIN, float("inf")):
+        monkeypatch.setattr(S, "EXACT_MARGIN", margin)
+        streams, buf = S.RowStreams(3, keys), StepBuffers()
+        got = [sample_step(x, params, streams, buf)[0] for x in logits]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    streams = S.RowStreams(11, keys)
+    gens = [make_generator(S.row_seed(11, *k)) for k in keys]
+    for step, n in enumerate([258, 1, 700, 5, 624, 300]):
+        if step == 2:  # a slot takes a new row (in-flight batching): its stream restarts
+            streams.assign(4, (50, 1))
+            gens[4] = make_generator(S.row_seed(11, 50, 1))
+        fast = streams.exponential(n)
+        ref = torch.stack([torch.empty(n, dtype=torch.float64).exponential_(generator=g) for g in gens])
+        assert torch.equal(streams.exact(torch.arange(len(keys))), ref)
+        assert (fast - ref).abs().max() < 1e-14
+
+
+def test_row_tokens_do_not_depend_on_the_batch():
+    """A row's tokens are a function of (seed, its key, its logits): alone, or among other rows in any order."""
+    from refit.rollout.sampling import RowStreams
+
+    keys = [(p, s) for p in range(6) for s in range(3)]
+    logits = [torch.randn(len(keys), 300, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    params = SamplingParams(seed=7)
+    whole = torch.stack([sample_step(x, params, s)[0] for s in [RowStreams(7, keys)] for x in logits])
+    order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))
+    mixed = torch.stack([sample_step(x[order], params, s)[0] for s in [RowStreams(7, [keys[i] for i in order])]
+                         for x in logits])
+    assert torch.equal(mixed, whole[:, order])
+    for r in (0, 7, 17):
+        alone = torch.stack([sample_step(x[r:r + 1], params, s)[0] for s in [RowStreams(7, [keys[r]])] for x in logits])
+        assert torch.equal(alone[:, 0], whole[:, r])
