@@ -167,6 +167,11 @@ class QDQLinear(torch.nn.Module):
         self.register_buffer("w", dequantize(q, s))
         self.bias = None if bias is None else bias.detach().float()
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight as a Linear holds it, (out, in): HF code reads it (T5's ``wo.weight.dtype``)."""
+        return self.w.t()
+
     def forward(self, x):
         y = x.float() @ self.w
         return (y + self.bias if self.bias is not None else y).to(x.dtype)
