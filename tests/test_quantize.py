@@ -220,6 +220,10 @@ def test_qdq_graph_structure(qdq_engine_dirs, arch):
     ops = [n.op_type for n in proto.graph.node]
     assert "MatMulInteger" not in ops and "MatMulNBits" not in ops
     twins = q.weights["decoder"]
+    refit_names = [n for tw in twins.values() for n in (tw.weight, tw.scale)]
+    assert len(refit_names) == len(set(refit_names)), "each int8 weight and scale belongs to one fp32 weight"
+    targets = [t.engine for ts in m.weight_map.values() for t in ts if t.graph == "decoder"]
+    assert all(targets.count(w) == 1 for w in twins), "each quantized weight is fed by one weight-map entry"
     dqs = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dqs) == len(twins) == q.quantized_matmuls
     for tw in twins.values():
