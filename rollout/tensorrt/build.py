@@ -22,7 +22,7 @@ manifest's engine names are the refit names (:func:`trt_weight_name`).
 
 A quantized folder (``--backend tensorrt --quantize int8``, export/quantize.py's ``int8-qdq``: int8 weight
 initializers through ``DequantizeLinear`` into fp32 matmuls) is built as a strongly typed network, as TensorRT 10's
-guide asks of explicit quantization (no INT8 flag: that is the weakly typed, implicit/calibrated path), REFIT and
+guide asks of explicit quantization (no precision flags: INT8 is the weakly typed networks' switch), REFIT and
 the profiles as always; its refittable names are the int8 twins and their scales (:func:`mapped_trt_names`), and
 step 5 fails the build where TensorRT folded either into a constant it cannot refit.
 

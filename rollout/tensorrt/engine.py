@@ -66,7 +66,8 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
             if name not in wanted or init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             if init.data_type not in by_onnx:
-                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, not fp32/fp16/bf16/int8")
+                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, not "
+                                 "fp32/fp16/bf16/int8")
             ext = {e.key: e.value for e in init.external_data}
             np_dt, torch_dt = by_onnx[init.data_type]
             count = int(np.prod(init.dims)) if init.dims else 1
