@@ -11,7 +11,9 @@ Three layers, split by cost:
    skip with the reason where TensorRT or a CUDA device is absent.
 
 Parity of generate/score with the PyTorch reference, stand-in and real TensorRT, fp32 and fp16,
-is the matrix in tests/test_parity.py; the refit tests here compare with the reference too.
+is the matrix in tests/test_parity.py; the refit tests here compare with the reference too. The int8
+Q/DQ folder (``--backend tensorrt --quantize int8``) is built and refitted at the end (its graph and its
+ONNX Runtime parity: tests/test_quantize.py).
 """
 
 from __future__ import annotations
