@@ -198,13 +198,14 @@ class QuantizedWeight:
 class Quantization:
     """An int8 engine's record (export/quantize.py): its scheme, its twins, its gate and its gap to fp32."""
 
-    scheme: str  # "int8": per-column symmetric int8 weights x per-row symmetric int8 activations, MatMulInteger
+    scheme: str  # "int8": per-column symmetric int8 weights x per-row symmetric int8 activations, MatMulInteger;
+    # "int8-qdq" (TensorRT): the same int8 weights through DequantizeLinear (scale per output column), fp32 matmuls
     weights: Mapping[str, Mapping[str, QuantizedWeight]]  # {graph: {fp32 engine weight name: its twin}}
     quantized_matmuls: int  # graph nodes that run in int8
     float_matmuls: int  # weight matmuls left in fp32 (no Linear/Conv1D reference for them)
     reference: str  # what the gate compared with (a PyTorch forward of the same quantized weights)
     max_abs_logprob_diff: float  # engine vs that reference: the gated quantity (max over positions and vocab)
-    tolerance_logprob: float  # 2 x the rounding floor's max, at least 1e-3; the push probe's tolerance too
+    tolerance_logprob: float  # 2 x the rounding floor's max, at least 1e-3 (int8-qdq: 1e-4, no floor to measure)
     # int8 engine vs the fp32 PyTorch forward on the parity prompts: a property of the engine, not a failure
     gap_vs_fp32: Mapping[str, float]
     # the reference against itself, its matmul inputs perturbed by 1e-6 relative: how far int8 rounding alone moves

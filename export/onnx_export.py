@@ -60,7 +60,7 @@ class ExportOptions:
     # applies and passes the parity gate, else plain; the manifest records which and why)
     attention: str = "auto"
     # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
-    # re-quantized (not on TensorRT yet); "none": as exported (dtype)
+    # re-quantized; backend "tensorrt": weight-only int8 through DequantizeLinear; "none": as exported (dtype)
     quantize: str = "none"
 
 
@@ -356,10 +356,11 @@ class _OneModel:
 def _check_quantize(opts: ExportOptions) -> None:
     """One line for a quantization this export cannot make (export/quantize.py)."""
     q = opts.quantize
-    if opts.backend == "tensorrt" and q != "none":  # explicit Q/DQ + refit of quantized weights: not built yet
-        raise RefitError(f"quantize {q} is not available on TensorRT yet (ONNX Runtime CPU: quantize int8)")
+    if q == "fp8":  # TensorRT's FP8 GEMMs want Q/DQ on activations too, with calibrated scales (docs/int8.md)
+        raise RefitError("quantize fp8 is not built: FP8 matmuls need calibrated activation scales (a calibration "
+                         "step refit does not have); use quantize int8 (TensorRT: weight-only Q/DQ)")
     if q not in ("none", "int8"):
-        raise RefitError(f"unknown quantize {q!r} for ONNX Runtime; choose none or int8 (fp8: TensorRT only)")
+        raise RefitError(f"unknown quantize {q!r}; choose none or int8")
     if q != "none" and opts.dtype != "fp32":
         raise RefitError(f"quantize {q} starts from fp32 weights; got dtype {opts.dtype}")
 

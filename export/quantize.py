@@ -43,6 +43,15 @@ output by less than the floor cannot be told from rounding; a push not taken aft
 Weight map. The manifest's ``weight_map`` is unchanged (HF name -> fp32 engine name); ``quantization.weights``
 names each fp32 engine weight's int8 twin. :func:`quantize_push` turns a mapped push into the twins (the
 fp32 weight itself is dropped unless another node, a tied embedding's ``Gather``, still reads it).
+
+The TensorRT scheme (``"int8-qdq"``, ``refit export --backend tensorrt --quantize int8``): weight-only int8 through
+explicit quantization. Each quantized weight is the same int8 twin (:func:`quantize_weight`, stored (K, N)) feeding
+``DequantizeLinear(axis=1)`` with its per-output-column scale, into the MatMul / Gemm (a ``transB=1`` Gemm becomes
+``transB=0``: the twin is (K, N)); activations stay fp32. It is standard ONNX, so ONNX Runtime's CPU provider runs
+the very graph TensorRT parses, and the gate compares it with :class:`QDQLinear` (an fp32 matmul by the
+dequantized weight ``q * scale``): no activation rounding, so no rounding floor, fp32 parity's 1e-4 tolerance.
+A push re-quantizes with the same :func:`quantize_push`; TensorRT refits the int8 weight and its scale by their
+ONNX names (rollout/tensorrt/engine.py). docs/int8.md says what ran where.
 """
 
 from __future__ import annotations
@@ -58,7 +67,9 @@ import torch
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, QuantizedWeight, Quantization
 
-SCHEMES = ("none", "int8")  # ExportOptions.quantize on the ONNX Runtime engine
+SCHEMES = ("none", "int8")  # ExportOptions.quantize (both backends)
+QDQ = "int8-qdq"  # Quantization.scheme of a TensorRT export: weight-only int8, DequantizeLinear into fp32 matmuls
+QDQ_GATE_TOL = 1e-4  # the Q/DQ gate's max |logprob diff| (fp32 parity's: the arithmetic is fp32 on both sides)
 GATE_TOL_MIN = 1e-3  # the int8 gate's least tolerance on max |logprob diff| (the fp32 probe's default)
 FLOOR_JITTER = 1e-6  # relative perturbation of every quantized matmul input when measuring the rounding floor
 _TINY = 1e-30  # floor of a row's max |x|: an all-zero row quantizes to 0, never divides by 0
@@ -147,6 +158,36 @@ class Int8Linear(torch.nn.Module):
         return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
 
 
+class QDQLinear(torch.nn.Module):
+    """A Linear / Conv1D replaced by an fp32 matmul by its dequantized weight ``q * scale`` (the Q/DQ gate's
+    reference: what ``DequantizeLinear`` then ``MatMul`` / ``Gemm`` compute)."""
+
+    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        q, s = quantize_weight(w_kn)
+        self.register_buffer("w", dequantize(q, s))
+        self.bias = None if bias is None else bias.detach().float()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight as a Linear holds it, (out, in): HF code reads it (T5's ``wo.weight.dtype``)."""
+        return self.w.t()
+
+    def forward(self, x):
+        y = x.float() @ self.w
+        return (y + self.bias if self.bias is not None else y).to(x.dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``DequantizeLinear(q, scale, axis=1)`` of a (K, N) int8 twin: ``float(q) * scale[n]``, one fp32 rounding."""
+    return q.float() * scale.float()
+
+
+def scheme_for(backend: str) -> str:
+    """The Quantization.scheme ``--quantize int8`` makes for an export backend ("onnx" | "tensorrt")."""
+    return QDQ if backend == "tensorrt" else "int8"
+
+
 def _module_kn(module) -> torch.Tensor | None:
     """The (K, N) weight a Linear (out, in) or Conv1D (in, out) multiplies by; None for any other module."""
     kind = type(module).__name__
@@ -182,16 +223,18 @@ def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]
 
 
 def reference_model(model, manifest: Manifest):
-    """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine."""
+    """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine
+    (:class:`QDQLinear`, the dequantized weights in fp32, for the TensorRT scheme)."""
     ref = copy.deepcopy(model)
     quant = manifest.quantization
+    layer = QDQLinear if quant is not None and quant.scheme == QDQ else Int8Linear
     mods = matmul_modules(ref, manifest)
     for g, twins in (quant.weights if quant else {}).items():
         for name in twins:
             for owner in mods[g][name]:
                 parent, _, leaf = owner.rpartition(".")
                 m = ref.get_submodule(owner)
-                setattr(ref.get_submodule(parent) if parent else ref, leaf, Int8Linear(_module_kn(m), m.bias))
+                setattr(ref.get_submodule(parent) if parent else ref, leaf, layer(_module_kn(m), m.bias))
     return ref
 
 
@@ -306,6 +349,65 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor],
     return twins, arrays, left
 
 
+def rewrite_graph_qdq(proto, weights: dict[str, torch.Tensor],
+                      names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
+    """The TensorRT scheme (:data:`QDQ`): every MatMul / Gemm by a weight in ``names`` reads
+    ``DequantizeLinear(int8 twin (K, N), scale (N,), axis=1)`` instead, in place; activations untouched.
+    Same return as :func:`rewrite_graph`. One DequantizeLinear per weight, placed before its first reader."""
+    from onnx import helper
+
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    twins: dict[str, QuantizedWeight] = {}
+    arrays: dict[str, torch.Tensor] = {}
+    used_float: set[str] = set()
+    left = 0
+    new_nodes = []
+    for node in g.node:
+        use = _weight_use(node, inits, names)
+        if use is None:
+            new_nodes.append(node)
+            used_float.update(node.input)
+            if node.op_type in ("MatMul", "Gemm") and any(i in inits and len(inits[i].dims) == 2 for i in node.input):
+                left += 1
+            continue
+        w, layout, _ = use
+        tw = twins.get(w)
+        if tw is None:
+            tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout,
+                                            keep_float=False)
+            arrays[tw.weight], arrays[tw.scale] = quantize_weight(kn(weights[w], layout))
+            new_nodes.append(helper.make_node("DequantizeLinear", [tw.weight, tw.scale], [f"{w}.dq"],
+                                              name=f"{w}.dq", axis=1))
+        elif tw.layout != layout:
+            raise RefitError(f"quantize: weight {w} is multiplied in two layouts; not supported")
+        inputs = list(node.input)
+        inputs[1] = f"{w}.dq"
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm":
+            attrs["transB"] = 0  # the twin is (K, N) whatever the fp32 weight's layout
+        new_nodes.append(helper.make_node(node.op_type, inputs, list(node.output), name=node.name, **attrs))
+    del g.node[:]
+    g.node.extend(new_nodes)
+    for w, tw in list(twins.items()):
+        if w in used_float:
+            twins[w] = QuantizedWeight(tw.weight, tw.scale, tw.layout, keep_float=True)
+    keep = [t for t in g.initializer if t.name not in twins or twins[t.name].keep_float]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    for tw in twins.values():  # placeholders: export.graph.write_graph puts the real bytes in as external data
+        for n in (tw.weight, tw.scale):
+            g.initializer.append(_placeholder(n))
+    return twins, arrays, left
+
+
+def _placeholder(name: str):
+    """An empty float32 initializer named ``name`` (a placeholder the graph writer fills)."""
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.zeros(0, np.float32), name)
+
+
 # ----------------------------------------------------------------------------- the export step
 
 
@@ -322,14 +424,20 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
     from refit.core.integrity import sha256_files as _sha256_files
     from refit.export.graph import write_graph as _write_graph
 
+    scheme = scheme_for((manifest.options or {}).get("backend", "onnx"))
+    rewrite = rewrite_graph_qdq if scheme == QDQ else rewrite_graph
     mods = matmul_modules(model, manifest)
     twins, graphs, n_q, n_left = {}, dict(manifest.graphs), 0, 0
     for g, spec in manifest.graphs.items():
         path = folder / spec.file
         proto = onnx.load(str(path), load_external_data=False)
         n_before = sum(n.op_type in ("MatMul", "Gemm") for n in proto.graph.node)
-        tw, arrays, left = rewrite_graph(proto, real.get(g, {}), set(mods.get(g, {})))
-        n_q += n_before - sum(n.op_type in ("MatMul", "Gemm") for n in proto.graph.node)
+        tw, arrays, left = rewrite(proto, real.get(g, {}), set(mods.get(g, {})))
+        if scheme == QDQ:  # the matmuls now reading a DequantizeLinear output
+            dq = {n.output[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+            n_q += sum(n.op_type in ("MatMul", "Gemm") and n.input[1] in dq for n in proto.graph.node)
+        else:  # the matmuls rewritten to MatMulInteger
+            n_q += n_before - sum(n.op_type in ("MatMul", "Gemm") for n in proto.graph.node)
         n_left += left
         if tw:
             twins[g] = tw
@@ -340,9 +448,11 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
                          "nothing to quantize")
     hashes = replace(manifest.hashes, graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                      engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()})
-    quant = Quantization(scheme="int8", weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
-                         reference="PyTorch uncached forward, quantized Linear/Conv1D layers as "
-                                   "export/quantize.int8_linear",
+    reference = ("PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.QDQLinear (fp32 "
+                 "matmul by the dequantized int8 weights)" if scheme == QDQ else
+                 "PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.int8_linear")
+    quant = Quantization(scheme=scheme, weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
+                         reference=reference,
                          max_abs_logprob_diff=float("nan"), tolerance_logprob=float("nan"), gap_vs_fp32={})
     manifest = replace(manifest, graphs=graphs, hashes=hashes, quantization=quant)
     manifest.write(folder)

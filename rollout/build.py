@@ -41,7 +41,16 @@ def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: s
     m = Manifest.read(engine_dir)
     return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
             and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused")
-            and (m.quantization.scheme if m.quantization else "none") == quantize)
+            and (m.quantization.scheme if m.quantization else "none") == _scheme(quantize, backend))
+
+
+def _scheme(quantize: str, backend: str) -> str:
+    """The manifest's quantization scheme an engine for ``backend`` quantized as ``quantize`` has."""
+    if quantize == "none":
+        return "none"
+    from refit.export.quantize import scheme_for
+
+    return scheme_for("tensorrt" if backend == "tensorrt" else "onnx")
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
@@ -58,6 +67,10 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from dataclasses import replace
 
         opts = replace(opts, attention="plain")
+    if backend == "tensorrt" and opts.quantize != "none" and opts.backend != "tensorrt":
+        from dataclasses import replace
+
+        opts = replace(opts, backend="tensorrt")  # the Q/DQ graph (export/quantize.py), not ONNX Runtime's int8
     if backend == "tensorrt":
         from refit.rollout.tensorrt.build import require_tensorrt
 
@@ -87,7 +100,8 @@ def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, r
         if quantize != "none":
             from refit.core.errors import RefitError
 
-            raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime), not {backend}")
+            raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime or tensorrt), "
+                             f"not {backend}")
         return Path(model_dir)
     return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize)
 
@@ -135,8 +149,9 @@ class ExportConfig:
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
     quantize: Literal["none", "int8"] = opt(
         "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-column int8 weights, per-row int8 "
-                "activations), weight pushes re-quantized; parity-gated against PyTorch on the same quantized "
-                "weights, the gap to fp32 recorded in the manifest (not on TensorRT yet)")
+                "activations; --backend tensorrt: weight-only int8 through DequantizeLinear, fp32 matmuls), weight "
+                "pushes re-quantized; parity-gated against PyTorch on the same quantized weights, the gap to fp32 "
+                "recorded in the manifest")
     overwrite: bool = opt(False, "replace an engine folder exported from other weights (without it: refused); an "
                                  "HF model or a run folder is never written over")
 

@@ -127,9 +127,10 @@ def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=pri
     quantize-dequantize PyTorch forward (:func:`refit.export.quantize.reference_model`), within twice the
     int8 rounding floor; the gap to fp32 recorded. Returns the manifest with its quantization record filled."""
     from refit.core.padding import pad_batch
-    from refit.export.quantize import GATE_TOL_MIN, reference_model, rounding_floor
+    from refit.export.quantize import GATE_TOL_MIN, QDQ, QDQ_GATE_TOL, reference_model, rounding_floor
 
     quant = manifest.quantization
+    qdq = quant.scheme == QDQ  # weight-only: no activation rounding, so no floor; fp32 parity's tolerance
     n_q, n_left = quant.quantized_matmuls, quant.float_matmuls
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask = pad_batch(seqs, manifest.special_ids.pad, manifest.padding.prompt_side)
@@ -140,21 +141,27 @@ def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=pri
     le, lr, lf = log_softmax(eng), log_softmax(ref), log_softmax(fp32)
     dlogp, dmean = float(np.abs(le - lr).max()), float(np.abs(le - lr).mean())
     fwd = lambda m: log_softmax(torch_reference_logits(m, manifest, ids, mask, fed))  # noqa: E731
-    floor = {"max_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).max()),
-             "mean_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).mean())}
-    tol = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"])
-    tol_mean = max(GATE_TOL_MIN / 10, 2 * floor["mean_abs_logprob"])
+    if qdq:
+        floor, tol, tol_mean = {}, QDQ_GATE_TOL, QDQ_GATE_TOL / 10
+    else:
+        floor = {"max_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).max()),
+                 "mean_abs_logprob": rounding_floor(qmodel, fwd, lambda j: np.abs(j - lr).mean())}
+        tol = max(GATE_TOL_MIN, 2 * floor["max_abs_logprob"])
+        tol_mean = max(GATE_TOL_MIN / 10, 2 * floor["mean_abs_logprob"])
     gap = {"max_abs_logprob": float(np.abs(le - lf).max()), "mean_abs_logprob": float(np.abs(le - lf).mean()),
            "max_abs_logit": float(np.abs(eng.astype(np.float64) - fp32).max()),
            # the engine's own greedy token's log-prob, int8 minus fp32, averaged: the bias a rollout sees
            "mean_token_logprob_gap": float(np.take_along_axis(le - lf, fed[..., None], -1).mean()),
            "greedy_agreement": float((eng.argmax(-1) == fp32.argmax(-1)).mean())}
     if not (np.isfinite(dlogp) and dlogp <= tol and dmean <= tol_mean):
+        why = "weight-only Q/DQ" if qdq else f"rounding floor max {floor['max_abs_logprob']:.3g}"
         raise RefitError(f"int8 parity gate failed: |logprob diff| max {dlogp:.3e} (tol {tol:.3g}), mean {dmean:.3e} "
-                         f"(tol {tol_mean:.3g}) against the quantize-dequantize PyTorch forward (rounding floor max "
-                         f"{floor['max_abs_logprob']:.3g}); the int8 engine does not compute what it should")
-    log(f"refit export: int8 engine, {n_q} matmuls in int8 ({n_left} left fp32); gate max|dlogprob| {dlogp:.2e} "
-        f"(tol {tol:.3g}, rounding floor {floor['max_abs_logprob']:.2e}); gap to fp32: max|dlogprob| "
+                         f"(tol {tol_mean:.3g}) against the quantize-dequantize PyTorch forward ({why}); the int8 "
+                         "engine does not compute what it should")
+    how = ("int8 weights through DequantizeLinear (TensorRT's graph, run by ONNX Runtime CPU)" if qdq
+           else f"rounding floor {floor['max_abs_logprob']:.2e}")
+    log(f"refit export: int8 engine ({quant.scheme}), {n_q} matmuls with int8 weights ({n_left} left fp32); gate "
+        f"max|dlogprob| {dlogp:.2e} mean {dmean:.2e} (tol {tol:.3g}; {how}); gap to fp32: max|dlogprob| "
         f"{gap['max_abs_logprob']:.3f}, greedy agreement {gap['greedy_agreement']:.2f}")
     return replace(manifest, quantization=replace(quant, max_abs_logprob_diff=dlogp, mean_abs_logprob_diff=dmean,
                                                   tolerance_logprob=tol, tolerance_mean=tol_mean,

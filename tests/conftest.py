@@ -77,6 +77,18 @@ def default_engine_dirs(tmp_path_factory, model_dirs):
 
 
 @pytest.fixture(scope="session")
+def qdq_engine_dirs(tmp_path_factory, model_dirs):
+    """{geometry: the TensorRT int8 export} (``--backend tensorrt --quantize int8``: int8 weights through
+    DequantizeLinear, plain attention), exported and gated here on ONNX Runtime CPU; no TensorRT plans built."""
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
+
+    root = tmp_path_factory.mktemp("engines-qdq")
+    opts = ExportOptions(backend="tensorrt", quantize="int8", attention="plain", max_batch=16, max_len=128)
+    return BuiltOnce(lambda g: build(model_dirs[g], root / g, opts=opts, log=lambda *_: None))
+
+
+@pytest.fixture(scope="session")
 def fp16_engine_dir(tmp_path_factory, model_dirs):
     """tiny-llama exported in fp16 (weights and activations), standard-op graph (the TensorRT stand-in builds
     from it): the fp16 rows of the parity matrix. The fused fp16 graph: tests/test_dtype.py."""

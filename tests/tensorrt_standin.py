@@ -33,9 +33,10 @@ class _DataType(enum.Enum):
     FLOAT, HALF, INT8, INT32, BOOL, UINT8, BF16, INT64 = range(8)
 
 
-_ONNX_DT = {1: _DataType.FLOAT, 10: _DataType.HALF, 7: _DataType.INT64, 6: _DataType.INT32, 9: _DataType.BOOL}
+_ONNX_DT = {1: _DataType.FLOAT, 10: _DataType.HALF, 7: _DataType.INT64, 6: _DataType.INT32, 9: _DataType.BOOL,
+            3: _DataType.INT8}
 _NP_DT = {_DataType.FLOAT: np.float32, _DataType.HALF: np.float16, _DataType.INT64: np.int64,
-          _DataType.INT32: np.int32, _DataType.BOOL: np.bool_}
+          _DataType.INT32: np.int32, _DataType.BOOL: np.bool_, _DataType.INT8: np.int8}
 
 
 def _read(ptr: int, shape, dt) -> np.ndarray:
@@ -89,7 +90,7 @@ class _Builder:
         pass
 
     def create_network(self, flags):
-        return SimpleNamespace(onnx=None)
+        return SimpleNamespace(onnx=None, flags=flags)
 
     def create_builder_config(self):
         return _Config()
@@ -99,7 +100,11 @@ class _Builder:
 
     def build_serialized_network(self, network, config):
         assert "REFIT" in config.flags
-        inputs = [i.name for i in onnx.load(network.onnx, load_external_data=False).graph.input]
+        graph = onnx.load(network.onnx, load_external_data=False).graph
+        if any(n.op_type == "DequantizeLinear" for n in graph.node):  # explicit quantization: strongly typed,
+            assert network.flags & 1, "a Q/DQ network must be strongly typed"  # no precision flags (TRT 10 guide)
+            assert not config.flags & {"FP16", "BF16", "INT8"}, config.flags
+        inputs = [i.name for i in graph.input]
         if not config.profiles or any(set(p) != set(inputs) for p in config.profiles):
             return None  # TensorRT refuses a dynamic input without a profile shape
         return json.dumps({"onnx": network.onnx, "profiles": config.profiles}).encode()
@@ -146,8 +151,9 @@ class _Engine:
     def run(self, feeds):
         from refit.export.graph import open_session
 
-        if self.session is None:
-            self.session = open_session(self.path, self.weights)[0]
+        if self.session is None:  # a Q/DQ graph as its ops say (rollout/ort_backend.py: no MatMulNBits fusion)
+            qdq = any(isinstance(w, np.ndarray) and w.dtype == np.int8 for w in self.weights.values())
+            self.session = open_session(self.path, self.weights, opt_level="basic" if qdq else "all")[0]
         outs = [o.name for o in self.session.get_outputs()]
         return dict(zip(outs, self.session.run(outs, feeds)))
 
@@ -202,7 +208,8 @@ class _Refitter:
 
     def get_weights_prototype(self, n):
         w = self.e.weights[n]
-        return _Weights({np.float32: _DataType.FLOAT, np.float16: _DataType.HALF}[w.dtype.type], 0, w.size)
+        return _Weights({np.float32: _DataType.FLOAT, np.float16: _DataType.HALF, np.int8: _DataType.INT8}[w.dtype.type],
+                        0, w.size)
 
     def set_named_weights(self, n, w, location="HOST"):
         assert location == "HOST", "host buffers only in the stand-in"

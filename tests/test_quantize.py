@@ -111,8 +111,10 @@ def test_bad_quantize_option_is_one_line(model_dirs, tmp_path):
     from refit.export.onnx_export import ExportOptions
     from refit.rollout.build import build
 
-    with pytest.raises(RefitError, match="fp8: TensorRT only"):
-        build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(quantize="fp8"))
+    for backend in ("onnx", "tensorrt"):  # fp8 needs calibrated activation scales: refused on both, in one line
+        with pytest.raises(RefitError, match="fp8 is not built: .*calibrat"):
+            build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(quantize="fp8", backend=backend))
+    assert not (tmp_path / "x").exists()
     with pytest.raises(RefitError, match="starts from fp32"):
         build(model_dirs["tiny-gpt2"], tmp_path / "x", opts=ExportOptions(quantize="int8", dtype="fp16"))
 
@@ -189,3 +191,96 @@ def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, promp
         probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m)
     eng.update_weights(canonical_params(model)[0])
     assert probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m) <= 1e-3
+
+
+# ----------------------------------------------------------------------------- TensorRT's scheme: weight-only Q/DQ
+# The graph TensorRT builds from (``--backend tensorrt --quantize int8``), run here by ONNX Runtime's CPU provider:
+# the same ops, so the same numbers up to fp32 summation order. tests/test_tensorrt.py builds and refits it.
+
+QDQ_TOL = 1e-5  # ORT CPU vs the fp32 matmul by dequantized weights: measured ~2e-7 (export gate, tiny-gpt2/llama)
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_qdq_graph_structure(qdq_engine_dirs, arch):
+    """Every quantized weight: an int8 (K, N) external initializer -> DequantizeLinear(axis=1) with a float32 (N,)
+    scale -> the B input of a MatMul / Gemm (transB=0); nothing of ONNX Runtime's int8 scheme; the gate's record."""
+    import onnx
+
+    from refit.export.quantize import QDQ
+    from refit.rollout.tensorrt.check import check_engine_folder, check_qdq
+
+    d = qdq_engine_dirs[arch]
+    m = Manifest.read(d)
+    q = m.quantization
+    assert q.scheme == QDQ and q.float_matmuls == 0 and q.rounding_floor == {}
+    assert q.max_abs_logprob_diff <= QDQ_TOL and q.tolerance_logprob == 1e-4  # measured, not just passed
+    assert q.gap_vs_fp32["max_abs_logprob"] > 100 * q.max_abs_logprob_diff  # int8 weights are not fp32 ones
+    proto = onnx.load(str(d / "decoder.onnx"), load_external_data=False)
+    inits = {t.name: t for t in proto.graph.initializer}
+    ops = [n.op_type for n in proto.graph.node]
+    assert "MatMulInteger" not in ops and "MatMulNBits" not in ops
+    twins = q.weights["decoder"]
+    refit_names = [n for tw in twins.values() for n in (tw.weight, tw.scale)]
+    assert len(refit_names) == len(set(refit_names)), "each int8 weight and scale belongs to one fp32 weight"
+    targets = [t.engine for ts in m.weight_map.values() for t in ts if t.graph == "decoder"]
+    assert all(targets.count(w) == 1 for w in twins), "each quantized weight is fed by one weight-map entry"
+    dqs = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == len(twins) == q.quantized_matmuls
+    for tw in twins.values():
+        w, s = inits[tw.weight], inits[tw.scale]
+        assert w.data_type == onnx.TensorProto.INT8 and s.data_type == onnx.TensorProto.FLOAT
+        assert tuple(s.dims) == (w.dims[1],) and w.data_location == s.data_location == onnx.TensorProto.EXTERNAL
+    for n in proto.graph.node:
+        if n.op_type == "Gemm":
+            assert all(a.i == 0 for a in n.attribute if a.name == "transB")
+    assert check_qdq(m, d / "decoder.onnx") == [] and check_engine_folder(d) == []
+
+
+def test_qdq_check_catches_planted_faults(qdq_engine_dirs, fresh_copy):
+    """A DequantizeLinear on the wrong axis, and a twin the record does not list (a push would never write it)."""
+    import dataclasses
+    import onnx
+
+    from refit.rollout.tensorrt.check import check_qdq, check_weight_map
+
+    d = fresh_copy(qdq_engine_dirs["tiny-llama"], "l")
+    m = Manifest.read(d)
+    proto = onnx.load(str(d / "decoder.onnx"), load_external_data=False)
+    dq = next(n for n in proto.graph.node if n.op_type == "DequantizeLinear")
+    next(a for a in dq.attribute if a.name == "axis").i = 0
+    onnx.save(proto, str(d / "decoder.onnx"))
+    assert any("axis 1" in p for p in check_qdq(m, d / "decoder.onnx")), check_qdq(m, d / "decoder.onnx")
+    fp32_name, tw = next((k, v) for k, v in m.quantization.weights["decoder"].items() if v.weight == dq.input[0])
+    dropped = {g: {k: v for k, v in ws.items() if k != fp32_name} for g, ws in m.quantization.weights.items()}
+    m2 = dataclasses.replace(m, quantization=dataclasses.replace(m.quantization, weights=dropped))
+    assert any(f"reads {tw.weight}, which is no quantized weight" in p for p in check_qdq(m2, d / "decoder.onnx"))
+    problems = check_weight_map(m2, d / "decoder.onnx")
+    assert any(f"{tw.weight} is the target of 0" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_qdq_engine_matches_reference_and_push_requantizes(qdq_engine_dirs, model_dirs, prompts, arch):
+    """ORT CPU on TensorRT's Q/DQ graph = the fp32 forward by dequantized weights, to fp32 rounding; a push of
+    perturbed fp32 tensors is re-quantized into the int8 twins and scales, changes the output, and matches the
+    reference holding the same perturbed tensors; the real tensors bring the first output back."""
+    m = Manifest.read(qdq_engine_dirs[arch])
+    eng = OrtEngine(qdq_engine_dirs[arch])
+    ref, model = _reference(model_dirs[arch], m)
+    batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
+    before = _score(eng, batch)
+    torch.testing.assert_close(before, _score(ref, batch), atol=QDQ_TOL, rtol=0)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    pushed = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    twin = next(iter(m.quantization.weights["decoder"].values()))
+    held = eng.weights["decoder"][twin.weight].clone()
+    eng.update_weights(pushed)
+    assert not torch.equal(eng.weights["decoder"][twin.weight], held), "the int8 twin was not re-quantized"
+    after = _score(eng, batch)
+    assert (after - before).abs().max() > 1e-2, "a perturbed push must change the output"
+    ref2, _ = _reference(model_dirs[arch], m, pushed)
+    torch.testing.assert_close(after, _score(ref2, batch), atol=QDQ_TOL, rtol=0)
+    greedy = SamplingParams(max_new_tokens=8, greedy=True)
+    assert torch.equal(eng.generate(prompts, greedy).response_ids, ref2.generate(prompts, greedy).response_ids)
+    eng.update_weights({n: p.detach() for n, p in params.items()})
+    torch.testing.assert_close(_score(eng, batch), before, atol=1e-6, rtol=0)

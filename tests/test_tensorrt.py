@@ -11,7 +11,9 @@ Three layers, split by cost:
    skip with the reason where TensorRT or a CUDA device is absent.
 
 Parity of generate/score with the PyTorch reference, stand-in and real TensorRT, fp32 and fp16,
-is the matrix in tests/test_parity.py; the refit tests here compare with the reference too.
+is the matrix in tests/test_parity.py; the refit tests here compare with the reference too. The int8
+Q/DQ folder (``--backend tensorrt --quantize int8``) is built and refitted at the end (its graph and its
+ONNX Runtime parity: tests/test_quantize.py).
 """
 
 from __future__ import annotations
@@ -386,3 +388,81 @@ def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_
     with pytest.raises(RefitError, match=f"incomplete.*{k}"):
         eng.update_weights(push)
     assert eng.weights_version == 1
+
+
+# ================================================================ int8 through Q/DQ (--backend tensorrt --quantize int8)
+
+def _qdq_reference(model_dir, manifest, pushed=None):
+    """The PyTorch engine over the fp32 model with its quantized layers as matmuls by dequantized int8 weights
+    (export/quantize.QDQLinear), ``pushed`` loaded first."""
+    from refit.core.checkpoint import load_model
+    from refit.export.quantize import reference_model
+
+    model = load_model(model_dir)
+    if pushed:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for n, t in pushed.items():
+                params[n].copy_(t)
+    from refit.rollout.torch_backend import TorchEngine
+
+    return TorchEngine(reference_model(model, manifest)), model
+
+
+@pytest.mark.parametrize("kind", ["stand-in", pytest.param("tensorrt", marks=GPU_ONLY)])
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_qdq_engine_builds_strongly_typed_and_refits_int8(kind, arch, qdq_engine_dirs, model_dirs, trt_folders):
+    """The Q/DQ folder builds as a strongly typed, refittable network whose refit names are the int8 twins and
+    their scales; it scores like the dequantized reference; a push of perturbed fp32 tensors is re-quantized and
+    refitted (both names), changes the output and matches the reference holding the same tensors. On the stand-in
+    (ONNX Runtime under the TrtEngine code paths) this checks our side; on real TensorRT also that TensorRT keeps
+    the int8 weights and scales refittable and computes what the graph says."""
+    folders = trt_folders(kind)
+    d = folders.get(f"{arch}-qdq", qdq_engine_dirs[arch])
+    m = Manifest.read(d)
+    rec = m.tensorrt["decoder"]
+    assert rec.precision == "strongly-typed Q/DQ (int8 weights, fp32 matmuls, TF32 off)" and rec.not_refittable == ()
+    twins = m.quantization.weights["decoder"]
+    names = set(tb.mapped_trt_names(m, "decoder"))
+    assert {t.weight for t in twins.values()} | {t.scale for t in twins.values()} <= names <= set(rec.refittable_weights)
+    assert not {k for k, t in twins.items() if not t.keep_float} & names, "a dropped fp32 weight is no refit name"
+    assert check_engine_folder(d) == []
+    tol = 1e-5 if kind == "stand-in" else ATOL["tensorrt"]["fp32"]
+    trt_eng = folders.open(d)
+    ref, model = _qdq_reference(model_dirs[arch], m)
+    a = ref.generate(PROMPTS, GREEDY)
+
+    def scores(eng):
+        return eng.score(a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask).logprobs
+
+    before = scores(trt_eng)
+    torch.testing.assert_close(before, scores(ref), atol=tol, rtol=0)
+    g = torch.Generator().manual_seed(2)
+    params = dict(model.named_parameters())
+    push = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    twin = next(iter(twins.values()))
+    held = trt_eng.weights["decoder"][twin.weight].clone()
+    trt_eng.update_weights(push)
+    if folders.fake is not None:
+        refitted = folders.fake.calls[-1]
+        assert refitted[0] == "refit" and {twin.weight, twin.scale} <= set(refitted[1])
+    assert trt_eng.weights["decoder"][twin.weight].dtype == torch.int8
+    assert not torch.equal(trt_eng.weights["decoder"][twin.weight].cpu(), held.cpu()), "twin not re-quantized"
+    after = scores(trt_eng)
+    assert (after - before).abs().max() > 1e-2, "refit changed nothing"
+    ref2, _ = _qdq_reference(model_dirs[arch], m, push)
+    torch.testing.assert_close(after, scores(ref2), atol=tol, rtol=0)
+    trt_eng.update_weights({n: p.detach() for n, p in params.items()})
+    torch.testing.assert_close(scores(trt_eng), before, atol=tol, rtol=0)
+    trt_eng.close()
+
+
+def test_build_engines_refuses_onnxruntime_int8_folder(qdq_engine_dirs, fresh_copy, monkeypatch):
+    """A folder quantized for ONNX Runtime (MatMulInteger) is refused in one line, before anything is built."""
+    d = fresh_copy(qdq_engine_dirs["tiny-llama"], "l")
+    _edit_manifest(d, lambda m: m["quantization"].__setitem__("scheme", "int8"))
+    use_stand_in(monkeypatch)
+    with pytest.raises(RefitError, match="quantized for ONNX Runtime .*--backend tensorrt --quantize int8"):
+        tb.build_engines(d, log=lambda *_: None)
+    assert not list(d.glob("*.plan"))
+    assert any("quantized for ONNX Runtime" in p for p in check_engine_folder(d))

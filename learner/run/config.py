@@ -113,7 +113,7 @@ class RolloutSection:
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
     quantize: Literal["none", "int8"] = _f(
         "none", "rollout engine precision: int8 runs the engine's linear layers in int8 (export --quantize int8; "
-                "onnxruntime backend), pushes re-quantized; the probe then compares the engine with the learner's "
+                "onnxruntime: int8 matmuls; tensorrt: int8 weights through Q/DQ, fp32 matmuls), pushes re-quantized; the probe then compares the engine with the learner's "
                 "weights quantized the same way, the reference and KL stay fp32, and PPO's mismatch_correction "
                 "'auto' becomes tis")
     probe_size: int = _f(4, "rows in the fixed probe batch")

@@ -20,6 +20,12 @@ TensorRT's ONNX parser names refittable weights after the ONNX initializers
 (``INetworkDefinition.setWeightsName``, see the TensorRT guide "Refitting an Engine"), so the
 manifest's engine names are the refit names (:func:`trt_weight_name`).
 
+A quantized folder (``--backend tensorrt --quantize int8``, export/quantize.py's ``int8-qdq``: int8 weight
+initializers through ``DequantizeLinear`` into fp32 matmuls) is built as a strongly typed network, as TensorRT 10's
+guide asks of explicit quantization (no precision flags: INT8 is the weakly typed networks' switch), REFIT and
+the profiles as always; its refittable names are the int8 twins and their scales (:func:`mapped_trt_names`), and
+step 5 fails the build where TensorRT folded either into a constant it cannot refit.
+
 ``tensorrt`` is imported only inside these functions: the package imports without it.
 """
 
@@ -79,8 +85,25 @@ def refit_targets(manifest: Manifest, graph: str) -> dict[str, list[tuple[str, W
 
 
 def mapped_trt_names(manifest: Manifest, graph: str) -> list[str]:
-    """Every TensorRT weight name of ``graph`` that the weight map feeds (what a refit writes)."""
-    return sorted({n for ts in refit_targets(manifest, graph).values() for n, _ in ts})
+    """Every TensorRT weight name of ``graph`` that the weight map feeds (what a refit writes): for a quantized
+    engine (``--quantize int8``) each quantized weight's int8 twin and its scale in place of the fp32 name (kept
+    too where another node still reads it, a tied embedding's Gather)."""
+    twins = quantized_twins(manifest, graph)
+    out = set()
+    for ts in refit_targets(manifest, graph).values():
+        for name, t in ts:
+            tw = twins.get(t.engine)
+            if tw is None or tw.keep_float:
+                out.add(name)
+            if tw is not None:
+                out.update((trt_weight_name(tw.weight), trt_weight_name(tw.scale)))
+    return sorted(out)
+
+
+def quantized_twins(manifest: Manifest, graph: str) -> dict:
+    """{fp32 engine weight: its QuantizedWeight} of ``graph`` (empty for an unquantized engine)."""
+    q = manifest.quantization
+    return dict(q.weights.get(graph, {})) if q is not None else {}
 
 
 # ------------------------------------------------------------------------------------ build
@@ -92,8 +115,12 @@ def _device() -> TrtDevice:
     return TrtDevice(name=torch.cuda.get_device_name(), compute_capability=f"{major}.{minor}")
 
 
-def _precision(trt, config, dtype: str, strongly_typed: bool) -> str:
+def _precision(trt, config, dtype: str, strongly_typed: bool, qdq: bool = False) -> str:
     """Set the builder's precision for the manifest dtype; returns what was chosen, for the manifest."""
+    if qdq:  # int8 weights through DequantizeLinear into fp32 matmuls: TF32 would break parity as for plain fp32
+        if hasattr(trt.BuilderFlag, "TF32"):
+            config.clear_flag(trt.BuilderFlag.TF32)
+        return "strongly-typed Q/DQ (int8 weights, fp32 matmuls, TF32 off)"
     if strongly_typed:
         return "strongly-typed (graph dtypes)"
     if dtype == "fp16":
@@ -121,6 +148,10 @@ def _parse(trt, builder, logger, onnx_path: Path, strongly_typed: bool):
 def build_plan(trt, logger, onnx_path: Path, manifest: Manifest, graph: str, workspace_gb: float,
                strongly_typed: bool | None = None) -> tuple[object, tuple[str, ...], str]:
     """Serialized refittable engine for one graph (``IHostMemory``); (plan, profile names in order, precision)."""
+    qdq = manifest.quantization is not None
+    if qdq:  # explicit quantization: "use explicit quantization with strong typing; precision-control build flags
+        # are not required and should not be specified" (TensorRT guide, Explicit Quantization); docs/int8.md
+        strongly_typed = True
     if strongly_typed is None:  # TensorRT 11 dropped the precision flags: the graph's dtypes decide
         strongly_typed = not hasattr(trt.BuilderFlag, "FP16")
     builder = trt.Builder(logger)
@@ -128,7 +159,7 @@ def build_plan(trt, logger, onnx_path: Path, manifest: Manifest, graph: str, wor
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
     config.set_flag(trt.BuilderFlag.REFIT)
-    precision = _precision(trt, config, manifest.dtype, strongly_typed)
+    precision = _precision(trt, config, manifest.dtype, strongly_typed, qdq)
     names = tuple(manifest.profiles[graph])
     for pname in names:
         profile = builder.create_optimization_profile()
@@ -159,6 +190,16 @@ def inspect_plan(trt, logger, plan, manifest: Manifest, graph: str) -> tuple[tup
     refittable = tuple(sorted(trt.Refitter(engine, logger).get_all_weights()))
     have = set(refittable)
     return refittable, tuple(n for n in mapped_trt_names(manifest, graph) if n not in have)
+
+
+def _check_quantized(manifest: Manifest) -> None:
+    """One line for a quantized folder TensorRT cannot build: only the weight-only Q/DQ scheme is TensorRT's."""
+    from refit.export.quantize import QDQ
+
+    q = manifest.quantization
+    if q is not None and q.scheme != QDQ:
+        raise RefitError(f"this engine folder is quantized for ONNX Runtime ({q.scheme}: MatMulInteger, which "
+                         "TensorRT's parser lacks); re-export with --backend tensorrt --quantize int8 (Q/DQ)")
 
 
 def _sha256(path: Path) -> str:
@@ -195,6 +236,7 @@ def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, 
     trt = require_tensorrt()
     engine_dir = Path(engine_dir)
     manifest = Manifest.read(engine_dir)
+    _check_quantized(manifest)
     device = _device()
     if not force and _up_to_date(engine_dir, manifest, trt.__version__, device):
         log(f"refit export: TensorRT engines in {engine_dir} are up to date, reused")

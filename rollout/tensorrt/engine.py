@@ -14,7 +14,8 @@ TensorRT execution instead of ONNX Runtime:
   ``execute_async_v3``. present K/V of one step are the next step's past, on the device; only
   the logits come back to the host (the shared sampler runs on CPU with a CPU generator);
 - ``update_weights`` maps HF names through the weight map (tied aliases folded, transpose
-  applied, on the device) and refits with ``trt.Refitter``: ``set_named_weights(name, Weights,
+  applied, on the device; a quantized engine's weights re-quantized there into their int8 twin
+  and scale, export/quantize.py) and refits with ``trt.Refitter``: ``set_named_weights(name, Weights,
   TensorLocation.DEVICE)``, then ``get_missing_weights`` (weights TensorRT fused with a pushed
   one) are supplied from the held set, and anything still missing fails loudly before any engine
   is touched; ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
@@ -54,7 +55,8 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
 
     from refit.rollout.tensorrt.build import mapped_trt_names, trt_weight_name
 
-    by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16)}
+    by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16),
+               3: (np.int8, torch.int8)}  # int8: a quantized engine's weight twins (export/quantize.py)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for graph, spec in manifest.graphs.items():
         wanted = set(mapped_trt_names(manifest, graph))
@@ -64,7 +66,8 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
             if name not in wanted or init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             if init.data_type not in by_onnx:
-                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, not fp32/fp16/bf16")
+                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, not "
+                                 "fp32/fp16/bf16/int8")
             ext = {e.key: e.value for e in init.external_data}
             np_dt, torch_dt = by_onnx[init.data_type]
             count = int(np.prod(init.dims)) if init.dims else 1
@@ -297,27 +300,39 @@ class TrtEngine(LoopEngine):
     # ------------------------------------------------------------------------------ refit
 
     def _stage(self, named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """{graph: {trt_name: device tensor}} in engine layout; shapes checked against the held set."""
-        from refit.rollout.tensorrt.build import refit_targets
+        """{graph: {trt_name: device tensor}} in engine layout; shapes checked against the held set.
+
+        A quantized engine (export/quantize.py, ``int8-qdq``): each quantized weight is re-quantized from the
+        pushed fp32 tensor, on the device, into its int8 twin and scale (both refitted); the fp32 name is staged
+        only where the graph still reads it (``keep_float``)."""
+        from refit.export.quantize import kn, quantize_weight
+        from refit.rollout.tensorrt.build import quantized_twins, refit_targets, trt_weight_name
 
         staged: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.graphs:
             folded = set(self.manifest.tensorrt[g].not_refittable)
+            twins = quantized_twins(self.manifest, g)
             for hf_name, targets in refit_targets(self.manifest, g).items():
                 if hf_name not in named:
                     continue
                 src = named[hf_name].detach().to(device=self.device, dtype=self._dtype)
                 for trt_name, target in targets:
-                    if trt_name in folded:
-                        raise RefitError(f"update_weights: {hf_name} -> {g}:{trt_name} was constant-folded by "
-                                         "TensorRT at build time and cannot be refitted")
                     t = apply_transform(src, target).contiguous()
-                    held = self.weights[g].get(trt_name)
-                    if held is None or tuple(held.shape) != tuple(t.shape):
-                        raise RefitError(f"update_weights: {hf_name} -> {g}:{trt_name} expects "
-                                         f"{None if held is None else tuple(held.shape)}, got {tuple(t.shape)}")
-                    # own the bytes: TensorRT reads them during the refit, the learner may change its copy
-                    staged.setdefault(g, {})[trt_name] = t.clone() if t.data_ptr() == named[hf_name].data_ptr() else t
+                    tw = twins.get(target.engine)
+                    out = {} if tw is not None and not tw.keep_float else {trt_name: t}
+                    if tw is not None:
+                        q, scale = quantize_weight(kn(t, tw.layout))
+                        out[trt_weight_name(tw.weight)], out[trt_weight_name(tw.scale)] = q, scale
+                    for name, v in out.items():
+                        if name in folded:
+                            raise RefitError(f"update_weights: {hf_name} -> {g}:{name} was constant-folded by "
+                                             "TensorRT at build time and cannot be refitted")
+                        held = self.weights[g].get(name)
+                        if held is None or tuple(held.shape) != tuple(v.shape):
+                            raise RefitError(f"update_weights: {hf_name} -> {g}:{name} expects "
+                                             f"{None if held is None else tuple(held.shape)}, got {tuple(v.shape)}")
+                        # own the bytes: TensorRT reads them during the refit, the learner may change its copy
+                        staged.setdefault(g, {})[name] = v.clone() if v.data_ptr() == named[hf_name].data_ptr() else v
         return staged
 
     def _weights(self, refitter, name: str, t: torch.Tensor, keep: list):
