@@ -276,24 +276,18 @@ def _weight_use(node, inits: dict, names: set[str]) -> tuple[str, str, str | Non
     return None
 
 
-def rewrite_graph(proto, weights: dict[str, torch.Tensor],
-                  names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
-    """Rewrite every MatMul / Gemm by a weight in ``names`` (fp32 engine names, tensors in ``weights``) of ``proto``
-    to the int8 scheme, in place. Returns ({fp32 name: twin}, {twin initializer: tensor}, weight matmuls left fp32).
-
-    Per distinct input the row quantization runs once (Q, K, V projections share it)."""
-    from onnx import TensorProto, helper, numpy_helper
-
+def _rewrite_weight_uses(proto, weights: dict[str, torch.Tensor], names: set[str], emit,
+                         extra_inits=()) -> tuple[dict[str, QuantizedWeight], dict, int]:
+    """The walk both schemes share, in place: each MatMul / Gemm by a weight ``w`` in ``names`` (fp32 engine
+    names, tensors in ``weights``) gets ``w``'s int8 twin (K, N) and scale (N,) (made once per weight) and is
+    replaced by ``emit(node, twin, w, bias, first)`` (a list of nodes; ``first``: the twin's first reader).
+    A weight that another node still reads as float keeps its float initializer (``keep_float``); the twins
+    are placeholders (:func:`refit.export.graph.write_graph` writes their bytes as external data).
+    Returns ({fp32 name: twin}, {twin initializer: tensor}, weight matmuls left fp32)."""
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
-    consts = [numpy_helper.from_array(np.array(127, np.float32), "int8_c127"),
-              numpy_helper.from_array(np.array(128, np.float32), "int8_c128"),
-              numpy_helper.from_array(np.array(128, np.uint8), "int8_zp"),
-              numpy_helper.from_array(np.array(_TINY, np.float32), "int8_tiny"),
-              numpy_helper.from_array(np.array([-1], np.int64), "int8_last")]
     twins: dict[str, QuantizedWeight] = {}
     arrays: dict[str, torch.Tensor] = {}
-    rowq: dict[str, tuple[str, str]] = {}  # activation name -> (uint8 codes, row scale)
     used_float: set[str] = set()
     left = 0
     new_nodes = []
@@ -306,35 +300,14 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor],
                 left += 1
             continue
         w, layout, bias = use
-        tw = twins.get(w)
-        if tw is None:
+        tw, first = twins.get(w), w not in twins
+        if first:
             tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout,
                                             keep_float=False)
             arrays[tw.weight], arrays[tw.scale] = quantize_weight(kn(weights[w], layout))
         elif tw.layout != layout:
             raise RefitError(f"quantize: weight {w} is multiplied in two layouts; not supported")
-        x, p = node.input[0], f"{node.name or node.output[0]}_i8"
-        if x not in rowq:
-            q = f"{x}_i8"
-            new_nodes += [helper.make_node("Abs", [x], [f"{q}_abs"], name=f"{q}_abs"),
-                          helper.make_node("ReduceMax", [f"{q}_abs", "int8_last"], [f"{q}_max"], name=f"{q}_max",
-                                           keepdims=1),
-                          helper.make_node("Max", [f"{q}_max", "int8_tiny"], [f"{q}_amax"], name=f"{q}_amax"),
-                          helper.make_node("Div", [f"{q}_amax", "int8_c127"], [f"{q}_t"], name=f"{q}_t"),
-                          helper.make_node("Div", [x, f"{q}_t"], [f"{q}_d"], name=f"{q}_d"),
-                          helper.make_node("Round", [f"{q}_d"], [f"{q}_r"], name=f"{q}_r"),
-                          helper.make_node("Add", [f"{q}_r", "int8_c128"], [f"{q}_u"], name=f"{q}_u"),
-                          helper.make_node("Cast", [f"{q}_u"], [f"{q}_codes"], name=f"{q}_codes", to=TensorProto.UINT8)]
-            rowq[x] = (f"{q}_codes", f"{q}_t")
-        codes, t = rowq[x]
-        out = node.output[0]
-        y = f"{p}_y" if bias else out
-        new_nodes += [helper.make_node("MatMulInteger", [codes, tw.weight, "int8_zp"], [f"{p}_acc"], name=f"{p}_mm"),
-                      helper.make_node("Cast", [f"{p}_acc"], [f"{p}_f"], name=f"{p}_f", to=TensorProto.FLOAT),
-                      helper.make_node("Mul", [f"{p}_f", t], [f"{p}_ft"], name=f"{p}_ft"),
-                      helper.make_node("Mul", [f"{p}_ft", tw.scale], [y], name=f"{p}_fs")]
-        if bias:
-            new_nodes.append(helper.make_node("Add", [y, bias], [out], name=f"{p}_bias"))
+        new_nodes += emit(node, tw, w, bias, first)
     del g.node[:]
     g.node.extend(new_nodes)
     for w, tw in list(twins.items()):
@@ -342,11 +315,55 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor],
             twins[w] = QuantizedWeight(tw.weight, tw.scale, tw.layout, keep_float=True)
     keep = [t for t in g.initializer if t.name not in twins or twins[t.name].keep_float]
     del g.initializer[:]
-    g.initializer.extend(keep + consts)
-    for tw in twins.values():  # placeholders: export.graph.write_graph puts the real bytes in as external data
+    g.initializer.extend(keep + list(extra_inits))
+    for tw in twins.values():
         for n in (tw.weight, tw.scale):
-            g.initializer.append(numpy_helper.from_array(np.zeros(0, np.float32), n))
+            g.initializer.append(_placeholder(n))
     return twins, arrays, left
+
+
+def rewrite_graph(proto, weights: dict[str, torch.Tensor],
+                  names: set[str]) -> tuple[dict[str, QuantizedWeight], dict, int]:
+    """Rewrite every MatMul / Gemm by a weight in ``names`` (fp32 engine names, tensors in ``weights``) of ``proto``
+    to the int8 scheme, in place. Returns ({fp32 name: twin}, {twin initializer: tensor}, weight matmuls left fp32).
+
+    Per distinct input the row quantization runs once (Q, K, V projections share it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    consts = [numpy_helper.from_array(np.array(127, np.float32), "int8_c127"),
+              numpy_helper.from_array(np.array(128, np.float32), "int8_c128"),
+              numpy_helper.from_array(np.array(128, np.uint8), "int8_zp"),
+              numpy_helper.from_array(np.array(_TINY, np.float32), "int8_tiny"),
+              numpy_helper.from_array(np.array([-1], np.int64), "int8_last")]
+    rowq: dict[str, tuple[str, str]] = {}  # activation name -> (uint8 codes, row scale)
+
+    def emit(node, tw, w, bias, first):
+        x, p = node.input[0], f"{node.name or node.output[0]}_i8"
+        nodes = []
+        if x not in rowq:
+            q = f"{x}_i8"
+            nodes += [helper.make_node("Abs", [x], [f"{q}_abs"], name=f"{q}_abs"),
+                      helper.make_node("ReduceMax", [f"{q}_abs", "int8_last"], [f"{q}_max"], name=f"{q}_max",
+                                       keepdims=1),
+                      helper.make_node("Max", [f"{q}_max", "int8_tiny"], [f"{q}_amax"], name=f"{q}_amax"),
+                      helper.make_node("Div", [f"{q}_amax", "int8_c127"], [f"{q}_t"], name=f"{q}_t"),
+                      helper.make_node("Div", [x, f"{q}_t"], [f"{q}_d"], name=f"{q}_d"),
+                      helper.make_node("Round", [f"{q}_d"], [f"{q}_r"], name=f"{q}_r"),
+                      helper.make_node("Add", [f"{q}_r", "int8_c128"], [f"{q}_u"], name=f"{q}_u"),
+                      helper.make_node("Cast", [f"{q}_u"], [f"{q}_codes"], name=f"{q}_codes", to=TensorProto.UINT8)]
+            rowq[x] = (f"{q}_codes", f"{q}_t")
+        codes, t = rowq[x]
+        out = node.output[0]
+        y = f"{p}_y" if bias else out
+        nodes += [helper.make_node("MatMulInteger", [codes, tw.weight, "int8_zp"], [f"{p}_acc"], name=f"{p}_mm"),
+                  helper.make_node("Cast", [f"{p}_acc"], [f"{p}_f"], name=f"{p}_f", to=TensorProto.FLOAT),
+                  helper.make_node("Mul", [f"{p}_f", t], [f"{p}_ft"], name=f"{p}_ft"),
+                  helper.make_node("Mul", [f"{p}_ft", tw.scale], [y], name=f"{p}_fs")]
+        if bias:
+            nodes.append(helper.make_node("Add", [y, bias], [out], name=f"{p}_bias"))
+        return nodes
+
+    return _rewrite_weight_uses(proto, weights, names, emit, consts)
 
 
 def rewrite_graph_qdq(proto, weights: dict[str, torch.Tensor],
@@ -356,49 +373,17 @@ def rewrite_graph_qdq(proto, weights: dict[str, torch.Tensor],
     Same return as :func:`rewrite_graph`. One DequantizeLinear per weight, placed before its first reader."""
     from onnx import helper
 
-    g = proto.graph
-    inits = {t.name: t for t in g.initializer}
-    twins: dict[str, QuantizedWeight] = {}
-    arrays: dict[str, torch.Tensor] = {}
-    used_float: set[str] = set()
-    left = 0
-    new_nodes = []
-    for node in g.node:
-        use = _weight_use(node, inits, names)
-        if use is None:
-            new_nodes.append(node)
-            used_float.update(node.input)
-            if node.op_type in ("MatMul", "Gemm") and any(i in inits and len(inits[i].dims) == 2 for i in node.input):
-                left += 1
-            continue
-        w, layout, _ = use
-        tw = twins.get(w)
-        if tw is None:
-            tw = twins[w] = QuantizedWeight(weight=f"{w}.int8", scale=f"{w}.int8_scale", layout=layout,
-                                            keep_float=False)
-            arrays[tw.weight], arrays[tw.scale] = quantize_weight(kn(weights[w], layout))
-            new_nodes.append(helper.make_node("DequantizeLinear", [tw.weight, tw.scale], [f"{w}.dq"],
-                                              name=f"{w}.dq", axis=1))
-        elif tw.layout != layout:
-            raise RefitError(f"quantize: weight {w} is multiplied in two layouts; not supported")
+    def emit(node, tw, w, bias, first):
+        nodes = [helper.make_node("DequantizeLinear", [tw.weight, tw.scale], [f"{w}.dq"], name=f"{w}.dq",
+                                  axis=1)] if first else []
         inputs = list(node.input)
         inputs[1] = f"{w}.dq"
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Gemm":
             attrs["transB"] = 0  # the twin is (K, N) whatever the fp32 weight's layout
-        new_nodes.append(helper.make_node(node.op_type, inputs, list(node.output), name=node.name, **attrs))
-    del g.node[:]
-    g.node.extend(new_nodes)
-    for w, tw in list(twins.items()):
-        if w in used_float:
-            twins[w] = QuantizedWeight(tw.weight, tw.scale, tw.layout, keep_float=True)
-    keep = [t for t in g.initializer if t.name not in twins or twins[t.name].keep_float]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    for tw in twins.values():  # placeholders: export.graph.write_graph puts the real bytes in as external data
-        for n in (tw.weight, tw.scale):
-            g.initializer.append(_placeholder(n))
-    return twins, arrays, left
+        return nodes + [helper.make_node(node.op_type, inputs, list(node.output), name=node.name, **attrs)]
+
+    return _rewrite_weight_uses(proto, weights, names, emit)
 
 
 def _placeholder(name: str):

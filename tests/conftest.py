@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -219,3 +220,20 @@ def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
         return plain_twin(model_dirs[g], default_engine_dirs[g], root / g, log=lambda *_: None)
 
     return BuiltOnce(make)
+
+
+def quantized_reference(model_dir, manifest, pushed=None):
+    """TorchEngine over the model of ``model_dir`` with its quantized layers as the engine computes them
+    (export/quantize.reference_model: int8 rows x int8 weights, or matmuls by dequantized weights for Q/DQ),
+    ``pushed`` (HF name -> tensor) loaded first. Returns (engine, the fp32 model)."""
+    from refit.core.checkpoint import load_model
+    from refit.export.quantize import reference_model
+    from refit.rollout.torch_backend import TorchEngine
+
+    model = load_model(model_dir)
+    if pushed:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for n, t in pushed.items():
+                params[n].copy_(t)
+    return TorchEngine(reference_model(model, manifest)), model

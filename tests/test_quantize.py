@@ -12,10 +12,12 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.quantize import int8_linear, quantize_rows, quantize_weight, reference_model
+from refit.export.quantize import int8_linear, quantize_rows, quantize_weight
 from refit.rollout.ort_backend import OrtEngine
 from refit.rollout.torch_backend import TorchEngine
 from refit.rollout.types import SamplingParams
+
+from conftest import quantized_reference
 
 TOL = 2e-3  # engine vs reference log-probs: fp32 rounding may move one activation code by one step
 
@@ -31,19 +33,6 @@ def int8_dirs(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("int8")
     opts = ExportOptions(max_batch=16, max_len=128, quantize="int8")
     return BuiltOnce(lambda g: build(model_dirs[g], root / g, opts=opts, log=lambda *_: None))
-
-
-def _reference(model_dir, manifest, pushed=None):
-    """TorchEngine over the quantize-dequantize model of ``model_dir``'s weights (with ``pushed`` loaded first)."""
-    from refit.core.checkpoint import load_model
-
-    model = load_model(model_dir)
-    if pushed:
-        params = dict(model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for n, t in pushed.items():
-                params[n].copy_(t)
-    return TorchEngine(reference_model(model, manifest)), model
 
 
 def _score(eng, batch):
@@ -74,7 +63,7 @@ def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs,
     assert q.gap_vs_fp32["max_abs_logprob"] > 10 * q.max_abs_logprob_diff  # int8 is not fp32 ...
     assert q.gap_vs_fp32["greedy_agreement"] > 0.5  # ... but close to it
     eng = OrtEngine(int8_dirs[arch])
-    ref, model = _reference(model_dirs[arch], m)
+    ref, model = quantized_reference(model_dirs[arch], m)
     batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
     before = _score(eng, batch)
     torch.testing.assert_close(before, _score(ref, batch), atol=TOL, rtol=0)
@@ -87,7 +76,7 @@ def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs,
     eng.update_weights(pushed)
     after = _score(eng, batch)
     assert (after - before).abs().max() > 1e-2, "a perturbed push must change the output"
-    ref2, _ = _reference(model_dirs[arch], m, pushed)
+    ref2, _ = quantized_reference(model_dirs[arch], m, pushed)
     torch.testing.assert_close(after, _score(ref2, batch), atol=TOL, rtol=0)  # re-quantized exactly as the reference
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
     assert torch.equal(eng.generate(prompts, greedy).response_ids, ref2.generate(prompts, greedy).response_ids)
@@ -265,7 +254,7 @@ def test_qdq_engine_matches_reference_and_push_requantizes(qdq_engine_dirs, mode
     reference holding the same perturbed tensors; the real tensors bring the first output back."""
     m = Manifest.read(qdq_engine_dirs[arch])
     eng = OrtEngine(qdq_engine_dirs[arch])
-    ref, model = _reference(model_dirs[arch], m)
+    ref, model = quantized_reference(model_dirs[arch], m)
     batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
     before = _score(eng, batch)
     torch.testing.assert_close(before, _score(ref, batch), atol=QDQ_TOL, rtol=0)
@@ -278,7 +267,7 @@ def test_qdq_engine_matches_reference_and_push_requantizes(qdq_engine_dirs, mode
     assert not torch.equal(eng.weights["decoder"][twin.weight], held), "the int8 twin was not re-quantized"
     after = _score(eng, batch)
     assert (after - before).abs().max() > 1e-2, "a perturbed push must change the output"
-    ref2, _ = _reference(model_dirs[arch], m, pushed)
+    ref2, _ = quantized_reference(model_dirs[arch], m, pushed)
     torch.testing.assert_close(after, _score(ref2, batch), atol=QDQ_TOL, rtol=0)
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
     assert torch.equal(eng.generate(prompts, greedy).response_ids, ref2.generate(prompts, greedy).response_ids)

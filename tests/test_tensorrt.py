@@ -37,7 +37,7 @@ from refit.rollout.tensorrt.check import check_engine_folder, check_ops, check_p
 from refit.rollout.engine import create_engine
 from refit.rollout.types import SamplingParams
 
-from conftest import ARCHS, ATOL
+from conftest import ARCHS, ATOL, quantized_reference
 from tensorrt_standin import TRT_REASON, use_stand_in
 
 GPU_ONLY = [pytest.mark.tensorrt, pytest.mark.gpu]
@@ -392,23 +392,6 @@ def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_
 
 # ================================================================ int8 through Q/DQ (--backend tensorrt --quantize int8)
 
-def _qdq_reference(model_dir, manifest, pushed=None):
-    """The PyTorch engine over the fp32 model with its quantized layers as matmuls by dequantized int8 weights
-    (export/quantize.QDQLinear), ``pushed`` loaded first."""
-    from refit.core.checkpoint import load_model
-    from refit.export.quantize import reference_model
-
-    model = load_model(model_dir)
-    if pushed:
-        params = dict(model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for n, t in pushed.items():
-                params[n].copy_(t)
-    from refit.rollout.torch_backend import TorchEngine
-
-    return TorchEngine(reference_model(model, manifest)), model
-
-
 @pytest.mark.parametrize("kind", ["stand-in", pytest.param("tensorrt", marks=GPU_ONLY)])
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
 def test_qdq_engine_builds_strongly_typed_and_refits_int8(kind, arch, qdq_engine_dirs, model_dirs, trt_folders):
@@ -429,7 +412,7 @@ def test_qdq_engine_builds_strongly_typed_and_refits_int8(kind, arch, qdq_engine
     assert check_engine_folder(d) == []
     tol = 1e-5 if kind == "stand-in" else ATOL["tensorrt"]["fp32"]
     trt_eng = folders.open(d)
-    ref, model = _qdq_reference(model_dirs[arch], m)
+    ref, model = quantized_reference(model_dirs[arch], m)
     a = ref.generate(PROMPTS, GREEDY)
 
     def scores(eng):
@@ -450,7 +433,7 @@ def test_qdq_engine_builds_strongly_typed_and_refits_int8(kind, arch, qdq_engine
     assert not torch.equal(trt_eng.weights["decoder"][twin.weight].cpu(), held.cpu()), "twin not re-quantized"
     after = scores(trt_eng)
     assert (after - before).abs().max() > 1e-2, "refit changed nothing"
-    ref2, _ = _qdq_reference(model_dirs[arch], m, push)
+    ref2, _ = quantized_reference(model_dirs[arch], m, push)
     torch.testing.assert_close(after, scores(ref2), atol=tol, rtol=0)
     trt_eng.update_weights({n: p.detach() for n, p in params.items()})
     torch.testing.assert_close(scores(trt_eng), before, atol=tol, rtol=0)
