@@ -397,12 +397,13 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
     fp_params, _ = canonical_params(model)
     specs = graph_specs(model, caps, attention)
     io = {s["name"]: (tuple(s["inputs"]), tuple(s["outputs"])) for s in specs}
-    digests = {d for d, (_, how) in weight_digests(fp_params, dtype).items() if how == "identity"}
+    by_digest = weight_digests(fp_params, dtype)  # once: the trace's provenance and the map both read it
+    digests = {d for d, (_, how) in by_digest.items() if how == "identity"}
     traced = {s["name"]: _trace(s, digests) for s in specs}
     del specs
     wmap, constants = build_weight_map(fp_params, {g: _initializer_views(m) for g, (m, _) in traced.items()},
                                        dtype, {g: prov for g, (_, prov) in traced.items()},
-                                       graph_buffers(model, fp_params))
+                                       graph_buffers(model, fp_params), by_digest)
     check_one_to_one(wmap)
     protos = {}
     for g, (m, _) in traced.items():

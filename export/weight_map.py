@@ -217,15 +217,17 @@ def weight_digests(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 def build_weight_map(
     params: dict[str, torch.Tensor], initializers: dict[str, dict[str, np.ndarray]], dtype: torch.dtype,
     provenance: dict[str, tuple[frozenset[str], frozenset[str]]], buffers: dict[str, torch.Tensor] | None = None,
+    by_digest: dict[str, tuple[str, str]] | None = None,
 ) -> MappedGraphs:
     """Match fingerprinted ``params`` to ONNX ``initializers`` ({graph: {name: array}}) by content.
 
     ``provenance``: {graph: :func:`weight_derived_values` of its unoptimised graph}; ``buffers``: the
     model's tensors that are not weights (rotary frequencies...), to name the constants that copy one.
+    ``by_digest``: :func:`weight_digests` of ``params`` when the caller has it already (the exporter: its trace).
     Raises :class:`RefitError` if a weight is in no graph, or if the exporter derived an initializer
     from the weights that is neither a copy, a transpose nor an elementwise affine transform of one.
     """
-    by_digest = weight_digests(params, dtype)
+    by_digest = by_digest if by_digest is not None else weight_digests(params, dtype)
     buffer_names: dict[str, str] = {}
     for n, b in (buffers or {}).items():
         if b.is_floating_point():
