@@ -100,7 +100,6 @@ def push_check(model_dir: str, engine_dir: str, prompts: list[list[int]], scale:
         names = [n for n, t in params.items() if ".0." in n or t is emb]
         g = torch.Generator().manual_seed(0)
         new = {n: params[n].detach() + scale * torch.randn(params[n].shape, generator=g) for n in names}
-        old = {n: params[n].detach().clone() for n in names}
         batch = ref.generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
 
         def score(eng):
@@ -108,10 +107,12 @@ def push_check(model_dir: str, engine_dir: str, prompts: list[list[int]], scale:
 
         before = score(ort)
         ort.update_weights(new)
+        after = score(ort)
+        ort.update_weights({n: params[n].detach() for n in names})  # PyTorch still holds the originals: no clone
+        restored = score(ort)
+        ort.update_weights(new)
         ref.update_weights(new)
         after, want = score(ort), score(ref)
-        ort.update_weights(old)
-        restored = score(ort)
         return {"pushed": len(names), "changed_by": float((after - before).abs().max()),
                 "vs_torch": float((after - want).abs().max()), "restored": float((restored - before).abs().max())}
     finally:

@@ -7,7 +7,10 @@ Weights. The engine holds every mapped weight as a torch tensor ``{graph: {engin
 Reading the engine's own files (rather than loading the source HF model and mapping it with
 ``engine_weights``) keeps the folder self-contained (the source model need not be on the
 rollout machine), costs no PyTorch model in memory, and starts from exactly the bytes the
-parity gate checked.
+parity gate checked. The held set is one copy of the model beside the sessions' own; an engine opened with
+``hold_weights=False`` keeps none (its sessions read the files; it then takes complete pushes only), which is
+how a training job opens its engines: at real sizes that copy decides whether a PPO step fits in memory
+(README, "Published geometries").
 
 Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_map``
 (transpose included, tied aliases folded), closes the sessions of the graphs a pushed weight
@@ -49,28 +52,40 @@ _NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64, 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
-    """{graph: {initializer: tensor}} for every external initializer, read from the ``.onnx.data`` files."""
+def _external_initializers(engine_dir: Path, manifest: Manifest):
+    """(graph, initializer proto, its external-data record) for every external initializer of every graph."""
     import onnx
 
-    out: dict[str, dict[str, torch.Tensor]] = {}
     for graph, spec in manifest.graphs.items():
         proto = onnx.load(str(engine_dir / spec.file), load_external_data=False)
-        out[graph] = {}
         for init in proto.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            ext = {e.key: e.value for e in init.external_data}
             if init.data_type not in _NP:
                 raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, "
                                  "which the onnxruntime backend cannot hold")
-            dt = np.dtype(_NP[init.data_type])
-            count = int(np.prod(init.dims)) if init.dims else 1
-            arr = np.fromfile(engine_dir / ext["location"], dtype=dt, count=count, offset=int(ext.get("offset", 0)))
-            if arr.size != count:
-                raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
-            t = torch.from_numpy(arr.reshape(tuple(init.dims)))
-            out[graph][init.name] = t.view(torch.bfloat16) if init.data_type == 16 else t
+            yield graph, init, {e.key: e.value for e in init.external_data}
+
+
+def engine_weight_shapes(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{graph: {initializer: shape}} of every external initializer (the graphs' records only; no data read)."""
+    out: dict[str, dict[str, tuple[int, ...]]] = {g: {} for g in manifest.graphs}
+    for graph, init, _ in _external_initializers(engine_dir, manifest):
+        out[graph][init.name] = tuple(init.dims)
+    return out
+
+
+def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
+    """{graph: {initializer: tensor}} for every external initializer, read from the ``.onnx.data`` files."""
+    out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in manifest.graphs}
+    for graph, init, ext in _external_initializers(engine_dir, manifest):
+        dt = np.dtype(_NP[init.data_type])
+        count = int(np.prod(init.dims)) if init.dims else 1
+        arr = np.fromfile(engine_dir / ext["location"], dtype=dt, count=count, offset=int(ext.get("offset", 0)))
+        if arr.size != count:
+            raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
+        t = torch.from_numpy(arr.reshape(tuple(init.dims)))
+        out[graph][init.name] = t.view(torch.bfloat16) if init.data_type == 16 else t
     return out
 
 
@@ -140,7 +155,10 @@ class OrtEngine(LoopEngine):
     ``keep_heap`` (default on) calls :func:`refit.export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
     ``hold_weights=False``: the sessions read the weights from the folder's files themselves and the engine keeps
-    no copy of them in Python (the export's parity gate: one copy fewer of the model); it then takes no push.
+    no copy of them in Python: one copy of the model fewer (the export's parity gate; a job's reference, teacher
+    and policy engines, refit.learner.run.engines). It then takes only complete pushes, every weight of each
+    graph a push touches (what a training job pushes: ``canonical_params`` of the whole model), since the values
+    of weights left out would have to come from a copy; a partial push is refused in one line.
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
@@ -179,6 +197,8 @@ class OrtEngine(LoopEngine):
         self._weight_dtype = {**_TORCH_DTYPE, "bf16": torch.bfloat16}[self.manifest.dtype]
         # the held set, our own buffers; None: the sessions read the files, no push (hold_weights=False)
         self.weights = read_engine_weights(self.engine_dir, self.manifest) if hold_weights else None
+        self._shapes = ({g: {n: tuple(t.shape) for n, t in w.items()} for g, w in self.weights.items()}
+                        if hold_weights else engine_weight_shapes(self.engine_dir, self.manifest))
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
@@ -200,11 +220,12 @@ class OrtEngine(LoopEngine):
         """
         fresh = {}
         for g, override in new.items():
-            if self.weights is None:  # not held: ONNX Runtime reads the graph's external data files
+            if self.weights is None and not override:  # nothing held: ONNX Runtime reads the graph's data files
                 fresh[g] = open_session(self.engine_dir / self._files[g], None, self._threads, self._providers,
                                         self._opt_level)[0]
                 continue
-            arrays = {n: override.get(n, t) for n, t in self.weights[g].items()}  # torch tensors, bf16 included
+            # not held: a complete push (update_weights checked it); held: the push over the held set
+            arrays = override if self.weights is None else {n: override.get(n, t) for n, t in self.weights[g].items()}
             fresh[g] = open_session(self.engine_dir / self._files[g], arrays,
                                     self._threads, self._providers, self._opt_level)[0]
         return fresh
@@ -237,28 +258,40 @@ class OrtEngine(LoopEngine):
         2. close the touched sessions, then open new ones straight from the mapped tensors (ONNX
            Runtime copies them in); closing first lets the new session reuse the old one's memory
            (no page faults, see keep_freed_memory) and halves the peak; should the open fail, the
-           sessions are reopened from the held set, unchanged, and the error raised,
-        3. copy the mapped tensors into the held set, in place, for later partial pushes.
+           sessions are reopened from the held set, unchanged, and the error raised (an engine holding no
+           copy reopens from its files before its first push; after one it has nothing to reopen from),
+        3. copy the mapped tensors into the held set, in place, for later partial pushes (an engine holding no
+           copy keeps nothing: ONNX Runtime copied them as the sessions opened).
         """
-        if self.weights is None:
-            raise RefitError(f"update_weights: the engine over {self.engine_dir} was opened without holding its "
-                             "weights (hold_weights=False, as the export's parity gate opens it); it takes no push")
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
         mapped = quantize_push(engine_weights(named, wmap, self._weight_dtype), self.manifest.quantization)  # int8
         for g, new in mapped.items():
             for name, t in new.items():
-                old = self.weights[g].get(name)
-                if old is None or old.shape != t.shape:
-                    raise RefitError(f"update_weights: engine weight {g}:{name} expects "
-                                     f"{None if old is None else tuple(old.shape)}, got {tuple(t.shape)}")
+                want = self._shapes[g].get(name)
+                if want != tuple(t.shape):
+                    raise RefitError(f"update_weights: engine weight {g}:{name} expects {want}, got {tuple(t.shape)}")
+            missing = sorted(set(self._shapes[g]) - set(new)) if self.weights is None else []
+            if missing:
+                raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
+                                 f"(hold_weights=False), so a push must carry every weight of each graph it touches; "
+                                 f"this one leaves out {len(missing)} of graph {g!r}'s {len(self._shapes[g])}, "
+                                 f"e.g. {missing[:3]} (push the whole model, or open the engine with hold_weights=True)")
         for g in mapped:
             del self.sessions[g]
         try:
             self.sessions.update(self._open(mapped))
-        except Exception:
+        except Exception as e:
+            if self.weights is None and self._version > 0:  # the files hold step-0 weights, no copy of the pushed
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                raise RefitError(f"update_weights: opening the pushed graphs {sorted(mapped)} failed ({why}) and the "
+                                 f"engine over {self.engine_dir} holds no copy of its weights (version "
+                                 f"{self._version}) to reopen them with; restart from the last checkpoint") from None
             self.sessions.update(self._open({g: {} for g in mapped}))
             raise
+        if self.weights is None:  # ONNX Runtime copied the pushed tensors as the sessions opened: nothing to keep
+            self._version = next_version(self._version, version)
+            return
         sources = {t.untyped_storage().data_ptr() for t in named.values()}
         with one_thread():  # 148 memcpys: a second OpenMP thread only adds wake-ups (see one_thread)
             for g, new in mapped.items():

@@ -112,7 +112,8 @@ def _exact_kl_reference(model, ref_model, batch, temperature):
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
 def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_path, arch):
     """score_batch (one policy + one reference forward per chunk) == learner_view x2 + the KL of two more forwards."""
-    run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8), resume=False, log=lambda *_: None)
+    cfg = _cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8, ref_backend="torch")
+    run = setup(cfg, resume=False, log=lambda *_: None)
     with torch.no_grad():  # policy != reference, value head != 0, so nothing below is trivially 0
         for p in run.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -323,3 +324,21 @@ def test_tensorrt_backend_fails_at_once_without_tensorrt(model_dirs, tmp_path):
     with pytest.raises(RefitError, match="TensorRT is not installed"):
         setup(cfg, resume=False, log=lambda *_: None)
     assert not (tmp_path / "run" / "engine").exists()
+
+
+@pytest.mark.parametrize("kl_penalty, ref_backend, torch_ref", [("reward", "onnxruntime", False),
+                                                                ("loss", "onnxruntime", True),
+                                                                ("reward", "torch", True)])
+def test_reference_held_once(model_dirs, engine_dirs, tmp_path, kl_penalty, ref_backend, torch_ref):
+    """The frozen reference is held where it is used, once: on the engine (a session over the folder's files, no
+    weights copy of its own), and in PyTorch only when a step needs it there (the loss's exact KL, or
+    ref_backend torch). The job's engines hold no copy of their weights (they take whole-model pushes)."""
+    cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path, ref_backend=ref_backend, kl_penalty=kl_penalty,
+               kl_estimator="exact")
+    run = setup(cfg, resume=False, log=lambda *_: None)
+    try:
+        assert (run.ref is not None) == torch_ref
+        assert (run.ref_engine is not None) == (ref_backend == "onnxruntime")
+        assert run.engine.weights is None and (run.ref_engine is None or run.ref_engine.weights is None)
+    finally:
+        run.engine.close()

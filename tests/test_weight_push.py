@@ -206,18 +206,33 @@ def test_marian_final_logits_bias_alone(engine_dirs, model_dirs, prompts):
     _roundtrip(ort, ref, prompts, {"final_logits_bias": _noisy(bias, 3)})
 
 
-def test_engine_that_does_not_hold_its_weights_runs_the_same_and_refuses_a_push(engine_dirs, model_dirs, prompts):
-    """The export's parity gate opens the engine with ``hold_weights=False``: the sessions read the weights from the
-    folder's files, no copy held in Python. It computes exactly what the holding engine computes, and a push (which
-    would need the held set) is refused in one line, leaving the engine as it was."""
-    held, ref = _pair("tiny-llama", engine_dirs, model_dirs)
-    light = OrtEngine(engine_dirs["tiny-llama"], hold_weights=False, keep_heap=False)
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_engine_that_does_not_hold_its_weights_takes_complete_pushes_only(arch, engine_dirs, model_dirs, prompts):
+    """``hold_weights=False`` (the export's gate, a job's engines): the sessions read the folder's files, no copy
+    held in Python. It computes exactly what the holding engine computes; a partial push (which would need the
+    held set) is refused in one line, leaving the engine as it was; a complete push (every weight, as a job pushes)
+    gives exactly what the holding engine gives after the same push, and moves the output. T5: two graphs and a
+    tied embedding feeding both."""
+    from refit.export.weight_map import canonical_params
+
+    held, ref = _pair(arch, engine_dirs, model_dirs)
+    light = OrtEngine(engine_dirs[arch], hold_weights=False, keep_heap=False)
     assert light.weights is None
     batch = _probe(ref, prompts)
-    torch.testing.assert_close(_score(light, batch), _score(held, batch), atol=0, rtol=0)
-    name = "model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(RefitError, match="without holding its weights") as e:
-        light.update_weights({name: _noisy(dict(ref.model.named_parameters())[name], 1)})
+    before = _score(held, batch)
+    torch.testing.assert_close(_score(light, batch), before, atol=0, rtol=0)
+    params, _ = canonical_params(ref.model)
+    first = next(n for n in params if ".0." in n)
+    with pytest.raises(RefitError, match="holds no copy of its weights") as e:
+        light.update_weights({first: _noisy(params[first], 1)})
     assert "\n" not in str(e.value) and light.weights_version == 0
-    torch.testing.assert_close(_score(light, batch), _score(held, batch), atol=0, rtol=0)
+    torch.testing.assert_close(_score(light, batch), before, atol=0, rtol=0)
+    new = {n: _noisy(t, i, scale=0.05) for i, (n, t) in enumerate(params.items())}
+    light.update_weights(new)
+    held.update_weights(new)
+    ref.update_weights(new)
+    after = _score(light, batch)
+    assert light.weights_version == 1 and (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, _score(held, batch), atol=0, rtol=0)
+    torch.testing.assert_close(after, _score(ref, batch), atol=TOL, rtol=0)
     light.close()

@@ -64,7 +64,7 @@ class Run:
     tok: PreTrainedTokenizerBase
     engine: Engine | None  # None on ranks > 0 of a torchrun job
     policy: torch.nn.Module
-    ref: torch.nn.Module  # frozen reference (the policy at step 0)
+    ref: torch.nn.Module | None  # frozen reference (the policy at step 0); None when no step needs it in PyTorch
     value_head: ValueHead
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -121,7 +121,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log)
     policy = load_model(cfg.model.model_dir, info).to(device)
-    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+    # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer)
+    torch_ref = (cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact") or (dist.is_main and not ref_on_engine(cfg))
+    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False) if torch_ref else None
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)
     optimizer = torch.optim.AdamW(list(policy.parameters()) + (list(value_head.parameters()) if critic else []),
@@ -171,6 +173,13 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     return run
 
 
+def ref_on_engine(cfg: PPOConfig) -> bool:
+    """Whether the frozen reference scores on ONNX Runtime (:func:`reference_engine`) rather than in PyTorch."""
+    engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
+    quantized = cfg.rollout.quantize != "none"
+    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)))
+
+
 def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
                      threads: int | None = None) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
@@ -181,16 +190,16 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
     an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
     from refit.rollout.engine import create_engine
 
-    engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
-    quantized = cfg.rollout.quantize != "none"
-    if cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)):
+    if not ref_on_engine(cfg):
         return None
     folder = Path(cfg.model.engine_dir or run_dir / "engine")
-    if quantized:
+    if cfg.rollout.quantize != "none":
         from refit.rollout.build import ensure_engine
 
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
-    return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None)
+    # never pushed: the sessions read the folder's files, no copy of the weights held (OrtEngine hold_weights)
+    return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None,
+                         hold_weights=False)
 
 
 def experience(run: Run, rollout, scores: torch.Tensor,

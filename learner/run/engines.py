@@ -63,7 +63,10 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
                         getattr(cfg.rollout, "quantize", "none"))
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
-    return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None)
+    # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
+    lean = {"hold_weights": False} if cfg.rollout.backend == "onnxruntime" else {}
+    return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
+                       **lean)
 
 
 class CountingEngine:
