@@ -93,26 +93,33 @@ def _push_cell(r: dict) -> str:
             f"vs PyTorch {r['vs_torch']:.1e}")
 
 
+def _stages_cell(r: dict) -> str:
+    """Each stage's seconds and peak RSS (its own process: refit.bench.real)."""
+    return "; ".join(f"{r[f'{k}_s']} s, {r[f'{k}_rss_gb']} GB" if f"{k}_rss_gb" in r else "-"
+                     for k in ("push", "ppo", "distill"))
+
+
 def markdown_real(records: list[dict]) -> str:
     """The real-geometry table (refit.bench.real records)."""
     from refit.learner.examples.published import PUBLISHED
 
     lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
              "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) "
-             "| distill (2 steps, self-teacher) | export s, peak RSS | whole row s, peak RSS |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| distill (2 steps, self-teacher) | export s, peak RSS | push; PPO; distill: s, peak RSS "
+             "| whole row s, peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         where = f"{r.get('seconds', '')} s, {r.get('peak_rss_gb', '')} GB"
         if r["export"] != "ok":
             spent = f"{r['export_s']} s, {r['export_rss_gb']} GB" if "export_s" in r else ""
             lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r.get('params_m', '')}M "
-                         f"| {r['export']} | | | | | {spent} | {where} |")
+                         f"| {r['export']} | | | | | {spent} | | {where} |")
             continue
         push, ppo, distill = (r.get(k, "not reached") for k in ("push", "ppo", "distill"))
         lines.append(f"| {r['family']} | {PUBLISHED[r['family']].features} | {r['params_m']}M "
                      f"| ok, {r['attention']} attention | {r['parity']:.1e} "
                      f"| {_cell(push, _push_cell)} | {_cell(ppo, _ppo_cell)} | {_cell(distill, _distill_cell)} "
-                     f"| {r['export_s']} s, {r['export_rss_gb']} GB | {where} |")
+                     f"| {r['export_s']} s, {r['export_rss_gb']} GB | {_stages_cell(r)} | {where} |")
     return "\n".join(lines)
 
 

@@ -4,9 +4,11 @@ Each geometry of :data:`refit.learner.examples.published.PUBLISHED` (published w
 settings; depth cut to 2 layers) runs in its own process (:func:`measured`, peak RSS from ``wait4`` and
 a cap that stops it before it takes the machine): build the random-weight checkpoint, export it in a
 further process (its seconds and peak RSS are the export's own), read the parity figure and the graph
-the export chose, push perturbed weights into the engine and compare with PyTorch holding the same
-weights (:func:`push_check`), then the two-step PPO and distillation smokes of :mod:`refit.bench.families`.
-The child prints its record as one JSON line; the parent adds the process's peak RSS and seconds.
+the export chose, then each stage in a process of its own, so that its peak RSS is its own (not what
+an earlier stage left in the allocator): push perturbed weights into the engine and compare with PyTorch
+holding the same weights (:func:`push_check`), then the two-step PPO and distillation smokes of
+:mod:`refit.bench.families`. The child prints its record as one JSON line; the parent adds the process's
+peak RSS and seconds.
 """
 
 from __future__ import annotations
@@ -144,17 +146,53 @@ def _emit(rec: dict, stage: str) -> None:
     print(json.dumps(rec), flush=True)
 
 
+STAGES = ("push", "ppo", "distill")
+PROMPTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace(" ", "-").replace(".", "")
+
+
+def run_stage(stage: str, name: str, root: Path) -> dict | str:
+    """One stage of a geometry's row, on the checkpoint and engine :func:`geometry_record` made under ``root``."""
+    from refit.bench.smokes import _run, distill_smoke, ppo_smoke
+    from refit.learner.examples.models import build_tokenizer
+
+    rec = {"model_dir": str(root / "models" / _slug(name)), "engine_dir": str(root / "engines" / _slug(name))}
+    quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, before
+    if stage == "push":
+        tok = build_tokenizer()
+        fn = lambda r, _: push_check(r["model_dir"], r["engine_dir"], [tok(t).input_ids for t in PROMPTS])  # noqa: E731
+    else:
+        fn = lambda r, d: (ppo_smoke if stage == "ppo" else distill_smoke)(r, d, **quick)  # noqa: E731
+    return _run(fn, rec, root / "runs" / _slug(name))
+
+
+def _stage_child(stage: str, name: str, root: Path, rss_cap_gb: float | None) -> tuple[dict | str, Measured]:
+    cmd = [sys.executable, "-m", "refit.bench.real", name, "--work-dir", str(root), "--stage", stage]
+    m = measured(cmd, rss_cap_gb)
+    lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
+    if m.capped:
+        return f"stopped at the {rss_cap_gb:g} GB RSS cap", m
+    if m.rc < 0:
+        return f"killed by signal {-m.rc} at {m.peak_rss_gb} GB RSS", m
+    if m.rc != 0 or not lines:
+        return f"failed: {m.last_error}", m
+    return json.loads(lines[-1])["result"], m
+
+
 def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> dict:
-    """Everything the table reports for one published geometry (2 layers), in this process (the export in a
-    child). ``root`` holds the checkpoint, the engine and the runs. Prints the record after each stage."""
+    """Everything the table reports for one published geometry (2 layers): the checkpoint built here, the export
+    and each stage in a child process. ``root`` holds the checkpoint, the engine and the runs. Prints the record
+    after each stage."""
     from dataclasses import asdict
 
-    from refit.bench.smokes import _run, distill_smoke, ppo_smoke
     from refit.core.manifest import Manifest
     from refit.learner.examples.models import build_tokenizer
     from refit.learner.examples.published import PUBLISHED, build_published, n_params
 
-    slug = name.lower().replace(" ", "-").replace(".", "")
+    slug = _slug(name)
     tok = build_tokenizer()
     t0 = time.perf_counter()
     model_dir = build_published(name, root / "models" / slug, tokenizer=tok)
@@ -169,16 +207,10 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     m = Manifest.read(rec["engine_dir"])
     rec.update(parity=m.parity.max_abs_logprob_diff, attention=m.attention or "plain",
                capabilities=asdict(m.capabilities))
-    texts = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
-    prompts = [tok(t).input_ids for t in texts]
-    quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, above
-    stages = (("push", lambda r, _: push_check(r["model_dir"], r["engine_dir"], prompts)),
-              ("ppo", lambda r, d: ppo_smoke(r, d, **quick)), ("distill", lambda r, d: distill_smoke(r, d, **quick)))
-    for stage, fn in stages:
+    for stage in STAGES:
         _emit(rec, stage)
-        t = time.perf_counter()
-        rec[stage] = _run(fn, rec, root / "runs" / slug)
-        rec[f"{stage}_s"] = round(time.perf_counter() - t, 1)
+        rec[stage], m = _stage_child(stage, name, root, rss_cap_gb)
+        rec[f"{stage}_s"], rec[f"{stage}_rss_gb"] = m.seconds, m.peak_rss_gb
     _emit(rec, "done")
     return rec
 
@@ -209,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refit.bench.real", description=geometry_record.__doc__.split("\n")[0])
     p.add_argument("name", help="a geometry of refit.learner.examples.published.PUBLISHED")
     p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
-    p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export above this peak RSS")
+    p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export or a stage above this peak RSS")
+    p.add_argument("--stage", choices=STAGES, default=None,
+                   help="run only this stage on the checkpoint and engine already under --work-dir (one JSON line)")
     a = p.parse_args(argv)
+    if a.stage:
+        print(json.dumps({"stage": a.stage, "result": run_stage(a.stage, a.name, Path(a.work_dir))}), flush=True)
+        return 0
     geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb)  # prints its record after each stage
     return 0
 
