@@ -17,10 +17,12 @@ dominates); the JSON carries the per-phase times so the reason is visible in eve
 ``--max_staleness k`` (k >= 1) adds a third run, the engine loop with generation overlapped with the update
 (``rollout.max_staleness``, refit.learner.ppo.overlap), set up and interleaved with the other two: its
 ``time/rollout`` is the wait for a batch generated during the previous update, ``time/generate`` that
-generation's own time, ``time/push_wait`` the wait for the generation in flight before a push, and
-``time/weight_push`` the push with the probe's engine half, ``time/probe_learner`` the probe's learner half,
-computed before the wait (every push is checked on the probe batch there). Its engine and
-learner split the threads (``threads`` 2: one each); the synchronous runs keep all of them.
+generation's own time. Its pushes run on the engine's thread, queued behind the generation in flight: on the
+learner's critical path are ``time/weight_push`` (the snapshot of the weights), ``time/probe_learner`` (the
+probe's learner half) and ``time/push_wait`` (the wait for the previous step's push and probe, collected after
+the update); ``time/push_engine`` and ``time/probe_engine`` are the engine thread's own push and probe seconds
+(every push is checked on the probe batch there). ``push_probe_share_of_step`` is the learner's three over its
+step. Its engine and learner split the threads (``threads`` 2: one each); the synchronous runs keep all of them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 import torch
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/weight_push", "time/step")
-OVERLAP_PHASES = ("time/generate", "time/push_wait", "time/probe_learner")  # the overlapped run's own
+OVERLAP_PHASES = ("time/generate", "time/push_wait", "time/probe_learner", "time/push_engine",
+                  "time/probe_engine")  # the overlapped run's own
 
 
 def _prompts_file(work: Path, n: int, length: int) -> Path:
@@ -106,19 +109,19 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "speedup_vs_sync": round(e["time/step"] / o["time/step"], 3),
             "speedup_vs_hf_per_iteration": [round(hr["time/step"] / orow["time/step"], 3)
                                             for orow, hr in zip(rows[overlapped][1:], rows["hf"][1:])],
-            "push_probe_share_of_step": round((o["time/weight_push"] + o["time/probe_learner"]) / o["time/step"],
-                                              4),
-            # the part after the wait for the generation (the learner half runs before it, hidden when the
-            # generation is the longer phase)
-            "push_probe_after_wait_share_of_step": round(o["time/weight_push"] / o["time/step"], 4),
-            # the part of the generation not waited for (before the step's batch, or before the push)
-            "hidden_generation_share": round(1 - (o["time/rollout"] + o["time/push_wait"]) / max(o["time/generate"],
-                                                                                              1e-9), 4),
+            # the push and probe on the learner's critical path: snapshot, learner half, wait for the queued push
+            "push_probe_share_of_step": round(sum(o[k] for k in ("time/weight_push", "time/probe_learner",
+                                                                "time/push_wait")) / o["time/step"], 4),
+            # the engine thread's push and probe (overlapped with the learner's next step)
+            "push_probe_engine_share_of_step": round((o["time/push_engine"] + o["time/probe_engine"])
+                                                     / o["time/step"], 4),
+            # the part of the generation not waited for (the wait before the step's batch)
+            "hidden_generation_share": round(1 - o["time/rollout"] / max(o["time/generate"], 1e-9), 4),
             "version_lag": [r["mismatch/version_lag"] for r in rows[overlapped]]}
         log(f"overlapped (k={max_staleness}): {out['overlap']['speedup_vs_hf']}x HF generate() per iteration, "
             f"{out['overlap']['speedup_vs_sync']}x the synchronous engine loop; push+probe "
-            f"{100 * out['overlap']['push_probe_share_of_step']:.1f}% of its step "
-            f"({100 * out['overlap']['push_probe_after_wait_share_of_step']:.1f}% after the wait for the generation)")
+            f"{100 * out['overlap']['push_probe_share_of_step']:.1f}% of its step on the learner "
+            f"({100 * out['overlap']['push_probe_engine_share_of_step']:.1f}% on the engine's thread, overlapped)")
     return out
 
 

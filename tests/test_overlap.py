@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -65,16 +66,18 @@ def test_k0_is_the_synchronous_loop_unchanged(model_dirs, engine_dirs, tmp_path)
 def test_k1_first_step_kl_zero_then_one_push_behind(model_dirs, engine_dirs, tmp_path):
     """With k=1 step 1's batch comes from the step-0 weights (lag 0, every KL estimator 0 within 1e-6); every later
     batch is one push behind the learner, corrected by TIS (auto), named 'version_lag' once; every push checked
-    on the probe batch."""
+    on the probe batch, on the engine's thread, its diff logged on the next step's row (the last push: its own)."""
     logs = []
     rows = read_metrics(run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), log=logs.append))
     assert [r["mismatch/version_lag"] for r in rows] == [0, 1, 1, 1]
     for k in ("k1", "k2", "k3", "exact"):
         assert abs(rows[0][f"kl/{k}"]) <= 1e-6, (k, rows[0][f"kl/{k}"])
     assert rows[0]["mismatch/max_abs_diff"] < 1e-4 and rows[-1]["mismatch/max_abs_diff"] > 1e-3  # the lag shows
-    assert all("ppo/is_weights_mean" in r and r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows)
+    assert all("ppo/is_weights_mean" in r for r in rows) and "probe/max_abs_logprob_diff" not in rows[0]
+    assert all(r["probe/max_abs_logprob_diff"] < 1e-3 for r in rows[1:])
     assert [r["engine/weights_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["time/generate"] > 0 and "time/push_wait" in r for r in rows)
+    assert rows[0]["time/push_engine"] == 0 and all(r["time/push_engine"] > 0 for r in rows[1:])
     named = [m for m in logs if "engine/learner mismatch (version_lag)" in m]
     assert len(named) == 1 and "told once" in named[0], logs
     assert any("generation overlapped with the update; engine 1 intra-op thread(s)" in m for m in logs), logs
@@ -82,14 +85,17 @@ def test_k1_first_step_kl_zero_then_one_push_behind(model_dirs, engine_dirs, tmp
 
 def test_k1_rows_are_a_function_of_seed_prompt_sample_and_version(model_dirs, engine_dirs, tmp_path):
     """The batch generated ahead for step 2 (during step 1's update, from the step-0 weights) is the batch the
-    synchronous loop's engine draws for step 2's prompts and seed from those weights; no push meets a generation."""
+    synchronous loop's engine draws for step 2's prompts and seed from those weights; no push meets a generation,
+    and every push runs on the engine's thread, not the learner's."""
+    import threading
+
     from conftest import same_rows
 
     from refit.learner.ppo.cycle import step_batch
     from refit.rollout.engine import create_engine
 
     run = setup(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), resume=False, log=lambda *_: None)
-    in_flight = []
+    in_flight, pushed_on = [], []
     generate, push = run.engine.generate, run.engine.update_weights
 
     def counted(*a, **kw):
@@ -101,18 +107,24 @@ def test_k1_rows_are_a_function_of_seed_prompt_sample_and_version(model_dirs, en
 
     def checked(*a, **kw):
         assert not in_flight, "a push met a generation"
+        pushed_on.append(threading.current_thread())
         return push(*a, **kw)
 
     run.engine.generate, run.engine.update_weights = counted, checked
     try:
         train_step(run, 1, log=lambda *_: None)
-        step, ahead = run.ahead.held()
+        step, ahead, queued = run.ahead.held()
         assert step == 2 and ahead.weights_version == 0 and run.engine.weights_version == 1
+        assert [p.version for p in queued] == [1]  # step 1's push, done, its probe not yet logged
         idx, sampling = step_batch(run, 2, run.cfg.run.batch_size)
         fresh = create_engine("onnxruntime", engine_dirs["tiny-gpt2"], threads=1)  # the step-0 weights
         same_rows(ahead, fresh.generate([run.prompt_ids[i] for i in idx], sampling), tol=1e-6)
         fresh.close()
-        train_step(run, 2, log=lambda *_: None)
+        row = train_step(run, 2, log=lambda *_: None)
+        assert row["probe/max_abs_logprob_diff"] < 1e-3 and row["engine/weights_version"] == 2
+        run.ahead.wait()
+        assert len(pushed_on) == 2 and threading.current_thread() not in pushed_on, pushed_on
+        assert all(t.name.startswith("refit-rollout") for t in pushed_on), pushed_on
     finally:
         run.ahead.close()
         run.engine.close()
@@ -176,24 +188,50 @@ def test_overlap_config(tmp_path):
 
 def test_k1_with_sync_every_2(model_dirs, engine_dirs, tmp_path):
     """Pushes every 2 steps: the batch generated during a step without a push runs on into the next step (its
-    wait is time/rollout); the lag stays within one push."""
+    wait is time/rollout); the lag stays within one push; a push's probe is logged on the next row (the last
+    step's on its own)."""
     rows = read_metrics(run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1, sync_every=2),
                                 log=lambda *_: None))
     assert [r["mismatch/version_lag"] for r in rows] == [0, 0, 1, 0]
     assert [r["engine/weights_version"] for r in rows] == [0, 1, 1, 2]
-    assert ["probe/max_abs_logprob_diff" in r for r in rows] == [False, True, False, True]
+    assert ["probe/max_abs_logprob_diff" in r for r in rows] == [False, False, True, True]
 
 
 def test_k1_push_that_does_not_take_stops_on_the_probe_batch(model_dirs, engine_dirs, tmp_path):
-    """Overlapped, the next rollout comes from older weights and cannot check a push: the probe batch does, at the
-    push, in one line."""
+    """Overlapped, the next rollout comes from older weights and cannot check a push: the probe batch does, on the
+    engine's thread; the learner raises its one line at the next step, before that step's row."""
     from conftest import corrupting
 
     run = setup(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), resume=False, log=lambda *_: None)
     try:
         run.engine.update_weights = corrupting(run.engine.update_weights)
+        train_step(run, 1, log=lambda *_: None)  # queued, not yet checked
         with pytest.raises(RefitError, match="parity probe failed after weight push .* on the probe batch"):
-            train_step(run, 1, log=lambda *_: None)
+            train_step(run, 2, log=lambda *_: None)
     finally:
         run.ahead.close()
         run.engine.close()
+
+
+def test_k1_bad_push_stops_the_run_naming_the_last_checkpoint(model_dirs, engine_dirs, tmp_path, monkeypatch):
+    """A whole k=1 run whose third push does not take (the engine's weights made wrong) stops in one line naming the
+    step-2 checkpoint: no row and no checkpoint after the bad push's check."""
+    from conftest import corrupting
+
+    from refit.rollout.ort_backend import OrtEngine
+
+    calls = []
+    real = OrtEngine.update_weights
+
+    def third_bad(self, named, version=None):
+        calls.append(version)
+        push = partial(real, self, version=version)
+        return corrupting(push)(named) if len(calls) == 3 else push(named)
+
+    monkeypatch.setattr(OrtEngine, "update_weights", third_bad)
+    with pytest.raises(RefitError) as err:
+        run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), log=lambda *_: None)
+    msg = str(err.value)
+    assert "\n" not in msg and "parity probe failed after weight push (engine weights_version 3" in msg, msg
+    assert msg.endswith(str(tmp_path / "checkpoints" / "step_000002")), msg
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]

@@ -8,7 +8,8 @@
                    5. checkpoint every ``save_steps`` steps (atomic)   6. metrics.jsonl / TensorBoard
 
 With ``rollout.max_staleness`` k >= 1 the engine generates step s+1's batch on a background thread during
-steps 2-3 of step s, and each push waits for it (refit.learner.ppo.overlap: the protocol, threads, resume).
+steps 2-3 of step s, and each push is queued behind it on that thread, checked on the probe batch there and
+logged on the next step's row (refit.learner.ppo.overlap: the protocol, threads, resume).
 
 Every random choice of step ``s`` (prompt order, sampling seed, minibatch order) is derived
 from ``(seed, s)``, so ``--resume`` from a checkpoint reproduces the uninterrupted run's metrics.
@@ -169,7 +170,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
                         int8_manifest=run.engine_manifest)
             if (ck / PENDING_FILE).is_file():
                 pending = torch.load(ck / PENDING_FILE, weights_only=False)
-                run.ahead.restore(pending["step"], pending["batch"])
+                run.ahead.restore(pending["step"], pending["batch"], pending.get("pushed", []))
     return run
 
 
@@ -299,6 +300,48 @@ def take_rollout(run: Run, step: int, idx: list[int], sampling: SamplingParams) 
     return rollout, seconds, lag
 
 
+def push_overlapped(run: Run, step: int, stats: dict[str, float], timings: dict[str, float]) -> None:
+    """Overlapped (``run.ahead``): collect the push queued at an earlier step (its probe diff on this row), then,
+    when a push is due, snapshot the weights and queue the push behind the generation in flight, the probe's
+    learner half computed here (refit.learner.ppo.overlap: the protocol). The last step waits for its own push.
+
+    Timings, the learner's share: ``time/weight_push`` the snapshot, ``time/probe_learner`` the probe's learner
+    half, ``time/push_wait`` the wait for queued pushes; the engine thread's: ``time/push_engine`` (update_weights)
+    and ``time/probe_engine`` (the probe's engine half) of the pushes collected on this row."""
+    cfg = run.cfg
+    timings.update({k: 0.0 for k in ("time/weight_push", "time/probe_learner", "time/push_wait", "time/push_engine",
+                                     "time/probe_engine")})
+
+    def collect() -> None:
+        t = time.perf_counter()
+        done = run.ahead.pushed()  # a failed probe is raised here: before this row and any later checkpoint
+        timings["time/push_wait"] += time.perf_counter() - t
+        for p in done:
+            stats["probe/max_abs_logprob_diff"] = max(p.probe_diff, stats.get("probe/max_abs_logprob_diff", 0.0))
+            timings["time/push_engine"] += p.push_s
+            timings["time/probe_engine"] += p.probe_s
+
+    collect()
+    if not due(step, cfg.rollout.sync_every, cfg.run.steps):
+        return
+    t = time.perf_counter()  # a copy: the next optimizer step changes the weights in place, the push runs later
+    snapshot = {n: p.detach().clone() for n, p in canonical_params(run.policy)[0].items()}
+    timings["time/weight_push"] = time.perf_counter() - t
+    t = time.perf_counter()
+    learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
+                                      run.engine_manifest)
+    timings["time/probe_learner"] = time.perf_counter() - t
+    # learner_side[2]: the model compared (the policy, or a copy of it quantized or rounded as the engine is); the
+    # engine thread reads the policy only through it, and only for an int8 engine's rounding floor (a copy)
+    check = partial(probe_check, run.engine, learner_side[2], run.probe, cfg.sampling.temperature,
+                    cfg.rollout.probe_tol, run.run_dir, int8_manifest=run.engine_manifest, learner_side=learner_side)
+    run.expected_version += 1  # the Engine protocol: a push without a version is the engine's + 1
+    run.ahead.push(snapshot, run.expected_version, check)
+    del snapshot  # the engine thread holds the only reference: freed once pushed
+    if step == cfg.run.steps:  # nothing left to overlap it with
+        collect()
+
+
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     with torch_threads(run.learner_threads):  # overlapped: the learner's share of the threads (else unchanged)
         return _train_step(run, step, log)
@@ -322,7 +365,6 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
         check_version(rollout, run.expected_version)
     else:  # time/rollout: the wait for it; time/generate: its own generation
         rollout, timings["time/generate"], lag = take_rollout(run, step, idx, sampling)
-        timings["time/push_wait"] = timings["time/probe_learner"] = 0.0
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
@@ -354,26 +396,23 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings["time/update"] = time.perf_counter() - t2
     if cfg.adap_kl_ctrl:
         run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
-    learner_side = None
-    if run.ahead is not None and due(step, cfg.rollout.sync_every, cfg.run.steps):
-        t = time.perf_counter()  # the probe's learner half, for the weights about to be pushed, while the engine runs
-        learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
-                                          run.engine_manifest)
-        timings["time/probe_learner"] = time.perf_counter() - t
-        timings["time/push_wait"] = run.ahead.wait()  # a push never meets a generation
-    t3 = time.perf_counter()
-    if due(step, cfg.rollout.sync_every, cfg.run.steps):
-        # the next rollout checks it (not an overlapped run's: that one comes from older weights than the learner's)
-        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None and run.ahead is None:
+    if run.ahead is not None:  # the push queued on the engine's thread (refit.learner.ppo.overlap)
+        push_overlapped(run, step, stats, timings)
+    elif due(step, cfg.rollout.sync_every, cfg.run.steps):
+        t3 = time.perf_counter()
+        # the next rollout checks it
+        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None:
             run.engine.update_weights(canonical_params(run.policy)[0])
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
             # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
             run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.sampling.temperature,
                                                       cfg.rollout.probe_tol, run.run_dir,
-                                                      int8_manifest=run.engine_manifest, learner_side=learner_side)
+                                                      int8_manifest=run.engine_manifest)
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
-    timings["time/weight_push"] = time.perf_counter() - t3
+        timings["time/weight_push"] = time.perf_counter() - t3
+    else:
+        timings["time/weight_push"] = 0.0
     tokens = float(rollout.response_mask.sum())
     warn_small_tis_weights(run, step, stats, sampling, log)
     quantized = run.engine_manifest is not None
@@ -389,16 +428,19 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
                                                    quantized))
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
             **reward_stats, **logged, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
-            "response/length": tokens / rollout.num_rows, "engine/weights_version": run.engine.weights_version,
+            "response/length": tokens / rollout.num_rows, "engine/weights_version": run.expected_version,
             "tokens_per_s": tokens / max(timings.get("time/generate") or timings["time/rollout"], 1e-9), **timings,
             "time/step": time.perf_counter() - t0}
 
 
 def save(run: Run, step: int) -> Path:
+    # overlapped: the batch in flight (its weights are gone) and the queued pushes' results, waited for first, so
+    # the engine's version is the pushed one and a failed probe stops the run before the checkpoint
+    held = run.ahead.held() if run.ahead is not None else None
+    files = ({PENDING_FILE: {"step": held[0], "batch": held[1], "pushed": [tuple(p) for p in held[2]]}}
+             if held is not None else None)
     state = {"kl_coef": run.kl_coef, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
-    held = run.ahead.held() if run.ahead is not None else None  # the batch in flight: its weights are gone
-    files = {PENDING_FILE: {"step": held[0], "batch": held[1]}} if held is not None else None
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
                            state, run.cfg.ckpt.keep_checkpoints, files=files)
 
@@ -420,7 +462,7 @@ def evaluate(run: Run, step: int = 0) -> dict[str, float]:
     if run.eval_set is None or not cfg.eval_steps:
         return {}
     if run.ahead is not None:
-        run.ahead.wait()  # the engine is idle (a push was due at an evaluation step, so nothing is in flight)
+        run.ahead.wait()  # the engine idle and pushed: the generation in flight, then the push queued behind it
     chunk = max(1, cfg.run.batch_size * cfg.num_generations)  # what the engine was sized for
     sampling = SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids)
     prompts, completions, extra, tokens = [], [], {}, 0.0

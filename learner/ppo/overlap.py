@@ -1,14 +1,29 @@
 """Generation overlapped with the update: ``rollout.max_staleness`` k >= 1 (0, the default, is the synchronous loop).
 
-The protocol (one engine, one rollout in flight, on one background thread)::
+The protocol (one engine, one background thread that runs its jobs in the order they are queued)::
 
     step s   take batch s: generated in the background during step s-1 (step 1, and the first step of a resumed
              run without a saved batch: generated now, in the foreground)
              its age: learner version - batch.weights_version must be in [0, k] pushes, else one RefitError line
-             submit batch s+1: the prompts and the seed of step s+1, exactly those the synchronous loop uses
-             rewards, learner scores, PPO update on batch s      ||  the engine generates batch s+1
-             a push due: the probe's learner half (the new weights' log-probs on the probe batch), then wait
-             for batch s+1, then push + the probe's engine half   (a push never meets a generation)
+             queue batch s+1: the prompts and the seed of step s+1, exactly those the synchronous loop uses
+             rewards, learner scores, PPO update on batch s      ||  the engine: the push of step s-1 (if any),
+                                                                      its probe, then generates batch s+1
+             collect the push of step s-1: its probe diff on this step's row; a failed probe: one RefitError line
+             a push due: snapshot the weights (a copy: the next optimizer step changes them in place), the
+             probe's learner half on them, then queue (snapshot, learner half) behind batch s+1; the learner's
+             version is the pushed one from here on (the engine's becomes it when the push runs)
+
+The background thread runs the generation of batch s+1, then the push (update_weights from the snapshot, which is
+then freed), then the probe's engine half and the comparison, then batch s+2 (queued at step s+1's take): a push
+never meets a generation, and each batch gets the version it got when the learner pushed in the foreground (batch
+s+1 from the weights pushed at step s-1). The learner numbers a push when it queues it (the engine's version + 1,
+by the Engine protocol; the worker refuses the push in one line if the engine reports another), so the staleness
+check of batch s+1 needs no wait. The push's probe is known during step s+1: its diff is logged on step s+1's row
+(``probe/max_abs_logprob_diff``, ``time/push_engine``, ``time/probe_engine``), its failure raised on the learner
+thread when it takes a batch, collects the push, waits (evaluation) or saves, before step s+1's row and any
+checkpoint after the push. The last step waits for its own push (nothing to overlap it with) and logs both diffs'
+max. A checkpoint waits for the queued push and keeps its probe result with the batch in flight, so a resumed run
+logs it on the same row as the uninterrupted run.
 
 Batch s+1 therefore comes from the weights pushed at step s-1: one push behind the learner that updates on it
 (AReaL's max_head_offpolicyness, NeMo-RL's max_trajectory_age_steps, both 1 here). With one batch in flight the
@@ -27,9 +42,9 @@ learner's, so they cannot check the push (``probe_on_rollout`` applies to k = 0 
 Every step is deterministic as in the synchronous loop: a row's tokens are a function of (seed, prompt, sample,
 weights version) (refit.rollout.sampling.RowStreams; the engines draw from no global generator, but the 'hf'
 baseline seeds torch's, which the learner does not use: eval-mode models, a generator of its own per step). A
-checkpoint holds the batch in flight (``pending_rollout.pt``, written after waiting for it): the weights it was
-generated with are not in the checkpoint, so a resumed run reads it back rather than regenerating it, and logs
-what the uninterrupted run logs.
+checkpoint holds the batch in flight and the queued push's probe result (``pending_rollout.pt``, written after
+waiting for both): the weights the batch was generated with are not in the checkpoint, so a resumed run reads it
+back rather than regenerating it, and logs what the uninterrupted run logs.
 
 Threads: ONNX Runtime releases the GIL in ``run()`` and torch in its kernels. The engine gets
 ``rollout.engine_threads`` intra-op threads (0: half of torch's, at least one), the learner's torch keeps the rest
@@ -43,13 +58,15 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import torch
 
 from refit.core.errors import RefitError
 from refit.rollout.types import RolloutBatch, SamplingParams
 
-PENDING_FILE = "pending_rollout.pt"  # the checkpoint's batch in flight: {"step": s, "batch": RolloutBatch}
+PENDING_FILE = "pending_rollout.pt"  # the checkpoint's batch in flight and queued pushes, done:
+# {"step": s, "batch": RolloutBatch, "pushed": [tuple(Pushed)]} ("pushed" absent in checkpoints before it)
 
 
 def split_threads(engine_threads: int, total: int) -> tuple[int, int]:
@@ -88,14 +105,44 @@ def _timed_generate(engine, prompts: list[list[int]], sampling: SamplingParams) 
     return batch, time.perf_counter() - t0
 
 
+class Pushed(NamedTuple):
+    """A queued push, done: what the learner logs on the row after the push's own."""
+
+    version: int  # the engine's weights_version after it
+    probe_diff: float  # max |engine - learner log-prob| on the probe batch (within rollout.probe_tol)
+    push_s: float  # the engine's update_weights, on the background thread
+    probe_s: float  # the probe's engine half and the comparison, on the background thread
+
+
+def _timed_push(engine, snapshot: list[dict[str, torch.Tensor]], version: int, check: Callable[[], float]) -> Pushed:
+    """The queued push, on the background thread: ``snapshot`` (a one-item list, emptied here so that the copy is
+    freed once the engine has taken it in) into ``engine``, then ``check()`` (the probe's engine half)."""
+    t0 = time.perf_counter()
+    engine.update_weights(snapshot.pop())
+    if engine.weights_version != version:
+        raise RefitError(f"weight push: the engine reports weights_version {engine.weights_version} after the push "
+                         f"the learner numbered {version}; was it pushed behind the learner's back?")
+    t1 = time.perf_counter()
+    diff = check()
+    return Pushed(version, diff, t1 - t0, time.perf_counter() - t1)
+
+
+def _done(result) -> Future:
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut
+
+
 class RolloutAhead:
-    """One rollout generated ahead on a background thread (the protocol above); ``close`` waits for it."""
+    """The engine's jobs on one background thread, in the order queued: a rollout generated ahead and the weight
+    pushes (the protocol above); ``close`` waits for them."""
 
     def __init__(self, engine):
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-rollout",
                                         initializer=torch.set_num_threads, initargs=(1,))
         self._pending: tuple[int, Future] | None = None  # (the step it is for, its (batch, seconds))
+        self._pushes: list[Future] = []  # queued pushes not yet collected, oldest first: each a Pushed
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[RolloutBatch, float]:
         """Generate now, in the foreground (nothing may be in flight); (batch, seconds)."""
@@ -107,18 +154,38 @@ class RolloutAhead:
             raise RefitError(f"rollout for step {self._pending[0]} is still in flight; cannot start step {step}'s")
         self._pending = (step, self._pool.submit(_timed_generate, self.engine, prompts, sampling))
 
+    def push(self, weights: dict[str, torch.Tensor], version: int, check: Callable[[], float]) -> None:
+        """Queue a push of ``weights`` (the learner's copy, handed over: nothing else may hold it) behind the
+        generation in flight, then ``check()`` (its probe); the engine's weights_version must become ``version``."""
+        self._pushes.append(self._pool.submit(_timed_push, self.engine, [weights], version, check))
+
+    def pushed(self) -> list[Pushed]:
+        """The queued pushes, waited for (not the generation queued after them) and forgotten; a failed push's or
+        probe's error is raised here."""
+        done, self._pushes = self._pushes, []
+        return [f.result() for f in done]
+
+    def _raise_failed_push(self) -> None:
+        for f in self._pushes:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
     def take(self, step: int) -> tuple[RolloutBatch, float] | None:
         """The batch generated ahead for ``step`` and its generation seconds (0.0: read from a checkpoint), or None
-        when none was (one for another step is dropped). A generation's error is raised here."""
+        when none was (one for another step is dropped). A generation's error, or a push's already known, is
+        raised here."""
+        self._raise_failed_push()
         if self._pending is None:
             return None
         s, fut = self._pending
         self._pending = None
         out = fut.result()
+        self._raise_failed_push()
         return out if s == step else None
 
     def wait(self) -> float:
-        """Wait until no generation is in flight (the engine is idle: push, evaluate, save); seconds waited."""
+        """Wait until nothing is in flight (the engine is idle: evaluate, save); seconds waited. A failed push's
+        error is raised here (the push stays queued: :meth:`pushed` raises it again)."""
         t0 = time.perf_counter()
         if self._pending is not None:
             try:
@@ -126,23 +193,27 @@ class RolloutAhead:
             except BaseException:
                 self._pending = None  # raised here once; the step that takes it would raise it again
                 raise
+        for f in self._pushes:
+            f.result()
         return time.perf_counter() - t0
 
-    def held(self) -> tuple[int, RolloutBatch] | None:
-        """(step, batch) of the batch generated ahead, after waiting for it; None when there is none."""
+    def held(self) -> tuple[int, RolloutBatch, list[Pushed]] | None:
+        """(step, batch, queued pushes) of the batch generated ahead, after waiting for everything; None when
+        there is no batch."""
         self.wait()
-        return None if self._pending is None else (self._pending[0], self._pending[1].result()[0])
+        if self._pending is None:
+            return None
+        return self._pending[0], self._pending[1].result()[0], [f.result() for f in self._pushes]
 
-    def restore(self, step: int, batch: RolloutBatch) -> None:
-        """A checkpoint's batch in flight, taken at ``step`` as if generated ahead."""
-        fut: Future = Future()
-        fut.set_result((batch, 0.0))
-        self._pending = (step, fut)
+    def restore(self, step: int, batch: RolloutBatch, pushed: list[Pushed] = ()) -> None:
+        """A checkpoint's batch in flight, taken at ``step`` as if generated ahead, and its queued pushes, done."""
+        self._pending = (step, _done((batch, 0.0)))
+        self._pushes = [_done(Pushed(*p)) for p in pushed]
 
     def close(self) -> None:
         try:
             self.wait()
         except Exception:  # noqa: BLE001 - the run is ending (perhaps on this very error); close the thread
             pass
-        self._pending = None
+        self._pending, self._pushes = None, []
         self._pool.shutdown(wait=True)
