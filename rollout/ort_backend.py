@@ -29,6 +29,7 @@ bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,7 @@ class OrtEngine(LoopEngine):
         self.weights = read_engine_weights(self.engine_dir, self.manifest) if hold_weights else None
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
+        self.last_push_s: dict[str, float] = {}  # update_weights' phases, seconds (see there); {} before a push
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
         self._kv_pool = None
@@ -239,13 +241,20 @@ class OrtEngine(LoopEngine):
            (no page faults, see keep_freed_memory) and halves the peak; should the open fail, the
            sessions are reopened from the held set, unchanged, and the error raised,
         3. copy the mapped tensors into the held set, in place, for later partial pushes.
+
+        ``last_push_s`` times its phases: ``map`` (1 without the int8 re-quantization), ``quantize`` (an int8
+        engine's :func:`quantize_push`; ~0 otherwise), ``open`` (2), ``copy`` (3); refit bench generate reports them.
         """
         if self.weights is None:
             raise RefitError(f"update_weights: the engine over {self.engine_dir} was opened without holding its "
                              "weights (hold_weights=False, as the export's parity gate opens it); it takes no push")
+        t0 = time.perf_counter()
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
-        mapped = quantize_push(engine_weights(named, wmap, self._weight_dtype), self.manifest.quantization)  # int8
+        mapped = engine_weights(named, wmap, self._weight_dtype)
+        t1 = time.perf_counter()
+        mapped = quantize_push(mapped, self.manifest.quantization)  # int8: the twins and scales
+        t2 = time.perf_counter()
         for g, new in mapped.items():
             for name, t in new.items():
                 old = self.weights[g].get(name)
@@ -259,6 +268,7 @@ class OrtEngine(LoopEngine):
         except Exception:
             self.sessions.update(self._open({g: {} for g in mapped}))
             raise
+        t3 = time.perf_counter()
         sources = {t.untyped_storage().data_ptr() for t in named.values()}
         with one_thread():  # 148 memcpys: a second OpenMP thread only adds wake-ups (see one_thread)
             for g, new in mapped.items():
@@ -269,6 +279,8 @@ class OrtEngine(LoopEngine):
                     else:
                         held[name] = t  # already a fresh tensor of ours (a transposed copy)
         self._version = next_version(self._version, version)
+        t4 = time.perf_counter()
+        self.last_push_s = {"map": t1 - t0, "quantize": t2 - t1, "open": t3 - t2, "copy": t4 - t3}
 
     def close(self) -> None:
         self.sessions, self.weights, self._kv_pool = {}, {}, None
