@@ -5,8 +5,11 @@ HF ``generate()``, in one process, at each batch size (the same prompts, samplin
     1. tokens/s, time to first token and decode step per backend and batch size; int8 / fp32 ratio
     2. log-prob gap: the fp32 engine samples a batch; both engines score it; |int8 - fp32| on the sampled tokens
        (mean, p99, max) beside the gap the export recorded (manifest ``quantization.gap_vs_fp32``)
-    3. push time: ``update_weights`` of the full fp32 state (perturbed) into each engine, median; the int8 push
-       re-quantizes on the way in
+    3. push time: ``update_weights`` of the full fp32 state (perturbed) into each engine, median, and its phases
+       (``OrtEngine.last_push_s``: map, the int8 re-quantization, the sessions' re-open, the held-set copy); then
+       whether the int8 push took: a perturbed push moves the int8 engine's log-probs and matches the
+       quantize-dequantize reference holding the same tensors (``reference_model``, as the learner's push probe)
+       within the export gate's tolerance
     4. optionally CTranslate2 int8 on the same model (``--ct2_python``: a Python with ``ctranslate2`` installed,
        kept out of Refit's environment): converted once, the same prompts and sampling, tokens/s per batch
 
@@ -40,13 +43,46 @@ def logprob_gap(fp32, int8, prompts: list[list[int]], new_tokens: int) -> dict:
             "max_abs": float(d.max()), "mean_signed": float((q - a).double().mean())}
 
 
-def push_seconds(engine, params: dict[str, torch.Tensor], repeats: int) -> list[float]:
-    out = []
+def push_seconds(engine, params: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], dict[str, float]]:
+    """``repeats`` full pushes of ``params`` (perturbed): (their seconds, the median of each phase of them)."""
+    out, phases = [], []
     for r in range(repeats):
         new = {n: p.detach() + 1e-3 * (r + 1) for n, p in params.items()}
         t0 = time.perf_counter()
         engine.update_weights(new)
         out.append(round(time.perf_counter() - t0, 4))
+        phases.append(engine.last_push_s)
+    return out, {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]}
+
+
+def push_check(int8, model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Push ``model``'s tensors moved by 0.1 x their std x N(0, 1) into ``int8``: how far the engine's log-probs move
+    on a batch it sampled, and how far they then are from the quantize-dequantize reference holding the same tensors
+    (the learner's push-probe side, ``probe_learner_side``), against the export gate's tolerances. ``model`` is
+    left holding the perturbed tensors."""
+    from refit.export.weight_map import canonical_params
+    from refit.learner.run.engines import probe_learner_side
+    from refit.rollout.types import SamplingParams
+
+    b = int8.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=12))
+    m = b.response_mask.bool()
+    score = lambda: int8.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask).logprobs[m]  # noqa: E731
+    before = score()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # a constant one (a LayerNorm's ones, a zero bias) stays as it is
+            if p.numel() > 1:
+                p.add_(0.1 * p.std() * torch.randn(p.shape, generator=gen))
+    int8.update_weights(canonical_params(model)[0])
+    after = score()
+    ref = probe_learner_side(int8, model, b, 1.0, int8.manifest)[0][m]
+    q = int8.manifest.quantization
+    d = (after - ref).abs()
+    out = {"tokens": int(m.sum()), "moved_max_abs": float((after - before).abs().max()),
+           "vs_reference_max_abs": float(d.max()), "vs_reference_mean_abs": float(d.mean()),
+           "gate_tolerance": q.tolerance_logprob, "gate_tolerance_mean": q.tolerance_mean}
+    out["took"] = (out["moved_max_abs"] > q.tolerance_logprob and out["vs_reference_max_abs"] <= q.tolerance_logprob
+                   and out["vs_reference_mean_abs"] <= q.tolerance_mean)
     return out
 
 
@@ -160,9 +196,15 @@ def bench_quantized(model_dir: Path, fp32_dir: Path, int8_dir: Path, batch_sizes
     log(f"log-prob gap int8 vs fp32 on {gap['tokens']} sampled tokens: mean {gap['mean_abs']:.4f}, "
         f"p99 {gap['p99_abs']:.4f}, max {gap['max_abs']:.4f}")
     params = canonical_params(hf)[0]
-    push = {name: push_seconds(eng, params, push_repeats) for name, eng in engines.items()}
-    log(f"update_weights median: fp32 {statistics.median(push['fp32']):.3f} s, int8 (re-quantizing) "
-        f"{statistics.median(push['int8']):.3f} s")
+    timed = {name: push_seconds(eng, params, push_repeats) for name, eng in engines.items()}
+    push, phases = {k: v[0] for k, v in timed.items()}, {k: v[1] for k, v in timed.items()}
+    for name in engines:
+        log(f"update_weights {name}: median {statistics.median(push[name]):.3f} s of {push[name]}; phases (median) "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in phases[name].items()))
+    check = push_check(engines["int8"], hf, prompts[:4], 16)  # hf holds the perturbed tensors from here on
+    log(f"int8 push check: moved {check['moved_max_abs']:.3g}, vs reference max {check['vs_reference_max_abs']:.3g} "
+        f"mean {check['vs_reference_mean_abs']:.3g} (gate tol {check['gate_tolerance']:.3g} / "
+        f"{check['gate_tolerance_mean']:.3g}): {'took' if check['took'] else 'NOT TAKEN'}")
     for e in engines.values():
         e.close()
     q = Manifest.read(int8_dir).quantization
@@ -173,4 +215,5 @@ def bench_quantized(model_dir: Path, fp32_dir: Path, int8_dir: Path, batch_sizes
             "int8_over_hf_generate": vs_hf, "logprob_gap_sampled": gap,
             "logprob_gap_export": dict(q.gap_vs_fp32) if q else None,
             "update_weights_s": {k: statistics.median(v) for k, v in push.items()}, "update_weights_all_s": push,
+            "update_weights_phases_s": phases, "int8_push_check": check,
             "ctranslate2_int8": ct2, "load_avg": _load(load_before)}

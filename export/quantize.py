@@ -154,6 +154,12 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().float()
         self.jitter: torch.Generator | None = None  # set by rounding_floor only
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight as a Linear holds it, (out, in), made on each read: HF code reads it (T5's
+        ``wo.weight.dtype``); the forward never does."""
+        return dequantize(self.q, self.scale).t()
+
     def forward(self, x):
         return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
 

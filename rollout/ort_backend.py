@@ -32,6 +32,7 @@ bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +202,7 @@ class OrtEngine(LoopEngine):
                         if hold_weights else engine_weight_shapes(self.engine_dir, self.manifest))
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self._version = 0
+        self.last_push_s: dict[str, float] = {}  # update_weights' phases, seconds (see there); {} before a push
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
         self._kv_pool = None
@@ -262,10 +264,17 @@ class OrtEngine(LoopEngine):
            copy reopens from its files before its first push; after one it has nothing to reopen from),
         3. copy the mapped tensors into the held set, in place, for later partial pushes (an engine holding no
            copy keeps nothing: ONNX Runtime copied them as the sessions opened).
+
+        ``last_push_s`` times its phases: ``map`` (1 without the int8 re-quantization), ``quantize`` (an int8
+        engine's :func:`quantize_push`; ~0 otherwise), ``open`` (2), ``copy`` (3); refit bench generate reports them.
         """
+        t0 = time.perf_counter()
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
-        mapped = quantize_push(engine_weights(named, wmap, self._weight_dtype), self.manifest.quantization)  # int8
+        mapped = engine_weights(named, wmap, self._weight_dtype)
+        t1 = time.perf_counter()
+        mapped = quantize_push(mapped, self.manifest.quantization)  # int8: the twins and scales
+        t2 = time.perf_counter()
         for g, new in mapped.items():
             for name, t in new.items():
                 want = self._shapes[g].get(name)
@@ -289,12 +298,11 @@ class OrtEngine(LoopEngine):
                                  f"{self._version}) to reopen them with; restart from the last checkpoint") from None
             self.sessions.update(self._open({g: {} for g in mapped}))
             raise
-        if self.weights is None:  # ONNX Runtime copied the pushed tensors as the sessions opened: nothing to keep
-            self._version = next_version(self._version, version)
-            return
+        t3 = time.perf_counter()
         sources = {t.untyped_storage().data_ptr() for t in named.values()}
         with one_thread():  # 148 memcpys: a second OpenMP thread only adds wake-ups (see one_thread)
-            for g, new in mapped.items():
+            # not held: ONNX Runtime copied the pushed tensors as the sessions opened, nothing to keep
+            for g, new in (mapped.items() if self.weights is not None else ()):
                 held = self.weights[g]
                 for name, t in new.items():
                     if t.untyped_storage().data_ptr() in sources:
@@ -302,6 +310,8 @@ class OrtEngine(LoopEngine):
                     else:
                         held[name] = t  # already a fresh tensor of ours (a transposed copy)
         self._version = next_version(self._version, version)
+        t4 = time.perf_counter()
+        self.last_push_s = {"map": t1 - t0, "quantize": t2 - t1, "open": t3 - t2, "copy": t4 - t3}
 
     def close(self) -> None:
         self.sessions, self.weights, self._kv_pool = {}, {}, None

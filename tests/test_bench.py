@@ -50,6 +50,10 @@ def test_bench_generate_quantized_json(tmp_path):
     gap = out["logprob_gap_sampled"]
     assert gap["tokens"] > 0 and gap["max_abs"] >= gap["p99_abs"] >= 0 and out["logprob_gap_export"]["max_abs_logprob"] > 0
     assert out["update_weights_s"]["int8"] > 0 and out["update_weights_s"]["fp32"] > 0
+    for name, ph in out["update_weights_phases_s"].items():  # map, re-quantize, session re-open, held-set copy
+        assert set(ph) == {"map", "quantize", "open", "copy"} and ph["open"] > 0, (name, ph)
+    check = out["int8_push_check"]  # a perturbed push moved the int8 engine onto the quantize-dequantize reference
+    assert check["took"] and check["moved_max_abs"] > check["gate_tolerance"] >= check["vs_reference_max_abs"], check
     assert "error" in out["ctranslate2_int8"]  # not asked for
 
 

@@ -52,10 +52,11 @@ def test_quantize_weight_by_hand():
     assert codes_x.tolist() == [[127.0, -64.0, 32.0]]
 
 
-@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
 def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs, prompts, arch):
     """GPT-2: Conv1D weights, the tied lm_head (its fp32 twin kept for the embedding); Llama: transposed
-    q/k/v/o and MLP weights sharing one row quantization per input, grouped-query attention."""
+    q/k/v/o and MLP weights sharing one row quantization per input, grouped-query attention; T5: an
+    encoder-decoder engine (two graphs pushed), whose HF code reads ``wo.weight.dtype`` of the substituted layer."""
     m = Manifest.read(int8_dirs[arch])
     q = m.quantization
     assert q is not None and q.max_abs_logprob_diff <= q.tolerance_logprob and q.float_matmuls == 0
