@@ -323,3 +323,20 @@ def test_measured_peak_rss_and_cap():
     assert m.rc == 0 and not m.capped and m.stdout.strip() == "done" and m.peak_rss_gb >= 400 / 1024
     capped = measured(hold, rss_cap_gb=0.2)
     assert capped.capped and capped.rc != 0 and capped.seconds < 3 and "done" not in capped.stdout
+
+
+def test_a_stage_runs_in_its_own_process_and_reports_its_failure_in_one_line(tmp_path):
+    """refit.bench.real: each stage of a row is a child process of its own (its peak RSS is its own); a stage that
+    fails (here: no engine folder under the work dir) comes back as one 'failed: ...' line, and the table prints
+    it in that stage's cell with the stage's seconds and peak RSS."""
+    from refit.bench.families import markdown_real
+    from refit.bench.real import _stage_child
+
+    result, m = _stage_child("push", "SmolLM2 135M", tmp_path, rss_cap_gb=4)
+    assert isinstance(result, str) and result.startswith("failed: RefitError") and "\n" not in result
+    assert m.rc == 0 and not m.capped and 0 < m.peak_rss_gb < 4
+    rec = {"family": "SmolLM2 135M", "params_m": 35.4, "export": "ok", "attention": "fused", "parity": 2.5e-6,
+           "export_s": 23.5, "export_rss_gb": 0.86, "push": result, "push_s": m.seconds, "push_rss_gb": m.peak_rss_gb,
+           "seconds": 30.0, "peak_rss_gb": 0.9}
+    row = markdown_real([rec]).splitlines()[-1]
+    assert "failed: RefitError" in row and f"{m.seconds} s, {m.peak_rss_gb} GB; -; -" in row
