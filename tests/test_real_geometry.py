@@ -272,8 +272,8 @@ def test_full_depth_smollm2_export_ppo_push_resume(tmp_path, tokenizer):
     assert m.dims.n_layers == 30 and m.parity.max_abs_logprob_diff <= TOL and m.attention == "fused"
     t_export = time.perf_counter() - t0
     cfg = dict(model_dir=str(model_dir), engine_dir=str(engine_dir), output_dir=str(tmp_path / "run"), steps=4,
-               batch_size=4, num_generations=2, num_mini_batches=2, num_ppo_epochs=1, response_length=4,
-               save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
+               batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1,
+               response_length=4, save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
                num_prompts=32, learning_rate=1e-4, kl_estimator="exact", top_k=20, top_p=0.9,
                reward="refit.learner.examples.tasks:length_reward", export_final=False)
     run_ppo(PPOConfig.from_flat(**cfg, max_steps_this_run=2), log=lambda *_: None)
