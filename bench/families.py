@@ -94,8 +94,9 @@ def _push_cell(r: dict) -> str:
 
 
 def _stages_cell(r: dict) -> str:
-    """Each stage's seconds and peak RSS (its own process: refit.bench.real)."""
-    return "; ".join(f"{r[f'{k}_s']} s, {r[f'{k}_rss_gb']} GB" if f"{k}_rss_gb" in r else "-"
+    """Each stage's seconds, peak RSS and peak anonymous memory (its own process: refit.bench.real)."""
+    return "; ".join(f"{r[f'{k}_s']} s, {r[f'{k}_rss_gb']} GB" + (f" (anon {r[f'{k}_anon_gb']})" if f"{k}_anon_gb" in r
+                                                                     else "") if f"{k}_rss_gb" in r else "-"
                      for k in ("push", "ppo", "distill"))
 
 
@@ -105,7 +106,7 @@ def markdown_real(records: list[dict]) -> str:
 
     lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
              "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) "
-             "| distill (2 steps, self-teacher) | export s, peak RSS | push; PPO; distill: s, peak RSS "
+             "| distill (2 steps, self-teacher) | export s, peak RSS | push; PPO; distill: s, peak RSS (anon GB) "
              "| whole row s, peak RSS |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", choices=("tiny", "real"), default="tiny",
                    help="tiny: one 2-layer, 32-64-wide checkpoint per family; real: the published geometries of "
                         "refit.learner.examples.published (real widths and vocabularies, 2 layers), one process each")
-    p.add_argument("--rss-cap-gb", type=float, default=16.0, help="--set real: stop a geometry above this peak RSS")
+    p.add_argument("--rss-cap-gb", type=float, default=16.0, help="--set real: stop a geometry whose anonymous memory passes this (file pages, which the kernel can reclaim, left out)")
     a = p.parse_args(argv)
     if a.set == "real":
         return _main_real(p, a)

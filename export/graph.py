@@ -22,7 +22,10 @@ from refit.export.weight_map import byte_view
 _TORCH_TO_NP = {"float32": np.float32, "float16": np.float16}
 
 
-def session_options(threads: int | None = None, opt_level: str = "all"):
+def session_options(threads: int | None = None, opt_level: str = "all", prepack: bool = True):
+    """ONNX Runtime session options. ``prepack=False``: no MLAS pre-packing of constant matmul weights; a session
+    over a graph's external-data files then maps them from the files (page cache, reclaimable) instead of holding
+    packed copies in its own memory. What it costs and where Refit uses it: :class:`refit.rollout.ort_backend.OrtEngine`."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -41,6 +44,8 @@ def session_options(threads: int | None = None, opt_level: str = "all"):
     # batch 32, 32 tokens, interleaved: spinning was 8% faster on an idle 2-core box and 25%
     # slower with one busy neighbour process.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = 3
     return so
 
@@ -107,7 +112,8 @@ def ort_value(x):
 
 
 def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None = None,
-                 threads: int | None = None, providers: list[str] | None = None, opt_level: str = "all"):
+                 threads: int | None = None, providers: list[str] | None = None, opt_level: str = "all",
+                 prepack: bool = True):
     """An ``InferenceSession`` over ``graph_path``; ``weights`` replace its external initializers.
 
     ``weights`` values: numpy arrays or CPU torch tensors (:func:`ort_value`). Returns (session, keepalive). ONNX Runtime copies the supplied buffers into the graph while
@@ -117,7 +123,7 @@ def open_session(graph_path: str | Path, weights: dict[str, np.ndarray] | None =
     """
     import onnxruntime as ort
 
-    so = session_options(threads, opt_level)
+    so = session_options(threads, opt_level, prepack)
     keep = []
     if weights:
         names = list(weights)

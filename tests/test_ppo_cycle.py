@@ -340,5 +340,6 @@ def test_reference_held_once(model_dirs, engine_dirs, tmp_path, kl_penalty, ref_
         assert (run.ref is not None) == torch_ref
         assert (run.ref_engine is not None) == (ref_backend == "onnxruntime")
         assert run.engine.weights is None and (run.ref_engine is None or run.ref_engine.weights is None)
+        assert run.ref_engine is None or not run.ref_engine._prepack  # it only scores: weights mapped, not packed
     finally:
         run.engine.close()

@@ -236,3 +236,21 @@ def test_engine_that_does_not_hold_its_weights_takes_complete_pushes_only(arch, 
     torch.testing.assert_close(after, _score(held, batch), atol=0, rtol=0)
     torch.testing.assert_close(after, _score(ref, batch), atol=TOL, rtol=0)
     light.close()
+
+
+def test_engine_without_prepacking_scores_as_the_packed_one(engine_dirs, model_dirs, prompts):
+    """``prepack=False`` (PPO's reference engine): the same graph without MLAS's packed weights, read from the
+    folder's files; its log-probs equal the packed engine's within the fp32 parity tolerance, and a whole-model
+    push reaches it."""
+    from refit.export.weight_map import canonical_params
+
+    packed, ref = _pair("tiny-llama", engine_dirs, model_dirs)
+    plain = OrtEngine(engine_dirs["tiny-llama"], hold_weights=False, prepack=False, keep_heap=False)
+    batch = _probe(ref, prompts)
+    torch.testing.assert_close(_score(plain, batch), _score(packed, batch), atol=TOL, rtol=0)
+    params, _ = canonical_params(ref.model)
+    new = {n: _noisy(t, i, scale=0.05) for i, (n, t) in enumerate(params.items())}
+    plain.update_weights(new)
+    ref.update_weights(new)
+    torch.testing.assert_close(_score(plain, batch), _score(ref, batch), atol=TOL, rtol=0)
+    plain.close()

@@ -198,9 +198,9 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
         from refit.rollout.build import ensure_engine
 
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
-    # never pushed: the sessions read the folder's files, no copy of the weights held (OrtEngine hold_weights)
+    # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine)
     return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None,
-                         hold_weights=False)
+                         hold_weights=False, prepack=False)
 
 
 def experience(run: Run, rollout, scores: torch.Tensor,
