@@ -192,10 +192,11 @@ def _stage_child(stage: str, name: str, root: Path, rss_cap_gb: float | None) ->
     return json.loads(lines[-1])["result"], m
 
 
-def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> dict:
+def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, vocab: int | None = None) -> dict:
     """Everything the table reports for one published geometry (2 layers): the checkpoint built here, the export
     and each stage in a child process. ``root`` holds the checkpoint, the engine and the runs. Prints the record
-    after each stage."""
+    after each stage. ``vocab``: the vocabulary cut to that many rows (recorded), for a geometry whose published
+    vocabulary does not fit the machine; every other field as published."""
     from dataclasses import asdict
 
     from refit.core.manifest import Manifest
@@ -205,8 +206,9 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     slug = _slug(name)
     tok = build_tokenizer()
     t0 = time.perf_counter()
-    model_dir = build_published(name, root / "models" / slug, tokenizer=tok)
-    rec = {"family": name, "source": PUBLISHED[name].source, "params_m": round(n_params(name) / 1e6, 1),
+    model_dir = build_published(name, root / "models" / slug, tokenizer=tok, vocab_size=vocab)
+    params = sum(p.numel() for p in _meta_model(model_dir).parameters()) if vocab else n_params(name)
+    rec = {"family": name, "source": PUBLISHED[name].source, "params_m": round(params / 1e6, 1), "vocab_cut": vocab,
            "build_s": round(time.perf_counter() - t0, 1), "model_dir": str(model_dir),
            "engine_dir": str(root / "engines" / slug)}
     _emit(rec, "export")
@@ -225,13 +227,25 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None) -> d
     return rec
 
 
-def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print) -> list[dict]:
+def _meta_model(model_dir: Path):
+    """The checkpoint's model on the meta device (its parameter count, no memory); tied weights counted once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_config(cfg)
+
+
+def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print, vocab: int | None = None) -> list[dict]:
     """One child process per geometry (:func:`geometry_record`), its peak RSS and seconds added."""
     records = []
     for name in names:
         cmd = [sys.executable, "-m", "refit.bench.real", name, "--work-dir", str(root)]
         if rss_cap_gb is not None:
             cmd += ["--rss-cap-gb", str(rss_cap_gb)]
+        if vocab is not None:
+            cmd += ["--vocab", str(vocab)]
         m = measured(cmd, rss_cap_gb)
         lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
         rec = json.loads(lines[-1]) if lines else {"family": name, "stage": "build", "export": "not reached"}
@@ -252,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="a geometry of refit.learner.examples.published.PUBLISHED")
     p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
     p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export or a stage whose anonymous memory passes this (GB)")
+    p.add_argument("--vocab", type=int, default=None, help="cut the vocabulary to this many rows (recorded)")
     p.add_argument("--stage", choices=STAGES, default=None,
                    help="run only this stage on the checkpoint and engine already under --work-dir (one JSON line)")
     a = p.parse_args(argv)
     if a.stage:
         print(json.dumps({"stage": a.stage, "result": run_stage(a.stage, a.name, Path(a.work_dir))}), flush=True)
         return 0
-    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb)  # prints its record after each stage
+    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb, a.vocab)  # prints its record after each stage
     return 0
 
 

@@ -341,3 +341,5 @@ def test_a_stage_runs_in_its_own_process_and_reports_its_failure_in_one_line(tmp
     assert 0 < m.peak_anon_gb <= m.peak_rss_gb + 0.01  # the poll's anonymous memory: part of what wait4 counts
     row = markdown_real([rec]).splitlines()[-1]
     assert "failed: RefitError" in row and f"{m.seconds} s, {m.peak_rss_gb} GB (anon {m.peak_anon_gb}); -; -" in row
+    cut = markdown_real([{**rec, "vocab_cut": 512}]).splitlines()[-1]
+    assert cut.startswith("| SmolLM2 135M (vocabulary cut to 512) |")

@@ -153,15 +153,18 @@ def n_params(name: str, n_layers: int | None = 2) -> int:
 
 
 def build_published(name: str, out_dir: str | Path, n_layers: int | None = 2, seed: int = 0,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, vocab_size: int | None = None) -> Path:
     """Save a random-weight checkpoint of ``PUBLISHED[name]`` (depth ``n_layers``) and the local tokenizer
-    (:func:`refit.learner.examples.models.build_tokenizer`) to ``out_dir``; fp32, as :func:`refit.learner.examples.models.build_model`."""
+    (:func:`refit.learner.examples.models.build_tokenizer`) to ``out_dir``; fp32, as :func:`refit.learner.examples.models.build_model`.
+    ``vocab_size``: the vocabulary cut to that many rows (None: the published one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from refit.learner.examples.models import _randomise_buffers, build_tokenizer
 
     cfg = published_config(name, n_layers)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     torch.manual_seed(seed)
     auto = AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM
