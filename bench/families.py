@@ -118,6 +118,7 @@ def markdown_real(records: list[dict]) -> str:
             continue
         push, ppo, distill = (r.get(k, "not reached") for k in ("push", "ppo", "distill"))
         cut = f" (vocabulary cut to {r['vocab_cut']})" if r.get("vocab_cut") else ""
+        cut += " (push_via file)" if r.get("push_via") == "file" else ""
         lines.append(f"| {r['family']}{cut} | {PUBLISHED[r['family']].features} | {r['params_m']}M "
                      f"| ok, {r['attention']} attention | {r['parity']:.1e} "
                      f"| {_cell(push, _push_cell)} | {_cell(ppo, _ppo_cell)} | {_cell(distill, _distill_cell)} "
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", choices=("tiny", "real"), default="tiny",
                    help="tiny: one 2-layer, 32-64-wide checkpoint per family; real: the published geometries of "
                         "refit.learner.examples.published (real widths and vocabularies, 2 layers), one process each")
+    p.add_argument("--push-via", choices=("memory", "file"), default="memory",
+                   help="--set real: the jobs' weight-push route (rollout.push_via; file: what a 7B-wide row needs)")
     p.add_argument("--vocab", type=int, default=None,
                    help="--set real: cut each geometry's vocabulary to this many rows (the row says so)")
     p.add_argument("--rss-cap-gb", type=float, default=16.0, help="--set real: stop a geometry whose anonymous memory passes this (file pages, which the kernel can reclaim, left out)")
@@ -174,7 +177,7 @@ def _main_real(p, a) -> int:
         p.error(f"no published geometry matches {a.only}; known: {', '.join(PUBLISHED)}")
     with tempfile.TemporaryDirectory(prefix="refit-real-") as tmp:
         root = Path(a.work_dir) if a.work_dir else Path(tmp)
-        records = run_real(names, root, a.rss_cap_gb, vocab=a.vocab)
+        records = run_real(names, root, a.rss_cap_gb, vocab=a.vocab, push_via=a.push_via)
     table = markdown_real(records)
     print(table)
     if a.readme:

@@ -110,7 +110,8 @@ def push_stage(model_dir: str, engine_dir: str) -> dict:
 def ppo_stage(model_dir: str, engine_dir: str, root: str) -> dict:
     from refit.bench.smokes import ppo_smoke
 
-    return ppo_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root))
+    # push_via file: at these widths the memory route's push transient (~2x the model) would not fit the box
+    return ppo_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root), push_via="file")
 
 
 def dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -164,13 +164,14 @@ def _slug(name: str) -> str:
     return name.lower().replace(" ", "-").replace(".", "")
 
 
-def run_stage(stage: str, name: str, root: Path) -> dict | str:
+def run_stage(stage: str, name: str, root: Path, push_via: str = "memory") -> dict | str:
     """One stage of a geometry's row, on the checkpoint and engine :func:`geometry_record` made under ``root``."""
     from refit.bench.smokes import _run, distill_smoke, ppo_smoke
     from refit.learner.examples.models import build_tokenizer
 
     rec = {"model_dir": str(root / "models" / _slug(name)), "engine_dir": str(root / "engines" / _slug(name))}
-    quick = dict(export_final=False)  # no re-export of the final model: the export is measured once, before
+    # no re-export of the final model (the export is measured once, before); the jobs' weight-push route
+    quick = dict(export_final=False, push_via=push_via)
     if stage == "push":
         tok = build_tokenizer()
         fn = lambda r, _: push_check(r["model_dir"], r["engine_dir"], [tok(t).input_ids for t in PROMPTS])  # noqa: E731
@@ -179,8 +180,10 @@ def run_stage(stage: str, name: str, root: Path) -> dict | str:
     return _run(fn, rec, root / "runs" / _slug(name))
 
 
-def _stage_child(stage: str, name: str, root: Path, rss_cap_gb: float | None) -> tuple[dict | str, Measured]:
-    cmd = [sys.executable, "-m", "refit.bench.real", name, "--work-dir", str(root), "--stage", stage]
+def _stage_child(stage: str, name: str, root: Path, rss_cap_gb: float | None,
+                 push_via: str = "memory") -> tuple[dict | str, Measured]:
+    cmd = [sys.executable, "-m", "refit.bench.real", name, "--work-dir", str(root), "--stage", stage,
+           "--push-via", push_via]
     m = measured(cmd, rss_cap_gb)
     lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
     if m.capped:
@@ -192,7 +195,8 @@ def _stage_child(stage: str, name: str, root: Path, rss_cap_gb: float | None) ->
     return json.loads(lines[-1])["result"], m
 
 
-def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, vocab: int | None = None) -> dict:
+def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, vocab: int | None = None,
+                    push_via: str = "memory") -> dict:
     """Everything the table reports for one published geometry (2 layers): the checkpoint built here, the export
     and each stage in a child process. ``root`` holds the checkpoint, the engine and the runs. Prints the record
     after each stage. ``vocab``: the vocabulary cut to that many rows (recorded), for a geometry whose published
@@ -209,6 +213,7 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, voca
     model_dir = build_published(name, root / "models" / slug, tokenizer=tok, vocab_size=vocab)
     params = sum(p.numel() for p in _meta_model(model_dir).parameters()) if vocab else n_params(name)
     rec = {"family": name, "source": PUBLISHED[name].source, "params_m": round(params / 1e6, 1), "vocab_cut": vocab,
+           "push_via": push_via,
            "build_s": round(time.perf_counter() - t0, 1), "model_dir": str(model_dir),
            "engine_dir": str(root / "engines" / slug)}
     _emit(rec, "export")
@@ -221,7 +226,7 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, voca
                capabilities=asdict(m.capabilities))
     for stage in STAGES:
         _emit(rec, stage)
-        rec[stage], m = _stage_child(stage, name, root, rss_cap_gb)
+        rec[stage], m = _stage_child(stage, name, root, rss_cap_gb, push_via)
         rec[f"{stage}_s"], rec[f"{stage}_rss_gb"], rec[f"{stage}_anon_gb"] = m.seconds, m.peak_rss_gb, m.peak_anon_gb
     _emit(rec, "done")
     return rec
@@ -237,7 +242,8 @@ def _meta_model(model_dir: Path):
         return (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_config(cfg)
 
 
-def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print, vocab: int | None = None) -> list[dict]:
+def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print, vocab: int | None = None,
+             push_via: str = "memory") -> list[dict]:
     """One child process per geometry (:func:`geometry_record`), its peak RSS and seconds added."""
     records = []
     for name in names:
@@ -246,6 +252,7 @@ def run_real(names: list[str], root: Path, rss_cap_gb: float | None, log=print, 
             cmd += ["--rss-cap-gb", str(rss_cap_gb)]
         if vocab is not None:
             cmd += ["--vocab", str(vocab)]
+        cmd += ["--push-via", push_via]
         m = measured(cmd, rss_cap_gb)
         lines = [ln for ln in m.stdout.splitlines() if ln.startswith("{")]
         rec = json.loads(lines[-1]) if lines else {"family": name, "stage": "build", "export": "not reached"}
@@ -267,13 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
     p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export or a stage whose anonymous memory passes this (GB)")
     p.add_argument("--vocab", type=int, default=None, help="cut the vocabulary to this many rows (recorded)")
+    p.add_argument("--push-via", choices=("memory", "file"), default="memory",
+                   help="the PPO and distillation jobs' weight-push route (rollout.push_via)")
     p.add_argument("--stage", choices=STAGES, default=None,
                    help="run only this stage on the checkpoint and engine already under --work-dir (one JSON line)")
     a = p.parse_args(argv)
     if a.stage:
-        print(json.dumps({"stage": a.stage, "result": run_stage(a.stage, a.name, Path(a.work_dir))}), flush=True)
+        result = run_stage(a.stage, a.name, Path(a.work_dir), a.push_via)
+        print(json.dumps({"stage": a.stage, "result": result}), flush=True)
         return 0
-    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb, a.vocab)  # prints its record after each stage
+    geometry_record(a.name, Path(a.work_dir), a.rss_cap_gb, a.vocab, a.push_via)  # prints its record after each stage
     return 0
 
 

@@ -33,6 +33,7 @@ bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,29 @@ class _OrtSeq2SeqState:
         return _logits(outs["logits"]).float()
 
 
+class _ShapeChecked(Mapping):
+    """A graph's lazily mapped weights whose shapes are checked against the engine's as each is made."""
+
+    def __init__(self, view, shapes: dict[str, tuple[int, ...]], graph: str):
+        self._view, self._shapes, self._graph = view, shapes, graph
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._view[name]
+        if tuple(t.shape) != self._shapes.get(name):
+            raise RefitError(f"update_weights: engine weight {self._graph}:{name} expects {self._shapes.get(name)}, "
+                             f"got {tuple(t.shape)}")
+        return t
+
+    def __contains__(self, name) -> bool:
+        return name in self._view
+
+    def __iter__(self):
+        return iter(self._view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
 class OrtEngine(LoopEngine):
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
@@ -166,11 +190,18 @@ class OrtEngine(LoopEngine):
     1B's widths at 2 layers (384M parameters, tied vocabulary 128256), 8 rows: after generate + score the engine
     held 2.62 GB with pre-packing and 1.64 GB (file pages) without; score() 1.27 s vs 1.53 s, generate() of 16
     tokens 2.16 s vs 4.01 s. So it suits an engine that only scores.
+    ``push_via="file"`` (with ``hold_weights=False``, fp32/fp16/bf16 engines): a push writes the mapped weights,
+    one tensor at a time, to a graph + data file pair in a scratch folder beside the engine folder (never into
+    it) and opens the new sessions from those files, which ONNX Runtime maps. The memory route holds every
+    transposed weight at once and ONNX Runtime's copy of each beside its packed one while the session opens
+    (~2x the model more than the engine's resting size); this route holds one tensor and the packed weights.
+    It costs a write of the model per push (page cache, flushed by the kernel when it likes).
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
                  keep_heap: bool = True, slots: int | None = None, inflight: bool = True,
-                 graph_files: dict[str, str] | None = None, hold_weights: bool = True, prepack: bool = True):
+                 graph_files: dict[str, str] | None = None, hold_weights: bool = True, prepack: bool = True,
+                 push_via: str = "memory"):
         from refit.export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
@@ -204,6 +235,12 @@ class OrtEngine(LoopEngine):
         self._weight_dtype = {**_TORCH_DTYPE, "bf16": torch.bfloat16}[self.manifest.dtype]
         # the held set, our own buffers; None: the sessions read the files, no push (hold_weights=False)
         self.weights = read_engine_weights(self.engine_dir, self.manifest) if hold_weights else None
+        if push_via not in ("memory", "file"):
+            raise RefitError(f"onnxruntime backend: push_via must be 'memory' or 'file', got {push_via!r}")
+        if push_via == "file" and (hold_weights or quant is not None):
+            raise RefitError("onnxruntime backend: push_via='file' needs hold_weights=False and an engine that is "
+                             f"not quantized ({self.engine_dir} is {quant.scheme if quant else 'held'})")
+        self._push_via, self._scratch, self._graph_src = push_via, None, dict(self._files)
         self._shapes = ({g: {n: tuple(t.shape) for n, t in w.items()} for g, w in self.weights.items()}
                         if hold_weights else engine_weight_shapes(self.engine_dir, self.manifest))
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
@@ -277,6 +314,8 @@ class OrtEngine(LoopEngine):
         t0 = time.perf_counter()
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
+        if self._push_via == "file":
+            return self._push_through_files(named, version, t0)
         mapped = engine_weights(named, wmap, self._weight_dtype)
         t1 = time.perf_counter()
         mapped = quantize_push(mapped, self.manifest.quantization)  # int8: the twins and scales
@@ -319,5 +358,64 @@ class OrtEngine(LoopEngine):
         t4 = time.perf_counter()
         self.last_push_s = {"map": t1 - t0, "quantize": t2 - t1, "open": t3 - t2, "copy": t4 - t3}
 
+    def _push_through_files(self, named: dict[str, torch.Tensor], version: int | None, t0: float) -> None:
+        """``push_via="file"``: each touched graph written (one mapped tensor at a time, shapes checked as they are
+        written) to ``<scratch>/<graph>.v<N>.onnx`` + ``.data``; then its session closed and reopened from them; the
+        previous pair removed. A bad push raises before any session is closed and leaves no file behind."""
+        import tempfile
+
+        import onnx
+
+        from refit.export.graph import write_graph
+        from refit.export.weight_map import engine_weight_views
+
+        views = engine_weight_views(named, self.manifest.weight_map, self._weight_dtype)
+        for g, view in views.items():
+            missing = sorted(set(self._shapes[g]) - set(view))
+            if missing:
+                raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
+                                 f"(hold_weights=False), so a push must carry every weight of each graph it touches; "
+                                 f"this one leaves out {len(missing)} of graph {g!r}'s {len(self._shapes[g])}, "
+                                 f"e.g. {missing[:3]} (push the whole model)")
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-", dir=self.engine_dir.parent))
+        new_version = next_version(self._version, version)
+        written: dict[str, Path] = {}
+        try:
+            for g, view in views.items():
+                proto = onnx.load(str(self.engine_dir / self._graph_src[g]), load_external_data=False)
+                written[g] = self._scratch / f"{g}.v{new_version}.onnx"
+                write_graph(proto, _ShapeChecked(view, self._shapes[g], g), written[g])
+        except BaseException:
+            for path in written.values():
+                path.unlink(missing_ok=True)
+                path.with_name(path.name + ".data").unlink(missing_ok=True)
+            raise
+        t1 = time.perf_counter()
+        before = {g: self._files[g] for g in written}
+        for g in written:
+            del self.sessions[g]
+        try:
+            for g, path in written.items():
+                self._files[g] = str(path)
+            self.sessions.update(self._open({g: {} for g in written}))
+        except Exception:
+            self._files.update(before)
+            self.sessions.update(self._open({g: {} for g in written}))
+            raise
+        for g, old in before.items():
+            if Path(old).is_absolute() and Path(old).parent == self._scratch:  # not the engine folder's own files
+                Path(old).unlink(missing_ok=True)
+                Path(old + ".data").unlink(missing_ok=True)
+        self._version = new_version
+        self.last_push_s = {"map": 0.0, "quantize": 0.0, "write": t1 - t0, "open": time.perf_counter() - t1,
+                            "copy": 0.0}
+
     def close(self) -> None:
+        if self._scratch is not None:
+            import shutil
+
+            self.sessions = {}
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         self.sessions, self.weights, self._kv_pool = {}, {}, None

@@ -343,3 +343,19 @@ def test_reference_held_once(model_dirs, engine_dirs, tmp_path, kl_penalty, ref_
         assert run.ref_engine is None or not run.ref_engine._prepack  # it only scores: weights mapped, not packed
     finally:
         run.engine.close()
+
+
+def test_push_via_file_trains_as_the_memory_push(model_dirs, engine_dirs, tmp_path):
+    """rollout.push_via: file (pushes written to a scratch graph beside the engine folder, mapped by ONNX Runtime)
+    logs what push_via: memory logs: the same bytes reach the same sessions, so rewards, KL and probes match."""
+    from refit.learner.ppo.cycle import run_ppo
+    from refit.learner.run.metrics import read_metrics
+
+    rows = {}
+    for via in ("memory", "file"):
+        cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / via, push_via=via, kl_estimator="exact")
+        rows[via] = read_metrics(run_ppo(cfg, log=lambda *_: None))
+    keys = ("reward/mean", "kl/exact", "probe/max_abs_logprob_diff", "engine/weights_version")
+    assert [[r.get(k) for k in keys] for r in rows["file"]] == [[r.get(k) for k in keys] for r in rows["memory"]]
+    assert rows["file"][-1]["engine/weights_version"] == 2
+    assert not list(engine_dirs["tiny-gpt2"].parent.glob(f".{engine_dirs['tiny-gpt2'].name}.push-*"))  # closed

@@ -254,3 +254,44 @@ def test_engine_without_prepacking_scores_as_the_packed_one(engine_dirs, model_d
     ref.update_weights(new)
     torch.testing.assert_close(_score(plain, batch), _score(ref, batch), atol=TOL, rtol=0)
     plain.close()
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_push_through_files_equals_the_memory_push(arch, engine_dirs, model_dirs, prompts):
+    """``push_via="file"``: the pushed weights written to a scratch graph pair beside the engine folder (never into
+    it) and the sessions reopened from it give exactly what the memory route gives; a partial push and a push of a
+    wrong shape are refused in one line with the engine unchanged and no file left; each push replaces the previous
+    pair; close() removes the scratch folder; the engine folder's files are untouched."""
+    import hashlib
+
+    from refit.export.weight_map import canonical_params
+
+    folder = engine_dirs[arch]
+    digest = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())  # noqa: E731
+                      if p.is_file()}
+    before_files = digest()
+    mem, ref = _pair(arch, engine_dirs, model_dirs)
+    via = OrtEngine(folder, hold_weights=False, push_via="file", keep_heap=False)
+    batch = _probe(ref, prompts)
+    start = _score(via, batch)
+    params, _ = canonical_params(ref.model)
+    first = next(n for n in params if ".0." in n)
+    with pytest.raises(RefitError, match="holds no copy of its weights"):
+        via.update_weights({first: params[first]})
+    bad = {**params, first: torch.zeros(3, 3)}
+    with pytest.raises(RefitError, match="expects") as e:
+        via.update_weights(bad)
+    assert "\n" not in str(e.value) and via.weights_version == 0
+    torch.testing.assert_close(_score(via, batch), start, atol=0, rtol=0)
+    for round_ in (1, 2):
+        new = {n: _noisy(t, 10 * round_ + i, scale=0.05) for i, (n, t) in enumerate(params.items())}
+        via.update_weights(new)
+        mem.update_weights(new)
+        torch.testing.assert_close(_score(via, batch), _score(mem, batch), atol=0, rtol=0)
+        assert via.weights_version == round_ and (_score(via, batch) - start).abs().max() > 1e-3
+        assert sorted(p.name for p in via._scratch.iterdir()) == sorted(
+            f"{g}.v{round_}.onnx{x}" for g in via.manifest.graphs for x in ("", ".data"))
+    scratch = via._scratch
+    assert scratch.parent == folder.parent
+    via.close()
+    assert not scratch.exists() and digest() == before_files

@@ -116,6 +116,11 @@ class RolloutSection:
                 "onnxruntime: int8 matmuls; tensorrt: int8 weights through Q/DQ, fp32 matmuls), pushes re-quantized; the probe then compares the engine with the learner's "
                 "weights quantized the same way, the reference and KL stay fp32, and PPO's mismatch_correction "
                 "'auto' becomes tis")
+    push_via: Literal["memory", "file"] = _f(
+        "memory", "onnxruntime: how a weight push reaches the engine. memory: the mapped weights handed to ONNX "
+                  "Runtime, which copies them (fastest; the push briefly holds ~2x the model more); file: written "
+                  "one tensor at a time to a scratch graph beside the engine folder, which ONNX Runtime maps (a "
+                  "write of the model per push; what lets a 7B-wide model's PPO step fit a 24 GB box)")
     probe_size: int = _f(4, "rows in the fixed probe batch")
     probe_tokens: int = _f(16, "response tokens per probe row (0: the full response length). The probe's learner "
                                "forward is most of a push's cost: 8 x 192 tokens took 1.0-1.4 s of a 1.2-2.3 s push "

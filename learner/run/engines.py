@@ -65,6 +65,8 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
     lean = {"hold_weights": False} if cfg.rollout.backend == "onnxruntime" else {}
+    if lean and getattr(cfg.rollout, "quantize", "none") == "none":
+        lean["push_via"] = cfg.rollout.push_via
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
                        **lean)
 
