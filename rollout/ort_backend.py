@@ -325,12 +325,8 @@ class OrtEngine(LoopEngine):
                 want = self._shapes[g].get(name)
                 if want != tuple(t.shape):
                     raise RefitError(f"update_weights: engine weight {g}:{name} expects {want}, got {tuple(t.shape)}")
-            missing = sorted(set(self._shapes[g]) - set(new)) if self.weights is None else []
-            if missing:
-                raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
-                                 f"(hold_weights=False), so a push must carry every weight of each graph it touches; "
-                                 f"this one leaves out {len(missing)} of graph {g!r}'s {len(self._shapes[g])}, "
-                                 f"e.g. {missing[:3]} (push the whole model, or open the engine with hold_weights=True)")
+            if self.weights is None:
+                self._check_complete(g, new)
         for g in mapped:
             del self.sessions[g]
         try:
@@ -358,6 +354,15 @@ class OrtEngine(LoopEngine):
         t4 = time.perf_counter()
         self.last_push_s = {"map": t1 - t0, "quantize": t2 - t1, "open": t3 - t2, "copy": t4 - t3}
 
+    def _check_complete(self, graph: str, names) -> None:
+        """An engine holding no copy of its weights takes a push only with every weight of each graph it touches."""
+        missing = sorted(set(self._shapes[graph]) - set(names))
+        if missing:
+            raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
+                             f"(hold_weights=False), so a push must carry every weight of each graph it touches; this "
+                             f"one leaves out {len(missing)} of graph {graph!r}'s {len(self._shapes[graph])}, e.g. "
+                             f"{missing[:3]} (push the whole model, or open the engine with hold_weights=True)")
+
     def _push_through_files(self, named: dict[str, torch.Tensor], version: int | None, t0: float) -> None:
         """``push_via="file"``: each touched graph written (one mapped tensor at a time, shapes checked as they are
         written) to ``<scratch>/<graph>.v<N>.onnx`` + ``.data``; then its session closed and reopened from them; the
@@ -371,12 +376,7 @@ class OrtEngine(LoopEngine):
 
         views = engine_weight_views(named, self.manifest.weight_map, self._weight_dtype)
         for g, view in views.items():
-            missing = sorted(set(self._shapes[g]) - set(view))
-            if missing:
-                raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
-                                 f"(hold_weights=False), so a push must carry every weight of each graph it touches; "
-                                 f"this one leaves out {len(missing)} of graph {g!r}'s {len(self._shapes[g])}, "
-                                 f"e.g. {missing[:3]} (push the whole model)")
+            self._check_complete(g, view)
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-", dir=self.engine_dir.parent))
         new_version = next_version(self._version, version)
