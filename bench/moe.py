@@ -32,6 +32,10 @@ RUNS = {
     # 14336, top-2 routing, rope theta 1e6. Cut: 1 layer, 8 -> 4 experts (top-2 of 4 still selects), vocabulary
     # 32000 -> the local tokenizer's 384 (the untied embedding + head would add 262M); 750M parameters.
     "mixtral-8x7b": dict(num_hidden_layers=1, num_experts=4, vocab_size=None),
+    # the same with 2 experts (top-2 of 2: both always routed, the router's weights still trained): measured, the
+    # 4-expert PPO step was OOM-killed on this box (its two 3-D expert tensors are 470M and 235M parameters, and
+    # AdamW's temporaries are per tensor); 397M parameters.
+    "mixtral-8x7b-2-experts": dict(geometry="mixtral-8x7b", num_hidden_layers=1, num_experts=2, vocab_size=None),
     # Kept: hidden 2048, 32/4 heads, head_dim 128, q/k norm, expert width 768, top-8 (renormalised), rope theta 1e6,
     # untied vocabulary 151936 (622M of the parameters). Cut: 1 layer, 128 -> 16 experts (128 are 604M parameters
     # a layer); 717M parameters.
@@ -57,7 +61,8 @@ def build_stage(name: str, out: str) -> dict:
     from refit.learner.examples.models import build_tokenizer
     from refit.learner.examples.moe_models import build_moe_model
 
-    build_moe_model(name, out, build_tokenizer(), seed=0, **RUNS[name])
+    cut = dict(RUNS[name])
+    build_moe_model(cut.pop("geometry", name), out, build_tokenizer(), seed=0, **cut)
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(out)
@@ -112,6 +117,12 @@ def ppo_stage(model_dir: str, engine_dir: str, root: str) -> dict:
 
     # push_via file: at these widths the memory route's push transient (~2x the model) would not fit the box
     return ppo_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root), push_via="file")
+
+
+def distill_stage(model_dir: str, engine_dir: str, root: str) -> dict:
+    from refit.bench.smokes import distill_smoke
+
+    return distill_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root), push_via="file")
 
 
 def dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -193,6 +204,7 @@ def run(name: str, root: Path, compare: bool) -> dict:
                             ("export", export_stage, (model_dir, engine_dir)),
                             ("push", push_stage, (model_dir, engine_dir)),
                             ("ppo", ppo_stage, (model_dir, engine_dir, str(root / name / "ppo"))),
+                            ("distill", distill_stage, (model_dir, engine_dir, str(root / name / "distill"))),
                             *([("compare", compare_stage, (model_dir, str(root / name)))] if compare else [])]:
         try:
             res, peak = _in_child(fn, *args)
