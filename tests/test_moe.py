@@ -139,11 +139,12 @@ def test_moe_with_tiny_expert_tensors_refused_before_writing(tokenizer, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral-8x7b-2-experts", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b-2-experts", "qwen3-30b-a3b-small-vocab"])
 def test_published_widths_export_push_ppo(tmp_path, name):
     """refit.bench.moe's stages at Mixtral-8x7B's / Qwen3-30B-A3B's widths (cut as refit.bench.moe.RUNS says), each stage
     in its own process: parity, a push that moves the output and matches PyTorch, 2 PPO steps, 2 distillation steps.
-    (Mixtral with 4 experts exports and pushes, but its PPO step does not fit a 24 GB box: RUNS.)"""
+    (Mixtral with 4 experts and Qwen3-MoE at its full vocabulary export and push, but their PPO steps do not fit a
+    24 GB box: RUNS.)"""
     from refit.bench.moe import run
 
     rec = run(name, tmp_path, compare=False)
