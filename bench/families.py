@@ -89,7 +89,8 @@ def markdown(records: list[dict]) -> str:
 
 def _push_cell(r: dict) -> str:
     ok = r["changed_by"] > 1e-2 and r["vs_torch"] <= 1e-4 and r["restored"] <= 1e-5
-    return (f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors, moved {r['changed_by']:.2g}, "
+    at = f" x N(0, {r['scale']:g})" if "scale" in r else ""
+    return (f"{'ok' if ok else 'FAIL'}: {r['pushed']} tensors{at}, moved {r['changed_by']:.2g}, "
             f"vs PyTorch {r['vs_torch']:.1e}")
 
 

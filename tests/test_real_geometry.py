@@ -173,7 +173,7 @@ def test_gemma2_fused_export_and_push_at_real_widths(tmp_path, tokenizer):
     assert m.attention == "fused" and m.parity.max_abs_logprob_diff <= TOL
     # scale 1: this random Gemma puts ~all mass on one token (logit 18 against a spread of 1.2), so the sampled
     # tokens' log-probs are ~0 and a 0.05 perturbation moves them by 3e-5 only
-    r = push_check(str(tmp_path / "model"), str(engine), [tokenizer(t).input_ids for t in TEXTS], scale=1.0)
+    r = push_check(str(tmp_path / "model"), str(engine), [tokenizer(t).input_ids for t in TEXTS], scales=(1.0,))
     assert any(t.transform not in (None, "copy", "transpose") for n in m.weight_map for t in m.weight_map[n]
                if "layernorm" in n), "Gemma's norms are pushed through their affine transform"
     assert r["changed_by"] > 1e-2 and r["vs_torch"] <= TOL and r["restored"] <= 1e-5
