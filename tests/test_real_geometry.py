@@ -26,12 +26,12 @@ from refit.learner.examples.published import PUBLISHED, build_published, n_param
 TOL = 1e-4  # the export gate's fp32 tolerance on log-probs (conftest.ATOL["onnxruntime"]["fp32"])
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
 
-# Measured (python -m refit.bench.families --set real, 2 cores shared with other jobs, load 10-19; whole row =
-# build + export + push + PPO + distill, one process): SmolLM2 162 s / 2.4 GB, GPT-2 small 232 s / 3.2 GB,
-# T5-small 318 s / 2.2 GB, opus-mt-en-de 342 s / 3.1 GB, BART-base 443 s / 4.4 GB, Qwen2.5 0.5B 206 s /
-# 9.6 GB, Qwen3 0.6B 262 s / 10.1 GB (vocab 151936). Over 12 GB: Llama 3.2 1B and Phi-3 mini (export 9.1 GB,
-# then PPO), Gemma 2 2B (its export); Mistral 7B's export (700M parameters at 2 layers) passed 10 GB. CI runs
-# the cheapest decoder-only and encoder-decoder rows (measured in pytest: 22 tests, 224 s, 2.8 GB peak).
+# Measured 2026-12-04 (python -m refit.bench.families --set real, one process per stage, 2 cores; README
+# "Published geometries"): whole rows SmolLM2 108 s / 1.9 GB, GPT-2 small 97 s / 2.7 GB, T5-small 133 s / 1.7 GB,
+# opus-mt-en-de 148 s / 2.2 GB, BART-base 109 s / 3.3 GB, Qwen2.5 0.5B 216 s / 8.6 GB, Qwen3 0.6B 169 s / 9.7 GB,
+# Llama 3.2 1B 326 s / 15.0 GB, Phi-3 mini 316 s / 13.0 GB, Mistral 7B (push_via file) 409 s / 19.4 GB; Gemma 2 2B's
+# PPO does not fit at vocabulary 256000 (cut to 512: 196 s / 6.0 GB). CI runs the cheapest decoder-only and
+# encoder-decoder rows.
 CI = ["SmolLM2 135M", "T5-small"]
 SLOW = [n for n in PUBLISHED if n not in CI]
 
