@@ -96,9 +96,13 @@ def _push_cell(r: dict) -> str:
 
 def _stages_cell(r: dict) -> str:
     """Each stage's seconds, peak RSS and peak anonymous memory (its own process: refit.bench.real)."""
-    return "; ".join(f"{r[f'{k}_s']} s, {r[f'{k}_rss_gb']} GB" + (f" (anon {r[f'{k}_anon_gb']})" if f"{k}_anon_gb" in r
-                                                                     else "") if f"{k}_rss_gb" in r else "-"
-                     for k in ("push", "ppo", "distill"))
+    def one(k: str) -> str:
+        if f"{k}_rss_gb" not in r:
+            return "-"
+        anon = f" (anon {r[f'{k}_anon_gb']})" if f"{k}_anon_gb" in r else ""
+        return f"{r[f'{k}_s']} s, {r[f'{k}_rss_gb']} GB{anon}"
+
+    return "; ".join(one(k) for k in ("push", "ppo", "distill"))
 
 
 def markdown_real(records: list[dict]) -> str:

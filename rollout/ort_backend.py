@@ -148,17 +148,21 @@ class _OrtSeq2SeqState:
         return _logits(outs["logits"]).float()
 
 
-class _ShapeChecked(Mapping):
-    """A graph's lazily mapped weights whose shapes are checked against the engine's as each is made."""
+def _remove_graph_pair(path: Path) -> None:
+    """A graph file and its ``.data`` file (push_via="file"'s scratch pairs)."""
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".data").unlink(missing_ok=True)
 
-    def __init__(self, view, shapes: dict[str, tuple[int, ...]], graph: str):
-        self._view, self._shapes, self._graph = view, shapes, graph
+
+class _ShapeChecked(Mapping):
+    """A graph's lazily mapped weights, each passed to ``check(name, tensor)`` as it is made."""
+
+    def __init__(self, view, check):
+        self._view, self._check = view, check
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._view[name]
-        if tuple(t.shape) != self._shapes.get(name):
-            raise RefitError(f"update_weights: engine weight {self._graph}:{name} expects {self._shapes.get(name)}, "
-                             f"got {tuple(t.shape)}")
+        self._check(name, t)
         return t
 
     def __contains__(self, name) -> bool:
@@ -322,9 +326,7 @@ class OrtEngine(LoopEngine):
         t2 = time.perf_counter()
         for g, new in mapped.items():
             for name, t in new.items():
-                want = self._shapes[g].get(name)
-                if want != tuple(t.shape):
-                    raise RefitError(f"update_weights: engine weight {g}:{name} expects {want}, got {tuple(t.shape)}")
+                self._check_shape(g, name, t)
             if self.weights is None:
                 self._check_complete(g, new)
         for g in mapped:
@@ -354,6 +356,11 @@ class OrtEngine(LoopEngine):
         t4 = time.perf_counter()
         self.last_push_s = {"map": t1 - t0, "quantize": t2 - t1, "open": t3 - t2, "copy": t4 - t3}
 
+    def _check_shape(self, graph: str, name: str, t: torch.Tensor) -> None:
+        want = self._shapes[graph].get(name)
+        if want != tuple(t.shape):
+            raise RefitError(f"update_weights: engine weight {graph}:{name} expects {want}, got {tuple(t.shape)}")
+
     def _check_complete(self, graph: str, names) -> None:
         """An engine holding no copy of its weights takes a push only with every weight of each graph it touches."""
         missing = sorted(set(self._shapes[graph]) - set(names))
@@ -377,19 +384,19 @@ class OrtEngine(LoopEngine):
         views = engine_weight_views(named, self.manifest.weight_map, self._weight_dtype)
         for g, view in views.items():
             self._check_complete(g, view)
-        if self._scratch is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-", dir=self.engine_dir.parent))
+        if self._scratch is None:  # absolute: the sessions open engine_dir / file, which must not prefix it again
+            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-",
+                                                  dir=self.engine_dir.parent)).resolve()
         new_version = next_version(self._version, version)
         written: dict[str, Path] = {}
         try:
             for g, view in views.items():
                 proto = onnx.load(str(self.engine_dir / self._graph_src[g]), load_external_data=False)
                 written[g] = self._scratch / f"{g}.v{new_version}.onnx"
-                write_graph(proto, _ShapeChecked(view, self._shapes[g], g), written[g])
+                write_graph(proto, _ShapeChecked(view, lambda n, t, g=g: self._check_shape(g, n, t)), written[g])
         except BaseException:
             for path in written.values():
-                path.unlink(missing_ok=True)
-                path.with_name(path.name + ".data").unlink(missing_ok=True)
+                _remove_graph_pair(path)
             raise
         t1 = time.perf_counter()
         before = {g: self._files[g] for g in written}
@@ -403,19 +410,17 @@ class OrtEngine(LoopEngine):
             self._files.update(before)
             self.sessions.update(self._open({g: {} for g in written}))
             raise
-        for g, old in before.items():
-            if Path(old).is_absolute() and Path(old).parent == self._scratch:  # not the engine folder's own files
-                Path(old).unlink(missing_ok=True)
-                Path(old + ".data").unlink(missing_ok=True)
+        for old in before.values():
+            if Path(old).parent == self._scratch:  # an earlier push's pair, not the engine folder's own files
+                _remove_graph_pair(Path(old))
         self._version = new_version
         self.last_push_s = {"map": 0.0, "quantize": 0.0, "write": t1 - t0, "open": time.perf_counter() - t1,
                             "copy": 0.0}
 
     def close(self) -> None:
+        self.sessions, self.weights, self._kv_pool = {}, {}, None  # the sessions first: they map the scratch files
         if self._scratch is not None:
             import shutil
 
-            self.sessions = {}
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
-        self.sessions, self.weights, self._kv_pool = {}, {}, None

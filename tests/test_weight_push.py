@@ -257,7 +257,7 @@ def test_engine_without_prepacking_scores_as_the_packed_one(engine_dirs, model_d
 
 
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
-def test_push_through_files_equals_the_memory_push(arch, engine_dirs, model_dirs, prompts):
+def test_push_through_files_equals_the_memory_push(arch, engine_dirs, model_dirs, prompts, monkeypatch):
     """``push_via="file"``: the pushed weights written to a scratch graph pair beside the engine folder (never into
     it) and the sessions reopened from it give exactly what the memory route gives; a partial push and a push of a
     wrong shape are refused in one line with the engine unchanged and no file left; each push replaces the previous
@@ -295,3 +295,9 @@ def test_push_through_files_equals_the_memory_push(arch, engine_dirs, model_dirs
     assert scratch.parent == folder.parent
     via.close()
     assert not scratch.exists() and digest() == before_files
+    monkeypatch.chdir(folder.parent)  # an engine folder given as a relative path (a run's runs/<name>/engine)
+    rel = OrtEngine(folder.name, hold_weights=False, push_via="file", keep_heap=False)
+    rel.update_weights(new)
+    torch.testing.assert_close(_score(rel, batch), _score(mem, batch), atol=0, rtol=0)
+    rel.close()
+    assert digest() == before_files
