@@ -17,7 +17,9 @@ dominates); the JSON carries the per-phase times so the reason is visible in eve
 ``--max_staleness k`` (k >= 1) adds a third run, the engine loop with generation overlapped with the update
 (``rollout.max_staleness``, refit.learner.ppo.overlap), set up and interleaved with the other two: its
 ``time/rollout`` is the wait for a batch generated during the previous update, ``time/generate`` that
-generation's own time. Its pushes run on the engine's thread, queued behind the generation in flight: on the
+generation's own time. It runs in blocks (:func:`overlapped_block`): each round, after one step of each other run,
+two consecutive overlapped steps, the second timed, then the engine drained, so the timed step waits for the batch
+made during the step before it and no background generation runs during the other runs' steps. Its pushes run on the engine's thread, queued behind the generation in flight: on the
 learner's critical path are ``time/weight_push`` (the snapshot of the weights), ``time/probe_learner`` (the
 probe's learner half) and ``time/push_wait`` (the wait for the previous step's push and probe, collected after
 the update); ``time/push_engine`` and ``time/probe_engine`` are the engine thread's own push and probe seconds
@@ -66,17 +68,26 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
         cfg = PPOConfig.from_flat(
             model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
             backend=backend if name == overlapped else name, prompts_file=str(prompts),
-            reward="refit.bench.ppo:length_reward", steps=repeats + 2, batch_size=batch_size, num_generations=1,
+            reward="refit.bench.ppo:length_reward", steps=(BLOCK if k else 1) * (repeats + 1) + 1,
+            batch_size=batch_size, num_generations=1,
             response_length=response_length, num_ppo_epochs=1, num_mini_batches=1,
             engine_threads=0 if k else threads,  # overlapped: split between engine and learner (overlap.py)
             max_staleness=k, progress=False, tensorboard=False, plots=False,
             save_steps=1000)
         runs[name] = setup(cfg, resume=False, log=lambda *_: None)
     rows: dict[str, list[dict]] = {name: [] for name in names}
+    done = dict.fromkeys(names, 0)  # steps each run has made
+
+    def step(name: str) -> dict:
+        done[name] += 1
+        return train_step(runs[name], done[name], log=lambda *_: None)
+
     try:
-        for step in range(1, repeats + 2):
-            for name in names:
-                rows[name].append(train_step(runs[name], step, log=lambda *_: None))
+        for _ in range(repeats + 1):  # round 0 is the warm-up
+            for name in (backend, "hf"):
+                rows[name].append(step(name))
+            if max_staleness:
+                rows[overlapped].append(overlapped_block(runs[overlapped], step, overlapped))
     finally:
         for run in runs.values():
             if run.ahead is not None:
@@ -123,6 +134,24 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             f"{100 * out['overlap']['push_probe_share_of_step']:.1f}% of its step on the learner "
             f"({100 * out['overlap']['push_probe_engine_share_of_step']:.1f}% on the engine's thread, overlapped)")
     return out
+
+
+BLOCK = 2  # the overlapped run's consecutive steps per round: the first one's batch was generated before the round
+
+
+def overlapped_block(run, step, name: str) -> dict:
+    """One round of the overlapped run: :data:`BLOCK` consecutive steps, the last one's row returned, then the
+    engine drained (untimed) so that its background work never runs during another run's step.
+
+    The first step of a round takes the batch generated at the end of the previous round, ready before the round
+    began (its wait is 0 whatever the generation costs), so only a later step is a steady-state iteration: it
+    waits for the batch generated during the step before it, as every step of a real run does. (Interleaving
+    single steps, as before 2026-12-04, let each batch be generated during the other runs' steps: the overlapped
+    iteration then read as the learner's phases alone, however long the generation.)"""
+    for _ in range(BLOCK):
+        row = step(name)
+    run.ahead.wait()
+    return row
 
 
 def _attention(engine: Path) -> str:

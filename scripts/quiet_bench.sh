@@ -3,7 +3,9 @@
 # to two physical cores of its own, the jobs side by side, so every figure is a 2-core figure without neighbours.
 # Jobs: gen (small-gpt2, 16 prompts x 8, 128 new tokens: engine vs HF generate(), 2 then 1 thread), int8
 # (GPT-2 small: int8 vs fp32 vs HF vs CTranslate2 int8), ppo (bench ppo --max_staleness 1, 2 then 1 thread), gpu
-# (pytest -m gpu), prof (ORT's per-node profile of the gen workload, 1 thread). Engines and models are built first, unpinned; logs and each bench's JSON line go to OUT.
+# (pytest -m gpu), prof (ORT's per-node profile of the gen workload, 1 thread). Models and engines are built
+# first, unpinned, one work folder per job (gen and ppo export the same model at other lengths); logs and each
+# bench's JSON line go to OUT.
 # Usage: [PYTHON=python3] [OUT=dir] [WORK=dir] [WHEELS=dir] [JOBS="gen int8 ppo prof gpu"] [QUICK=1] bash scripts/quiet_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,11 @@ if [[ -d "$WORK/site/ort/onnxruntime" ]]; then
     export PYTHONPATH="$WORK/site/ort:$PYTHONPATH"; echo "onnxruntime $have installed; using the carried $carried"
   fi
 fi
+# WHEELS/extra.tar.xz: pure-Python modules (e.g. tyro) for a machine that installs nothing, used only where missing
+for d in "$WORK/site/extra"/*/; do
+  m="$(basename "$d")"; [[ $m == *.dist-info || $m == __pycache__ ]] && continue
+  "$PY" -c "import $m" 2>/dev/null || { export PYTHONPATH="$PYTHONPATH:$WORK/site/extra"; break; }
+done
 CT2=""
 if [[ -d "$WORK/site/ct2/ctranslate2" ]]; then
   CT2="$WORK/ct2python"
@@ -75,9 +82,9 @@ else
   GEN=(--new_tokens 128 --repeats 3); I8=(--batch_sizes 1,8,32 --new_tokens 64 --repeats 3); PPO=(--response_length 192 --repeats 5)
 fi
 B="$PY -m refit.learner.cli bench"
-gen_cmd()  { $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 --n 8 --prompt_len 32 --work_dir "$WORK/b" "${GEN[@]}" "$@"; }
-int8_cmd() { $B generate --quantize int8 ${CT2:+--ct2_python "$CT2"} --prompt_len 32 --work_dir "$WORK/b" "${I8[@]}" "$@"; }
-ppo_cmd()  { $B ppo --max_staleness 1 --work_dir "$WORK/b" "${PPO[@]}" "$@"; }
+gen_cmd()  { $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 --n 8 --prompt_len 32 --work_dir "$WORK/b-gen" "${GEN[@]}" "$@"; }
+int8_cmd() { $B generate --quantize int8 ${CT2:+--ct2_python "$CT2"} --prompt_len 32 --work_dir "$WORK/b-int8" "${I8[@]}" "$@"; }
+ppo_cmd()  { $B ppo --max_staleness 1 --work_dir "$WORK/b-ppo" "${PPO[@]}" "$@"; }
 
 # 1. build models, engines and the CTranslate2 conversion once, unpinned (a one-token run of each bench)
 echo "== build (unpinned)"
@@ -97,7 +104,7 @@ run_job() {  # name pair: runs in a subshell pinned to the pair (its children in
     gen)  gen_cmd --threads 2 >"$OUT/gen_t2.log" 2>&1; gen_cmd --threads 1 >"$OUT/gen_t1.log" 2>&1 ;;
     int8) int8_cmd --threads 2 >"$OUT/int8_t2.log" 2>&1 ;;
     ppo)  ppo_cmd --threads 2 >"$OUT/ppo_t2.log" 2>&1; ppo_cmd --threads 1 >"$OUT/ppo_t1.log" 2>&1 ;;
-    prof) "$PY" scripts/ort_profile.py --engine "$WORK/b/small-gpt2-engine" --threads 1 --label quiet-t1 \
+    prof) "$PY" scripts/ort_profile.py --engine "$WORK/b-gen/small-gpt2-engine" --threads 1 --label quiet-t1 \
             --out "$OUT/profile-t1" >"$OUT/profile_t1.log" 2>&1
           find "$OUT/profile-t1" -name '*.json' -size +4M -delete ;;  # the raw trace; the table stays
     gpu)  timeout 120 "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_chunked_losses.py \

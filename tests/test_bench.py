@@ -100,3 +100,28 @@ def test_bench_ppo_overlap_json(tmp_path):
     assert o["speedup_vs_hf"] > 0 and o["speedup_vs_sync"] > 0 and 0 < o["push_probe_share_of_step"] < 1
     assert o["version_lag"][1:] == [1] * out["repeats"] and o["correction"] == "tis"
     assert {"time/generate", "time/push_wait"} <= set(out["phases_s"]["onnxruntime-overlap"])
+
+
+def test_bench_ppo_overlap_waits_for_a_slow_generation(model_dirs, engine_dirs, tmp_path, monkeypatch):
+    """The overlapped iteration counts a generation longer than the learner's phases: with each background
+    generation slowed by 0.4 s, the timed step waits for it (before 2026-12-04 the bench interleaved single
+    steps, so the generation ran during the other runs' steps and the overlapped step read as the learner alone)."""
+    import time
+
+    from refit.bench.ppo import bench_ppo
+    from refit.learner.ppo import overlap
+
+    real = overlap._timed_generate
+
+    def slow(engine, prompts, sampling):
+        time.sleep(0.4)
+        return real(engine, prompts, sampling)
+
+    monkeypatch.setattr(overlap, "_timed_generate", slow)
+    out = bench_ppo(model_dirs["tiny-gpt2"], engine_dirs["tiny-gpt2"], "onnxruntime", 4, 4, 1, tmp_path,
+                    repeats=1, log=lambda *_: None, max_staleness=1)
+    o = out["phases_s"]["onnxruntime-overlap"]
+    # the timed step waited for the batch made during the step before it: 0.4 s less that step's learner phases
+    learner = o["time/step"] - o["time/rollout"]
+    assert o["time/rollout"] >= 0.4 - learner - 0.05 and o["time/step"] >= 0.35, o
+    assert out["overlap"]["hidden_generation_share"] < 0.9 and out["overlap"]["version_lag"] == [1, 1]
