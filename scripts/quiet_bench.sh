@@ -5,11 +5,12 @@
 # (GPT-2 small: int8 vs fp32 vs HF vs CTranslate2 int8), ppo (bench ppo --max_staleness 1, 2 then 1 thread), gpu
 # (pytest -m gpu), prof (ORT's per-node profile of the gen workload, 1 thread). Models and engines are built
 # first, unpinned, one work folder per job (gen and ppo export the same model at other lengths); logs and each
-# bench's JSON line go to OUT.
+# bench's JSON line go to OUT. WHEELS: a folder of <name>.tar.xz for a machine that installs nothing (ort/: an
+# onnxruntime newer than the installed one; ct2/: ctranslate2; extra/: pure-Python modules such as tyro).
 # Usage: [PYTHON=python3] [OUT=dir] [WORK=dir] [WHEELS=dir] [JOBS="gen int8 ppo prof gpu"] [QUICK=1] bash scripts/quiet_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 PY="${PYTHON:-python3}"; OUT="${OUT:-runs/quiet_bench}"; WORK="${WORK:-/tmp/refit_quiet_bench}"
 JOBS="${JOBS:-gen int8 ppo prof gpu}"; QUICK="${QUICK:-0}"
 mkdir -p "$OUT" "$WORK/site"

@@ -21,7 +21,7 @@ def _run(script, *args, timeout=600):
 
 
 @pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh",
-                                    "distill_batch.sh", "family_table.sh", "cuda_check.sh"])
+                                    "distill_batch.sh", "family_table.sh", "cuda_check.sh", "quiet_bench.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -140,6 +140,20 @@ def test_cuda_check_without_a_gpu_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"cuda_check": {"skipped": "no CUDA device visible to torch"}}
     assert json.loads((tmp_path / "out" / "versions.json").read_text())["gpu"] is None
+
+
+def test_quiet_bench_pins_each_job_to_its_own_cores(tmp_path):
+    """scripts/quiet_bench.sh's plumbing with its quickest job (pytest -m gpu: skips here): the machine record, the
+    core pairs, the pinned job's log, one JSON line."""
+    r = subprocess.run(["bash", "scripts/quiet_bench.sh"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "w"),
+                            "JOBS": "gpu", "QUICK": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["quiet_bench"]["jobs"] == "gpu"
+    assert "core pairs (one logical CPU per physical core)" in r.stdout and "gpu on cpus" in r.stdout
+    machine = json.loads((tmp_path / "out" / "machine.json").read_text())
+    assert machine["cpus"] >= 1 and "onnxruntime" in machine
+    assert "passed" in (tmp_path / "out" / "pytest_gpu.log").read_text() or "skipped" in (tmp_path / "out" / "pytest_gpu.log").read_text()
 
 
 def torch_cuda() -> bool:
