@@ -10,7 +10,7 @@
 # Usage: [PYTHON=python3] [OUT=dir] [WORK=dir] [WHEELS=dir] [JOBS="gen int8 ppo prof gpu"] [QUICK=1] bash scripts/quiet_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 PY="${PYTHON:-python3}"; OUT="${OUT:-runs/quiet_bench}"; WORK="${WORK:-/tmp/refit_quiet_bench}"
 JOBS="${JOBS:-gen int8 ppo prof gpu}"; QUICK="${QUICK:-0}"
 mkdir -p "$OUT" "$WORK/site"
