@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 21's benchmarks on a quiet machine with many cores (e.g. a lent GPU machine): each job pinned (taskset)
 # to two physical cores of its own, the jobs side by side, so every figure is a 2-core figure without neighbours.
-# Jobs: gen (small-gpt2, 16 prompts x 8, 128 new tokens: engine vs HF generate(), 2 then 1 thread), int8
-# (GPT-2 small: int8 vs fp32 vs HF vs CTranslate2 int8), ppo (bench ppo --max_staleness 1, 2 then 1 thread), gpu
-# (pytest -m gpu), prof (ORT's per-node profile of the gen workload, 1 thread). Models and engines are built
-# first, unpinned, one work folder per job (gen and ppo export the same model at other lengths); logs and each
-# bench's JSON line go to OUT. WHEELS: a folder of <name>.tar.xz for a machine that installs nothing (ort/: an
-# onnxruntime newer than the installed one; ct2/: ctranslate2; extra/: pure-Python modules such as tyro).
-# Usage: [PYTHON=python3] [OUT=dir] [WORK=dir] [WHEELS=dir] [JOBS="gen int8 ppo prof gpu"] [QUICK=1] bash scripts/quiet_bench.sh
+# Jobs: gen (small-gpt2, 16 prompts x 8, 128 new tokens: engine vs HF generate(), 2 then 1 thread), genold (gen on
+# OLD_SRC, another checkout), int8 (GPT-2 small: int8 vs fp32 vs HF vs CTranslate2 int8), ppo (bench ppo
+# --max_staleness 1, 2 then 1 thread), prof (ORT's per-node profile of the gen workload, 1 thread), gpu (pytest -m
+# gpu). Models and engines are built first, unpinned, a work folder per job; logs and JSON lines go to OUT.
+# WHEELS: <name>.tar.xz files for a machine that installs nothing (ort/: an onnxruntime newer than the installed
+# one; ct2/: ctranslate2; extra/: pure-Python modules such as tyro, used only where missing).
+# Usage: [PYTHON=python3] [OUT=dir] [WORK=dir] [WHEELS=dir] [OLD_SRC=dir] [JOBS="gen int8 ppo prof gpu"] [QUICK=1] bash scripts/quiet_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
@@ -85,12 +85,15 @@ fi
 B="$PY -m refit.learner.cli bench"
 gen_cmd()  { $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 --n 8 --prompt_len 32 --work_dir "$WORK/b-gen" "${GEN[@]}" "$@"; }
 int8_cmd() { $B generate --quantize int8 ${CT2:+--ct2_python "$CT2"} --prompt_len 32 --work_dir "$WORK/b-int8" "${I8[@]}" "$@"; }
+genold_cmd() { PYTHONPATH="$OLD_SRC:$PYTHONPATH" $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 \
+  --n 8 --prompt_len 32 --work_dir "$WORK/b-genold" "${GEN[@]}" "$@"; }  # OLD_SRC: another checkout, same job
 ppo_cmd()  { $B ppo --max_staleness 1 --work_dir "$WORK/b-ppo" "${PPO[@]}" "$@"; }
 
 # 1. build models, engines and the CTranslate2 conversion once, unpinned (a one-token run of each bench)
 echo "== build (unpinned)"
 pids=()
 [[ " $JOBS " == *" gen "* || " $JOBS " == *" prof "* ]] && { gen_cmd --new_tokens 1 --repeats 1 --threads 4 >"$OUT/build_gen.log" 2>&1 & pids+=($!); }
+[[ " $JOBS " == *" genold "* ]] && { genold_cmd --new_tokens 1 --repeats 1 --threads 4 >"$OUT/build_genold.log" 2>&1 & pids+=($!); }
 [[ " $JOBS " == *" int8 "* ]] && { int8_cmd --batch_sizes 1 --new_tokens 1 --repeats 1 --threads 4 >"$OUT/build_int8.log" 2>&1 & pids+=($!); }
 [[ " $JOBS " == *" ppo "* ]] && { ppo_cmd --response_length 2 --repeats 1 --threads 4 >"$OUT/build_ppo.log" 2>&1 & pids+=($!); }
 for p in "${pids[@]}"; do wait "$p"; done
@@ -103,6 +106,7 @@ run_job() {  # name pair: runs in a subshell pinned to the pair (its children in
   taskset -p -c "$pair" "$BASHPID" >/dev/null
   case $name in
     gen)  gen_cmd --threads 2 >"$OUT/gen_t2.log" 2>&1; gen_cmd --threads 1 >"$OUT/gen_t1.log" 2>&1 ;;
+    genold) genold_cmd --threads 2 >"$OUT/genold_t2.log" 2>&1; genold_cmd --threads 1 >"$OUT/genold_t1.log" 2>&1 ;;
     int8) int8_cmd --threads 2 >"$OUT/int8_t2.log" 2>&1 ;;
     ppo)  ppo_cmd --threads 2 >"$OUT/ppo_t2.log" 2>&1; ppo_cmd --threads 1 >"$OUT/ppo_t1.log" 2>&1 ;;
     prof) "$PY" scripts/ort_profile.py --engine "$WORK/b-gen/small-gpt2-engine" --threads 1 --label quiet-t1 \
@@ -121,7 +125,7 @@ for j in $JOBS; do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
-for f in "$OUT"/{gen_t2,gen_t1,int8_t2,ppo_t2,ppo_t1,profile_t1,pytest_gpu}.log; do
+for f in "$OUT"/{gen_t2,gen_t1,genold_t2,genold_t1,int8_t2,ppo_t2,ppo_t1,profile_t1,pytest_gpu}.log; do
   [[ -f "$f" ]] && { echo "--- $(basename "$f")"; grep -v '^{' "$f" | tail -12; tail -1 "$f" | cut -c1-3000; }
 done
 echo "{\"quiet_bench\": {\"jobs\": \"$JOBS\", \"quick\": $QUICK, \"seconds\": $((SECONDS - t0)), \"out\": \"$OUT\"}}"
