@@ -231,12 +231,16 @@ def _per_row_reference(seed, keys, steps, logits, params):
     return [sample_step(x, params, streams, buf)[0] for x, _ in zip(logits, range(steps))]
 
 
+@pytest.mark.parametrize("per_row_max", [0, 10**6])
 @pytest.mark.parametrize("params", [SamplingParams(seed=3), SamplingParams(seed=3, temperature=0.7, top_p=0.9)])
-def test_vectorised_row_streams_keep_per_row_tokens(params, monkeypatch):
-    """RowStreams steps every row's MT19937 at once: its draws are exponential_'s (exact() bit for bit,
-    exponential() to the last bit) and the tokens are the per-row generators' ones, on the default path
-    and on the near-tie path (every row redone with exact(), EXACT_MARGIN forced to inf)."""
+def test_vectorised_row_streams_keep_per_row_tokens(params, per_row_max, monkeypatch):
+    """RowStreams steps every row's MT19937 at once (or, few rows, numpy's MT19937 per row: per_row_max): its
+    draws are exponential_'s (exact() bit for bit, exponential() to the last bit) and the tokens are the
+    per-row generators' ones, on the default path and on the near-tie path (every row redone with exact(),
+    EXACT_MARGIN forced to inf)."""
     import refit.rollout.sampling as S
+
+    monkeypatch.setattr(S, "PER_ROW_MAX", per_row_max)
 
     keys = [(p, s) for p in range(9) for s in range(2)]
     v = 2 * RACE_BLOCK + 40
