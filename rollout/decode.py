@@ -88,9 +88,9 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
     scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
     one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
-    # the step bookkeeping in numpy on preallocated (B, max_new_tokens) outputs, a column per step: ~1 us a op
-    # against torch's ~10 us, no per-step column lists to stack (measured 2026-12-04: 8 rows x 192 steps,
-    # small-gpt2, the loop's own work 0.15 -> 0.03 ms a step)
+    # the step bookkeeping in numpy on preallocated (B, max_new_tokens) outputs, a column per step: no per-step
+    # column lists to stack, no torch dispatch (measured 2026-12-04, 8 rows x 192 steps over a state returning
+    # fixed logits, interleaved: the loop's own work ~0.08-0.11 -> ~0.04-0.05 ms a step)
     alive = np.ones(b, dtype=bool)
     out_ids = np.full((b, steps), spec.pad_id, dtype=np.int64)
     out_mask, out_proc, out_plain = (np.zeros((b, steps), np.float32) for _ in range(3))
