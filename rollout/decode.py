@@ -111,8 +111,8 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
         tok = np.where(alive, tok.numpy(), spec.pad_id)
         keep = alive.astype(np.float32)
         out_ids[:, step], out_mask[:, step] = tok, keep
-        out_proc[:, step] = proc.float().numpy() * keep
-        out_plain[:, step] = plain.float().numpy() * keep
+        np.multiply(proc.float().numpy(), keep, out=out_proc[:, step])
+        np.multiply(plain.float().numpy(), keep, out=out_plain[:, step])
         if top is not None:
             if tk_lp is None:
                 tk_lp = np.zeros((b, steps, top[0].shape[-1]), np.float32)
@@ -126,7 +126,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
         if not alive.any() or step == steps - 1:
             break
         # 5. decode one token: feed what was emitted (finished rows: pad, masked out)
-        logits = state.extend(torch.from_numpy(tok[:, None]), torch.from_numpy(keep[:, None]).long())[:, -1]
+        logits = state.extend(torch.from_numpy(tok[:, None]), torch.from_numpy(keep[:, None].astype(np.int64)))[:, -1]
     n = step + 1
     out = {"response_ids": torch.from_numpy(out_ids[:, :n].copy()),
            "response_mask": torch.from_numpy(out_mask[:, :n].copy()),

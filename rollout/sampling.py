@@ -346,9 +346,6 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return (t.detach() if t.requires_grad else t).numpy()
 
 
-_SLOTS = np.arange(RACE_BLOCK)
-
-
 def _race_np(scores: torch.Tensor, mass: torch.Tensor, streams: RowStreams,
              n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Both race levels in numpy float64 from the float32 block masses: (ids (B,), float64 total mass (B, 1)).
@@ -368,21 +365,31 @@ def _race_np(scores: torch.Tensor, mass: torch.Tensor, streams: RowStreams,
     np.log(mass64, out=block_keys, where=mass64 > 0)
     block_keys -= log_e[:, :n_blocks]
     block = block_keys.argmax(-1)  # (B,)
-    idx = block[:, None] * RACE_BLOCK + _SLOTS  # (B, RACE_BLOCK) token ids of the chosen blocks
-    rows = np.arange(b)
-    if v % RACE_BLOCK:
-        keys = _as_numpy(scores)[rows[:, None], np.minimum(idx, v - 1)].astype(np.float64)
-        keys[idx >= v] = NEG_INF  # past V: never drawn
+    rows, sc, n_full = np.arange(b), _as_numpy(scores), v // RACE_BLOCK
+    # the chosen blocks' scores (B, RACE_BLOCK) as float64: whole blocks picked from a (B, blocks, RACE_BLOCK)
+    # view; rows that chose the partial last block get its scores, -inf past V (never drawn)
+    if n_full:
+        keys = sc[:, :n_full * RACE_BLOCK].reshape(b, n_full, RACE_BLOCK)[rows, np.minimum(block, n_full - 1)]
+        keys = keys.astype(np.float64)
     else:
-        keys = _as_numpy(scores)[rows[:, None], idx].astype(np.float64)
+        keys = np.empty((b, RACE_BLOCK))
+    if n_full < n_blocks:
+        last = np.nonzero(block == n_full)[0]
+        if last.size:
+            keys[last, :v - n_full * RACE_BLOCK] = sc[last, n_full * RACE_BLOCK:]
+            keys[last, v - n_full * RACE_BLOCK:] = NEG_INF
     keys -= log_e[:, n_blocks:]
     slot = keys.argmax(-1)
-    rows = np.arange(b)
     ids = block * RACE_BLOCK + slot
-    # a runner-up within the margin: at least two keys >= top - margin (-inf keys never are)
-    close = (keys >= (keys[rows, slot] - EXACT_MARGIN)[:, None]).sum(-1) > 1
+    # a runner-up within the margin (at least two keys >= top - margin): the best of the others, the winner
+    # set to -inf, is >= top - margin (the keys are not used after this)
+    top = keys[rows, slot]
+    keys[rows, slot] = NEG_INF
+    close = keys.max(-1) >= top - EXACT_MARGIN
     if n_blocks > 1:
-        close |= (block_keys >= (block_keys[rows, block] - EXACT_MARGIN)[:, None]).sum(-1) > 1
+        top = block_keys[rows, block]
+        block_keys[rows, block] = NEG_INF
+        close |= block_keys.max(-1) >= top - EXACT_MARGIN
     ids = torch.from_numpy(ids)
     mass64 = torch.from_numpy(mass64)
     if close.any():  # a near tie: decide those rows as before, with exponential_'s own values

@@ -302,7 +302,7 @@ def _torch_race(scores, streams):
     return ids, m, mass.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("v", [384, RACE_BLOCK, 2 * RACE_BLOCK + 40, 5000])
+@pytest.mark.parametrize("v", [100, 384, RACE_BLOCK, 2 * RACE_BLOCK + 40, 5000])
 @pytest.mark.parametrize("margin", [None, 1.0, float("inf")])
 def test_numpy_race_is_the_torch_race_bit_for_bit(v, margin, monkeypatch):
     """The numpy race (with RowStreams) gives the torch race's ids, row max and total mass bit for bit, and
