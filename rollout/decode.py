@@ -188,13 +188,14 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
     """
     admit_min = admit_min or max(1, slots // 8)
     n_rows = ids.shape[0]
-    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     streams = RowStreams(params.seed, [keys[0]] * slots)
     scratch = StepBuffers()
+    one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
     waiting = deque(range(n_rows))
-    row = torch.full((slots,), -1, dtype=torch.int64)  # row held by each slot; -1 = idle
-    length = torch.zeros(slots, dtype=torch.int64)  # tokens the slot's row has emitted
-    log: list[tuple[torch.Tensor, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
+    # the slots' bookkeeping in numpy, as in decode_loop (no torch dispatch per op)
+    row = np.full(slots, -1, dtype=np.int64)  # row held by each slot; -1 = idle
+    length = np.zeros(slots, dtype=np.int64)  # tokens the slot's row has emitted
+    log: list[tuple[np.ndarray, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
 
     def admit(free: list[int]) -> None:
         free = free[:len(waiting)]
@@ -206,43 +207,50 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
 
     state.open(slots)
     logits = torch.zeros(slots, spec.vocab_size)
+    is_stop = np.zeros(max(spec.vocab_size, spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
+    is_stop[[s for s in (spec.eos_id, *params.stop_ids) if s >= 0]] = True  # token id -> stops its row
     # 1. fill the slots with waiting rows (a prefill gives the logits of each row's first token)
     admit(list(range(slots)))
     while (row >= 0).any():
         live = row >= 0
         # 2. sample every slot (idle ones too: their draws go unused), one stream per row
-        with one_thread():
+        if one:
             tok, proc, plain, top = sample_step(logits, params, streams, scratch)
-        log.append((row[live].clone(), length[live].clone(), tok[live], proc[live], plain[live],
-                    None if top is None else top[0][live], None if top is None else top[1][live]))
+        else:
+            with one_thread():
+                tok, proc, plain, top = sample_step(logits, params, streams, scratch)
+        tok = tok.numpy()
+        log.append((row[live], length[live], tok[live], proc.float().numpy()[live], plain.float().numpy()[live],
+                    None if top is None else top[0].float().numpy()[live], None if top is None else top[1].numpy()[live]))
         # 3. stop bookkeeping: the stop token stays inside the mask; a row also ends at max_new_tokens
-        length += live.long()
-        done = live & (torch.isin(tok, stops) | (length >= params.max_new_tokens))
+        length += live
+        done = live & (is_stop[tok] | (length >= params.max_new_tokens))
         row[done] = -1
         cont = row >= 0
         # 4. decode one token for the rows that go on; the others idle (mask 0, cache untouched)
         if cont.any():
-            logits = state.extend(torch.where(cont, tok, spec.pad_id)[:, None], cont[:, None].long())[:, -1].clone()
+            logits = state.extend(torch.from_numpy(np.where(cont, tok, spec.pad_id)[:, None]),
+                                  torch.from_numpy(cont[:, None].astype(np.int64)))[:, -1].clone()
         # 5. refill the free slots from the queue, together (the other slots' caches stay untouched)
-        free = torch.nonzero(row < 0).flatten().tolist()
+        free = np.nonzero(row < 0)[0].tolist()
         if waiting and (len(free) >= admit_min or not cont.any()):
             admit(free)
     return _assemble(log, n_rows, spec.pad_id, params.return_topk)
 
 
 def _assemble(log: list, n_rows: int, pad_id: int, k: int) -> dict[str, torch.Tensor]:
-    """Per-step records -> (N, Tr) tensors in row order, right-padded (pad id, mask 0, log-probs 0)."""
+    """Per-step records (numpy) -> (N, Tr) tensors in row order, right-padded (pad id, mask 0, log-probs 0)."""
     tr = max(int(steps.max()) + 1 for _, steps, *_ in log)
-    out = {"response_ids": torch.full((n_rows, tr), pad_id, dtype=torch.int64),
-           "response_mask": torch.zeros(n_rows, tr), "rollout_logprobs": torch.zeros(n_rows, tr),
-           "rollout_plain_logprobs": torch.zeros(n_rows, tr)}
+    out = {"response_ids": np.full((n_rows, tr), pad_id, dtype=np.int64),
+           "response_mask": np.zeros((n_rows, tr), np.float32), "rollout_logprobs": np.zeros((n_rows, tr), np.float32),
+           "rollout_plain_logprobs": np.zeros((n_rows, tr), np.float32)}
     if k:
-        out["topk_logprobs"] = torch.zeros(n_rows, tr, k)
-        out["topk_ids"] = torch.full((n_rows, tr, k), pad_id, dtype=torch.int64)
+        out["topk_logprobs"] = np.zeros((n_rows, tr, k), np.float32)
+        out["topk_ids"] = np.full((n_rows, tr, k), pad_id, dtype=np.int64)
     for rows, steps, tok, proc, plain, tk_lp, tk_ids in log:
         at = (rows, steps)
         out["response_ids"][at], out["response_mask"][at] = tok, 1.0
-        out["rollout_logprobs"][at], out["rollout_plain_logprobs"][at] = proc.float(), plain.float()
+        out["rollout_logprobs"][at], out["rollout_plain_logprobs"][at] = proc, plain
         if k:
-            out["topk_logprobs"][at], out["topk_ids"][at] = tk_lp.float(), tk_ids.long()
-    return out
+            out["topk_logprobs"][at], out["topk_ids"][at] = tk_lp, tk_ids
+    return {name: torch.from_numpy(a) for name, a in out.items()}

@@ -6,7 +6,8 @@ batch (the padding rule every caller keeps) is compacted on the way in; its posi
 ``0..n_b-1``, the plain graph's ``cumsum(mask) - 1``. A step's chunk (B, c) carries, per row, the
 count of valid tokens (its mask's sum; the mask is right-padded): 0 makes the row idle, its cache
 untouched, so a finished row costs no cache position. Logits at chunk positions past a row's valid
-count are unspecified by the op and set to 0 here, so a masked position is never NaN.
+count are unspecified by the op and set to 0 here, so a masked position is never NaN. Decode steps (one
+token per row) rerun one IOBinding per batch (:class:`refit.rollout.ort_run.StepBinding`).
 
 The buffer is sized per call (longest prompt + new tokens, rounded up to ``CAPACITY_STEP``) and kept
 by the engine while batches fit in it; stale positions beyond a row's length are never read

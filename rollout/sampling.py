@@ -21,7 +21,9 @@ an inverse CDF put 2 rows on other tokens, 0.2% per row-step; the race none).
 Per step on (B, V) the untruncated path reads the logits twice (max, then exp into a reused
 buffer) and sums the blocks: the plain log-partition is the sum of the block masses, so no
 log_softmax is materialised and the token's processed and plain log-probs are one number.
-Top-k/top-p add their filters and one log_softmax of the filtered scores.
+Top-k/top-p add their filters and one log_softmax of the filtered scores. With :class:`RowStreams` the
+float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at (8, 384) a
+step is ~25 tiny ops, where torch's ~10 us of dispatch each outweighed the arithmetic (2026-12-04).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class RowStreams:
     Row i's stream is the one ``torch.Generator().manual_seed(row_seed(base, *key))`` gives to
     ``Tensor.exponential_`` (float64): MT19937 seeded with the seed's low 32 bits, two 32-bit words per
     draw (``random64``), ``u = (w64 & (2^53 - 1)) * 2^-53``, ``E = -log1p(-u)`` (PyTorch 2.x's CPU kernel;
-    tests/test_sampling.py checks it against ``exponential_`` itself). All rows are stepped at once here,
+    tests/test_sampling.py checks it against ``exponential_`` itself). Beyond :data:`PER_ROW_MAX` rows all are stepped at once,
     vectorised in numpy: one twist of (rows, 624) words per 312 draws instead of one ``exponential_`` call
     per row per step (128 rows x 128 steps: 16384 calls, 0.35 s of a 2.2 s rollout, measured 2026-12-04).
     The k-th sampled token of a row uses the k-th draws of its stream whatever the slot it sits in, the
@@ -115,10 +117,10 @@ class RowStreams:
 
     Up to :data:`PER_ROW_MAX` rows, each row's stream is instead numpy's own ``MT19937`` bit generator set to
     the same state (the same words: tested), whose C loop beats the vectorised twist's ~40 numpy calls while
-    the rows are few (8 rows x 516 words a step: ~30 us against ~80 us, measured 2026-12-04).
+    the rows are few (8 rows x 516 words a step: ~30-34 us against ~70-80 us, measured 2026-12-04).
 
     ``log1p`` is numpy's vectorised one, which differs from the C library's scalar ``log1p`` (what
-    ``exponential_`` calls) in the last bit for ~8% of draws; :func:`_race` keeps the old tokens exactly by
+    ``exponential_`` calls) in the last bit for ~8% of draws; the race (:func:`_race_np`) keeps the old tokens exactly by
     redoing, with the C library's values (:meth:`exact`), any row whose winning key is within
     ``EXACT_MARGIN`` of the runner-up (never seen at 1e-9: the keys differ by ~1e-15 at most).
     """
