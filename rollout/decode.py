@@ -28,6 +28,7 @@ import time
 from collections import deque
 from typing import Callable, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
@@ -82,44 +83,58 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
     ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.sampling.RowStreams).
     """
-    b = ids.shape[0]
+    b, steps = ids.shape[0], params.max_new_tokens
     clock = _PhaseClock(on_step) if on_step is not None else None
-    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
     scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
-    alive = torch.ones(b, dtype=torch.bool)
-    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "proc", "plain", "tk_lp", "tk_ids")}
+    one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
+    # the step bookkeeping in numpy on preallocated (B, max_new_tokens) outputs, a column per step: no per-step
+    # column lists to stack, no torch dispatch (measured 2026-12-04, 8 rows x 192 steps over a state returning
+    # fixed logits, interleaved: the loop's own work ~0.08-0.11 -> ~0.04-0.05 ms a step)
+    alive = np.ones(b, dtype=bool)
+    out_ids = np.full((b, steps), spec.pad_id, dtype=np.int64)
+    out_mask, out_proc, out_plain = (np.zeros((b, steps), np.float32) for _ in range(3))
+    tk_lp = tk_ids = None
     # 1. prefill: the whole prompt through the model, logits for the first response token
     logits = state.prefill(ids, mask)
-    for step in range(params.max_new_tokens):
+    is_stop = np.zeros(max(logits.shape[-1], spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
+    is_stop[[s for s in (spec.eos_id, *params.stop_ids) if s >= 0]] = True  # token id -> stops its row
+    for step in range(steps):
         # 2. sample (one draw per row per step from the row's own stream); the (B, V)
         #    host work runs on one thread, see refit.rollout.sampling.one_thread
-        with one_thread():
+        if one:
             tok, proc, plain, top = sample_step(logits, params, gen, scratch)
+        else:
+            with one_thread():
+                tok, proc, plain, top = sample_step(logits, params, gen, scratch)
         # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
-        tok = torch.where(alive, tok, spec.pad_id)
-        keep = alive.float()
-        cols["ids"].append(tok)
-        cols["mask"].append(keep)
-        cols["proc"].append(proc * keep)
-        cols["plain"].append(plain * keep)
+        tok = np.where(alive, tok.numpy(), spec.pad_id)
+        keep = alive.astype(np.float32)
+        out_ids[:, step], out_mask[:, step] = tok, keep
+        np.multiply(proc.float().numpy(), keep, out=out_proc[:, step])
+        np.multiply(plain.float().numpy(), keep, out=out_plain[:, step])
         if top is not None:
-            cols["tk_lp"].append(top[0] * keep[:, None])
-            cols["tk_ids"].append(torch.where(alive[:, None], top[1], spec.pad_id))
+            if tk_lp is None:
+                tk_lp = np.zeros((b, steps, top[0].shape[-1]), np.float32)
+                tk_ids = np.full((b, steps, top[0].shape[-1]), spec.pad_id, dtype=np.int64)
+            tk_lp[:, step] = top[0].float().numpy() * keep[:, None]
+            tk_ids[:, step] = np.where(alive[:, None], top[1].numpy(), spec.pad_id)
         if clock is not None:  # position `step` is sampled: its phase (prefill or one decode step) ends
-            clock.tick(step, alive)
+            clock.tick(step, torch.from_numpy(alive))
         # 4. stop bookkeeping: the stop token itself stays inside the mask
-        alive = alive & ~torch.isin(tok, stops)
-        if not alive.any() or step == params.max_new_tokens - 1:
+        alive &= ~is_stop[tok]
+        if not alive.any() or step == steps - 1:
             break
         # 5. decode one token: feed what was emitted (finished rows: pad, masked out)
-        logits = state.extend(tok[:, None], keep[:, None].long())[:, -1]
-    out = {"response_ids": torch.stack(cols["ids"], 1), "response_mask": torch.stack(cols["mask"], 1),
-           "rollout_logprobs": torch.stack(cols["proc"], 1).float(),
-           "rollout_plain_logprobs": torch.stack(cols["plain"], 1).float()}
-    if cols["tk_lp"]:
-        out["topk_logprobs"] = torch.stack(cols["tk_lp"], 1).float()
-        out["topk_ids"] = torch.stack(cols["tk_ids"], 1).long()
+        logits = state.extend(torch.from_numpy(tok[:, None]), torch.from_numpy(keep[:, None].astype(np.int64)))[:, -1]
+    n = step + 1
+    out = {"response_ids": torch.from_numpy(out_ids[:, :n].copy()),
+           "response_mask": torch.from_numpy(out_mask[:, :n].copy()),
+           "rollout_logprobs": torch.from_numpy(out_proc[:, :n].copy()),
+           "rollout_plain_logprobs": torch.from_numpy(out_plain[:, :n].copy())}
+    if tk_lp is not None:
+        out["topk_logprobs"] = torch.from_numpy(tk_lp[:, :n].copy())
+        out["topk_ids"] = torch.from_numpy(tk_ids[:, :n].copy())
     return out
 
 
@@ -173,13 +188,14 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
     """
     admit_min = admit_min or max(1, slots // 8)
     n_rows = ids.shape[0]
-    stops = torch.tensor(sorted({spec.eos_id, *params.stop_ids}), dtype=torch.int64)
     streams = RowStreams(params.seed, [keys[0]] * slots)
     scratch = StepBuffers()
+    one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
     waiting = deque(range(n_rows))
-    row = torch.full((slots,), -1, dtype=torch.int64)  # row held by each slot; -1 = idle
-    length = torch.zeros(slots, dtype=torch.int64)  # tokens the slot's row has emitted
-    log: list[tuple[torch.Tensor, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
+    # the slots' bookkeeping in numpy, as in decode_loop (no torch dispatch per op)
+    row = np.full(slots, -1, dtype=np.int64)  # row held by each slot; -1 = idle
+    length = np.zeros(slots, dtype=np.int64)  # tokens the slot's row has emitted
+    log: list[tuple[np.ndarray, ...]] = []  # per step: (rows, step index, tok, proc, plain, top lp, top ids)
 
     def admit(free: list[int]) -> None:
         free = free[:len(waiting)]
@@ -191,43 +207,50 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
 
     state.open(slots)
     logits = torch.zeros(slots, spec.vocab_size)
+    is_stop = np.zeros(max(spec.vocab_size, spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
+    is_stop[[s for s in (spec.eos_id, *params.stop_ids) if s >= 0]] = True  # token id -> stops its row
     # 1. fill the slots with waiting rows (a prefill gives the logits of each row's first token)
     admit(list(range(slots)))
     while (row >= 0).any():
         live = row >= 0
         # 2. sample every slot (idle ones too: their draws go unused), one stream per row
-        with one_thread():
+        if one:
             tok, proc, plain, top = sample_step(logits, params, streams, scratch)
-        log.append((row[live].clone(), length[live].clone(), tok[live], proc[live], plain[live],
-                    None if top is None else top[0][live], None if top is None else top[1][live]))
+        else:
+            with one_thread():
+                tok, proc, plain, top = sample_step(logits, params, streams, scratch)
+        tok = tok.numpy()
+        log.append((row[live], length[live], tok[live], proc.float().numpy()[live], plain.float().numpy()[live],
+                    None if top is None else top[0].float().numpy()[live], None if top is None else top[1].numpy()[live]))
         # 3. stop bookkeeping: the stop token stays inside the mask; a row also ends at max_new_tokens
-        length += live.long()
-        done = live & (torch.isin(tok, stops) | (length >= params.max_new_tokens))
+        length += live
+        done = live & (is_stop[tok] | (length >= params.max_new_tokens))
         row[done] = -1
         cont = row >= 0
         # 4. decode one token for the rows that go on; the others idle (mask 0, cache untouched)
         if cont.any():
-            logits = state.extend(torch.where(cont, tok, spec.pad_id)[:, None], cont[:, None].long())[:, -1].clone()
+            logits = state.extend(torch.from_numpy(np.where(cont, tok, spec.pad_id)[:, None]),
+                                  torch.from_numpy(cont[:, None].astype(np.int64)))[:, -1].clone()
         # 5. refill the free slots from the queue, together (the other slots' caches stay untouched)
-        free = torch.nonzero(row < 0).flatten().tolist()
+        free = np.nonzero(row < 0)[0].tolist()
         if waiting and (len(free) >= admit_min or not cont.any()):
             admit(free)
     return _assemble(log, n_rows, spec.pad_id, params.return_topk)
 
 
 def _assemble(log: list, n_rows: int, pad_id: int, k: int) -> dict[str, torch.Tensor]:
-    """Per-step records -> (N, Tr) tensors in row order, right-padded (pad id, mask 0, log-probs 0)."""
+    """Per-step records (numpy) -> (N, Tr) tensors in row order, right-padded (pad id, mask 0, log-probs 0)."""
     tr = max(int(steps.max()) + 1 for _, steps, *_ in log)
-    out = {"response_ids": torch.full((n_rows, tr), pad_id, dtype=torch.int64),
-           "response_mask": torch.zeros(n_rows, tr), "rollout_logprobs": torch.zeros(n_rows, tr),
-           "rollout_plain_logprobs": torch.zeros(n_rows, tr)}
+    out = {"response_ids": np.full((n_rows, tr), pad_id, dtype=np.int64),
+           "response_mask": np.zeros((n_rows, tr), np.float32), "rollout_logprobs": np.zeros((n_rows, tr), np.float32),
+           "rollout_plain_logprobs": np.zeros((n_rows, tr), np.float32)}
     if k:
-        out["topk_logprobs"] = torch.zeros(n_rows, tr, k)
-        out["topk_ids"] = torch.full((n_rows, tr, k), pad_id, dtype=torch.int64)
+        out["topk_logprobs"] = np.zeros((n_rows, tr, k), np.float32)
+        out["topk_ids"] = np.full((n_rows, tr, k), pad_id, dtype=np.int64)
     for rows, steps, tok, proc, plain, tk_lp, tk_ids in log:
         at = (rows, steps)
         out["response_ids"][at], out["response_mask"][at] = tok, 1.0
-        out["rollout_logprobs"][at], out["rollout_plain_logprobs"][at] = proc.float(), plain.float()
+        out["rollout_logprobs"][at], out["rollout_plain_logprobs"][at] = proc, plain
         if k:
-            out["topk_logprobs"][at], out["topk_ids"][at] = tk_lp.float(), tk_ids.long()
-    return out
+            out["topk_logprobs"][at], out["topk_ids"][at] = tk_lp, tk_ids
+    return {name: torch.from_numpy(a) for name, a in out.items()}

@@ -3,7 +3,8 @@
 :func:`run_bound` is the one ``run_with_iobinding`` call (host arrays and OrtValues in, logits to the host).
 The fused-attention graphs (export/fused.py, export/fused_seq2seq.py) keep their KV cache in
 :class:`KVBuffers`, bound as both ``past`` and ``present`` so GroupQueryAttention writes in place; rows are
-compact in them (:func:`compact`) and each step's host inputs come from :func:`step_inputs`.
+compact in them (:func:`compact`) and each step's host inputs come from :func:`step_inputs`; a decode step
+(one token per row) reruns one :class:`StepBinding` instead, its inputs rewritten in place.
 """
 
 from __future__ import annotations
@@ -65,6 +66,64 @@ class KVBuffers:
         import onnxruntime as ort
 
         return {n: ort.OrtValue.ortvalue_from_numpy(a[start:stop]) for n, a in self.arrays.items()}
+
+
+_NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+class StepBinding:
+    """One IOBinding for a fused graph's decode steps (one new token per row), built once per batch and rerun.
+
+    The KV buffers (as ``past`` and ``present``), the OrtValues in ``bound`` (cross K/V), the constant host
+    inputs ``consts`` (encoder mask), ``logits_index`` (0) and a preallocated logits output are bound once;
+    the per-step inputs are arrays bound once as OrtValues over their memory and rewritten in place by
+    :meth:`run` (ORT reads them at each run, as it does the KV buffers). A fresh binding per step (6 host
+    inputs, 16 KV bindings, ``get_outputs``) plus ``step_inputs`` made a decode step's host work, ``extend``
+    minus ORT's run, 0.22-0.26 ms; now 0.03-0.05 ms (measured 2026-12-04, small-gpt2, 8 rows, 1 thread).
+    """
+
+    def __init__(self, sess, kv: KVBuffers, bound: dict, consts: dict[str, np.ndarray] | None = None,
+                 total: int | None = None):
+        import onnxruntime as ort
+
+        b = kv.batch
+        out = next(o for o in sess.get_outputs() if o.name == "logits")
+        self.sess, self.kv, self.fixed_total, self.io = sess, kv, total, sess.io_binding()
+        self.ids, self.pos = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64)
+        self.seqlens, self.qlen, self.total = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((), np.int32)
+        self.logits = np.empty((b, 1, out.shape[-1]), _NP_TYPES[out.type])
+        self._arrays = {"input_ids": self.ids, "position_ids": self.pos, "seqlens_k": self.seqlens,
+                        "query_seqlens": self.qlen, "total_sequence_length": self.total,
+                        "logits_index": np.zeros((b, 1), np.int64), **{n: np.ascontiguousarray(a)
+                                                                       for n, a in (consts or {}).items()}}
+        self._values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._arrays.items()}  # kept alive
+        for name, val in self._values.items():
+            self.io.bind_ortvalue_input(name, val)
+        for name, val in bound.items():
+            self.io.bind_ortvalue_input(name, val)
+        for name, val in kv.values.items():
+            self.io.bind_ortvalue_input(name, val)
+            self.io.bind_ortvalue_output(name.replace("past", "present", 1), val)
+        self._out = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self.io.bind_ortvalue_output("logits", self._out)
+
+    @staticmethod
+    def fits(sess) -> bool:
+        """True when the graph's logits have a static vocabulary and a numpy dtype (the output is preallocated)."""
+        out = next(o for o in sess.get_outputs() if o.name == "logits")
+        return isinstance(out.shape[-1], int) and out.type in _NP_TYPES
+
+    def run(self, tok: np.ndarray, start: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Tokens ``tok`` (B,) at rows holding ``start`` (B,) tokens, ``valid`` (B,) 0/1 -> the logits buffer
+        (B, 1, V), overwritten by the next run (the inputs of :func:`step_inputs` with a chunk of 1)."""
+        self.ids[:, 0] = tok
+        self.pos[:, 0] = start
+        total = start + valid
+        np.maximum(total - 1, 0, out=self.seqlens)
+        self.qlen[...] = valid
+        self.total[...] = self.fixed_total if self.fixed_total is not None else max(int(total.max()), 1)
+        self.sess.run_with_iobinding(self.io)
+        return self.logits
 
 
 def step_inputs(ids: np.ndarray, start: np.ndarray, n_new: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:

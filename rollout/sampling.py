@@ -21,7 +21,9 @@ an inverse CDF put 2 rows on other tokens, 0.2% per row-step; the race none).
 Per step on (B, V) the untruncated path reads the logits twice (max, then exp into a reused
 buffer) and sums the blocks: the plain log-partition is the sum of the block masses, so no
 log_softmax is materialised and the token's processed and plain log-probs are one number.
-Top-k/top-p add their filters and one log_softmax of the filtered scores.
+Top-k/top-p add their filters and one log_softmax of the filtered scores. With :class:`RowStreams` the
+float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at (8, 384) a
+step is ~25 tiny ops, where torch's ~10 us of dispatch each outweighed the arithmetic (2026-12-04).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def row_seed(seed: int, prompt: int, sample: int) -> int:
 
 MT_N, MT_M = 624, 397  # MT19937: state words, twist offset
 _MT_A, _MT_UPPER, _MT_LOWER = np.uint32(0x9908B0DF), np.uint32(0x80000000), np.uint32(0x7FFFFFFF)
+PER_ROW_MAX = 24  # RowStreams of up to this many rows step one numpy MT19937 per row (~4 us a row a step)
 
 
 def _mt_twist(state: np.ndarray) -> None:
@@ -63,9 +66,18 @@ def _mt_twist(state: np.ndarray) -> None:
     chunks whose inputs are all final, [0, 227), [227, 454), [454, 623), 623.
     """
     for lo, hi in ((0, MT_N - MT_M), (MT_N - MT_M, 2 * (MT_N - MT_M)), (2 * (MT_N - MT_M), MT_N - 1)):
-        y = (state[:, lo:hi] & _MT_UPPER) | (state[:, lo + 1:hi + 1] & _MT_LOWER)
+        # state[i+M] ^ (y >> 1) ^ (y & 1) * A, y = upper bit of word i | lower bits of word i+1, with in-place
+        # temporaries (two allocations instead of eight)
+        y = state[:, lo:hi] & _MT_UPPER
+        t = state[:, lo + 1:hi + 1] & _MT_LOWER
+        y |= t
+        t &= np.uint32(1)  # y & 1: bit 0 is word i+1's
+        t *= _MT_A
+        y >>= np.uint32(1)
+        y ^= t
         j = lo + MT_M - MT_N if lo >= MT_N - MT_M else lo + MT_M
-        state[:, lo:hi] = state[:, j:j + hi - lo] ^ (y >> np.uint32(1)) ^ ((y & np.uint32(1)) * _MT_A)
+        y ^= state[:, j:j + hi - lo]
+        state[:, lo:hi] = y
     y = (state[:, MT_N - 1] & _MT_UPPER) | (state[:, 0] & _MT_LOWER)
     state[:, MT_N - 1] = state[:, MT_M - 1] ^ (y >> np.uint32(1)) ^ ((y & np.uint32(1)) * _MT_A)
 
@@ -96,25 +108,32 @@ class RowStreams:
     Row i's stream is the one ``torch.Generator().manual_seed(row_seed(base, *key))`` gives to
     ``Tensor.exponential_`` (float64): MT19937 seeded with the seed's low 32 bits, two 32-bit words per
     draw (``random64``), ``u = (w64 & (2^53 - 1)) * 2^-53``, ``E = -log1p(-u)`` (PyTorch 2.x's CPU kernel;
-    tests/test_sampling.py checks it against ``exponential_`` itself). All rows are stepped at once here,
+    tests/test_sampling.py checks it against ``exponential_`` itself). Beyond :data:`PER_ROW_MAX` rows all are stepped at once,
     vectorised in numpy: one twist of (rows, 624) words per 312 draws instead of one ``exponential_`` call
     per row per step (128 rows x 128 steps: 16384 calls, 0.35 s of a 2.2 s rollout, measured 2026-12-04).
     The k-th sampled token of a row uses the k-th draws of its stream whatever the slot it sits in, the
     other rows, or the order rows arrive in (in-flight batching, rollout/decode.py). ``seed=None`` picks a
     random base seed once per call. A slot's stream is replaced when a new row takes the slot.
 
+    Up to :data:`PER_ROW_MAX` rows, each row's stream is instead numpy's own ``MT19937`` bit generator set to
+    the same state (the same words: tested), whose C loop beats the vectorised twist's ~40 numpy calls while
+    the rows are few (8 rows x 516 words a step: ~30-34 us against ~70-80 us, measured 2026-12-04).
+
     ``log1p`` is numpy's vectorised one, which differs from the C library's scalar ``log1p`` (what
-    ``exponential_`` calls) in the last bit for ~8% of draws; :func:`_race` keeps the old tokens exactly by
+    ``exponential_`` calls) in the last bit for ~8% of draws; the race (:func:`_race_np`) keeps the old tokens exactly by
     redoing, with the C library's values (:meth:`exact`), any row whose winning key is within
     ``EXACT_MARGIN`` of the runner-up (never seen at 1e-9: the keys differ by ~1e-15 at most).
     """
 
     def __init__(self, seed: int | None, keys: list[tuple[int, int]]):
         self.base = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        n = len(keys)
-        self.state = np.empty((n, MT_N), np.uint32)
-        self.out = np.empty((n, 2 * MT_N), np.uint32)  # tempered words: this block, then the next
-        self.pos = np.zeros(n, np.int64)  # next unread word of each row, in [0, 624)
+        n = self.n = len(keys)
+        # few rows: one numpy MT19937 per row; else the vectorised state of every row
+        self.gens: list | None = [None] * n if n <= PER_ROW_MAX else None
+        if self.gens is None:
+            self.state = np.empty((n, MT_N), np.uint32)
+            self.out = np.empty((n, 2 * MT_N), np.uint32)  # tempered words: this block, then the next
+            self.pos = np.zeros(n, np.int64)  # next unread word of each row, in [0, 624)
         self._u: np.ndarray | None = None  # the last draw's uniforms, for exact()
         if n:
             self._reset(np.arange(n), [self._seed(k) for k in keys])
@@ -123,6 +142,11 @@ class RowStreams:
         return row_seed(self.base, *key)
 
     def _reset(self, rows: np.ndarray, seeds: list[int]) -> None:
+        if self.gens is not None:
+            for r, s in zip(rows.tolist(), seeds):
+                g = self.gens[r] = np.random.MT19937(0)
+                g.state = {"bit_generator": "MT19937", "state": {"key": _mt_seeded(s), "pos": MT_N}}
+            return
         self.state[rows] = np.stack([_mt_seeded(s) for s in seeds])
         st = self.state[rows]
         _mt_twist(st)
@@ -137,9 +161,15 @@ class RowStreams:
         self._reset(np.array([slot]), [self._seed(key)])
 
     def _words(self, k: int) -> np.ndarray:
-        """(rows, k) uint32: the next k words of every row's MT19937 stream (each stream advances by k)."""
+        """(rows, k) uint32 (uint64 holding them, per-row generators): the next k words of every row's MT19937
+        stream (each stream advances by k)."""
+        if self.gens is not None:
+            w = np.empty((self.n, k), np.uint64)
+            for i, g in enumerate(self.gens):
+                w[i] = g.random_raw(k)
+            return w
         parts = []
-        if not len(self.pos):
+        if not self.n:
             return np.empty((0, k), np.uint32)
         while k > 0:
             c = min(k, MT_N)
@@ -150,8 +180,13 @@ class RowStreams:
                 parts.append(np.take_along_axis(self.out, p[:, None] + np.arange(c), 1))
             self.pos = p = p + c
             full = np.nonzero(p >= MT_N)[0]
-            if full.size:  # their current block is used up: the next one moves down, a new one is made
-                st = self.state[full] if full.size < len(p) else self.state
+            if full.size == len(p):  # every row's block is used up (a static batch): in place, no row copies
+                _mt_twist(self.state)
+                self.out[:, :MT_N] = self.out[:, MT_N:]
+                self.out[:, MT_N:] = _mt_temper(self.state)
+                self.pos -= MT_N
+            elif full.size:  # their current block is used up: the next one moves down, a new one is made
+                st = self.state[full]
                 _mt_twist(st)
                 self.out[full, :MT_N] = self.out[full, MT_N:]
                 self.out[full, MT_N:] = _mt_temper(st)
@@ -268,30 +303,105 @@ def _race(scores: torch.Tensor, generator: "torch.Generator | RowStreams",
 
     Level 1 races the blocks on log(mass), level 2 the chosen block's tokens on their scores;
     P(token) = mass_b / total * exp(score - m) / mass_b. Draws: one float64 Exp(1) per block
-    and per block slot, per row.
+    and per block slot, per row. With :class:`RowStreams` the float64 race runs in numpy
+    (:func:`_race_np`), else in torch (:func:`_race_keys`).
     """
+    b, v = scores.shape
+    n_blocks = -(-v // RACE_BLOCK)
+    m, mass = _block_mass(scores, buffers)
+    if isinstance(generator, RowStreams):
+        ids, total = _race_np(scores, mass, generator, n_blocks)
+        return ids, m, total
+    mass = mass.double()
+    e = torch.empty(b, n_blocks + RACE_BLOCK, dtype=torch.float64).exponential_(generator=generator)
+    ids = _race_keys(_padded(scores, n_blocks, buffers), mass, e, n_blocks, False)[0]
+    return ids, m, mass.sum(-1, keepdim=True)
+
+
+def _block_mass(scores: torch.Tensor, buffers: StepBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) float32 scores -> (row max (B, 1), float32 mass of each block of exp(scores - max) (B, n_blocks)).
+
+    The block sums are written into one buffer (``out=``, the same reduction as a plain ``sum``: tested
+    bit for bit), not concatenated."""
     b, v = scores.shape
     full, n_blocks = v - v % RACE_BLOCK, -(-v // RACE_BLOCK)
     m = scores.amax(-1, keepdim=True)  # (B, 1)
     w = torch.sub(scores, m, out=buffers.get("w", scores.shape, torch.float32)).exp_()  # (B, V) in [0, 1]
-    mass = w[:, :full].view(b, full // RACE_BLOCK, RACE_BLOCK).sum(-1)  # (B, full blocks)
+    mass = buffers.get("mass", (b, n_blocks), torch.float32)
+    if full:
+        torch.sum(w[:, :full].view(b, full // RACE_BLOCK, RACE_BLOCK), -1, out=mass[:, :full // RACE_BLOCK])
     if full < v:
-        mass = torch.cat([mass, w[:, full:].sum(-1, keepdim=True)], 1)  # (B, n_blocks)
-    mass = mass.double()
-    streams = generator if isinstance(generator, RowStreams) else None
-    if streams is not None:
-        e = streams.exponential(n_blocks + RACE_BLOCK)  # (B, n_blocks + RACE_BLOCK), one stream per row
-    else:
-        e = torch.empty(b, n_blocks + RACE_BLOCK, dtype=torch.float64).exponential_(generator=generator)
-    # the scores as float64 in a (B, n_blocks * RACE_BLOCK) buffer, -inf past V (never drawn)
+        torch.sum(w[:, full:], -1, out=mass[:, -1])
+    return m, mass
+
+
+def _padded(scores: torch.Tensor, n_blocks: int, buffers: StepBuffers) -> torch.Tensor:
+    """The scores as float64 in a (B, n_blocks * RACE_BLOCK) buffer, -inf past V (never drawn)."""
+    b, v = scores.shape
     padded = buffers.get("padded", (b, n_blocks * RACE_BLOCK), torch.float64)
     padded[:, :v] = scores
     padded[:, v:] = NEG_INF
-    ids, close = _race_keys(padded, mass, e, n_blocks, streams is not None)
-    if close is not None and close.any():  # a near tie: decide those rows with exponential_'s own values
-        rows = close.nonzero().flatten()
-        ids[rows] = _race_keys(padded[rows], mass[rows], streams.exact(rows), n_blocks, False)[0]
-    return ids, m, mass.sum(-1, keepdim=True)
+    return padded
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def _race_np(scores: torch.Tensor, mass: torch.Tensor, streams: RowStreams,
+             n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both race levels in numpy float64 from the float32 block masses: (ids (B,), float64 total mass (B, 1)).
+
+    Today's tokens bit for bit: numpy's float64 ``log`` may differ from torch's in the last bit (keys of
+    magnitude < 1e3: < 1e-12 apart), far inside ``EXACT_MARGIN``; a row whose winning key at either level is
+    within the margin of the runner-up is redone by the torch race (:func:`_race_keys`) on ``exponential_``'s
+    own values, exactly as before, and any other row has the same winner either way. numpy's small-array ops
+    cost ~1-2 us against torch's ~10 us of dispatch each (measured 2026-12-04: sample_step at (8, 384)
+    0.49 -> 0.25 ms). The total mass stays a torch sum (its order, hence its bits, is torch's).
+    """
+    b, v = scores.shape
+    e = _as_numpy(streams.exponential(n_blocks + RACE_BLOCK))  # (B, n_blocks + RACE_BLOCK), one stream per row
+    log_e = np.log(np.maximum(e, 1e-300, out=e), out=e)  # an E of exactly 0 would make a -inf key NaN
+    mass64 = _as_numpy(mass).astype(np.float64)
+    block_keys = np.full_like(mass64, NEG_INF)  # an empty block (all -inf) has mass 0: key -inf
+    np.log(mass64, out=block_keys, where=mass64 > 0)
+    block_keys -= log_e[:, :n_blocks]
+    block = block_keys.argmax(-1)  # (B,)
+    rows, sc, n_full = np.arange(b), _as_numpy(scores), v // RACE_BLOCK
+    # the chosen blocks' scores (B, RACE_BLOCK) as float64: whole blocks picked from a (B, blocks, RACE_BLOCK)
+    # view; rows that chose the partial last block get its scores, -inf past V (never drawn)
+    if n_full:
+        keys = sc[:, :n_full * RACE_BLOCK].reshape(b, n_full, RACE_BLOCK)[rows, np.minimum(block, n_full - 1)]
+        keys = keys.astype(np.float64)
+    else:
+        keys = np.empty((b, RACE_BLOCK))
+    if n_full < n_blocks:
+        last = np.nonzero(block == n_full)[0]
+        if last.size:
+            keys[last, :v - n_full * RACE_BLOCK] = sc[last, n_full * RACE_BLOCK:]
+            keys[last, v - n_full * RACE_BLOCK:] = NEG_INF
+    keys -= log_e[:, n_blocks:]
+    slot = keys.argmax(-1)
+    ids = block * RACE_BLOCK + slot
+    # a runner-up within the margin (at least two keys >= top - margin): the best of the others, the winner
+    # set to -inf, is >= top - margin (the keys are not used after this)
+    top = keys[rows, slot]
+    keys[rows, slot] = NEG_INF
+    close = keys.max(-1) >= top - EXACT_MARGIN
+    if n_blocks > 1:
+        top = block_keys[rows, block]
+        block_keys[rows, block] = NEG_INF
+        close |= block_keys.max(-1) >= top - EXACT_MARGIN
+    ids = torch.from_numpy(ids)
+    mass64 = torch.from_numpy(mass64)
+    if close.any():  # a near tie: decide those rows as before, with exponential_'s own values
+        r = torch.from_numpy(np.nonzero(close)[0])
+        padded = torch.full((len(r), n_blocks * RACE_BLOCK), NEG_INF, dtype=torch.float64)
+        padded[:, :v] = scores[r]
+        ids[r] = _race_keys(padded, mass64[r], streams.exact(r), n_blocks, False)[0]
+    if n_blocks <= 2:  # a sum of one or two numbers is fl(a + b) in any order: numpy's is torch's
+        return ids, torch.from_numpy(mass64.numpy().sum(-1, keepdims=True))
+    return ids, mass64.sum(-1, keepdim=True)
 
 
 def _race_keys(padded: torch.Tensor, mass: torch.Tensor, e: torch.Tensor, n_blocks: int,
@@ -373,9 +483,11 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             proc = processed.gather(-1, ids[:, None]).squeeze(-1)
     else:
         ids, m, total = _race(scores, generator, buffers)
-        log_z = m + total.log().float()
+        # float32 max + float32(torch's log of the float64 total), in numpy: the same IEEE ops as torch's
+        log_z = torch.from_numpy(_as_numpy(m) + _as_numpy(total.log_()).astype(np.float32))
         proc = None
-    plain = (scores.gather(-1, ids[:, None]) - log_z).squeeze(-1)
+    # the chosen token's score - log Z (float32), gathered in numpy: ~1 us a op against torch's ~10
+    plain = torch.from_numpy(_as_numpy(scores)[np.arange(len(ids)), _as_numpy(ids)] - _as_numpy(log_z)[:, 0])
     if params.return_topk:  # log_softmax is monotone per row: top-k of the scores, shifted by log Z
         values, top_ids = torch.topk(scores, params.return_topk, dim=-1)
         top = (values - log_z, top_ids)

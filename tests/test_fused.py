@@ -253,3 +253,28 @@ def test_repeated_prompts_prefilled_once_give_the_same_rows(engine_dirs, prompts
     assert runs[0][0] == len(prompts) * params.n
     _same(deduped, each, tol=0)
     assert torch.equal(deduped.topk_ids, each.topk_ids)
+
+
+@pytest.mark.parametrize("arch", DECODERS + ["tiny-t5"])
+def test_decode_step_binding_gives_the_per_step_runs_rows(engine_dirs, prompts, arch, monkeypatch):
+    """Decode steps rerun one IOBinding with inputs rewritten in place (rollout/ort_run.py StepBinding): tokens,
+    log-probs and top-k equal the per-step binding's (StepBinding off) exactly, static and in slots, with rows
+    idling after a stop (their logits zeroed)."""
+    from refit.rollout.ort_run import StepBinding
+
+    runs = []
+    real = StepBinding.run
+    monkeypatch.setattr(StepBinding, "run", lambda self, *a: runs.append(1) or real(self, *a))
+    for kw in ({}, {"slots": 3}):
+        eng = create_engine("onnxruntime", engine_dirs[arch], **kw)
+        params = SamplingParams(max_new_tokens=12, seed=5, temperature=0.9, n=2, return_topk=2,
+                                stop_ids=tuple(range(eng.spec.vocab_size // 8)))
+        runs.clear()
+        bound = eng.generate(prompts, params)
+        assert runs, "decode steps ran through the step binding"
+        with monkeypatch.context() as m:
+            m.setattr(StepBinding, "fits", staticmethod(lambda sess: False))
+            each = create_engine("onnxruntime", engine_dirs[arch], **kw).generate(prompts, params)
+        assert (bound.response_mask.sum(1) < bound.response_mask.shape[1]).any(), "some row stopped early"
+        _same(bound, each, tol=0)
+        assert torch.equal(bound.topk_ids, each.topk_ids) and torch.equal(bound.response_ids, each.response_ids)

@@ -231,12 +231,16 @@ def _per_row_reference(seed, keys, steps, logits, params):
     return [sample_step(x, params, streams, buf)[0] for x, _ in zip(logits, range(steps))]
 
 
+@pytest.mark.parametrize("per_row_max", [0, 10**6])
 @pytest.mark.parametrize("params", [SamplingParams(seed=3), SamplingParams(seed=3, temperature=0.7, top_p=0.9)])
-def test_vectorised_row_streams_keep_per_row_tokens(params, monkeypatch):
-    """RowStreams steps every row's MT19937 at once: its draws are exponential_'s (exact() bit for bit,
-    exponential() to the last bit) and the tokens are the per-row generators' ones, on the default path
-    and on the near-tie path (every row redone with exact(), EXACT_MARGIN forced to inf)."""
+def test_vectorised_row_streams_keep_per_row_tokens(params, per_row_max, monkeypatch):
+    """RowStreams steps every row's MT19937 at once (or, few rows, numpy's MT19937 per row: per_row_max): its
+    draws are exponential_'s (exact() bit for bit, exponential() to the last bit) and the tokens are the
+    per-row generators' ones, on the default path and on the near-tie path (every row redone with exact(),
+    EXACT_MARGIN forced to inf)."""
     import refit.rollout.sampling as S
+
+    monkeypatch.setattr(S, "PER_ROW_MAX", per_row_max)
 
     keys = [(p, s) for p in range(9) for s in range(2)]
     v = 2 * RACE_BLOCK + 40
@@ -274,3 +278,56 @@ def test_row_tokens_do_not_depend_on_the_batch():
     for r in (0, 7, 17):
         alone = torch.stack([sample_step(x[r:r + 1], params, s)[0] for s in [RowStreams(7, [keys[r]])] for x in logits])
         assert torch.equal(alone[:, 0], whole[:, r])
+
+
+def _torch_race(scores, streams):
+    """The RowStreams race as it was in torch (before 2026-12-04's numpy race): ids, row max, float64 total."""
+    import refit.rollout.sampling as S
+
+    b, v = scores.shape
+    full, nb = v - v % RACE_BLOCK, -(-v // RACE_BLOCK)
+    m = scores.amax(-1, keepdim=True)
+    w = (scores - m).exp()
+    mass = w[:, :full].view(b, full // RACE_BLOCK, RACE_BLOCK).sum(-1)
+    if full < v:
+        mass = torch.cat([mass, w[:, full:].sum(-1, keepdim=True)], 1)
+    mass = mass.double()
+    e = streams.exponential(nb + RACE_BLOCK)
+    padded = torch.full((b, nb * RACE_BLOCK), float("-inf"), dtype=torch.float64)
+    padded[:, :v] = scores
+    ids, close = S._race_keys(padded, mass, e, nb, True)
+    if close.any():
+        rows = close.nonzero().flatten()
+        ids[rows] = S._race_keys(padded[rows], mass[rows], streams.exact(rows), nb, False)[0]
+    return ids, m, mass.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("v", [100, 384, RACE_BLOCK, 2 * RACE_BLOCK + 40, 5000])
+@pytest.mark.parametrize("margin", [None, 1.0, float("inf")])
+def test_numpy_race_is_the_torch_race_bit_for_bit(v, margin, monkeypatch):
+    """The numpy race (with RowStreams) gives the torch race's ids, row max and total mass bit for bit, and
+    sample_step its log-probs, over consecutive steps: random logits with -inf entries, a whole -inf block,
+    exact ties of scores, and near-tie rows (margin 1.0: some rows, inf: every row, redone on exact())."""
+    import refit.rollout.sampling as S
+
+    if margin is not None:
+        monkeypatch.setattr(S, "EXACT_MARGIN", margin)
+    keys = [(p, s) for p in range(7) for s in range(3)]
+    g = torch.Generator().manual_seed(v)
+    mine, ref, buf = S.RowStreams(5, keys), S.RowStreams(5, keys), StepBuffers()
+    for step in range(5):
+        x = torch.randn(len(keys), v, generator=g) * (1 + 3 * step)
+        x[torch.rand(x.shape, generator=g) < 0.3] = float("-inf")
+        x[0, :RACE_BLOCK] = float("-inf") if v > RACE_BLOCK else x[0]  # an empty block: mass 0
+        x[1, :] = 0.5  # every score tied
+        x[2, 0], x[2, 1:] = 1.0, float("-inf")  # one finite token
+        got, want = S._race(x, mine, buf), _torch_race(x, ref)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    mine, ref = S.RowStreams(9, keys), S.RowStreams(9, keys)
+    for t in (1.0, 0.7):
+        x = torch.randn(len(keys), v, generator=g) * 2
+        ids, proc, plain, _ = sample_step(x, SamplingParams(temperature=t), mine, buf)
+        s = x / t if t != 1.0 else x
+        r_ids, m, total = _torch_race(s, ref)
+        r_plain = (s.gather(-1, r_ids[:, None]) - (m + total.log().float())).squeeze(-1)
+        assert torch.equal(ids, r_ids) and torch.equal(plain, r_plain) and torch.equal(proc, r_plain)
