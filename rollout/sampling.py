@@ -34,6 +34,7 @@ import math
 import numpy as np
 import torch
 
+from refit.core.errors import RefitError
 from refit.rollout.types import SamplingParams
 
 NEG_INF = float("-inf")
@@ -461,6 +462,16 @@ def _scaled(logits: torch.Tensor, temperature: float, buffers: StepBuffers) -> t
     return torch.div(x, temperature, out=buffers.get("scores", x.shape, torch.float32))
 
 
+def _check_finite(log_z: torch.Tensor) -> None:
+    """One line when a row's logits hold a NaN or +inf (its log-partition is then not finite): a broken model or
+    push (e.g. NaN weights from a diverged update) must stop generation, not sample from garbage."""
+    lz = _as_numpy(log_z).reshape(-1)
+    if not np.isfinite(lz).all():
+        rows = np.nonzero(~np.isfinite(lz))[0].tolist()
+        raise RefitError(f"sampling: non-finite logits (NaN or inf) in {len(rows)} of {len(lz)} rows "
+                         f"(first: {rows[:8]}); the engine's weights or inputs are broken (a NaN weight push?)")
+
+
 def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                 buffers: StepBuffers | None = None):
     """One decode step on (B, V) logits: (ids, processed log-probs, plain log-probs, top-k or None).
@@ -474,6 +485,7 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     top = None
     if params.greedy or _truncates(params, logits.shape[-1]):
         log_z = _log_partition(scores, buffers)  # (B, 1)
+        _check_finite(log_z)
         if params.greedy:
             ids = logits.argmax(-1)
             proc = torch.zeros(ids.shape)
@@ -485,6 +497,7 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         ids, m, total = _race(scores, generator, buffers)
         # float32 max + float32(torch's log of the float64 total), in numpy: the same IEEE ops as torch's
         log_z = torch.from_numpy(_as_numpy(m) + _as_numpy(total.log_()).astype(np.float32))
+        _check_finite(log_z)
         proc = None
     # the chosen token's score - log Z (float32), gathered in numpy: ~1 us a op against torch's ~10
     plain = torch.from_numpy(_as_numpy(scores)[np.arange(len(ids)), _as_numpy(ids)] - _as_numpy(log_z)[:, 0])

@@ -331,3 +331,23 @@ def test_numpy_race_is_the_torch_race_bit_for_bit(v, margin, monkeypatch):
         r_ids, m, total = _torch_race(s, ref)
         r_plain = (s.gather(-1, r_ids[:, None]) - (m + total.log().float())).squeeze(-1)
         assert torch.equal(ids, r_ids) and torch.equal(plain, r_plain) and torch.equal(proc, r_plain)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=1, seed=0),
+                                    SamplingParams(max_new_tokens=1, seed=0, top_k=5, top_p=0.9),
+                                    SamplingParams(max_new_tokens=1, greedy=True)], ids=["plain", "top-k-p", "greedy"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_stop_sampling_in_one_line(params, bad):
+    """A row with a NaN or +inf logit (a broken model or push) raises one line naming the rows, on every path; the
+    finite rows of the same batch alone sample as before."""
+    from refit.core.errors import RefitError
+    from refit.rollout.sampling import RowStreams, sample_step
+
+    logits = torch.randn(4, 384, generator=torch.Generator().manual_seed(0))
+    ok = sample_step(logits, params, RowStreams(0, [(i, 0) for i in range(4)]))
+    logits[2, 17] = bad
+    with pytest.raises(RefitError, match=r"non-finite logits .* 1 of 4 rows \(first: \[2\]\)") as e:
+        sample_step(logits, params, RowStreams(0, [(i, 0) for i in range(4)]))
+    assert "\n" not in str(e.value)
+    again = sample_step(logits[[0, 1, 3]], params, RowStreams(0, [(i, 0) for i in (0, 1, 3)]))
+    assert torch.equal(again[0], ok[0][[0, 1, 3]])

@@ -301,3 +301,25 @@ def test_push_through_files_equals_the_memory_push(arch, engine_dirs, model_dirs
     torch.testing.assert_close(_score(rel, batch), _score(mem, batch), atol=0, rtol=0)
     rel.close()
     assert digest() == before_files
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_nan_weight_push_stops_generation_in_one_line(engine_dirs, model_dirs, prompts, arch):
+    """A push of a NaN weight (a diverged update) is taken, but the next generate stops in one line instead of
+    sampling from NaN logits; pushing the original weights back restores the engine's output exactly."""
+    ort, ref = _pair(arch, engine_dirs, model_dirs)
+    sp = SamplingParams(max_new_tokens=6, seed=3)
+    before = ort.generate(prompts, sp)
+    sd = ref.model.state_dict()
+    name = next(n for n in ort.manifest.weight_map if n.endswith("weight") and sd[n].dim() == 2 and "embed" not in n
+                and "wte" not in n and "shared" not in n)
+    bad = sd[name].clone()
+    bad[0, 0] = float("nan")
+    ort.update_weights({name: bad})
+    with pytest.raises(RefitError, match="non-finite logits") as e:
+        ort.generate(prompts, sp)
+    assert "\n" not in str(e.value)
+    ort.update_weights({name: sd[name]})
+    after = ort.generate(prompts, sp)
+    assert torch.equal(after.response_ids, before.response_ids) and torch.equal(after.rollout_logprobs,
+                                                                                before.rollout_logprobs)
