@@ -54,7 +54,8 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
               work: Path, repeats: int = 2, log=print, max_staleness: int = 0) -> dict:
     """The runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
     a change in the machine's load during the benchmark falls on all alike; one warm-up iteration each.
-    ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``)."""
+    ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``), two consecutive steps
+    a round with the second timed (:func:`overlapped_block`)."""
     from refit.learner.ppo.config import PPOConfig
     from refit.learner.ppo.cycle import setup, train_step
     from refit.learner.ppo.overlap import split_threads
