@@ -16,15 +16,16 @@ dominates); the JSON carries the per-phase times so the reason is visible in eve
 
 ``--max_staleness k`` (k >= 1) adds a third run, the engine loop with generation overlapped with the update
 (``rollout.max_staleness``, refit.learner.ppo.overlap), set up and interleaved with the other two: its
-``time/rollout`` is the wait for a batch generated during the previous update, ``time/generate`` that
-generation's own time. It runs in blocks (:func:`overlapped_block`): each round, after one step of each other run,
-two consecutive overlapped steps, the second timed, then the engine drained, so the timed step waits for the batch
-made during the step before it and no background generation runs during the other runs' steps. Its pushes run on the engine's thread, queued behind the generation in flight: on the
-learner's critical path are ``time/weight_push`` (the snapshot of the weights), ``time/probe_learner`` (the
-probe's learner half) and ``time/push_wait`` (the wait for the previous step's push and probe, collected after
-the update); ``time/push_engine`` and ``time/probe_engine`` are the engine thread's own push and probe seconds
-(every push is checked on the probe batch there). ``push_probe_share_of_step`` is the learner's three over its
-step. Its engine and learner split the threads (``threads`` 2: one each); the synchronous runs keep all of them.
+``time/rollout`` is the wait for a batch generated during the previous update, ``time/generate`` that generation's
+own time. It runs in blocks (:func:`overlapped_block`): each round, after one step of each other run, two
+consecutive overlapped steps, the second timed, then the engine drained, so the timed step waits for the batch made
+during the step before it and no background generation runs during the other runs' steps. Its pushes run on the
+engine's thread, queued behind the generation in flight: on the learner's critical path are ``time/weight_push``
+(the snapshot of the weights), ``time/probe_learner`` (the probe's learner half) and ``time/push_wait`` (the wait
+for the previous step's push and probe, collected after the update); ``time/push_engine`` and ``time/probe_engine``
+are the engine thread's own push and probe seconds (every push is checked on the probe batch there).
+``push_probe_share_of_step`` is the learner's three over its step. Its engine and learner split the threads
+(``threads`` 2: one each); the synchronous runs keep all of them.
 """
 
 from __future__ import annotations

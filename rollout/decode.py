@@ -74,6 +74,14 @@ def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
     return [(int(p), i % n) for i, p in enumerate(index.tolist())]
 
 
+def stop_table(vocab: int, spec: ModelSpec, params: SamplingParams) -> np.ndarray:
+    """Token id -> whether it ends its row (EOS and ``params.stop_ids``), a bool array covering the vocabulary and
+    every special id, so that ``table[tokens]`` is the stop test of a step."""
+    table = np.zeros(max(vocab, spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
+    table[[t for t in (spec.eos_id, *params.stop_ids) if t >= 0]] = True
+    return table
+
+
 def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                 spec: ModelSpec, on_step: StepHook | None = None,
                 keys: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
@@ -87,7 +95,6 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     clock = _PhaseClock(on_step) if on_step is not None else None
     gen = RowStreams(params.seed, keys or [(i, 0) for i in range(b)])
     scratch = StepBuffers()  # the sampler's (B, V) temporaries, reused by every step
-    one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
     # the step bookkeeping in numpy on preallocated (B, max_new_tokens) outputs, a column per step: no per-step
     # column lists to stack, no torch dispatch (measured 2026-12-04, 8 rows x 192 steps over a state returning
     # fixed logits, interleaved: the loop's own work ~0.08-0.11 -> ~0.04-0.05 ms a step)
@@ -97,16 +104,12 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     tk_lp = tk_ids = None
     # 1. prefill: the whole prompt through the model, logits for the first response token
     logits = state.prefill(ids, mask)
-    is_stop = np.zeros(max(logits.shape[-1], spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
-    is_stop[[s for s in (spec.eos_id, *params.stop_ids) if s >= 0]] = True  # token id -> stops its row
+    is_stop = stop_table(logits.shape[-1], spec, params)
     for step in range(steps):
         # 2. sample (one draw per row per step from the row's own stream); the (B, V)
         #    host work runs on one thread, see refit.rollout.sampling.one_thread
-        if one:
+        with one_thread():
             tok, proc, plain, top = sample_step(logits, params, gen, scratch)
-        else:
-            with one_thread():
-                tok, proc, plain, top = sample_step(logits, params, gen, scratch)
         # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
         tok = np.where(alive, tok.numpy(), spec.pad_id)
         keep = alive.astype(np.float32)
@@ -190,7 +193,6 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
     n_rows = ids.shape[0]
     streams = RowStreams(params.seed, [keys[0]] * slots)
     scratch = StepBuffers()
-    one = torch.get_num_threads() == 1  # no per-step thread switch to do (see refit.rollout.sampling.one_thread)
     waiting = deque(range(n_rows))
     # the slots' bookkeeping in numpy, as in decode_loop (no torch dispatch per op)
     row = np.full(slots, -1, dtype=np.int64)  # row held by each slot; -1 = idle
@@ -207,18 +209,14 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
 
     state.open(slots)
     logits = torch.zeros(slots, spec.vocab_size)
-    is_stop = np.zeros(max(spec.vocab_size, spec.pad_id, spec.eos_id, *params.stop_ids) + 1, dtype=bool)
-    is_stop[[s for s in (spec.eos_id, *params.stop_ids) if s >= 0]] = True  # token id -> stops its row
+    is_stop = stop_table(spec.vocab_size, spec, params)
     # 1. fill the slots with waiting rows (a prefill gives the logits of each row's first token)
     admit(list(range(slots)))
     while (row >= 0).any():
         live = row >= 0
         # 2. sample every slot (idle ones too: their draws go unused), one stream per row
-        if one:
+        with one_thread():
             tok, proc, plain, top = sample_step(logits, params, streams, scratch)
-        else:
-            with one_thread():
-                tok, proc, plain, top = sample_step(logits, params, streams, scratch)
         tok = tok.numpy()
         log.append((row[live], length[live], tok[live], proc.float().numpy()[live], plain.float().numpy()[live],
                     None if top is None else top[0].float().numpy()[live], None if top is None else top[1].numpy()[live]))

@@ -397,9 +397,8 @@ def _race_np(scores: torch.Tensor, mass: torch.Tensor, streams: RowStreams,
     mass64 = torch.from_numpy(mass64)
     if close.any():  # a near tie: decide those rows as before, with exponential_'s own values
         r = torch.from_numpy(np.nonzero(close)[0])
-        padded = torch.full((len(r), n_blocks * RACE_BLOCK), NEG_INF, dtype=torch.float64)
-        padded[:, :v] = scores[r]
-        ids[r] = _race_keys(padded, mass64[r], streams.exact(r), n_blocks, False)[0]
+        ids[r] = _race_keys(_padded(scores[r], n_blocks, StepBuffers()), mass64[r], streams.exact(r), n_blocks,
+                            False)[0]
     if n_blocks <= 2:  # a sum of one or two numbers is fl(a + b) in any order: numpy's is torch's
         return ids, torch.from_numpy(mass64.numpy().sum(-1, keepdims=True))
     return ids, mass64.sum(-1, keepdim=True)
@@ -485,7 +484,6 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     top = None
     if params.greedy or _truncates(params, logits.shape[-1]):
         log_z = _log_partition(scores, buffers)  # (B, 1)
-        _check_finite(log_z)
         if params.greedy:
             ids = logits.argmax(-1)
             proc = torch.zeros(ids.shape)
@@ -497,8 +495,8 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         ids, m, total = _race(scores, generator, buffers)
         # float32 max + float32(torch's log of the float64 total), in numpy: the same IEEE ops as torch's
         log_z = torch.from_numpy(_as_numpy(m) + _as_numpy(total.log_()).astype(np.float32))
-        _check_finite(log_z)
         proc = None
+    _check_finite(log_z)  # before any of this step's results leave
     # the chosen token's score - log Z (float32), gathered in numpy: ~1 us a op against torch's ~10
     plain = torch.from_numpy(_as_numpy(scores)[np.arange(len(ids)), _as_numpy(ids)] - _as_numpy(log_z)[:, 0])
     if params.return_topk:  # log_softmax is monotone per row: top-k of the scores, shifted by log Z
