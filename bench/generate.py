@@ -15,7 +15,11 @@ Engines: ``onnxruntime`` is the engine folder (the fused-attention graph by defa
 ``onnxruntime-plain`` the standard-op graph of the same model, exported beside it. Each row carries
 ``matmul_fraction``: the decode step's FLOPs (:func:`decode_step_gflop`) over its median time, divided
 by the GFLOP/s that plain ``torch.matmul`` of the same shapes reaches here in the same run
-(:func:`matmul_gflops`): how far the step is from the cores' matmul limit.
+(:func:`matmul_gflops`): how far the step is from the cores' matmul limit. And the step's roofline floor
+(:func:`step_floor`): the KV cache bytes a decode step must read (:func:`decode_step_kv_bytes`) at this machine's
+measured streaming read rate (:func:`read_gbps`), plus its FLOPs at the matmul rate: no engine's decode step can
+be shorter here, so ``hf_decode_over_floor`` is the most any engine could gain over HF ``generate()`` per decode
+step on this machine (``shared_prefix``: the same when the ``n`` samples of a prompt read its cache once).
 The backends run interleaved (one timed call of each in turn, ``repeats`` rounds), so a load burst on
 the shared CPU hits all of them; each row also has every call's time (``call_s_all``) and the response
 tokens actually produced (``response_tokens``: an engine stops a row at EOS, which a small-vocabulary
@@ -208,6 +212,42 @@ def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repea
     return out
 
 
+def decode_step_kv_bytes(dims, batch: int, context: int, shared_prefix: int = 0, n: int = 1,
+                         itemsize: int = 4) -> int:
+    """Bytes of KV cache one decode step reads: K and V of every layer, ``dims.n_kv_heads x dims.head_dim``
+    values per cached position, ``context`` positions per row, ``batch`` rows. With ``shared_prefix`` > 0 the
+    ``n`` rows of a prompt read its first ``shared_prefix`` positions once (an attention that shares a prompt
+    prefix across its samples; ONNX Runtime's CPU GroupQueryAttention reads every row's own copy)."""
+    per_pos = 2 * dims.n_layers * dims.n_kv_heads * dims.head_dim * itemsize
+    own = batch * (context - shared_prefix)
+    return per_pos * (own + (batch // n) * shared_prefix)
+
+
+def read_gbps(threads: int, mb: int = 512, repeats: int = 5) -> dict[int, float]:
+    """GB/s of a streaming read (``torch.sum`` of ``mb`` MB of fp32, far more than any cache), for 1 and ``threads``
+    intra-op threads, best of ``repeats``: the rate a decode step reads its KV cache at, at best."""
+    x = torch.ones(mb * 2**20 // 4)
+    before, out = torch.get_num_threads(), {}
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                x.sum()
+                times.append(time.perf_counter() - t0)
+            out[t] = float(f"{x.numel() * 4 / min(times[1:]) / 1e9:.4g}")
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def step_floor(gflop: float, matmul_gflops: float, kv_bytes: int, gbps: float) -> float:
+    """A decode step's roofline floor in ms: its matmuls at ``matmul_gflops`` plus its KV cache read at ``gbps``,
+    one after the other (a step's layers alternate between the two, so they barely overlap)."""
+    return 1e3 * (gflop / matmul_gflops + kv_bytes / (gbps * 1e9))
+
+
 def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None:
     """The share of the matmul limit a decode step reached: (GFLOP / step seconds) / limit GFLOP/s."""
     if not (step_ms > 0 and limit_gflops > 0):
@@ -242,20 +282,40 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
         else:
             engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
     limits = {}
+    dims = Manifest.read(engine_dir).dims
+    gbps_by_threads = read_gbps(threads)
+    gbps = max(gbps_by_threads.values())
+    log(f"streaming read: {gbps:.1f} GB/s here (threads: {gbps_by_threads})")
     for bs in batch_sizes:
         if bs % n:
             raise ValueError(f"batch size {bs} is not a multiple of --n {n}")
         prompts = all_prompts[:bs // n]  # bs rows: bs / n prompts, n samples each (a PPO/GRPO group)
         gflop, shapes = decode_step_gflop(hf, bs, prompt_len + new_tokens // 2)
         by_threads = matmul_gflops(shapes, bs, threads)
-        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": max(by_threads.values()),
-                      "matmul_gflops_by_threads": by_threads}
-        log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP; torch.matmul of its shapes runs at "
-            f"{limits[bs]['matmul_gflops']:.1f} GFLOP/s here (threads: {by_threads})")
+        context = prompt_len + new_tokens // 2  # a decode step's mean cached positions
+        kv = decode_step_kv_bytes(dims, bs, context)
+        kv_shared = decode_step_kv_bytes(dims, bs, context, shared_prefix=prompt_len if n > 1 else 0, n=n)
+        mm = max(by_threads.values())
+        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": mm,
+                      "matmul_gflops_by_threads": by_threads, "kv_mb_per_step": round(kv / 1e6, 2),
+                      "kv_mb_per_step_shared_prefix": round(kv_shared / 1e6, 2), "read_gbps": gbps,
+                      "read_gbps_by_threads": gbps_by_threads,
+                      "floor_ms": round(step_floor(gflop, mm, kv, gbps), 3),
+                      "floor_ms_shared_prefix": round(step_floor(gflop, mm, kv_shared, gbps), 3)}
+        log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP and reads {kv / 1e6:.1f} MB of KV cache; "
+            f"torch.matmul of its shapes runs at {mm:.1f} GFLOP/s here (threads: {by_threads}); "
+            f"roofline floor {limits[bs]['floor_ms']:.2f} ms a step "
+            f"({limits[bs]['floor_ms_shared_prefix']:.2f} ms with a shared prompt prefix)")
         calls = {"hf_generate": hf_call(hf, prompts, new_tokens, info.pad_id, side, n)}
         calls.update({name: engine_call(eng, prompts, new_tokens, n) for name, eng in engines.items()})
         for name, r in run_interleaved(calls, bs, repeats).items():
             r["matmul_fraction"] = _fraction(gflop, r["decode_ms_p50"], limits[bs]["matmul_gflops"])
+            # the floor over the step: 1.0 = at the roofline
+            r["floor_fraction"] = round(limits[bs]["floor_ms"] / r["decode_ms_p50"], 4) if r["decode_ms_p50"] else None
+            if name == "hf_generate":
+                limits[bs]["hf_decode_over_floor"] = round(r["decode_ms_p50"] / limits[bs]["floor_ms"], 3)
+                limits[bs]["hf_decode_over_floor_shared_prefix"] = round(
+                    r["decode_ms_p50"] / limits[bs]["floor_ms_shared_prefix"], 3)
             results.append({"backend": name, "batch": bs, **r})
             log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  call {r['call_s']:7.3f} s  "
                 f"ttft {r['ttft_ms']:7.1f} ms  decode p50 {r['decode_ms_p50']:6.1f} ms  "

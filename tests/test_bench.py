@@ -27,8 +27,27 @@ def test_bench_generate_json(tmp_path):
     for r in out["results"]:  # phase times from the engines' on_step hook (HF: its HFStepClock)
         assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["decode_ms_p95"] >= r["decode_ms_p50"] > 0
         assert r["ttft_ms"] < 1e3 * r["call_s"], "the first token comes before the call ends"
-        assert r["matmul_fraction"] > 0
+        assert r["matmul_fraction"] > 0 and r["floor_fraction"] > 0
+    lim = out["matmul_limit"]["2"]
+    assert lim["read_gbps"] > 0 and lim["floor_ms"] > 0 and lim["hf_decode_over_floor"] > 0
+    assert lim["kv_mb_per_step_shared_prefix"] == lim["kv_mb_per_step"]  # n = 1: no prefix shared
     assert set(out["speedup_vs_hf_generate"]["onnxruntime"]) == {"1", "2"}
+
+
+def test_decode_step_kv_bytes_and_floor_by_hand():
+    """The roofline floor's inputs, against a hand count: Llama-like GQA geometry (8 KV heads x 64), 2 layers."""
+    from types import SimpleNamespace
+
+    from refit.bench.generate import decode_step_kv_bytes, step_floor
+
+    dims = SimpleNamespace(n_layers=2, n_kv_heads=8, head_dim=64)
+    per_pos = 2 * 2 * 8 * 64 * 4  # K and V x layers x heads x dim x fp32 bytes = 8192
+    assert decode_step_kv_bytes(dims, batch=16, context=100) == 16 * 100 * per_pos
+    # 16 rows = 2 prompts x 8 samples; their 30 prompt positions read once per prompt
+    assert decode_step_kv_bytes(dims, 16, 100, shared_prefix=30, n=8) == (16 * 70 + 2 * 30) * per_pos
+    assert decode_step_kv_bytes(dims, 16, 100, itemsize=2) == 16 * 100 * per_pos // 2
+    # 0.2 GFLOP at 100 GFLOP/s = 2 ms; 30 MB at 15 GB/s = 2 ms
+    assert step_floor(0.2, 100.0, 30_000_000, 15.0) == pytest.approx(4.0)
 
 
 def test_bench_generate_encoder_decoder(tmp_path):
