@@ -195,6 +195,18 @@ def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repea
     pairs = [(torch.randn(batch, i, generator=gen), torch.randn(i, o, generator=gen)) for i, o in set(shapes)]
     count = {s: shapes.count(s) for s in set(shapes)}
     flop = sum(2 * batch * i * o * count[(i, o)] for i, o in set(shapes))
+
+    def one_pass():
+        for x, w in pairs:
+            for _ in range(count[tuple(w.shape)]):
+                torch.matmul(x, w)
+
+    return {t: float(f"{flop / s / 1e9:.4g}") for t, s in _best_pass(one_pass, threads, repeats).items()}
+
+
+def _best_pass(one_pass, threads: int, repeats: int) -> dict[int, float]:
+    """Seconds of the best of ``repeats`` calls of ``one_pass`` (after one warm-up), for 1 and ``threads``
+    intra-op threads."""
     before, out = torch.get_num_threads(), {}
     try:
         for t in sorted({1, threads}):
@@ -202,11 +214,9 @@ def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repea
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                for x, w in pairs:
-                    for _ in range(count[tuple(w.shape)]):
-                        torch.matmul(x, w)
+                one_pass()
                 times.append(time.perf_counter() - t0)
-            out[t] = float(f"{flop / min(times[1:]) / 1e9:.4g}")
+            out[t] = min(times[1:])
     finally:
         torch.set_num_threads(before)
     return out
@@ -227,19 +237,7 @@ def read_gbps(threads: int, mb: int = 512, repeats: int = 5) -> dict[int, float]
     """GB/s of a streaming read (``torch.sum`` of ``mb`` MB of fp32, far more than any cache), for 1 and ``threads``
     intra-op threads, best of ``repeats``: the rate a decode step reads its KV cache at, at best."""
     x = torch.ones(mb * 2**20 // 4)
-    before, out = torch.get_num_threads(), {}
-    try:
-        for t in sorted({1, threads}):
-            torch.set_num_threads(t)
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                x.sum()
-                times.append(time.perf_counter() - t0)
-            out[t] = float(f"{x.numel() * 4 / min(times[1:]) / 1e9:.4g}")
-    finally:
-        torch.set_num_threads(before)
-    return out
+    return {t: float(f"{x.numel() * 4 / s / 1e9:.4g}") for t, s in _best_pass(x.sum, threads, repeats).items()}
 
 
 def step_floor(gflop: float, matmul_gflops: float, kv_bytes: int, gbps: float) -> float:
