@@ -153,12 +153,21 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", s)
         self.bias = None if bias is None else bias.detach().float()
         self.jitter: torch.Generator | None = None  # set by rounding_floor only
+        self._weight: tuple | None = None  # (q, q._version, scale, scale._version, weight) of the last read
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight as a Linear holds it, (out, in), made on each read: HF code reads it (T5's
-        ``wo.weight.dtype``); the forward never does."""
-        return dequantize(self.q, self.scale).t()
+        """The dequantized weight as a Linear holds it, (out, in): HF code reads it (T5 reads ``wo.weight`` twice
+        per feed-forward per forward, for its dtype); the forward never does. Made once and kept while ``q`` and
+        ``scale`` are the same tensors, unchanged: a tensor's ``_version`` counts its in-place changes
+        (``load_state_dict`` copies in place; ``.to()`` or an assignment gives a new tensor). Inference tensors
+        (made under ``torch.inference_mode``) count nothing: made on each read."""
+        q, s, held = self.q, self.scale, self._weight
+        if q.is_inference() or s.is_inference():
+            return dequantize(q, s).t()
+        if held is None or held[0] is not q or held[1] != q._version or held[2] is not s or held[3] != s._version:
+            held = self._weight = (q, q._version, s, s._version, dequantize(q, s).t())
+        return held[4]
 
     def forward(self, x):
         return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)

@@ -10,8 +10,8 @@ count are unspecified by the op and set to 0 here, so a masked position is never
 token per row) rerun one IOBinding per batch (:class:`refit.rollout.ort_run.StepBinding`).
 
 The buffer is sized per call (longest prompt + new tokens, rounded up to ``CAPACITY_STEP``) and kept
-by the engine while batches fit in it; stale positions beyond a row's length are never read
-(tested: a batch after a longer one gives the same tokens).
+by the engine while batches fit in it (a batch of fewer rows runs in its first rows: :class:`KVPool`); stale
+positions beyond a row's length are never read (tested: a batch after a longer one gives the same tokens).
 """
 
 from __future__ import annotations
@@ -52,18 +52,35 @@ def distinct_rows(cids: np.ndarray, n: np.ndarray) -> tuple[np.ndarray | None, n
 
 
 class KVPool:
-    """The engine's buffer set: one :class:`KVBuffers`, reallocated only when a call needs more rows or length."""
+    """The engine's buffer set: one :class:`KVBuffers`, reallocated only when a call needs more rows or length
+    than it holds; a call with fewer rows runs in its first rows (a PPO step alternates a rollout of B x n rows
+    with an evaluation or a score of fewer: each used to allocate a set of its own)."""
 
     def __init__(self, names: list[str], n_kv_heads: int, head_dim: int, dtype, max_len: int):
         self.names, self.h, self.d, self.dtype, self.max_len = names, n_kv_heads, head_dim, dtype, max_len
-        self.kv: KVBuffers | None = None
+        self.held: KVBuffers | None = None  # the allocated set: the most rows and positions asked for so far
+        self.kv: KVBuffers | None = None  # the last set handed out: ``held`` or a view of its first rows
+        self._views: dict[int, KVBuffers] = {}  # rows -> the view of ``held`` handed out for that many
 
     def get(self, batch: int, capacity: int) -> KVBuffers:
-        """Buffers of exactly ``batch`` rows and at least ``capacity`` positions (contents: stale, never read)."""
-        if self.kv is None or self.kv.batch != batch or self.kv.capacity < capacity:
+        """Buffers of exactly ``batch`` rows and at least ``capacity`` positions (contents: stale, never read).
+
+        A new set holds the most rows and positions asked for so far (the larger of the held set's and this
+        call's, positions rounded up to :data:`CAPACITY_STEP`, at most ``max_len``), so calls that alternate
+        (many rows and short, few rows and long) allocate at most twice. A row's output does not depend on
+        the buffer's other rows or on positions past its own (tested against a fresh engine)."""
+        held = self.held
+        if held is None or held.batch < batch or held.capacity < capacity:
             cap = min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, max(self.max_len, capacity))
-            self.kv = None  # free the old set before allocating the new one
-            self.kv = KVBuffers(self.names, batch, self.h, cap, self.d, self.dtype)
+            rows = batch if held is None else max(batch, held.batch)
+            cap = cap if held is None else max(cap, held.capacity)
+            self.held = self.kv = held = None  # free the old set (and its views) before allocating the new one
+            self._views.clear()
+            self.held = KVBuffers(self.names, rows, self.h, cap, self.d, self.dtype)
+        if batch == self.held.batch:
+            self.kv = self.held
+        else:
+            self.kv = self._views.get(batch) or self._views.setdefault(batch, self.held.head(batch))
         return self.kv
 
 

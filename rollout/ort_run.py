@@ -61,6 +61,17 @@ class KVBuffers:
         self.arrays = {n: np.zeros((batch, n_kv_heads, capacity, head_dim), dtype) for n in names}
         self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
 
+    def head(self, batch: int) -> "KVBuffers":
+        """Rows [0, batch) of every buffer as buffers of their own (views: same memory, nothing allocated); a
+        leading-axis slice of a C-contiguous array is C-contiguous, laid out as a fresh (batch, ...) set."""
+        import onnxruntime as ort
+
+        view = object.__new__(KVBuffers)
+        view.batch, view.capacity = batch, self.capacity
+        view.arrays = {n: a[:batch] for n, a in self.arrays.items()}
+        view.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in view.arrays.items()}
+        return view
+
     def rows(self, start: int, stop: int) -> dict:
         """OrtValues over rows [start, stop) of every buffer (a view: same memory)."""
         import onnxruntime as ort

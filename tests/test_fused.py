@@ -126,6 +126,41 @@ def test_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
     _same(again, create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, short), tol=0)
 
 
+@pytest.mark.parametrize("arch", DECODERS + ["tiny-t5"])
+def test_kv_buffers_held_across_alternating_batch_sizes(engine_dirs, prompts, arch):
+    """A PPO step's pattern: a rollout (18 rows), an evaluation (6 rows), a score (6 rows), the rollout again. After
+    the first call no KV buffer set is allocated: each call gets exactly its rows, the first rows of the held set
+    (the same memory); every call's output equals a fresh engine's, token for token and log-prob for log-prob."""
+    import numpy as np
+
+    rollout = SamplingParams(max_new_tokens=8, seed=4, n=3, temperature=0.9)
+    evaluation = SamplingParams(max_new_tokens=8, greedy=True)
+    eng = create_engine("onnxruntime", engine_dirs[arch])
+    got = []  # (rows asked for, the buffers handed out) of every pool.get
+    real_get = eng._kv_pool.get
+    eng._kv_pool.get = lambda batch, capacity: got.append((batch, real_get(batch, capacity))) or got[-1][1]
+
+    a = eng.generate(prompts, rollout)
+    b = eng.generate(prompts, evaluation)
+    c = eng.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    d = eng.generate(prompts, rollout)
+
+    def fresh():
+        return create_engine("onnxruntime", engine_dirs[arch])
+
+    fa, fb = fresh().generate(prompts, rollout), fresh().generate(prompts, evaluation)
+    fc = fresh().score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    for x, y in ((a, fa), (b, fb), (d, fa)):
+        assert torch.equal(x.response_ids, y.response_ids) and torch.equal(x.response_mask, y.response_mask)
+        assert torch.equal(x.rollout_logprobs, y.rollout_logprobs)
+        assert torch.equal(x.rollout_plain_logprobs, y.rollout_plain_logprobs)
+    assert torch.equal(c.logprobs, fc.logprobs)
+    assert [n for n, _ in got] == [18, 6, 6, 18] and [kv.batch for _, kv in got] == [18, 6, 6, 18]
+    first = {name: arr for name, arr in got[0][1].arrays.items()}
+    for _, kv in got[1:]:
+        assert all(np.shares_memory(kv.arrays[name], first[name]) for name in first), "a new buffer set"
+
+
 @pytest.mark.parametrize("arch", DECODERS)
 def test_rows_do_not_depend_on_slot_count(engine_dirs, prompts, arch):
     """One static batch, 4 / 32 / 1 in-flight slots, static batches of 5: identical rows (tokens and

@@ -235,3 +235,60 @@ def test_k1_bad_push_stops_the_run_naming_the_last_checkpoint(model_dirs, engine
     assert "\n" not in msg and "parity probe failed after weight push (engine weights_version 3" in msg, msg
     assert msg.endswith(str(tmp_path / "checkpoints" / "step_000002")), msg
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def _bad_push(monkeypatch, nth: int) -> None:
+    """The ``nth`` push into the ORT engine does not take (its weights made wrong): its probe fails."""
+    from conftest import corrupting
+
+    from refit.rollout.ort_backend import OrtEngine
+
+    calls = []
+    real = OrtEngine.update_weights
+
+    def bad(self, named, version=None):
+        calls.append(version)
+        push = partial(real, self, version=version)
+        return corrupting(push)(named) if len(calls) == nth else push(named)
+
+    monkeypatch.setattr(OrtEngine, "update_weights", bad)
+
+
+def _rollout_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("refit-rollout")]
+
+
+def test_k1_last_push_failing_after_the_last_step_fails_the_run(model_dirs, engine_dirs, tmp_path, monkeypatch):
+    """A k=1 run that ends at max_steps_this_run (3 of 4, no checkpoint there) leaves its last push and probe
+    queued on the engine's thread: the normal end waits for them, and the failed probe's one line is the run's
+    error (not a run that reports success); the thread is closed."""
+    _bad_push(monkeypatch, 3)  # step 3's push: queued at the end of step 3, never collected by a step
+    cfg = _cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1, max_steps_this_run=3, save_steps=4)
+    with pytest.raises(RefitError) as err:
+        run_ppo(cfg, log=lambda *_: None)
+    msg = str(err.value)
+    assert "\n" not in msg and "parity probe failed after weight push (engine weights_version 3" in msg, msg
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert _rollout_threads() == []
+
+
+def test_k1_error_in_flight_is_not_masked_by_a_failed_push(model_dirs, engine_dirs, tmp_path, monkeypatch):
+    """An error already unwinding the run (here: writing step 3's row) stays the one reported, though the push
+    queued at step 3 fails its probe while the run closes; the thread is closed all the same."""
+    from refit.learner.run.metrics import MetricsLog
+
+    _bad_push(monkeypatch, 3)
+    real_log = MetricsLog.log
+
+    def log_then_fail(self, step, metrics):
+        if step == 3:
+            raise OSError("disk full at step 3")
+        real_log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLog, "log", log_then_fail)
+    with pytest.raises(OSError, match="^disk full at step 3$"):
+        run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), log=lambda *_: None)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert _rollout_threads() == []

@@ -52,6 +52,37 @@ def test_quantize_weight_by_hand():
     assert codes_x.tolist() == [[127.0, -64.0, 32.0]]
 
 
+def test_int8_linear_weight_read_once_and_follows_its_buffers():
+    """HF's T5 reads ``wo.weight`` twice per feed-forward per forward: the dequantized weight is made once and
+    the same tensor returned, until the int8 weight or its scale changes (in place, by load_state_dict, or
+    replaced): then the new value, checked against ``q * scale`` by hand."""
+    from refit.export.quantize import Int8Linear
+
+    def by_hand(q, scale):  # (K, N) int8 and (N,) -> the (N, K) weight a Linear holds
+        return torch.tensor([[q[k][n] * scale[n] for k in range(len(q))] for n in range(len(scale))])
+
+    lin = Int8Linear(torch.tensor([[1.0, -0.5], [-2.54, 0.25], [0.0, 0.0]]), None)  # (K=3, N=2)
+    first = lin.weight
+    assert lin.weight is first and lin.weight is first
+    torch.testing.assert_close(first, by_hand(lin.q.tolist(), lin.scale.tolist()), rtol=0, atol=0)
+    with torch.no_grad():
+        lin.q[0, 0] = 7  # in place: the same tensor object, a new value
+    torch.testing.assert_close(lin.weight, by_hand(lin.q.tolist(), lin.scale.tolist()), rtol=0, atol=0)
+    with torch.no_grad():
+        lin.scale.mul_(2)
+    torch.testing.assert_close(lin.weight, by_hand(lin.q.tolist(), lin.scale.tolist()), rtol=0, atol=0)
+    q2, s2 = quantize_weight(torch.tensor([[3.0, 1.0], [-1.0, 2.0], [0.5, -4.0]]))
+    lin.load_state_dict({"q": q2, "scale": s2})
+    torch.testing.assert_close(lin.weight, by_hand(q2.tolist(), s2.tolist()), rtol=0, atol=0)
+    assert lin.weight is lin.weight
+    lin.q = torch.zeros_like(q2)  # the buffer replaced
+    assert float(lin.weight.abs().sum()) == 0.0
+    with torch.inference_mode():  # inference tensors have no version counter: no cache, still the right value
+        inf = Int8Linear(torch.tensor([[1.0, -0.5], [-2.54, 0.25], [0.0, 0.0]]), None)
+        inf.q[0, 0] = 7
+        torch.testing.assert_close(inf.weight, by_hand(inf.q.tolist(), inf.scale.tolist()), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
 def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs, prompts, arch):
     """GPT-2: Conv1D weights, the tied lm_head (its fp32 twin kept for the embedding); Llama: transposed

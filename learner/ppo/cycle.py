@@ -489,6 +489,14 @@ def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:
     return m
 
 
+def finish(run: Run) -> None:
+    """A run that reached its last step: overlapped, the engine's queued jobs waited for, a failed push's or probe's
+    one line raised (the last step of ``run.max_steps_this_run`` queues a push no step collects; closing would
+    drop its error)."""
+    if run.ahead is not None:
+        run.ahead.wait()
+
+
 def final(run: Run, log=print) -> None:
     """OUTPUT_DIR/final (from_pretrained), final_engine/ and the value head beside them (refit.learner.run.final)."""
     cfg = run.cfg
@@ -504,7 +512,7 @@ def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
     return Job("ppo", setup=partial(setup, rewards=rewards), step=partial(step_and_evaluate, log=log), save=save,
                engines=lambda run: [run.ahead, run.engine, run.ref_engine],  # the thread first: it uses the engine
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
-               plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log))
+               plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log), finish=finish)
 
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:

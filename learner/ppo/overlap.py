@@ -135,7 +135,7 @@ def _done(result) -> Future:
 
 class RolloutAhead:
     """The engine's jobs on one background thread, in the order queued: a rollout generated ahead and the weight
-    pushes (the protocol above); ``close`` waits for them."""
+    pushes (the protocol above); ``wait`` waits for them (and raises a failed one), ``close`` closes the thread."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -211,6 +211,8 @@ class RolloutAhead:
         self._pushes = [_done(Pushed(*p)) for p in pushed]
 
     def close(self) -> None:
+        """Close the thread, raising nothing: a normal end has waited first (:meth:`wait`, refit.learner.ppo.cycle's
+        ``finish``, which raises a failed push's error); an end unwinding on another error keeps that error."""
         try:
             self.wait()
         except Exception:  # noqa: BLE001 - the run is ending (perhaps on this very error); close the thread

@@ -9,7 +9,8 @@ returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_
     1. run folder, resolved config printed and saved (rank 0)
     2. setup (engines, models, optimizer; resume from the last checkpoint)
     3. optional step-0 metrics (``Job.initial``, not on resume)
-    4. for each step in [start + 1, last]: step -> metrics.jsonl / TensorBoard -> checkpoint when due
+    4. for each step in [start + 1, last]: step -> metrics.jsonl / TensorBoard -> checkpoint when due;
+       after the last, ``Job.finish``: work still in flight collected, its error raised (a normal end only)
     5. close the progress bar, the metrics, the engines (in the job's order) and the process group;
        the job's final output (``Job.final``: OUTPUT_DIR/final, rank 0), plots (rank 0)
 
@@ -46,6 +47,10 @@ class Job:
     plot_panels: dict[str, list[str]] = field(default_factory=dict)
     initial: Callable[[Any], dict] | None = None  # (state) -> step-0 metrics of a fresh run ({}: no row)
     final: Callable[[Any], Any] | None = None  # (state): after a run that ended without error (rank 0)
+    # (state): after the last step of a run that got there without error, before closing: what is still in flight
+    # (an overlapped PPO run's queued push and probe) collected, its error raised; an end already unwinding on
+    # another error skips it, and closing does not raise over that error
+    finish: Callable[[Any], Any] | None = None
 
 
 def last_step(cfg, start_step: int) -> int:
@@ -110,6 +115,8 @@ def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = Fa
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(**job.postfix(m))
+        if job.finish is not None:
+            job.finish(state)
     finally:
         if bar is not None:
             bar.close()
