@@ -274,6 +274,18 @@ def test_k1_last_push_failing_after_the_last_step_fails_the_run(model_dirs, engi
     assert _rollout_threads() == []
 
 
+def test_k1_last_push_that_passes_is_logged_at_the_end(model_dirs, engine_dirs, tmp_path):
+    """The same end with a good push: the run succeeds, and the last push's probe, which no step's row carries,
+    is logged in one line with the engine's version after it (3: one push per step)."""
+    lines = []
+    run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1, max_steps_this_run=3, save_steps=4),
+            log=lambda *a: lines.append(" ".join(map(str, a))))
+    last = [ln for ln in lines if ln.startswith("last weight push")]
+    assert len(last) == 1 and "(version 3)" in last[0], lines[-5:]
+    assert float(last[0].rsplit(" ", 1)[1]) < 1e-3  # within the probe's tolerance: it passed
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
 def test_k1_error_in_flight_is_not_masked_by_a_failed_push(model_dirs, engine_dirs, tmp_path, monkeypatch):
     """An error already unwinding the run (here: writing step 3's row) stays the one reported, though the push
     queued at step 3 fails its probe while the run closes; the thread is closed all the same."""

@@ -489,12 +489,15 @@ def step_and_evaluate(run: Run, step: int, log=print) -> dict[str, float]:
     return m
 
 
-def finish(run: Run) -> None:
+def finish(run: Run, log=print) -> None:
     """A run that reached its last step: overlapped, the engine's queued jobs waited for, a failed push's or probe's
     one line raised (the last step of ``run.max_steps_this_run`` queues a push no step collects; closing would
-    drop its error)."""
-    if run.ahead is not None:
-        run.ahead.wait()
+    drop its error), and a push that passed its probe there logged in one line (no step's row carries it)."""
+    if run.ahead is None:
+        return
+    run.ahead.wait()
+    for p in run.ahead.pushed():
+        log(f"last weight push (version {p.version}): probe max |engine - learner log-prob| {p.probe_diff:.3g}")
 
 
 def final(run: Run, log=print) -> None:
@@ -512,7 +515,8 @@ def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
     return Job("ppo", setup=partial(setup, rewards=rewards), step=partial(step_and_evaluate, log=log), save=save,
                engines=lambda run: [run.ahead, run.engine, run.ref_engine],  # the thread first: it uses the engine
                postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
-               plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log), finish=finish)
+               plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log),
+               finish=partial(finish, log=log))
 
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:
