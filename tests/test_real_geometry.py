@@ -232,9 +232,10 @@ def _available_gb() -> float:
 
 
 def _smoke_in_child(stage: str, name: str, rec: dict) -> dict:
-    """``refit.bench.smokes.<stage>_smoke`` on the geometry's folders in a child process under an RSS cap of 90% of
-    the memory available now: a geometry whose learner does not fit this machine (Gemma 2 2B's PPO at vocabulary
-    256000 on 24 GB) is skipped with its measured peak instead of the OOM killer ending the whole session."""
+    """``refit.bench.smokes.<stage>_smoke`` on the geometry's folders in a child process under an RSS cap of the
+    memory available now less 1 GB: a geometry whose learner does not fit this machine (Gemma 2 2B's PPO at
+    vocabulary 256000 on 24 GB) is skipped with its measured peak instead of the OOM killer ending the whole
+    session. (A 90% cap skipped Mistral 7B's PPO at 20.3 GB, which passes here in-process.)"""
     import json
     import sys
 
@@ -243,11 +244,11 @@ def _smoke_in_child(stage: str, name: str, rec: dict) -> dict:
     code = ("import json, sys; from pathlib import Path; from refit.bench import smokes; "
             f"r = smokes.{stage}_smoke(json.loads(sys.argv[1]), Path(sys.argv[2]), export_final=False); "
             "print(json.dumps(r))")
-    cap = round(0.9 * _available_gb(), 1)
+    cap = round(_available_gb() - 1.0, 1)
     args = {k: rec[k] for k in ("model_dir", "engine_dir")}
     m = measured([sys.executable, "-c", code, json.dumps(args), str(rec["root"] / stage)], rss_cap_gb=cap)
     if m.capped:
-        pytest.skip(f"{name}: the {stage} smoke passed {cap:g} GB RSS (90% of the memory available here) after "
+        pytest.skip(f"{name}: the {stage} smoke passed {cap:g} GB RSS (the memory available here less 1 GB) after "
                     f"{m.seconds:.0f} s; it needs a larger machine (python -m refit.bench.families --set real "
                     "measures each geometry's peak)")
     assert m.rc == 0, f"{name} {stage} smoke: exit {m.rc}: {m.last_error}"
