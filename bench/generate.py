@@ -280,7 +280,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
         else:
             engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
     limits = {}
-    dims = Manifest.read(engine_dir).dims
+    manifest = Manifest.read(engine_dir)
     gbps_by_threads = read_gbps(threads)
     gbps = max(gbps_by_threads.values())
     log(f"streaming read: {gbps:.1f} GB/s here (threads: {gbps_by_threads})")
@@ -288,11 +288,11 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
         if bs % n:
             raise ValueError(f"batch size {bs} is not a multiple of --n {n}")
         prompts = all_prompts[:bs // n]  # bs rows: bs / n prompts, n samples each (a PPO/GRPO group)
-        gflop, shapes = decode_step_gflop(hf, bs, prompt_len + new_tokens // 2)
-        by_threads = matmul_gflops(shapes, bs, threads)
         context = prompt_len + new_tokens // 2  # a decode step's mean cached positions
-        kv = decode_step_kv_bytes(dims, bs, context)
-        kv_shared = decode_step_kv_bytes(dims, bs, context, shared_prefix=prompt_len if n > 1 else 0, n=n)
+        gflop, shapes = decode_step_gflop(hf, bs, context)
+        by_threads = matmul_gflops(shapes, bs, threads)
+        kv = decode_step_kv_bytes(manifest.dims, bs, context)
+        kv_shared = decode_step_kv_bytes(manifest.dims, bs, context, shared_prefix=prompt_len if n > 1 else 0, n=n)
         mm = max(by_threads.values())
         limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": mm,
                       "matmul_gflops_by_threads": by_threads, "kv_mb_per_step": round(kv / 1e6, 2),
@@ -329,7 +329,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
             "n": n, "threads": threads, "repeats": repeats, "interleaved": True,
             "hf_call_s_over_engine_call_s": call_ratio, "results": results, "speedup_vs_hf_generate": speedup,
-            "onnxruntime_attention": Manifest.read(engine_dir).attention or "plain", "matmul_limit": limits,
+            "onnxruntime_attention": manifest.attention or "plain", "matmul_limit": limits,
             "load_avg": _load(load_before)}
 
 

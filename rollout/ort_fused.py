@@ -80,7 +80,9 @@ class KVPool:
         if batch == self.held.batch:
             self.kv = self.held
         else:
-            self.kv = self._views.get(batch) or self._views.setdefault(batch, self.held.head(batch))
+            if batch not in self._views:
+                self._views[batch] = self.held.head(batch)
+            self.kv = self._views[batch]
         return self.kv
 
 

@@ -464,10 +464,10 @@ def _scaled(logits: torch.Tensor, temperature: float, buffers: StepBuffers) -> t
 def _check_finite(log_z: torch.Tensor) -> None:
     """One line when a row's logits hold a NaN or +inf (its log-partition is then not finite): a broken model or
     push (e.g. NaN weights from a diverged update) must stop generation, not sample from garbage."""
-    lz = _as_numpy(log_z).reshape(-1)
-    if not np.isfinite(lz).all():
-        rows = np.nonzero(~np.isfinite(lz))[0].tolist()
-        raise RefitError(f"sampling: non-finite logits (NaN or inf) in {len(rows)} of {len(lz)} rows "
+    bad = ~np.isfinite(_as_numpy(log_z).reshape(-1))
+    if bad.any():
+        rows = np.nonzero(bad)[0].tolist()
+        raise RefitError(f"sampling: non-finite logits (NaN or inf) in {len(rows)} of {len(bad)} rows "
                          f"(first: {rows[:8]}); the engine's weights or inputs are broken (a NaN weight push?)")
 
 
