@@ -9,7 +9,11 @@ much cache as a model of that depth: past the last-level cache at the default si
 - ``matmul_exact``: standard ops over exactly ``context`` cached positions (what a cache grown to length
   would read); the ``kv_heads`` groups of queries are one (group, head_dim) x (head_dim, context) MatMul each;
 - ``matmul_chunk``: the same over the context rounded up to ``--chunk`` positions, the rest masked;
-- ``matmul_buffer``: the same over the whole ``--buffer``, masked.
+- ``matmul_buffer``: the same over the whole ``--buffer``, masked;
+- ``torch_sdpa``: PyTorch's ``scaled_dot_product_attention`` (HF's default attention on the CPU) over views of
+  the first ``context`` positions of the same buffers, with their slack (``torch.set_num_threads(--threads)``);
+- ``read_only``: no attention, ``torch.sum`` of those same views: the time this CPU takes to read the bytes a
+  step's attention must read, laid out as the buffers hold them (the floor for any kernel over this cache).
 
 The matmul variants read the cache GroupQueryAttention wrote, and their outputs are checked against its
 output (``max_abs_diff``): the same attention, computed two ways. Timings: per variant the best of 3 rounds'
@@ -97,7 +101,10 @@ def _interleaved(fns: dict, repeats: int, rounds: int = 3) -> dict[str, float]:
 def run(a) -> dict:
     import numpy as np
     import onnxruntime as ort
+    import torch
+    import torch.nn.functional as F
 
+    torch.set_num_threads(a.threads)
     if a.heads % a.kv_heads:
         raise SystemExit(f"--heads {a.heads} is not a multiple of --kv_heads {a.kv_heads}")
     rng = np.random.default_rng(0)
@@ -145,16 +152,27 @@ def run(a) -> dict:
             s.run_with_iobinding(mio)
             diffs[name] = float(max(np.abs(o.numpy() - r).max() for o, r in zip(mio.get_outputs(), ref)))
             variants[name] = lambda s=s, mio=mio: s.run_with_iobinding(mio)
-        ms = _interleaved(variants, a.repeats)
+        views = [torch.from_numpy(c)[:, :, :T] for c in caches]  # the same memory, the slack as GQA sees it
+        qt = torch.from_numpy(q).view(B, 1, a.heads, d).transpose(1, 2)
+        sdpa = [F.scaled_dot_product_attention(qt, views[2 * i], views[2 * i + 1], enable_gqa=g_ > 1)
+                for i in range(a.layers)]
+        diffs["torch_sdpa"] = float(max(np.abs(o.transpose(1, 2).reshape(B, 1, -1).numpy() - r).max()
+                                        for o, r in zip(sdpa, ref)))
+        variants["torch_sdpa"] = lambda: [F.scaled_dot_product_attention(qt, views[2 * i], views[2 * i + 1],
+                                                                         enable_gqa=g_ > 1) for i in range(a.layers)]
+        variants["read_only"] = lambda: [v.sum() for v in views]
+        with torch.inference_mode():
+            ms = _interleaved(variants, a.repeats)
         kv_mb = 2 * a.layers * B * a.kv_heads * T * d * 4 / 1e6
         row = {"ms": {n: round(x, 3) for n, x in ms.items()}, "lengths": lengths, "kv_mb_read": round(kv_mb, 2),
-               "gqa_over": {n: round(ms["gqa"] / ms[n], 3) for n in lengths},
+               "gqa_over": {n: round(ms["gqa"] / ms[n], 3) for n in [*lengths, "torch_sdpa", "read_only"]},
                "gbps": {n: round(kv_mb / 1e3 / (ms[n] / 1e3), 2) for n in ms},  # cache MB a step must read / time
                "max_abs_diff_vs_gqa": diffs}
         out["contexts"][str(T)] = row
         print(f"context {T:>4}: " + "  ".join(f"{n} {ms[n]:.3f} ms" for n in ms)
               + f"  | gqa / matmul_exact {row['gqa_over']['matmul_exact']:.2f}x, / matmul_chunk "
-              f"{row['gqa_over']['matmul_chunk']:.2f}x  | max |diff| {max(diffs.values()):.2e}", flush=True)
+              f"{row['gqa_over']['matmul_chunk']:.2f}x, / read_only {row['gqa_over']['read_only']:.2f}x"
+              f"  | max |diff| {max(diffs.values()):.2e}", flush=True)
     out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     return out
 

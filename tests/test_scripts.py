@@ -165,7 +165,8 @@ def torch_cuda() -> bool:
 def test_attention_ab_standard_ops_equal_group_query_attention():
     """scripts/attention_ab.py times ORT's GroupQueryAttention against standard-op attention on the cache the op
     wrote; both must compute the same attention (grouped heads: 4 query heads over 2 KV heads), whatever the
-    cache length each reads (exact, chunk-rounded, the whole masked buffer)."""
+    cache length each reads (exact, chunk-rounded, the whole masked buffer), and so must PyTorch's SDPA over views
+    of the same buffers."""
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_ab.py"), "--rows", "3", "--heads", "4",
                         "--kv_heads", "2", "--head_dim", "8", "--layers", "2", "--contexts", "1,5,16",
                         "--buffer", "16", "--chunk", "4", "--repeats", "1"],
@@ -177,4 +178,5 @@ def test_attention_ab_standard_ops_equal_group_query_attention():
         assert row["lengths"] == {"matmul_exact": int(T), "matmul_chunk": min(16, -(-int(T) // 4) * 4),
                                   "matmul_buffer": 16}
         assert max(row["max_abs_diff_vs_gqa"].values()) < 1e-5, row
+        assert set(row["ms"]) == {"gqa", "matmul_exact", "matmul_chunk", "matmul_buffer", "torch_sdpa", "read_only"}
         assert all(ms > 0 for ms in row["ms"].values())
