@@ -55,6 +55,8 @@ class BenchGenerate(OnModel):
     prompt_len: int = opt(32, "prompt tokens per row")
     new_tokens: int = opt(64, "generated tokens per row")
     n: int = opt(1, "samples per prompt (a PPO/GRPO group): each batch is batch/n prompts x n samples")
+    shards: int = opt(1, "> 1: each onnxruntime backend also runs as '<backend>-shards<S>', its rows decoded in S "
+                         "shards on S threads sharing --threads (HF generate() keeps --threads intra-op threads)")
     quantize: str = opt("none", "int8: the int8 engine (export --quantize int8) vs the fp32 engine vs HF generate(), "
                                 "the log-prob gap and the push time (bench/quantized.py); --backends is then unused")
     ct2_python: str = opt("", "with --quantize int8: a Python that has ctranslate2 (a separate venv) to run "
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(m, a.source, a.backends)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
-                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n)
+                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
     elif which == "refit":
         from refit.bench.generate import bench_refit
 

@@ -254,10 +254,14 @@ def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None
 
 
 def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
-                   new_tokens: int, repeats: int, threads: int, log=print, n: int = 1) -> dict:
+                   new_tokens: int, repeats: int, threads: int, log=print, n: int = 1, shards: int = 1) -> dict:
     """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
     standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
-    of this machine's measured ``torch.matmul`` GFLOP/s that the step reached."""
+    of this machine's measured ``torch.matmul`` GFLOP/s that the step reached.
+
+    ``shards`` > 1: each ``onnxruntime*`` backend runs a second time as ``<backend>-shards<S>``, the same engine
+    folder with ``shards=S`` (rows cut at prompt boundaries, one decode loop per shard on its own thread, the
+    ``threads`` budget shared out), in the same interleaved rounds; its phase times are shard 0's (its rows)."""
     from refit.rollout.build import plain_twin
     from refit.core.checkpoint import load_model, model_info
     from refit.core.manifest import Manifest
@@ -279,6 +283,11 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
             engines[b] = create_engine("onnxruntime", plain_twin(model_dir, engine_dir, log=log), threads=threads)
         else:
             engines[b] = create_engine(b, engine_dir if b != "torch" else model_dir, threads=threads)
+    if shards > 1:
+        for b in [b for b in engines if b.startswith("onnxruntime")]:
+            folder = engines[b].engine_dir
+            engines[f"{b}-shards{shards}"] = create_engine("onnxruntime", folder, threads=threads, shards=shards)
+    backends = list(engines)
     limits = {}
     manifest = Manifest.read(engine_dir)
     gbps_by_threads = read_gbps(threads)
@@ -315,7 +324,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
                 limits[bs]["hf_decode_over_floor_shared_prefix"] = round(
                     r["decode_ms_p50"] / limits[bs]["floor_ms_shared_prefix"], 3)
             results.append({"backend": name, "batch": bs, **r})
-            log(f"batch {bs:>3} {name:<13} {r['tokens_per_s']:8.1f} tok/s  call {r['call_s']:7.3f} s  "
+            log(f"batch {bs:>3} {name:<20} {r['tokens_per_s']:8.1f} tok/s  call {r['call_s']:7.3f} s  "
                 f"ttft {r['ttft_ms']:7.1f} ms  decode p50 {r['decode_ms_p50']:6.1f} ms  "
                 f"({r['response_tokens']} response tokens)")
     for e in engines.values():
@@ -327,7 +336,7 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
     call_ratio = {b: {str(r["batch"]): round(calls_hf[r["batch"]] / r["call_s"], 3)
                       for r in results if r["backend"] == b} for b in backends}
     return {"bench": "generate", "model": str(model_dir), "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "n": n, "threads": threads, "repeats": repeats, "interleaved": True,
+            "n": n, "threads": threads, "shards": shards, "repeats": repeats, "interleaved": True,
             "hf_call_s_over_engine_call_s": call_ratio, "results": results, "speedup_vs_hf_generate": speedup,
             "onnxruntime_attention": manifest.attention or "plain", "matmul_limit": limits,
             "load_avg": _load(load_before)}

@@ -145,15 +145,80 @@ def supports_slots(state) -> bool:
     return hasattr(state, "admit") and hasattr(state, "open")
 
 
+def shard_bounds(keys: list[tuple[int, int]], shards: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of at most ``shards`` shards of prompt-major rows, as even in rows as whole prompts allow.
+
+    A cut falls only where the prompt changes (``keys[r][0]``), so a prompt's samples stay in one shard and its
+    prefill is still shared (rollout/ort_fused.py ``distinct_rows``); each shard ends at the prompt boundary
+    nearest its even share of the rows. Fewer prompts than shards: one shard per prompt."""
+    n = len(keys)
+    starts = [r for r in range(n) if r == 0 or keys[r][0] != keys[r - 1][0]]  # each prompt's first row
+    cuts, prev = [0], 0
+    for i in range(1, shards):
+        target = round(i * n / shards)
+        best = min(starts, key=lambda r: (abs(r - target), r))
+        if prev < best < n:
+            cuts.append(best)
+            prev = best
+    cuts.append(n)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _sharded(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,
+             keys: list[tuple[int, int]], slots: int | None, inflight: bool, on_step,
+             bounds: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Each shard's rows decoded by :func:`schedule` on a thread of its own, on a state of its own
+    (``new_state(shard)``), and concatenated in row order. Shard 0 runs on the calling thread and alone reports
+    to ``on_step`` (its events are its rows' phases; the others run beside it). ``slots`` is split in proportion
+    to the shards' rows. One thread per shard; the first failure is raised once every shard has ended."""
+    import threading
+
+    n = ids.shape[0]
+    outs: list = [None] * len(bounds)
+    errors: list = [None] * len(bounds)
+
+    def run(i: int) -> None:
+        a, b = bounds[i]
+        share = None if not slots else max(1, round(slots * (b - a) / n))
+        try:
+            with torch.no_grad():  # grad mode is per thread: a new thread starts with autograd on
+                outs[i] = schedule(lambda i=i: new_state(i), ids[a:b], mask[a:b], params, spec, keys[a:b], share,
+                                   inflight, on_step if i == 0 else None)
+        except BaseException as e:  # raised on the caller's thread once every shard has ended
+            errors[i] = e
+
+    with one_thread():  # the sampler's torch ops on one thread each: the shards are the parallelism
+        workers = [threading.Thread(target=run, args=(i,), name=f"refit-shard-{i}", daemon=True)
+                   for i in range(1, len(bounds))]
+        for w in workers:
+            w.start()
+        run(0)
+        for w in workers:
+            w.join()
+    for err in errors:
+        if err is not None:
+            raise err
+    return _concat(outs, spec.pad_id)
+
+
 def schedule(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,
              keys: list[tuple[int, int]], slots: int | None, inflight: bool = True,
-             on_step=None) -> dict[str, torch.Tensor]:
+             on_step=None, shards: int = 1) -> dict[str, torch.Tensor]:
     """Decode rows (N, Tp) with at most ``slots`` at once: one static batch when ``slots`` is None or >= N;
     in flight when ``inflight`` and the backend's state supports slots; else consecutive static batches
     of ``slots`` rows, each decoded until its longest row ends (rows keep their keys either way).
     ``on_step`` (refit.rollout.engine.StepHook) is called by the static loop; the in-flight loop mixes prefills
-    and decode steps in one step, so it reports nothing."""
+    and decode steps in one step, so it reports nothing.
+
+    ``shards`` > 1: the rows are cut at prompt boundaries into that many shards (:func:`shard_bounds`), each
+    decoded on its own thread over its own state, ``new_state(shard)`` (:func:`_sharded`): a backend whose run
+    releases the GIL (ONNX Runtime) then decodes on that many cores at once. A row's tokens and log-probs are
+    the same either way (its stream, positions and cache are its own)."""
     n = ids.shape[0]
+    if shards > 1:
+        bounds = shard_bounds(keys, shards)
+        if len(bounds) > 1:
+            return _sharded(new_state, ids, mask, params, spec, keys, slots, inflight, on_step, bounds)
     if not slots or slots >= n:
         return decode_loop(new_state(), ids, mask, params, spec, on_step, keys)
     state = new_state()

@@ -152,11 +152,12 @@ def pad_prompts(prompts: list[list[int]], n: int, spec: ModelSpec) -> tuple[torc
 
 def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: list[list[int]],
                  sampling: SamplingParams, version: int, on_step: StepHook | None = None,
-                 slots: int | None = None, inflight: bool = True) -> RolloutBatch:
+                 slots: int | None = None, inflight: bool = True, shards: int = 1) -> RolloutBatch:
     """Engine.generate for any backend: check, pad, decode, pack into a checked RolloutBatch.
 
     ``slots`` < rows decodes at most that many rows at once (refit.rollout.decode.schedule): in flight on a
-    state that supports slots, else in static batches of ``slots``. The rows are the same either way.
+    state that supports slots, else in static batches of ``slots``. ``shards`` > 1 decodes the rows in that many
+    shards on as many threads, ``new_state(shard)`` each. The rows are the same either way.
     """
     if not isinstance(sampling, SamplingParams):
         raise RefitError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -167,7 +168,8 @@ def run_generate(new_state: Callable[[], StepState], spec: ModelSpec, prompts: l
     ids, mask, index = pad_prompts(prompts, sampling.n, spec)
     # no_grad, not inference_mode: inference tensors would break the learner's autograd later
     with torch.no_grad():
-        out = schedule(new_state, ids, mask, sampling, spec, row_keys(index, sampling.n), slots, inflight, on_step)
+        out = schedule(new_state, ids, mask, sampling, spec, row_keys(index, sampling.n), slots, inflight, on_step,
+                       shards)
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, prompt_index=index, weights_version=version,
                          sampling=sampling, is_seq2seq=spec.kind == "seq2seq", pad_id=spec.pad_id,
                          eos_id=spec.eos_id, **out)
@@ -181,7 +183,8 @@ class LoopEngine:
     ``_new_state(capacity)`` -> a fresh :class:`StepState` (``capacity``: tokens per row the call may
     hold, for a backend that preallocates its KV buffer; the others ignore it). Optional: ``slots``
     and ``inflight`` (see :func:`run_generate`); ``max_batch`` with ``_check_rows(rows)`` to refuse a
-    batch before any work. ``update_weights`` and ``close`` stay the backend's own; the
+    batch before any work; ``shards`` > 1 with ``_new_state(capacity, shard)`` giving each shard a state over
+    buffers of its own, for a backend whose steps may run on several threads at once. ``update_weights`` and ``close`` stay the backend's own; the
     :class:`Engine` protocol remains the public contract.
     """
 
@@ -190,6 +193,7 @@ class LoopEngine:
     slots: int | None = None  # at most this many rows decoded at once; None: all rows in one batch
     inflight: bool = True  # with slots: refill a slot as soon as its row stops; False: static batches
     max_batch: int | None = None  # most rows one call may run; None: unchecked (no _check_rows call)
+    shards: int = 1  # generate() decodes its rows in this many shards, one thread each (decode.schedule)
 
     def _new_state(self, capacity: int = 0) -> StepState:
         raise NotImplementedError
@@ -206,8 +210,12 @@ class LoopEngine:
         if self.max_batch is not None:
             self._check_rows(len(prompts) * getattr(sampling, "n", 1))
         # capacity computed when a state is made: run_generate has checked prompts and sampling by then
-        return run_generate(lambda: self._new_state(max(len(p) for p in prompts) + sampling.max_new_tokens),
-                            self.spec, prompts, sampling, self._version, on_step, self.slots, self.inflight)
+        def new_state(shard: int = 0) -> StepState:
+            cap = max(len(p) for p in prompts) + sampling.max_new_tokens
+            return self._new_state(cap, shard) if self.shards > 1 else self._new_state(cap)
+
+        return run_generate(new_state, self.spec, prompts, sampling, self._version, on_step, self.slots,
+                            self.inflight, self.shards)
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,

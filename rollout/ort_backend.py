@@ -32,6 +32,7 @@ bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -200,12 +201,19 @@ class OrtEngine(LoopEngine):
     transposed weight at once and ONNX Runtime's copy of each beside its packed one while the session opens
     (~2x the model more than the engine's resting size); this route holds one tensor and the packed weights.
     It costs a write of the model per push (page cache, flushed by the kernel when it likes).
+    ``shards`` > 1: ``generate`` cuts its rows at prompt boundaries into that many shards and decodes each on a
+    thread of its own over KV buffers of its own, every shard running the same sessions (ONNX Runtime's ``Run`` may
+    be called from several threads at once and releases the GIL); ``threads`` is then the engine's whole budget,
+    each run getting ``threads // shards`` intra-op threads (at least 1; ``threads`` None: every core). Rows are the
+    same as without (tested). At small-model, large-batch shapes a second core is worth more this way than as a
+    second intra-op thread, whose hand-offs at every one of a step's ~120 small nodes cost more than it brings
+    (docs/engine-step.md, "Shards").
     """
 
     def __init__(self, engine_dir, device: str = "cpu", threads: int | None = None, opt_level: str = "all",
                  keep_heap: bool = True, slots: int | None = None, inflight: bool = True,
                  graph_files: dict[str, str] | None = None, hold_weights: bool = True, prepack: bool = True,
-                 push_via: str = "memory"):
+                 push_via: str = "memory", shards: int = 1):
         from refit.export.graph import default_providers, keep_freed_memory
 
         self.engine_dir = Path(engine_dir)
@@ -224,9 +232,13 @@ class OrtEngine(LoopEngine):
                              f"{self.manifest.dtype}: ONNX Runtime's CPU provider has no {self.manifest.dtype} "
                              "compute kernels (the export gated it through a CPU twin, export/precision.py); run it "
                              "with the tensorrt backend on a GPU, or re-export with --dtype fp16")
+        if not isinstance(shards, int) or shards < 1:
+            raise RefitError(f"onnxruntime backend: shards must be an integer >= 1, got {shards!r}")
         if keep_heap:
             keep_freed_memory()
-        self.device = device
+        self.device, self.shards = device, shards
+        if shards > 1:  # the budget shared out: each concurrent run gets its part as intra-op threads
+            threads = max(1, (threads or os.cpu_count() or 1) // shards)
         self._providers = default_providers(device)
         quant = self.manifest.quantization
         if opt_level in ("extended", "all") and quant is not None and quant.scheme == QDQ:
@@ -252,14 +264,14 @@ class OrtEngine(LoopEngine):
         self.last_push_s: dict[str, float] = {}  # update_weights' phases, seconds (see there); {} before a push
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
-        self._kv_pool = None
+        self._kv_pools: list = []  # one per shard: a shard's decode writes its own buffers
         if self.manifest.attention == "fused":  # rollout/ort_fused.py: GroupQueryAttention, shared KV buffers
             from refit.rollout.ort_fused import KVPool
 
             d = self.manifest.dims
             names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
             np_dtype = np.float16 if self._dtype == torch.float16 else np.float32
-            self._kv_pool = KVPool(names, d.n_kv_heads, d.head_dim, np_dtype, d.max_len)
+            self._kv_pools = [KVPool(names, d.n_kv_heads, d.head_dim, np_dtype, d.max_len) for _ in range(shards)]
 
     def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
         """{graph: session} over each graph file: ``new[graph]`` weights, the held ones for the rest.
@@ -289,14 +301,16 @@ class OrtEngine(LoopEngine):
         return {f"{prefix}.{i}.{k}": ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
                 for i in range(d.n_layers) for k in ("key", "value")}
 
-    def _new_state(self, capacity: int = 0):
-        """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer."""
-        if self._kv_pool is not None:
+    def _new_state(self, capacity: int = 0, shard: int = 0):
+        """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer,
+        taken from shard ``shard``'s pool."""
+        if self._kv_pools:
             from refit.rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
 
+            pool = self._kv_pools[shard]
             if self.spec.kind == "seq2seq":
-                return FusedSeq2SeqState(self, self._kv_pool, capacity)
-            return FusedDecoderState(self.sessions["decoder"], self._kv_pool, capacity)
+                return FusedSeq2SeqState(self, pool, capacity)
+            return FusedDecoderState(self.sessions["decoder"], pool, capacity)
         return _OrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _OrtDecoderState(self)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
@@ -418,7 +432,7 @@ class OrtEngine(LoopEngine):
                             "copy": 0.0}
 
     def close(self) -> None:
-        self.sessions, self.weights, self._kv_pool = {}, {}, None  # the sessions first: they map the scratch files
+        self.sessions, self.weights, self._kv_pools = {}, {}, []  # the sessions first: they map the scratch files
         if self._scratch is not None:
             import shutil
 

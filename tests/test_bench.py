@@ -51,10 +51,12 @@ def test_decode_step_kv_bytes_and_floor_by_hand():
 
 
 def test_bench_generate_encoder_decoder(tmp_path):
-    """T5: HF generate() on the encoder's native (right) padding, its clock from the decoder's start token."""
+    """T5: HF generate() on the encoder's native (right) padding, its clock from the decoder's start token; with
+    --shards 2 the engine also runs as onnxruntime-shards2 in the same rounds."""
     out = _bench(tmp_path, "generate", "--batch-sizes", "2", "--new-tokens", "4", "--prompt-len", "8",
-                 "--backends", "onnxruntime", geometry="tiny-t5")
-    assert {r["backend"] for r in out["results"]} == {"hf_generate", "onnxruntime"}
+                 "--backends", "onnxruntime", "--shards", "2", geometry="tiny-t5")
+    assert {r["backend"] for r in out["results"]} == {"hf_generate", "onnxruntime", "onnxruntime-shards2"}
+    assert out["shards"] == 2 and set(out["hf_call_s_over_engine_call_s"]["onnxruntime-shards2"]) == {"2"}
     assert all(r["ttft_ms"] > 0 and r["decode_ms_p50"] > 0 for r in out["results"])
     assert out["onnxruntime_attention"] == "fused"
 

@@ -119,10 +119,10 @@ def test_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
     eng = create_engine("onnxruntime", engine_dirs[arch])
     short = SamplingParams(max_new_tokens=6, seed=1)
     eng.generate([p * 3 for p in prompts], SamplingParams(max_new_tokens=30, seed=9))  # fills the buffer deep
-    kv = eng._kv_pool.kv
+    kv = eng._kv_pools[0].kv
     assert kv is not None and float(abs(next(iter(kv.arrays.values()))[:, :, 20:]).sum()) > 0
     again = eng.generate(prompts, short)
-    assert eng._kv_pool.kv is kv, "the buffer was reused, not reallocated"
+    assert eng._kv_pools[0].kv is kv, "the buffer was reused, not reallocated"
     _same(again, create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, short), tol=0)
 
 
@@ -137,8 +137,8 @@ def test_kv_buffers_held_across_alternating_batch_sizes(engine_dirs, prompts, ar
     evaluation = SamplingParams(max_new_tokens=8, greedy=True)
     eng = create_engine("onnxruntime", engine_dirs[arch])
     got = []  # (rows asked for, the buffers handed out) of every pool.get
-    real_get = eng._kv_pool.get
-    eng._kv_pool.get = lambda batch, capacity: got.append((batch, real_get(batch, capacity))) or got[-1][1]
+    real_get = eng._kv_pools[0].get
+    eng._kv_pools[0].get = lambda batch, capacity: got.append((batch, real_get(batch, capacity))) or got[-1][1]
 
     a = eng.generate(prompts, rollout)
     b = eng.generate(prompts, evaluation)
@@ -313,3 +313,112 @@ def test_decode_step_binding_gives_the_per_step_runs_rows(engine_dirs, prompts, 
         assert (bound.response_mask.sum(1) < bound.response_mask.shape[1]).any(), "some row stopped early"
         _same(bound, each, tol=0)
         assert torch.equal(bound.topk_ids, each.topk_ids) and torch.equal(bound.response_ids, each.response_ids)
+
+
+def test_shard_bounds_cut_at_prompt_boundaries():
+    """Shards are cut only where the prompt changes (a prompt's samples share one shard and its prefill), as even
+    in rows as that allows; fewer prompts than shards give one shard per prompt; one shard is the whole batch."""
+    from refit.rollout.decode import row_keys, shard_bounds
+
+    keys = row_keys(torch.arange(16).repeat_interleave(8), 8)  # 16 prompts x 8 samples
+    assert shard_bounds(keys, 2) == [(0, 64), (64, 128)]
+    assert shard_bounds(keys, 3) == [(0, 40), (40, 88), (88, 128)]  # 42.7 and 85.3 rows: nearest prompt starts
+    assert shard_bounds(keys, 1) == [(0, 128)]
+    assert shard_bounds(row_keys(torch.arange(2).repeat_interleave(4), 4), 4) == [(0, 4), (4, 8)]
+    uneven = [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (2, 0)]  # keys of 3 prompts, 1 + 5 + 1 rows
+    assert shard_bounds(uneven, 2) == [(0, 6), (6, 7)]  # the prompt start nearest row round(3.5) = 4: row 6
+
+
+def test_sharded_decode_runs_shards_on_threads_of_their_own():
+    """schedule(shards=S): each shard's state made by new_state(shard) and stepped on its own thread (shard 0 on the
+    caller's), the rows concatenated in input order, right-padded to the longest; a failing shard is raised."""
+    import threading
+
+    from refit.rollout.decode import schedule
+    from refit.rollout.types import ModelSpec
+
+    vocab = 11
+    spec = ModelSpec(kind="decoder", vocab_size=vocab, pad_id=0, eos_id=1, max_len=64, prompt_side="left",
+                     decoder_start_id=None)
+
+    class Counting:  # next token = (last + 1) % vocab: rows of different prompts stop at different steps
+        def __init__(self, shard, seen):
+            self.shard, self.seen = shard, seen
+
+        def _logits(self, last):
+            self.seen.add((self.shard, threading.get_ident()))
+            out = torch.full((len(last), vocab), -1e9)
+            out[torch.arange(len(last)), (last + 1) % vocab] = 0.0
+            return out
+
+        def prefill(self, ids, mask):
+            return self._logits(ids[:, -1])
+
+        def extend(self, ids, mask):
+            return self._logits(ids[:, -1])[:, None]
+
+    ids = torch.tensor([[5], [5], [8], [8], [2], [2]])  # 3 prompts x 2 samples; 8 -> 9 -> 10 -> 0 -> eos
+    mask = torch.ones_like(ids)
+    keys = [(p, s) for p in range(3) for s in range(2)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)
+    seen: set = set()
+    want = schedule(lambda: Counting(0, set()), ids, mask, params, spec, keys, None)
+    got = schedule(lambda shard=0: Counting(shard, seen), ids, mask, params, spec, keys, None, shards=3)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert {s for s, _ in seen} == {0, 1, 2} and len({t for _, t in seen}) == 3, seen
+    assert threading.get_ident() in {t for s, t in seen if s == 0}, "shard 0 runs on the caller's thread"
+
+    class Broken(Counting):
+        def extend(self, ids, mask):
+            raise RefitError("shard 2 failed")
+
+    with pytest.raises(RefitError, match="shard 2 failed"):
+        schedule(lambda shard=0: (Broken if shard == 2 else Counting)(shard, set()), ids, mask, params, spec, keys,
+                 None, shards=3)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_sharded_engine_gives_the_same_rows(engine_dirs, plain_dirs, model_dirs, prompts, arch):
+    """OrtEngine(shards=S): the rows cut into S shards decoded on S threads at once over the same sessions are the
+    rows of one batch, bit for bit (tokens, both log-prob kinds, top-k), static and in flight, on the fused and
+    the plain graph; each shard keeps KV buffers of its own; a weight push reaches every shard."""
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=12, seed=5, temperature=0.9, top_k=50, n=2, return_topk=3,
+                            stop_ids=tuple(range(5, 40)))
+    one = create_engine("onnxruntime", engine_dirs[arch]).generate(prompts, params)
+    for folder in (engine_dirs[arch], plain_dirs[arch]):
+        for kw in ({"shards": 2}, {"shards": 3, "threads": 3}, {"shards": 2, "slots": 4}):
+            eng = create_engine("onnxruntime", folder, **kw)
+            got = eng.generate(prompts, params)
+            _same(one, got, tol=0 if folder == engine_dirs[arch] else TOL)
+            if folder == engine_dirs[arch]:
+                assert torch.equal(one.topk_ids, got.topk_ids)
+                held = [p.held for p in eng._kv_pools]
+                assert len(held) == kw["shards"] and all(h is not None for h in held)
+                assert not any(np.shares_memory(held[0].arrays[n], held[1].arrays[n]) for n in held[0].arrays)
+    # a push (perturbed weights) reaches every shard: the sharded engine's rows are the one-batch engine's
+    from refit.rollout.torch_backend import TorchEngine
+
+    g = torch.Generator().manual_seed(0)
+    new = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+           for n, p in TorchEngine(model_dirs[arch]).model.named_parameters()}
+    one, sharded = create_engine("onnxruntime", engine_dirs[arch]), create_engine("onnxruntime", engine_dirs[arch],
+                                                                                   shards=2)
+    before = sharded.generate(prompts, params)
+    one.update_weights(new)
+    sharded.update_weights(new)
+    after = sharded.generate(prompts, params)
+    assert not torch.equal(before.rollout_plain_logprobs, after.rollout_plain_logprobs), "the push changed the rows"
+    _same(one.generate(prompts, params), after, tol=0)
+    with pytest.raises(RefitError, match="shards must be an integer >= 1"):
+        create_engine("onnxruntime", engine_dirs[arch], shards=0)
+
+
+def test_sharded_encoder_decoder_engine_gives_the_same_rows(engine_dirs, prompts):
+    """T5 (the fused seq2seq decoder): each shard runs the encoder on its rows and decodes over buffers of its own;
+    the rows are one batch's, bit for bit."""
+    params = SamplingParams(max_new_tokens=10, seed=4, temperature=0.8, n=2)
+    one = create_engine("onnxruntime", engine_dirs["tiny-t5"]).generate(prompts, params)
+    _same(one, create_engine("onnxruntime", engine_dirs["tiny-t5"], shards=3).generate(prompts, params), tol=0)

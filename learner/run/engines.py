@@ -67,6 +67,8 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     lean = {"hold_weights": False} if cfg.rollout.backend == "onnxruntime" else {}
     if lean and getattr(cfg.rollout, "quantize", "none") == "none":
         lean["push_via"] = cfg.rollout.push_via
+    if lean and cfg.rollout.engine_shards > 1:
+        lean["shards"] = cfg.rollout.engine_shards
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
                        **lean)
 
