@@ -164,32 +164,25 @@ def shard_bounds(keys: list[tuple[int, int]], shards: int) -> list[tuple[int, in
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _sharded(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,
-             keys: list[tuple[int, int]], slots: int | None, inflight: bool, on_step,
-             bounds: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-    """Each shard's rows decoded by :func:`schedule` on a thread of its own, on a state of its own
-    (``new_state(shard)``), and concatenated in row order. Shard 0 runs on the calling thread and alone reports
-    to ``on_step`` (its events are its rows' phases; the others run beside it). ``slots`` is split in proportion
-    to the shards' rows. One thread per shard; the first failure is raised once every shard has ended."""
+def on_threads(calls: list[Callable[[], object]]) -> list:
+    """Run ``calls`` at once, one thread each (the first on the caller's thread), under ``torch.no_grad`` (grad mode
+    is per thread: a new thread starts with autograd on) and one torch intra-op thread (the threads are the
+    parallelism); their results in order. The first failure is raised once every call has ended."""
     import threading
 
-    n = ids.shape[0]
-    outs: list = [None] * len(bounds)
-    errors: list = [None] * len(bounds)
+    outs: list = [None] * len(calls)
+    errors: list = [None] * len(calls)
 
     def run(i: int) -> None:
-        a, b = bounds[i]
-        share = None if not slots else max(1, round(slots * (b - a) / n))
         try:
-            with torch.no_grad():  # grad mode is per thread: a new thread starts with autograd on
-                outs[i] = schedule(lambda i=i: new_state(i), ids[a:b], mask[a:b], params, spec, keys[a:b], share,
-                                   inflight, on_step if i == 0 else None)
-        except BaseException as e:  # raised on the caller's thread once every shard has ended
+            with torch.no_grad():
+                outs[i] = calls[i]()
+        except BaseException as e:  # raised on the caller's thread once every call has ended
             errors[i] = e
 
-    with one_thread():  # the sampler's torch ops on one thread each: the shards are the parallelism
+    with one_thread():
         workers = [threading.Thread(target=run, args=(i,), name=f"refit-shard-{i}", daemon=True)
-                   for i in range(1, len(bounds))]
+                   for i in range(1, len(calls))]
         for w in workers:
             w.start()
         run(0)
@@ -198,7 +191,24 @@ def _sharded(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingP
     for err in errors:
         if err is not None:
             raise err
-    return _concat(outs, spec.pad_id)
+    return outs
+
+
+def _sharded(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,
+             keys: list[tuple[int, int]], slots: int | None, inflight: bool, on_step,
+             bounds: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Each shard's rows decoded by :func:`schedule` on a thread of its own (:func:`on_threads`), on a state of its
+    own (``new_state(shard)``), and concatenated in row order. Shard 0 runs on the calling thread and alone
+    reports to ``on_step`` (its events are its rows' phases; the others run beside it). ``slots`` is split in
+    proportion to the shards' rows."""
+    n = ids.shape[0]
+
+    def call(i: int, a: int, b: int):
+        share = None if not slots else max(1, round(slots * (b - a) / n))
+        return lambda: schedule(lambda: new_state(i), ids[a:b], mask[a:b], params, spec, keys[a:b], share, inflight,
+                                on_step if i == 0 else None)
+
+    return _concat(on_threads([call(i, a, b) for i, (a, b) in enumerate(bounds)]), spec.pad_id)
 
 
 def schedule(new_state, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, spec,

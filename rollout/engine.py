@@ -24,7 +24,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.padding import check_left_padded, check_right_padded, pad_batch
-from refit.rollout.decode import StepEvent, StepHook, StepState, decode_loop, row_keys, schedule
+from refit.rollout.decode import StepEvent, StepHook, StepState, decode_loop, on_threads, row_keys, schedule
 from refit.rollout.types import ModelSpec, RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
@@ -222,8 +222,32 @@ class LoopEngine:
               chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
         if self.max_batch is not None:
             self._check_rows(int(prompt_ids.shape[0]))
-        return run_score(lambda: self._new_state(prompt_ids.shape[-1] + response_ids.shape[-1]), self.spec,
-                         prompt_ids, prompt_mask, response_ids, response_mask, temperature, topk, chunk_size)
+        cap = prompt_ids.shape[-1] + response_ids.shape[-1]
+        b = int(prompt_ids.shape[0])
+        if self.shards > 1 and b > 1:  # even row ranges, one thread each (decode.on_threads), joined in row order
+            cuts = [round(i * b / self.shards) for i in range(self.shards + 1)]
+            ranges = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
+            parts = on_threads([
+                (lambda i=i, lo=lo, hi=hi: run_score(lambda: self._new_state(cap, i), self.spec, prompt_ids[lo:hi],
+                                                     prompt_mask[lo:hi], response_ids[lo:hi], response_mask[lo:hi],
+                                                     temperature, topk, chunk_size))
+                for i, (lo, hi) in enumerate(ranges)])
+            return join_scores(parts, topk == self.spec.vocab_size)
+        return run_score(lambda: self._new_state(cap), self.spec, prompt_ids, prompt_mask, response_ids,
+                         response_mask, temperature, topk, chunk_size)
+
+
+def join_scores(parts: list[ScoreResult], whole_vocab: bool) -> ScoreResult:
+    """Row ranges' ScoreResults joined in order (a whole-vocabulary result's ``topk_ids`` stays a broadcast view)."""
+    def cat(name):
+        ts = [getattr(r, name) for r in parts]
+        return None if ts[0] is None else torch.cat(ts)
+
+    out = ScoreResult(logprobs=cat("logprobs"), topk_logprobs=cat("topk_logprobs"))
+    if parts[0].topk_ids is not None:
+        out.topk_ids = (parts[0].topk_ids[:1].expand(out.logprobs.shape[0], *parts[0].topk_ids.shape[1:])
+                        if whole_vocab else cat("topk_ids"))
+    return out
 
 
 def _check_score_padding(spec: ModelSpec, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> None:

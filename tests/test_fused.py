@@ -422,3 +422,22 @@ def test_sharded_encoder_decoder_engine_gives_the_same_rows(engine_dirs, prompts
     params = SamplingParams(max_new_tokens=10, seed=4, temperature=0.8, n=2)
     one = create_engine("onnxruntime", engine_dirs["tiny-t5"]).generate(prompts, params)
     _same(one, create_engine("onnxruntime", engine_dirs["tiny-t5"], shards=3).generate(prompts, params), tol=0)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_sharded_score_gives_the_same_log_probs(engine_dirs, prompts, arch):
+    """score() on an engine with shards: row ranges scored on threads of their own, joined in order: the same
+    log-probs, top-k and whole-vocabulary results as one batch, bit for bit (the whole vocabulary's ids stay a
+    broadcast view)."""
+    one = create_engine("onnxruntime", engine_dirs[arch])
+    sharded = create_engine("onnxruntime", engine_dirs[arch], shards=3)
+    batch = one.generate(prompts, SamplingParams(max_new_tokens=9, seed=1, n=2))
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    for topk in (0, 4, one.spec.vocab_size):
+        want, got = one.score(*args, topk=topk, chunk_size=4), sharded.score(*args, topk=topk, chunk_size=4)
+        assert torch.equal(want.logprobs, got.logprobs), topk
+        if topk:
+            assert torch.equal(want.topk_logprobs, got.topk_logprobs) and torch.equal(want.topk_ids, got.topk_ids)
+    assert got.topk_ids.stride()[0] == 0, "the whole vocabulary's ids are a view, not (B, Tr, V) int64"
+    empty = sharded.score(*args[:2], batch.response_ids[:, :0], batch.response_mask[:, :0], topk=4)
+    assert empty.logprobs.shape == (batch.num_rows, 0) and empty.topk_ids.shape == (batch.num_rows, 0, 4)

@@ -362,21 +362,22 @@ def test_push_via_file_trains_as_the_memory_push(model_dirs, engine_dirs, tmp_pa
 
 
 def test_engine_shards_train_as_one_batch(model_dirs, engine_dirs, tmp_path):
-    """rollout.engine_shards: 2 reaches the policy engine (its rollouts decoded in two shards on two threads) and
-    the run logs what one shard logs: the rows are the same, so rewards, KL, probes and versions match."""
+    """rollout.engine_shards: 2 reaches the policy engine (its rollouts decoded in two shards on two threads) and the
+    reference engine (its scoring in two row ranges), and the run logs what one shard logs: the rows and scores
+    are the same, so rewards, KL, probes and versions match."""
     from refit.learner.ppo.cycle import run_ppo
     from refit.learner.run.metrics import read_metrics
 
-    cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / "setup", engine_shards=2)
+    cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / "setup", engine_shards=2, ref_backend="onnxruntime")
     run = setup(cfg, resume=False, log=lambda *_: None)
     try:
-        assert run.engine.shards == 2
+        assert run.engine.shards == 2 and run.ref_engine.shards == 2
     finally:
         run.engine.close()
     rows = {}
     for shards in (1, 2):
         cfg = _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / str(shards), engine_shards=shards,
-                   kl_estimator="exact")
+                   kl_estimator="exact", ref_backend="onnxruntime")
         rows[shards] = read_metrics(run_ppo(cfg, log=lambda *_: None))
     keys = ("reward/mean", "kl/exact", "probe/max_abs_logprob_diff", "engine/weights_version")
     assert [[r.get(k) for k in keys] for r in rows[2]] == [[r.get(k) for k in keys] for r in rows[1]]

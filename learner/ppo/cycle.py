@@ -185,7 +185,8 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
                      threads: int | None = None) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
     policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
-    ``threads``: its intra-op threads (default ``rollout.engine_threads``; an overlapped run: the learner's).
+    ``threads``: its intra-op threads (default ``rollout.engine_threads``, shared by ``rollout.engine_shards``
+    row ranges scored at once; an overlapped run: the learner's threads, one range).
 
     A quantized policy engine (rollout.quantize) keeps the reference at full precision: PyTorch under ``auto``,
     an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
@@ -198,9 +199,11 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
         from refit.rollout.build import ensure_engine
 
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
-    # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine)
+    # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine);
+    # it scores in rollout.engine_shards row ranges at once, except beside an overlapped generation (its threads
+    # are then the learner's)
     return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None,
-                         hold_weights=False, prepack=False)
+                         hold_weights=False, prepack=False, shards=cfg.rollout.engine_shards if threads is None else 1)
 
 
 def experience(run: Run, rollout, scores: torch.Tensor,
