@@ -110,9 +110,9 @@ class RolloutSection:
     engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
     engine_shards: int = _f(1, "onnxruntime: a generate call's rows cut at prompt boundaries into this many shards, "
                                "each decoded on a thread of its own over the same sessions (engine_threads shared "
-                               "out among them, at least one each; rows unchanged). For a small model at large "
-                               "batches on as many free cores: 128 rows of small-gpt2 on 2 cores, 1.74-1.82x one "
-                               "shard's speed")
+                               "out among them, at least one each; rows unchanged); the reference engine scores "
+                               "in as many row ranges. For a small model at large batches on as many free cores: "
+                               "small-gpt2 on 2 cores, 128 rows 1.74x one loop's speed, 32 rows 1.58x, 8 rows none")
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
