@@ -166,8 +166,9 @@ def shard_bounds(keys: list[tuple[int, int]], shards: int) -> list[tuple[int, in
 
 def on_threads(calls: list[Callable[[], object]]) -> list:
     """Run ``calls`` at once, one thread each (the first on the caller's thread), under ``torch.no_grad`` (grad mode
-    is per thread: a new thread starts with autograd on) and one torch intra-op thread (the threads are the
-    parallelism); their results in order. The first failure is raised once every call has ended."""
+    is per thread: a new thread starts with autograd on), torch's intra-op threads set to one while they run
+    when the caller is the main thread (the threads are the parallelism; ``one_thread``); their results in order.
+    The first failure is raised once every call has ended."""
     import threading
 
     outs: list = [None] * len(calls)

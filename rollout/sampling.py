@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import numpy as np
 import torch
@@ -283,9 +284,15 @@ def one_thread():
     These ops are memory-bound and take ~1 ms each; on cores shared with other work a second
     OpenMP thread is often descheduled and every parallel region waits for it (measured: the
     same step took 3.4 ms on one thread and 21-27 ms on two, load ~2.5 on 2 cores).
+
+    Only on the main thread: torch's intra-op setting is process-wide, not per thread (measured 2026-12-04:
+    ``torch.set_num_threads(1)`` on a worker thread set the main thread's ``get_num_threads()`` to 1 and its
+    2000 x 2000 matmul to the 1-thread time), so a decode loop on another thread (a shard, the overlapped PPO
+    engine's) leaves it alone and samples with the count the main thread set; before this, the overlapped
+    engine's every step flipped the learner's torch threads to 1 and back.
     """
     n = torch.get_num_threads()
-    if n == 1:
+    if n == 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
     torch.set_num_threads(1)

@@ -351,3 +351,31 @@ def test_non_finite_logits_stop_sampling_in_one_line(params, bad):
     assert "\n" not in str(e.value)
     again = sample_step(logits[[0, 1, 3]], params, RowStreams(0, [(i, 0) for i in (0, 1, 3)]))
     assert torch.equal(again[0], ok[0][[0, 1, 3]])
+
+
+def test_one_thread_changes_torch_threads_on_the_main_thread_only():
+    """torch's intra-op setting is process-wide: one_thread() on another thread (a shard's or the overlapped
+    engine's decode loop) must leave it alone, or it would switch the learner's threads; on the main thread it sets
+    one inside the block and restores the count after."""
+    import threading
+
+    from refit.rollout.sampling import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+
+        def worker():
+            with one_thread():
+                seen.append(torch.get_num_threads())
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert seen == [2] and torch.get_num_threads() == 2
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

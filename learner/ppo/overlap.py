@@ -48,8 +48,9 @@ back rather than regenerating it, and logs what the uninterrupted run logs.
 
 Threads: ONNX Runtime releases the GIL in ``run()`` and torch in its kernels. The engine gets
 ``rollout.engine_threads`` intra-op threads (0: half of torch's, at least one), the learner's torch keeps the rest
-(at least one); the background thread runs the decode loop's host work (sampling) on one torch thread (torch's
-intra-op setting is per thread). The decode loop's Python shares the GIL with the learner's; with ``scale.workers``
+(at least one). torch's intra-op setting is process-wide (refit.rollout.sampling.one_thread), so the background
+thread never changes it: its decode loop samples with the learner's count (the sampler's arrays are mostly too
+small for torch to split; before, its per-step switch to one thread and back also switched the learner's). The decode loop's Python shares the GIL with the learner's; with ``scale.workers``
 >= 2 (a RayEnginePool) the background thread only waits on the actors, whose processes generate.
 """
 
@@ -139,8 +140,7 @@ class RolloutAhead:
 
     def __init__(self, engine):
         self.engine = engine
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-rollout",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-rollout")
         self._pending: tuple[int, Future] | None = None  # (the step it is for, its (batch, seconds))
         self._pushes: list[Future] = []  # queued pushes not yet collected, oldest first: each a Pushed
 
