@@ -78,6 +78,10 @@ class BenchPPO(OnModel):
     backend: str = opt("onnxruntime", "engine backend compared with HF generate()")
     max_staleness: int = opt(0, "k >= 1: also time the engine loop with generation overlapped with the update "
                                 "(rollout.max_staleness k), side by side with the synchronous loop and HF")
+    num_generations: int = opt(1, "samples per prompt; > 1 runs GRPO (group advantages, no critic): batch_size "
+                                  "prompts x num_generations rows")
+    engine_shards: int = opt(1, "the synchronous engine run's rollout.engine_shards (its rows decoded in that many "
+                                "shards, one thread each; --threads shared out)")
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),
-                        repeats=a.source.repeats, max_staleness=a.max_staleness)
+                        repeats=a.source.repeats, max_staleness=a.max_staleness, num_generations=a.num_generations,
+                        engine_shards=a.engine_shards)
     print(json.dumps(out))
     return 0

@@ -52,11 +52,13 @@ def _prompts_file(work: Path, n: int, length: int) -> Path:
 
 
 def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response_length: int, threads: int,
-              work: Path, repeats: int = 2, log=print, max_staleness: int = 0) -> dict:
+              work: Path, repeats: int = 2, log=print, max_staleness: int = 0, num_generations: int = 1,
+              engine_shards: int = 1) -> dict:
     """The runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
     a change in the machine's load during the benchmark falls on all alike; one warm-up iteration each.
     ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``), two consecutive steps
-    a round with the second timed (:func:`overlapped_block`)."""
+    a round with the second timed (:func:`overlapped_block`). ``num_generations`` > 1: GRPO, ``batch_size`` prompts x
+    that many samples; ``engine_shards``: the synchronous engine run's ``rollout.engine_shards``."""
     from refit.learner.ppo.config import PPOConfig
     from refit.learner.ppo.cycle import setup, train_step
     from refit.learner.ppo.overlap import split_threads
@@ -71,7 +73,9 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             model_dir=str(model), engine_dir=str(engine), output_dir=str(work / f"ppo-{name}"),
             backend=backend if name == overlapped else name, prompts_file=str(prompts),
             reward="refit.bench.ppo:length_reward", steps=(BLOCK if k else 1) * (repeats + 1) + 1,
-            batch_size=batch_size, num_generations=1,
+            batch_size=batch_size, num_generations=num_generations,
+            advantage_estimator="grpo" if num_generations > 1 else "auto",
+            engine_shards=engine_shards if name == backend else 1,
             response_length=response_length, num_ppo_epochs=1, num_mini_batches=1,
             engine_threads=0 if k else threads,  # overlapped: split between engine and learner (overlap.py)
             max_staleness=k, progress=False, tensorboard=False, plots=False,
@@ -104,6 +108,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
         log(f"{name:<20} " + "  ".join(f"{k.split('/')[1]} {v:.3f}s" for k, v in phases[name].items()))
     paired = [h["time/step"] / e["time/step"] for e, h in zip(rows[backend][1:], rows["hf"][1:])]
     out = {"bench": "ppo", "model": str(model), "backend": backend, "batch_size": batch_size,
+            "num_generations": num_generations, "engine_shards": engine_shards,
             "response_length": response_length, "threads": threads, "repeats": repeats,
             "phases_s": phases, "rollout_speedup": round(phases["hf"]["time/rollout"] / phases[backend]["time/rollout"], 3),
             "speedup": round(phases["hf"]["time/step"] / phases[backend]["time/step"], 3),

@@ -93,6 +93,15 @@ def test_bench_ppo_json(tmp_path):
     assert 0 < out["push_share_of_step"] < 1
 
 
+def test_bench_ppo_grpo_with_shards_json(tmp_path):
+    """--num_generations 4: GRPO steps (2 prompts x 4 samples); --engine_shards 2: the engine run decodes in two
+    shards (HF's run is unchanged); both recorded in the JSON."""
+    out = _bench(tmp_path, "ppo", "--batch-size", "2", "--response-length", "4", "--num-generations", "4",
+                 "--engine-shards", "2")
+    assert out["num_generations"] == 4 and out["engine_shards"] == 2 and out["speedup"] > 0
+    assert set(out["phases_s"]) == {"onnxruntime", "hf"}
+
+
 def test_bench_inflight_json(tmp_path):
     out = _bench(tmp_path, "inflight", "--rows", "12", "--slots", "4", "--new-tokens", "12", "--prompt-len", "6",
                  "--stop-frac", "0.2")
