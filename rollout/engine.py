@@ -184,8 +184,8 @@ class LoopEngine:
     hold, for a backend that preallocates its KV buffer; the others ignore it). Optional: ``slots``
     and ``inflight`` (see :func:`run_generate`); ``max_batch`` with ``_check_rows(rows)`` to refuse a
     batch before any work; ``shards`` > 1 with ``_new_state(capacity, shard)`` giving each shard a state over
-    buffers of its own, for a backend whose steps may run on several threads at once. ``update_weights`` and ``close`` stay the backend's own; the
-    :class:`Engine` protocol remains the public contract.
+    buffers of its own, for a backend whose steps may run on several threads at once. ``update_weights`` and
+    ``close`` stay the backend's own; the :class:`Engine` protocol remains the public contract.
     """
 
     spec: ModelSpec
@@ -224,7 +224,9 @@ class LoopEngine:
             self._check_rows(int(prompt_ids.shape[0]))
         cap = prompt_ids.shape[-1] + response_ids.shape[-1]
         b = int(prompt_ids.shape[0])
-        if self.shards > 1 and b > 1:  # even row ranges, one thread each (decode.on_threads), joined in row order
+        # even row ranges, one thread each (decode.on_threads), joined in row order; rows that disagree in number
+        # go to run_score whole, which refuses them in one line
+        if self.shards > 1 and b > 1 and response_ids.shape[0] == b:
             cuts = [round(i * b / self.shards) for i in range(self.shards + 1)]
             ranges = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
             parts = on_threads([

@@ -112,8 +112,9 @@ class RolloutSection:
                                "each decoded on a thread of its own over the same sessions (engine_threads shared "
                                "out among them, at least one each; rows unchanged); the reference engine scores "
                                "in as many row ranges. For a small model at large batches on as many free cores: "
-                               "small-gpt2 on 2 cores, 128 rows 1.74x one loop's speed, 32 rows 1.58x, 8 rows none; GPT-2 small (124M) none "
-                               "at 32 rows, slower at 8 (its matmuls split well on intra-op threads)")
+                               "small-gpt2 on 2 cores, 128 rows 1.74x one loop's speed, 32 rows 1.58x, 8 rows "
+                               "none; GPT-2 small (124M) none at 32 rows, slower at 8 (its matmuls split well on "
+                               "intra-op threads)")
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
