@@ -184,6 +184,9 @@ def test_overlap_config(tmp_path):
         DistillConfig.from_flat(max_staleness=1)
     assert split_threads(0, 2) == (1, 1) and split_threads(0, 8) == (4, 4) and split_threads(3, 4) == (3, 1)
     assert split_threads(0, 1) == (1, 1)
+    # engine shards decode at once, one thread each: the engine's share covers them, the learner keeps at least one
+    assert split_threads(0, 8, shards=2) == (4, 4) and split_threads(1, 4, shards=2) == (2, 2)
+    assert split_threads(0, 2, shards=2) == (2, 1) and split_threads(0, 4, shards=6) == (6, 1)
 
 
 def test_k1_with_sync_every_2(model_dirs, engine_dirs, tmp_path):
@@ -304,3 +307,14 @@ def test_k1_error_in_flight_is_not_masked_by_a_failed_push(model_dirs, engine_di
         run_ppo(_cfg(model_dirs, engine_dirs, tmp_path, max_staleness=1), log=lambda *_: None)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert _rollout_threads() == []
+
+
+def test_k1_with_engine_shards_logs_what_one_shard_logs(model_dirs, engine_dirs, tmp_path):
+    """rollout.engine_shards 2 with generation overlapped: the background thread's generate decodes in two shards
+    on two more threads (the engine's share of the threads covers them) and the run logs what the one-shard k=1
+    run logs, step for step (rows do not depend on the shards)."""
+    one = read_metrics(run_ppo(_cfg(model_dirs, engine_dirs, tmp_path / "one", max_staleness=1), log=lambda *_: None))
+    two = read_metrics(run_ppo(_cfg(model_dirs, engine_dirs, tmp_path / "two", max_staleness=1, engine_shards=2),
+                               log=lambda *_: None))
+    _same(one, two)
+    assert [r["mismatch/version_lag"] for r in two] == [0, 1, 1, 1]

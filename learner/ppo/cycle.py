@@ -114,7 +114,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     engine_cfg, learner_threads = cfg, None
     if overlap:  # the engine's intra-op threads and the learner's torch threads share the machine
         total = torch.get_num_threads()
-        engine_threads, learner_threads = split_threads(cfg.rollout.engine_threads, total)
+        # the engine's share covers its shards, one thread each (they decode at once beside the learner)
+        engine_threads, learner_threads = split_threads(cfg.rollout.engine_threads, total,
+                                                        shards=cfg.rollout.engine_shards)
         engine_cfg = replace(cfg, rollout=replace(cfg.rollout, engine_threads=engine_threads))
         log(f"refit ppo: rollout.max_staleness {cfg.rollout.max_staleness}: generation overlapped with the update; "
             f"engine {engine_threads} intra-op thread(s), learner {learner_threads} torch thread(s) (of {total})")

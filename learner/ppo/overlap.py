@@ -70,10 +70,11 @@ PENDING_FILE = "pending_rollout.pt"  # the checkpoint's batch in flight and queu
 # {"step": s, "batch": RolloutBatch, "pushed": [tuple(Pushed)]} ("pushed" absent in checkpoints before it)
 
 
-def split_threads(engine_threads: int, total: int) -> tuple[int, int]:
-    """(engine intra-op threads, learner torch threads) for an overlapped run on ``total`` threads:
-    ``engine_threads`` (0: half of ``total``, at least 1) and the rest for the learner (at least 1)."""
-    engine = engine_threads or max(1, total // 2)
+def split_threads(engine_threads: int, total: int, shards: int = 1) -> tuple[int, int]:
+    """(engine threads, learner torch threads) for an overlapped run on ``total`` threads: ``engine_threads`` (0:
+    half of ``total``), at least 1 and at least ``shards`` (``rollout.engine_shards`` decode loops run at once,
+    one thread each: the engine shares its threads out among them), and the rest for the learner (at least 1)."""
+    engine = max(engine_threads or total // 2, shards, 1)
     return engine, max(1, total - engine)
 
 
