@@ -24,7 +24,8 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.padding import check_left_padded, check_right_padded, pad_batch
-from refit.rollout.decode import StepEvent, StepHook, StepState, decode_loop, on_threads, row_keys, schedule
+from refit.rollout.decode import (StepEvent, StepHook, StepState, decode_loop, on_threads, row_keys, schedule,
+                                  shard_bounds)
 from refit.rollout.types import ModelSpec, RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_SCORE_CHUNK = 64  # positions per score() forward: bounds the (B, chunk, V) log-softmax
@@ -224,16 +225,16 @@ class LoopEngine:
             self._check_rows(int(prompt_ids.shape[0]))
         cap = prompt_ids.shape[-1] + response_ids.shape[-1]
         b = int(prompt_ids.shape[0])
-        # even row ranges, one thread each (decode.on_threads), joined in row order; rows that disagree in number
-        # go to run_score whole, which refuses them in one line
-        if self.shards > 1 and b > 1 and response_ids.shape[0] == b:
-            cuts = [round(i * b / self.shards) for i in range(self.shards + 1)]
-            ranges = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
-            parts = on_threads([
-                (lambda i=i, lo=lo, hi=hi: run_score(lambda: self._new_state(cap, i), self.spec, prompt_ids[lo:hi],
-                                                     prompt_mask[lo:hi], response_ids[lo:hi], response_mask[lo:hi],
-                                                     temperature, topk, chunk_size))
-                for i, (lo, hi) in enumerate(ranges)])
+        # even row ranges (every row a cut point for shard_bounds), one thread each, joined in row order; rows that
+        # disagree in number go to run_score whole, which refuses them in one line
+        ranges = shard_bounds([(r, 0) for r in range(b)], self.shards) if response_ids.shape[0] == b else []
+        if len(ranges) > 1:
+            def score_range(i: int, lo: int, hi: int) -> Callable[[], ScoreResult]:
+                return lambda: run_score(lambda: self._new_state(cap, i), self.spec, prompt_ids[lo:hi],
+                                         prompt_mask[lo:hi], response_ids[lo:hi], response_mask[lo:hi], temperature,
+                                         topk, chunk_size)
+
+            parts = on_threads([score_range(i, lo, hi) for i, (lo, hi) in enumerate(ranges)])
             return join_scores(parts, topk == self.spec.vocab_size)
         return run_score(lambda: self._new_state(cap), self.spec, prompt_ids, prompt_mask, response_ids,
                          response_mask, temperature, topk, chunk_size)

@@ -50,8 +50,9 @@ Threads: ONNX Runtime releases the GIL in ``run()`` and torch in its kernels. Th
 ``rollout.engine_threads`` intra-op threads (0: half of torch's, at least one), the learner's torch keeps the rest
 (at least one). torch's intra-op setting is process-wide (refit.rollout.sampling.one_thread), so the background
 thread never changes it: its decode loop samples with the learner's count (the sampler's arrays are mostly too
-small for torch to split; before, its per-step switch to one thread and back also switched the learner's). The decode loop's Python shares the GIL with the learner's; with ``scale.workers``
->= 2 (a RayEnginePool) the background thread only waits on the actors, whose processes generate.
+small for torch to split; before, its per-step switch to one thread and back also switched the learner's). The
+decode loop's Python shares the GIL with the learner's; with ``scale.workers`` >= 2 (a RayEnginePool) the
+background thread only waits on the actors, whose processes generate.
 """
 
 from __future__ import annotations
