@@ -382,3 +382,5 @@ def test_engine_shards_train_as_one_batch(model_dirs, engine_dirs, tmp_path):
     keys = ("reward/mean", "kl/exact", "probe/max_abs_logprob_diff", "engine/weights_version")
     assert [[r.get(k) for k in keys] for r in rows[2]] == [[r.get(k) for k in keys] for r in rows[1]]
     assert rows[2][-1]["engine/weights_version"] == 2
+    with pytest.raises(RefitError, match="rollout.engine_shards = 2 needs rollout.backend onnxruntime"):
+        _cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / "torch", engine_shards=2, backend="torch")

@@ -141,6 +141,11 @@ class RolloutSection:
            "push waits for the generation in flight and is checked on the probe batch; mismatch_correction 'auto' "
            "becomes tis (the engine's log-probs are the behaviour policy)")
 
+    def __post_init__(self):
+        check([(self.engine_shards > 1 and self.backend != "onnxruntime",
+                f"rollout.engine_shards = {self.engine_shards} needs rollout.backend onnxruntime (the {self.backend} "
+                "backend decodes a call's rows in one loop)")])
+
 
 @dataclass(frozen=True)
 class OptimSection:
