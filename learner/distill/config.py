@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
 
-from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
+                                      OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from refit.rollout.config import Sampling
 
@@ -38,6 +39,8 @@ class DistillConfig:
     rollout: RolloutSection = _f(help_="the teacher and student engines (backend 'hf' is PPO only)",
                                  factory=RolloutSection)
     optim: OptimSection = _f(help_="the optimizer", factory=lambda: OptimSection(learning_rate=3e-3, warmup_steps=10))
+    lora: LoraSection = _f(help_="LoRA: train an adapter over the frozen base (r > 0) instead of full fine-tuning",
+                           factory=LoraSection)
     ckpt: CheckpointSection = _f(help_="checkpoints", factory=lambda: CheckpointSection(save_steps=100))
     log: LogSection = _f(help_="logging", factory=LogSection)
     scale: ScaleSection = _f(help_="Ray engine actors (a teacher and a student actor share one CPU by default)",

@@ -21,7 +21,8 @@ from typing import Annotated, ClassVar, Literal
 
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
-from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
+                                      OptimSection,
                                 RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
 from refit.rollout.config import Sampling
 
@@ -74,6 +75,8 @@ class PPOConfig:
     data: DataSection = _f(help_="the embedded prompt set", factory=DataSection)
     rollout: RolloutSection = _f(help_="the rollout engine", factory=RolloutSection)
     optim: OptimSection = _f(help_="the optimizer", factory=lambda: OptimSection(learning_rate=5e-5, warmup_steps=0))
+    lora: LoraSection = _f(help_="LoRA: train an adapter over the frozen base (r > 0) instead of full fine-tuning",
+                           factory=LoraSection)
     ckpt: CheckpointSection = _f(help_="checkpoints", factory=lambda: CheckpointSection(save_steps=10))
     log: LogSection = _f(help_="logging", factory=LogSection)
     scale: ScaleSection = _f(help_="Ray rollout workers", factory=lambda: ScaleSection(worker_cpus=1.0))

@@ -15,6 +15,7 @@ section     class                     fields
                                       probe_tokens, quantize, max_staleness
 ``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
                                       ``--temperature``, ``top_k:``; the one section generate shares too)
+``lora``    :class:`LoraSection`      r (0: full fine-tuning), alpha, dropout, target_modules, init, base_dtype
 ``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
                                       max_grad_norm, gradient_accumulation_steps
 ``ckpt``    :class:`CheckpointSection`  save_steps, keep_checkpoints
@@ -54,7 +55,7 @@ _f = opt
 Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]
 Task = Literal["addition", "sort"]
 
-__all__ = ["RunSection", "ModelSection", "DataSection", "RolloutSection", "OptimSection", "CheckpointSection",
+__all__ = ["RunSection", "ModelSection", "DataSection", "RolloutSection", "LoraSection", "OptimSection", "CheckpointSection",
            "LogSection", "ScaleSection", "flat_names", "from_flat", "parse_job", "save_config", "check"]
 
 
@@ -145,6 +146,39 @@ class RolloutSection:
         check([(self.engine_shards > 1 and self.backend != "onnxruntime",
                 f"rollout.engine_shards = {self.engine_shards} needs rollout.backend onnxruntime (the {self.backend} "
                 "backend decodes a call's rows in one loop)")])
+
+
+LORA_INITS = ("default", "gaussian")  # PEFT's init_lora_weights values that leave the base and B = 0 (step 0 = base)
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA (through PEFT): the learner trains an adapter over a frozen base; the engine holds the base once and
+    takes only the adapter on each push; the reference is the same engine with the adapter off. r 0: full
+    fine-tuning."""
+
+    r: int = _f(0, "LoRA rank (PEFT's r); 0 = full fine-tuning")
+    alpha: float = _f(16.0, "LoRA alpha (PEFT's lora_alpha): the adapter's output is scaled by alpha / r")
+    dropout: float = _f(0.0, "LoRA dropout on the adapter's input in the learner's training forward (PEFT's "
+                             "lora_dropout); the engine samples and the learner scores without it")
+    target_modules: tuple[str, ...] = _f(("all-linear",), "modules that get an adapter, as PEFT names them: "
+                                                          "'all-linear' (every linear layer but the output head) or "
+                                                          "module names / suffixes (q_proj v_proj)")
+    init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
+                                                         "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
+                                                         "to the base at step 0, so KL(0) = 0")
+    base_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype of the frozen base on the learner (the adapter stays "
+                                                     "fp32); bf16 halves the base's memory")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def __post_init__(self):
+        check([(self.r < 0, f"lora.r = {self.r}: a rank is >= 0 (0 = full fine-tuning)"),
+               (self.r > 0 and not self.target_modules, "lora.target_modules is empty: name modules or 'all-linear'"),
+               (not 0.0 <= self.dropout < 1.0, f"lora.dropout = {self.dropout} is outside [0, 1)"),
+               (self.r > 0 and self.alpha <= 0, f"lora.alpha = {self.alpha} must be > 0")])
 
 
 @dataclass(frozen=True)
