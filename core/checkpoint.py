@@ -127,4 +127,27 @@ def load_model(path: str | Path, info: ModelInfo | None = None, dtype=None, attn
     finally:
         if bar:
             logging.enable_progress_bar()
+    check_finite_weights(model, path)
     return model.eval()
+
+
+def check_finite_weights(model, path: str | Path) -> None:
+    """One line naming the first parameter with NaN or infinite values (and how many), before any probe or gate
+    blames something else for what such a weight does. Buffers are not checked: masks may hold -inf."""
+    import torch
+
+    bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        name, n = bad[0]
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise RefitError(f"model weights in {path} are not finite: {name} has {n} NaN or infinite values{more}; "
+                         "the checkpoint is damaged: replace it (re-save the model)")
+
+
+def text_config(path: str | Path):
+    """The text (decoder) part of the checkpoint's transformers config; None when it cannot be read."""
+    try:
+        return load_config(path).get_text_config()
+    except RefitError:
+        return None

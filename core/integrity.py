@@ -4,17 +4,31 @@ Refit writes folders atomically: into ``.NAME.tmp-PID`` beside the target (engin
 ``checkpoints/.step_N.tmp-PID`` (checkpoints), then one rename. A process killed before the rename
 leaves the temporary folder; :func:`clean_stale_temps` removes those whose process is gone (a live
 PID's folder is another process still writing, and is left alone).
+
+Who may write a folder: :func:`hold_folder` takes an OS lock (``fcntl.flock``, exclusive) on a lock file
+for the life of the process: ``RUN/.refit.lock`` inside a run folder, ``.NAME.lock`` beside an engine folder.
+The kernel drops it when the process ends, however it ends, so a killed run never blocks the next; the file
+records the holder's pid, which names it to a second process (refused in one line) and, left behind by a
+process that did not end normally, is taken over, saying so.
 """
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
+from refit.core.errors import RefitError
+
 _TEMP = re.compile(r"^\..+\.(tmp|old)-(\d+)$")  # .step_000004.tmp-1234, .engine.tmp-1234, .engine.old-1234
+_LOCK = re.compile(r"^\..*\.lock$")  # .refit.lock (a run folder's), .NAME.lock (beside an engine folder)
+RUN_LOCK = ".refit.lock"
+_held: dict[str, int] = {}  # resolved lock file -> its open descriptor, held until the process ends
 
 
 def sha256_files(paths) -> str:
@@ -37,6 +51,60 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
+
+
+def _holder(lock: Path) -> str:
+    """The pid and command recorded in ``lock`` ("" when empty or unreadable)."""
+    try:
+        return lock.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _release_all() -> None:
+    """At a normal exit: empty every lock file this process holds (a pid left behind means a killed holder)."""
+    for fd in _held.values():
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+
+
+def engine_lock(engine_dir: str | Path) -> Path:
+    """The lock file of an engine folder: beside it (``.NAME.lock``), so the folder itself can be renamed into
+    place and removed while the lock is held."""
+    engine_dir = Path(engine_dir)
+    return engine_dir.parent / f".{engine_dir.name}.lock"
+
+
+def hold_folder(lock: str | Path, what: str, log=print) -> None:
+    """Hold ``lock`` (an exclusive ``flock``) until this process ends; a second process is refused in one line.
+
+    ``what`` names the folder in that line ("run folder runs/a"). Taking a lock this process already holds
+    does nothing; a lock file naming a process that is gone (killed: the kernel released its lock) is taken
+    over, saying so."""
+    lock = Path(lock)
+    key = str(lock.resolve())
+    if key in _held:
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = _holder(lock) or "pid unknown"
+        raise RefitError(f"{what} is in use by another Refit process ({holder}); wait for it to end, or choose "
+                         "another folder") from None
+    before = _holder(lock)
+    pid = before.split()[0][4:] if before.startswith("pid ") else ""
+    if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        log(f"refit: {what} was held by {before}, which ended without releasing it; taking it over")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}: {' '.join(os.path.basename(a) for a in sys.argv[:3])}\n".encode())
+    if not _held:
+        atexit.register(_release_all)
+    _held[key] = fd
 
 
 def clean_stale_temps(folder: str | Path, log=print, prefix: str = "") -> list[Path]:
@@ -64,7 +132,7 @@ def folder_holds(path: str | Path) -> str:
         return "missing"
     if not path.is_dir():
         return "file"
-    names = {p.name for p in path.iterdir() if not _TEMP.match(p.name)}
+    names = {p.name for p in path.iterdir() if not _TEMP.match(p.name) and not _LOCK.match(p.name)}
     if not names:
         return "empty"
     if "manifest.json" in names:
@@ -107,12 +175,8 @@ def read_text(path: str | Path, what: str = "file") -> str:
     """A UTF-8 text file's contents, or one RefitError line naming it (missing, not UTF-8)."""
     path = Path(path)
     if not path.is_file():
-        from refit.core.errors import RefitError
-
         raise RefitError(f"{what} {path} does not exist")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        from refit.core.errors import RefitError
-
         raise RefitError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None

@@ -20,6 +20,7 @@ the bottom package, because ``refit export`` uses it and nothing below ``learner
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import sys
 import typing
@@ -103,30 +104,45 @@ def build(cls, values: dict[str, Any], base=None, prefix: str = ""):
 
 
 def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
-    """Dotted or old flat names -> dotted paths of ``cls``; (values, deprecation notes); unknown: one line."""
+    """Dotted or old flat names -> dotted paths of ``cls``; (values, deprecation notes); unknown: one line.
+
+    An old name is read only as it was spelled: a bare name at the top level (``learning_rate``), a moved
+    dotted path (``rollout.temperature``) or its section spelling (``rollout: {workers: 2}``, ``rollout_workers``). A bare name under a section that is not its own (``eval: {steps: 2}``,
+    ``optimm: {learning_rate: 1e-4}``) is unknown, refused with the nearest valid name."""
     known, flat, out, notes, unknown = leaves(cls), flat_leaves(cls), {}, [], []
     for key, v in values.items():
         if key in known or key in flat:
             out[flat.get(key, key)] = v
-            continue
-        section, _, leaf = key.rpartition(".")
-        old = next((k for k in (key, f"{section}_{leaf}" if section else "", leaf) if k in legacy), None)
-        if old is None:
+        elif key in legacy or key.replace(".", "_", 1) in legacy:  # `rollout: {workers: 2}` was rollout_workers
+            old = key if key in legacy else key.replace(".", "_", 1)
+            notes.append(f"{key} -> {next((n for n, p in flat.items() if p == legacy[old]), legacy[old])}")
+            out[legacy[old]] = v
+        else:
             unknown.append(key)
-            continue
-        notes.append(f"{key} -> {next((n for n, p in flat.items() if p == legacy[old]), legacy[old])}")
-        out[legacy[old]] = v
     if unknown:
         raise RefitError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(hinted(cls, k) for k in unknown)} (see --help)")
+                         f"{', '.join(hinted(cls, k) or suggest(cls, k) for k in unknown)} (see --help)")
     return out, notes
 
 
+def suggest(cls, name: str) -> str:
+    """``name``, with the nearest valid spelling when there is a close one (``learing_rate`` -> ``did you mean
+    optim.learning_rate?``): the same leaf under another section, else the closest name by edit ratio."""
+    spelled = {**{p: p for p in leaves(cls) if p not in set(flat_leaves(cls).values())}, **flat_leaves(cls)}
+    key = name.replace("-", "_")
+    leaf = key.rpartition(".")[2]
+    joined = [key.replace(".", "_")] if key.replace(".", "_") in spelled else []  # eval.steps -> eval_steps
+    same_leaf = [n for n, p in spelled.items() if p.rpartition(".")[2] == leaf]
+    near = joined or same_leaf or difflib.get_close_matches(key, list(spelled), n=1, cutoff=0.75) or [
+        n for n in spelled if difflib.get_close_matches(leaf, [n.rpartition(".")[2]], n=1, cutoff=0.8)]
+    return f"{name} (did you mean {near[0]}?)" if near else name
+
+
 def hinted(cls, name: str) -> str:
-    """``name``, with the field that does it when ``cls.NAME_HINTS`` knows it as another tool's name (TRL's
-    ``beta`` -> ``beta (TRL's name; here: kl_coef with ...)``)."""
+    """``name`` with the field that does it when ``cls.NAME_HINTS`` knows it as another tool's name (TRL's
+    ``beta`` -> ``beta (TRL's name; here: kl_coef with ...)``); "" when it does not."""
     hint = getattr(cls, "NAME_HINTS", {}).get(name.replace("-", "_"))
-    return f"{name} (TRL's name; here: {hint})" if hint else name
+    return f"{name} (TRL's name; here: {hint})" if hint else ""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -289,7 +305,8 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
     parsed, rest = tyro.cli(args, args=argv, prog=prog, description=inspect.cleandoc(cls.__doc__ or ""), default=default,
                             use_underscores=True, return_unknown_args=True)
     if rest:
-        words = [f"--{hinted(cls, t[2:])}" if t.startswith("--") and "=" not in t else t for t in rest]
+        words = [f"--{hinted(cls, t[2:]) or suggest(cls, t[2:])}" if t.startswith("--") and "=" not in t else t
+                 for t in rest]
         raise RefitError(f"unknown arguments: {' '.join(words)} (see {prog} --help)")
     from refit.core.validate import validate
 

@@ -22,6 +22,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from refit.core.errors import RefitError
+from refit.core.integrity import engine_lock, folder_holds, hold_folder
 from refit.core.parsing import opt, parse
 from refit.export.onnx_export import ExportOptions, export_onnx, weights_hash
 from refit.rollout.parity import int8_parity_gate, parity_gate
@@ -31,9 +33,10 @@ TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 
 def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime",
-          quantize: str = "none") -> bool:
+          quantize: str = "none", lora: tuple[str, ...] = ()) -> bool:
     """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
-    (for TensorRT: with the standard-op graph, not the fused-attention one), quantized as asked."""
+    (for TensorRT: with the standard-op graph, not the fused-attention one), quantized as asked, with adapter
+    inputs on the layers ``lora`` names (export/lora.py; () none)."""
     from refit.core.manifest import MANIFEST, Manifest
 
     if not (engine_dir / MANIFEST).exists():
@@ -41,7 +44,8 @@ def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: s
     m = Manifest.read(engine_dir)
     return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
             and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused")
-            and (m.quantization.scheme if m.quantization else "none") == _scheme(quantize, backend))
+            and (m.quantization.scheme if m.quantization else "none") == _scheme(quantize, backend)
+            and tuple(m.lora.target_modules if m.lora else ()) == tuple(lora))
 
 
 def _scheme(quantize: str, backend: str) -> str:
@@ -75,7 +79,9 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.rollout.tensorrt.build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend, quantize=opts.quantize):
+    hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)  # one writer: a second is refused
+    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend, quantize=opts.quantize,
+                               lora=tuple(opts.lora)):
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
         export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate, int8_gate=int8_parity_gate)
@@ -86,24 +92,86 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     return engine_dir
 
 
+def _memory_available() -> int | None:
+    """Bytes of memory the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(model_dir: str | Path, rows: int, max_len: int) -> None:
+    """Refuse, before any work, a batch whose KV cache and one (rows, max_len, vocab) fp32 logits tensor (the
+    learner's forward) alone exceed the memory available; the line gives the estimate."""
+    from refit.core.checkpoint import text_config
+
+    text = text_config(model_dir)
+    if text is None:
+        return
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or getattr(text, "d_model", 0)
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or getattr(text, "num_layers", 1)
+    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    need = 4 * rows * max_len * (2 * layers * kv_heads * head_dim + text.vocab_size)  # fp32: K and V, logits
+    have = _memory_available()
+    if have is not None and need > have:
+        raise RefitError(f"{rows} rows x {max_len} tokens need at least {need / 2**30:.1f} GiB (KV cache and "
+                         f"logits of {model_dir}), more than the {have / 2**30:.1f} GiB available; lower the batch "
+                         "(--run.batch_size) or the response length")
+
+
 def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  backend: str = "onnxruntime", log=print, quantize: str = "none") -> Path:
-    """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom."""
-    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize)
+                  backend: str = "onnxruntime", log=print, quantize: str = "none", own: bool | None = None,
+                  lora: tuple[str, ...] = ()) -> Path:
+    """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom.
+
+    An engine of these weights that is too small is exported again, never narrower than it was, only when it is
+    Refit's own (``own``; default: it lies in a run folder, as a run's default engine does); a folder the user
+    named is never re-exported: too small, it is refused in one line naming both limits."""
+    model_dir, engine_dir = Path(model_dir), Path(engine_dir)
+    check_memory(model_dir, rows, max_len)
+    old = _same_weights(engine_dir, model_dir)
+    if old is not None and (old.dims.max_batch < rows or old.dims.max_len < max_len):
+        if not (own if own is not None else folder_holds(engine_dir.parent) == "run"):
+            d = old.dims
+            raise RefitError(f"engine folder {engine_dir} takes {d.max_batch} rows x {d.max_len} tokens (max_batch, "
+                             f"max_len); this run needs {rows} x {max_len}: lower the batch, or export a larger "
+                             f"engine (refit export {model_dir} -o NEW_DIR --max_batch {max(rows, d.max_batch)} "
+                             f"--max_len {max(max_len, d.max_len)}) and pass it (--model.engine_dir NEW_DIR)")
+        rows, max_len = max(rows, old.dims.max_batch), max(max_len, old.dims.max_len)
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize, lora=tuple(lora))
     return build(model_dir, engine_dir, backend, opts, reuse_if_fits=(rows, max_len), log=log)
 
 
+def _same_weights(engine_dir: Path, model_dir: Path):
+    """``engine_dir``'s manifest when it is an export of ``model_dir``'s weights, else None."""
+    from refit.core.manifest import MANIFEST, Manifest
+
+    if not (engine_dir / MANIFEST).is_file():
+        return None
+    try:
+        m = Manifest.read(engine_dir)
+    except RefitError:
+        return None
+    return m if m.hashes.hf_weights_sha256 == weights_hash(model_dir) else None
+
+
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  log=print, quantize: str = "none") -> Path:
+                  log=print, quantize: str = "none", lora: tuple[str, ...] = ()) -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
     if backend in TORCH_BACKENDS:
         if quantize != "none":
-            from refit.core.errors import RefitError
-
             raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime or tensorrt), "
                              f"not {backend}")
         return Path(model_dir)
-    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize)
+    if lora and backend != "onnxruntime":
+        raise RefitError(f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); "
+                         f"the {backend} backend cannot take an adapter push yet (docs/lora.md)")
+    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize, lora=lora)
 
 
 def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | None = None, log=print) -> Path:
@@ -147,6 +215,8 @@ class ExportConfig:
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
                 "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
                 "applies and passes the parity gate, else plain; recorded in the manifest)")
+    lora: tuple[str, ...] = opt((), "LoRA-ready engine: the layers these PEFT target_modules name ('all-linear' or "
+                                    "module names) take an adapter as bound inputs (off until pushed); empty: none")
     quantize: Literal["none", "int8"] = opt(
         "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-column int8 weights, per-row int8 "
                 "activations; --backend tensorrt: weight-only int8 through DequantizeLinear, fp32 matmuls), weight "
@@ -162,13 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
     a, _ = parse(ExportConfig, argv, "refit export")
     if not a.out:
-        from refit.core.errors import RefitError
-
         raise RefitError("give the engine folder to write: -o OUT_DIR")
     model_info(Path(a.model_dir))  # not a checkpoint, an unknown model type: said before the tokenizer
     require_tokenizer(a.model_dir)
+    hold_folder(engine_lock(a.out), f"engine folder {a.out}")  # before the guard looks: a second export is refused
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
-                         parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize)
+                         parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize, lora=tuple(a.lora))
     print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
     return 0

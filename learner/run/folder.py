@@ -4,14 +4,21 @@ A run folder records what run it is in ``run.json``: a run id, the hash of its r
 config itself and the sha256 of every model folder it was started from. :func:`claim` runs first in
 :func:`refit.learner.run.loop.run_job`, before any work:
 
+- the folder is locked for the life of the process (``RUN/.refit.lock``, an OS lock:
+  :func:`refit.core.integrity.hold_folder`): a second run on it is refused in one line naming the holder;
 - a fresh start into a folder that holds a run (``run.json``, ``metrics.jsonl`` or ``checkpoints/``) is
   refused in one line, unless ``overwrite``: then the earlier run's files are deleted, saying so (the
   run's engine folders stay: they are reused only when their weights match, :mod:`refit.export.guard`);
-  a folder that is an HF model or an engine folder is never used as a run folder;
+  a run that stopped before its first checkpoint has nothing to continue: the line names ``--overwrite``;
+- a folder that is an HF model or an engine folder is never used as a run folder, nor the current folder
+  (``-o .``) or one above it; a non-empty folder that holds no run is refused unless ``overwrite``, and
+  even then never when the run would replace one of its files (a user's own ``config.yaml``);
 - ``--resume`` compares the config with the one recorded: a field in :data:`MAY_CHANGE` (the run's
   length, logging, scale-out) is applied and logged, any other changed field is refused in one line
-  (``--optim.learning_rate 1e6`` on resume would otherwise be ignored by the restored optimizer); a
-  model folder whose weights changed since the run started is refused too;
+  (``--optim.learning_rate 1e6`` on resume would otherwise be ignored by the restored optimizer); paths
+  are compared resolved (``./r5/``, ``r5`` and its absolute path are one folder), the run folder is the one
+  whose ``run.json`` is read (a moved run is the same run), a model folder named by another path is the same
+  when its weights are; a model folder whose weights changed since the run started is refused too;
 - leftover ``.step_N.tmp-PID`` checkpoint folders of killed runs are removed (when that PID is gone);
 - every engine folder the job will use is checked (:func:`guard_engines`): another model's engine is
   refused unless ``overwrite``, a damaged one of this model is exported again.
@@ -29,7 +36,7 @@ import uuid
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.integrity import HOLDS, clean_stale_temps, folder_holds
+from refit.core.integrity import HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, folder_holds, hold_folder
 
 RUN_RECORD = "run.json"
 # fields a resumed run may change (applied and logged); any other change is refused
@@ -39,6 +46,7 @@ MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scal
 RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
              "final_engine", "final_value_head.safetensors")
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")
+PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -89,7 +97,7 @@ def write_record(run_dir: Path, record: dict) -> None:
 
 
 def _describe(run_dir: Path, record: dict | None) -> str:
-    cks = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+    cks = _checkpoints(run_dir)
     who = f"run {record['run_id']}" if record else "a run"
     return f"{who}{f' (last checkpoint {cks[-1]})' if cks else ''}"
 
@@ -98,9 +106,36 @@ def _may_change(path: str) -> bool:
     return any(path == m or (m.endswith(".") and path.startswith(m)) for m in MAY_CHANGE)
 
 
+def _is_path(key: str, value) -> bool:
+    return isinstance(value, str) and bool(value) and key.endswith(PATH_FIELDS)
+
+
+def _same_path(old, new, old_cwd: str) -> bool:
+    """One file or folder, however spelled: ``old`` resolved from the recorded run's working folder."""
+    if not (isinstance(old, str) and isinstance(new, str) and old and new):
+        return old == new
+    return (Path(old_cwd) / old).resolve() == Path(new).resolve()
+
+
+def _moved(record: dict, new: dict, mine: dict[str, str]) -> dict[str, str]:
+    """The path fields that name the same thing as recorded, spelled otherwise: {field: how it is the same}."""
+    old, cwd, out = record.get("config", {}), record.get("cwd", os.getcwd()), {}
+    for k, v in new.items():
+        if old.get(k) == v or not _is_path(k, v) or not _is_path(k, old.get(k)):
+            continue
+        if k == "run.output_dir":
+            out[k] = f"the run in it is run {record.get('run_id', '?')}"  # the folder whose run.json was read
+        elif _same_path(old[k], v, cwd):
+            out[k] = "the same folder"
+        elif k in mine and record.get("models", {}).get(k) == mine[k]:
+            out[k] = "the same weights"
+    return out
+
+
 def _compare(record: dict, cfg, log) -> None:
-    old, new = record.get("config", {}), config_values(cfg)
-    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    old, new, mine = record.get("config", {}), config_values(cfg), model_hashes(cfg)
+    moved = _moved(record, new, mine)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in moved]
     refused = [k for k in changed if not _may_change(k)]
     if refused:
         k = refused[0]
@@ -109,7 +144,9 @@ def _compare(record: dict, cfg, log) -> None:
                          "config: drop the flag, or start a new run (another -o, or --overwrite)")
     if changed:
         log("refit: --resume: applying changed " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed))
-    mine = model_hashes(cfg)
+    moved = {k: why for k, why in moved.items() if why != "the same folder"}
+    if moved:
+        log("refit: --resume: moved, " + ", ".join(f"{k} {old[k]!r} -> {new[k]!r} ({why})" for k, why in moved.items()))
     for k, h in record.get("models", {}).items():
         if k in mine and mine[k] != h:
             raise RefitError(f"--resume: the weights in {new.get(k)} ({k}) changed since the run started (sha256 "
@@ -117,19 +154,55 @@ def _compare(record: dict, cfg, log) -> None:
                              "and engine come from that folder: restore it, or start a new run")
 
 
-def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
-    """Make ``run_dir`` this run's (see the module doc); returns its record. Raises before anything is written."""
-    run_dir = Path(run_dir)
-    holds = folder_holds(run_dir)
+def _refuse_foreign(run_dir: Path, holds: str, resume: bool, overwrite: bool) -> None:
+    """The refusals that need no lock: a file, an engine, a model, the current folder, a folder of other files."""
     if holds in ("file", "engine", "model"):
         raise RefitError(f"run folder {run_dir} holds {HOLDS[holds]}; choose another run folder (-o / "
                          "--run.output_dir)")
+    here = Path.cwd().resolve()
+    if run_dir.resolve() == here or run_dir.resolve() in here.parents:
+        raise RefitError(f"run folder {run_dir} is the current folder{'' if run_dir.resolve() == here else ' or above it'}"
+                         "; give the run a folder of its own (-o runs/NAME)")
+    if resume and holds != "run":
+        raise RefitError(f"--resume: {run_dir} holds no run to continue (no {RUN_RECORD}, metrics or checkpoints); "
+                         "start it without --resume")
+    if holds == "other":
+        mine = [n for n in RUN_FILES if (run_dir / n).exists()]
+        if mine:
+            raise RefitError(f"run folder {run_dir} holds files that are not a Refit run's, and the run would "
+                             f"replace {mine[0]}; choose another run folder (-o)")
+        if not overwrite:
+            raise RefitError(f"run folder {run_dir} is not empty and holds no Refit run; choose an empty or new "
+                             "folder (-o), or pass --overwrite to write the run beside its files")
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def _has_rows(run_dir: Path) -> bool:
+    """True when ``metrics.jsonl`` holds anything (a step-0 row counts: the run got that far)."""
+    f = run_dir / "metrics.jsonl"
+    return f.is_file() and f.stat().st_size > 0
+
+
+def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
+    """Make ``run_dir`` this run's (see the module doc); returns its record. Raises before anything is written
+    but the folder itself and its lock file."""
+    run_dir = Path(run_dir)
+    _refuse_foreign(run_dir, folder_holds(run_dir), resume, overwrite)  # nothing created for these
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hold_folder(run_dir / RUN_LOCK, f"run folder {run_dir}", log)
+    holds = folder_holds(run_dir)  # again, under the lock: another run may have written it in between
+    _refuse_foreign(run_dir, holds, resume, overwrite)
+    clean_stale_temps(run_dir, log, prefix=RUN_RECORD)
     clean_stale_temps(run_dir / "checkpoints", log, prefix="step_")
     record = read_record(run_dir) if holds == "run" else None
     if resume:
-        if holds != "run":
-            raise RefitError(f"--resume: {run_dir} holds no run to continue (no {RUN_RECORD}, metrics or "
-                             "checkpoints); start it without --resume")
+        if not _checkpoints(run_dir):
+            raise RefitError(f"--resume: {_describe(run_dir, record)} in {run_dir} stopped before its first "
+                             "checkpoint: nothing to continue; start it again with --overwrite")
         if record is None:
             log(f"refit: --resume: {run_dir} has no {RUN_RECORD} (written by an older Refit): its config is not "
                 "compared; recording it now")
@@ -137,19 +210,27 @@ def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
         else:
             _compare(record, cfg, log)
     else:
+        empty = holds == "run" and not _checkpoints(run_dir) and not _has_rows(run_dir)
+        if empty:
+            log(f"refit: {_describe(run_dir, record)} in {run_dir} stopped before its first step (nothing recorded); "
+                "starting afresh")
         if holds == "run":
-            if not overwrite:
+            if not overwrite and not empty:
+                if not _checkpoints(run_dir):
+                    raise RefitError(f"run folder {run_dir} already holds {_describe(run_dir, record)}, which "
+                                     "stopped before its first checkpoint; start it again with --overwrite "
+                                     "(deletes its metrics), or choose another -o")
                 raise RefitError(f"run folder {run_dir} already holds {_describe(run_dir, record)}; continue it with "
                                  "--resume, replace it with --overwrite (deletes its metrics and checkpoints), or "
                                  "choose another -o")
-            log(f"refit: --overwrite: deleting {_describe(run_dir, record)} from {run_dir} "
-                f"({', '.join(n for n in RUN_FILES if (run_dir / n).exists())})")
+            if not empty:
+                log(f"refit: --overwrite: deleting {_describe(run_dir, record)} from {run_dir} "
+                    f"({', '.join(n for n in RUN_FILES if (run_dir / n).exists())})")
             for name in RUN_FILES:
                 p = run_dir / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         record = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.update(config_hash=config_hash(cfg), config=config_values(cfg), models=model_hashes(cfg))
+    record.update(config_hash=config_hash(cfg), config=config_values(cfg), models=model_hashes(cfg), cwd=os.getcwd())
     return record
 
 
@@ -167,8 +248,10 @@ def engine_pairs(cfg) -> list[tuple[str, Path]]:
 
 
 def guard_engines(cfg, overwrite: bool, log=print) -> None:
-    """:func:`refit.export.guard.guard_engine` for every engine folder the job will use."""
+    """Lock every engine folder the job will use (:func:`refit.core.integrity.engine_lock`: a second process
+    exporting into it is refused), then :func:`refit.export.guard.guard_engine` it."""
     from refit.export.guard import guard_engine
 
     for model_dir, engine_dir in engine_pairs(cfg):
+        hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)
         guard_engine(model_dir, engine_dir, overwrite, log)

@@ -4,8 +4,9 @@ checkpoints, and closing everything whatever happens.
 A job (PPO, distillation) is a :class:`Job`: a ``setup`` that builds its state, a ``step`` that
 returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_job` drives it:
 
-    0. the config's ranges (refit.core.validate), the run folder's owner and every engine folder's
-       integrity (refit.learner.run.folder: refused in one line before any work; --overwrite, --resume)
+    0. the config's ranges (refit.core.validate), the run folder's lock and owner and every engine folder's
+       lock and integrity (refit.learner.run.folder: refused in one line before any work; --overwrite,
+       --resume); a fresh run's record (run.json) written at once
     1. run folder, resolved config printed and saved (rank 0)
     2. setup (engines, models, optimizer; resume from the last checkpoint)
     3. optional step-0 metrics (``Job.initial``, not on resume)
@@ -13,6 +14,10 @@ returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_
        after the last, ``Job.finish``: work still in flight collected, its error raised (a normal end only)
     5. close the progress bar, the metrics, the engines (in the job's order) and the process group;
        the job's final output (``Job.final``: OUTPUT_DIR/final, rank 0), plots (rank 0)
+
+A Python caller may watch the steps through :class:`StepHooks` (the TRL facade's callbacks): called before
+and after each step, it may add values to the step's metrics row, ask for a checkpoint, or end the run early
+(which then ends as after its last step: ``finish``, closing, ``final``).
 
 Under ``torchrun`` only rank 0 writes; the other ranks run ``step`` (their slice of the update).
 """
@@ -53,6 +58,24 @@ class Job:
     finish: Callable[[Any], Any] | None = None
 
 
+@dataclass(frozen=True)
+class StepControl:
+    """What a step hook asks of the loop after a step."""
+
+    save: bool = False  # write this step's checkpoint even when ckpt.save_steps does not make it due
+    stop: bool = False  # end the run after this step, as after the last one
+    metrics: dict = field(default_factory=dict)  # values added to this step's metrics row (metrics.jsonl, TB)
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Called on rank 0 around each step of :func:`run_job` (one process only; the CLI passes none)."""
+
+    before: Callable[[int], None]  # (step) before the step runs
+    after: Callable[[int, dict], StepControl]  # (step, metrics) after it ran, before it is logged and saved
+    saved: Callable[[int], None]  # (step) after its checkpoint was written
+
+
 def last_step(cfg, start_step: int) -> int:
     """The last step this process runs: ``steps``, or ``max_steps_this_run`` past the start (tests)."""
     r = cfg.run
@@ -68,8 +91,11 @@ def check_finite(values: dict[str, float], what: str, run_dir: Path) -> None:
     """One line, naming the last checkpoint, when any of ``values`` is NaN or infinite; nothing is saved."""
     bad = [k for k, v in values.items() if not math.isfinite(v)]
     if bad:
+        last = latest_checkpoint(run_dir)
+        way = (f"last checkpoint: {last} (--resume continues from it)" if last else
+               "there is no checkpoint yet: start again with --overwrite")
         raise RefitError(f"non-finite {what} ({', '.join(f'{k}={values[k]}' for k in bad)}); nothing from this "
-                         f"step was saved, last checkpoint: {latest_checkpoint(run_dir)}")
+                         f"step was saved, {way}")
 
 
 def _progress(cfg, initial: int, desc: str):
@@ -78,19 +104,25 @@ def _progress(cfg, initial: int, desc: str):
     return tqdm(total=cfg.run.steps, initial=initial, desc=desc, dynamic_ncols=True)
 
 
-def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = False) -> tuple[Path, Any]:
+def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = False,
+            hooks: StepHooks | None = None) -> tuple[Path, Any]:
     """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing).
 
     ``overwrite``: a fresh run may replace an earlier run in the same folder, and another model's engine
-    folder it names (refit.learner.run.folder); otherwise both are refused in one line."""
+    folder it names (refit.learner.run.folder); otherwise both are refused in one line. ``hooks``: see
+    :class:`StepHooks`."""
     validate(cfg)
     run_dir = Path(cfg.run.output_dir)
     dist = init_from_env(cfg.run.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
+    if hooks is not None and dist.enabled:  # a stop asked on rank 0 alone would leave the other ranks waiting
+        raise RefitError("step hooks (TRL callbacks) run in one process; under torchrun use refit ppo / distill")
     main = dist.is_main  # [dist] rank 0 alone writes config, metrics, checkpoints and plots
     record = None
     if main:
-        record = claim(run_dir, cfg, resume, overwrite, log)  # before anything is written
+        record = claim(run_dir, cfg, resume, overwrite, log)  # locked for this process; refusals before any write
         guard_engines(cfg, overwrite, log)
+        if not resume:
+            write_record(run_dir, record)  # a run that fails in setup leaves a folder known as a run (--overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     if main:
         log(f"refit {job.name}: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
@@ -105,16 +137,23 @@ def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = Fa
     bar = _progress(cfg, state.start_step, job.name) if cfg.log.progress and main else None
     try:
         for step in range(state.start_step + 1, last_step(cfg, state.start_step) + 1):
+            if hooks is not None:
+                hooks.before(step)
             m = job.step(state, step)
             if not main:  # [dist]
                 continue
-            metrics.log(step, m)
-            if due(step, cfg.ckpt.save_steps, cfg.run.steps):
+            ctl = hooks.after(step, m) if hooks is not None else StepControl()
+            metrics.log(step, {**m, **ctl.metrics})
+            if due(step, cfg.ckpt.save_steps, cfg.run.steps) or ctl.save:
                 job.save(state, step)
+                if hooks is not None:
+                    hooks.saved(step)
             fault_point("step.end")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(**job.postfix(m))
+            if ctl.stop:
+                break
         if job.finish is not None:
             job.finish(state)
     finally:
