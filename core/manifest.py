@@ -37,6 +37,7 @@ from pathlib import Path
 from refit.core.errors import RefitError
 
 MANIFEST = "manifest.json"  # file name inside an engine folder
+FUSED_INPUTS = frozenset({"seqlens_k", "query_seqlens"})  # graph inputs only a fused-attention decoder has
 FORMAT = "refit-engine/1"  # on-disk layout; bump when a reader of the old one would misread the new
 KINDS = ("decoder", "seq2seq")
 GRAPHS_OF_KIND = {"decoder": ("decoder",), "seq2seq": ("encoder", "decoder")}
@@ -119,6 +120,8 @@ class Hashes:
     hf_weights_sha256: str  # of the source checkpoint's weight files + config.json (export cache, reuse)
     graphs_sha256: Mapping[str, str]  # {graph: sha256 of .onnx}, as in GraphSpec.sha256
     engine_weights_sha256: Mapping[str, str]  # {graph: sha256 of .onnx.data}, as in GraphSpec.weights_sha256
+    # {file under tokenizer/: its sha256}: the engine's own tokenizer (absent in folders exported before it)
+    tokenizer_sha256: Mapping[str, str] | None = field(default=None, metadata=_OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,37 @@ class TrtPlan:
     build_seconds: float
     refittable_weights: tuple[str, ...]  # every weight name the Refitter can set
     not_refittable: tuple[str, ...]  # mapped weights TensorRT constant-folded: a push to them fails
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One linear layer that takes a LoRA adapter in the engine (export/lora.py): ``y = x W^T + (x A^T)(s B^T)``."""
+
+    graphs: tuple[str, ...]  # the graphs whose matmul by this layer's weight got the adapter branch
+    in_features: int  # K: rows of the bound A input (K, r)
+    out_features: int  # N: columns of the bound B input (r, N)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA-ready engine's record (export/lora.py): which layers take an adapter, and under what input names.
+
+    Each target ``m`` has two optional graph inputs, ``lora.<m>.A`` (K, r) and ``lora.<m>.B`` (r, N), whose
+    defaults are empty (r = 0): a run that binds nothing computes the base exactly (the adapter is off). A push
+    binds ``A^T`` and ``scaling * B^T`` of PEFT's ``lora_A`` (r, K) and ``lora_B`` (N, r); the rank is any r."""
+
+    target_modules: tuple[str, ...]  # as asked (PEFT's spelling: "all-linear" or module names)
+    targets: Mapping[str, LoraTarget]  # {HF module name: its layer}
+
+
+def lora_inputs(module: str) -> tuple[str, str]:
+    """The engine's input names of ``module``'s adapter: (A (K, r), B (r, N))."""
+    return f"lora.{module}.A", f"lora.{module}.B"
+
+
+def lora_push_names(module: str) -> tuple[str, str]:
+    """The names a push carries ``module``'s adapter under: PEFT's ``lora_A`` (r, K) and ``scaling * lora_B`` (N, r)."""
+    return f"{module}.lora_A", f"{module}.lora_B"
 
 
 @dataclass(frozen=True)
@@ -259,6 +293,8 @@ class Manifest:
     constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=_OPTIONAL)
     # int8 rollout engine (export/quantize.py; ExportOptions.quantize): its linear layers' int8 twins; None: fp32
     quantization: Quantization | None = field(default=None, metadata=_OPTIONAL)
+    # LoRA-ready engine (export/lora.py; ExportOptions.lora): the layers that take an adapter; None: none do
+    lora: Lora | None = field(default=None, metadata=_OPTIONAL)
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 
     # ---------------------------------------------------------------------- file
@@ -331,7 +367,7 @@ class Manifest:
     def problems(self) -> list[str]:
         """Everything inconsistent in this manifest, one line each; empty when it is usable."""
         return (_scalar_problems(self) + _capability_problems(self) + _graph_problems(self)
-                + _weight_map_problems(self) + _profile_problems(self) + _plan_problems(self))
+                + _weight_map_problems(self) + _profile_problems(self) + _plan_problems(self) + _lora_problems(self))
 
     def check(self, where: str = "manifest") -> None:
         """Raise RefitError (one line: the first problem, and how many more) unless :meth:`problems` is empty."""
@@ -362,6 +398,12 @@ def _scalar_problems(m: Manifest) -> list[str]:
         p.append(f"export_peak_rss_mb is {m.export_peak_rss_mb}, must be positive")
     if m.attention not in (None, "plain", "fused"):
         p.append(f"attention {m.attention!r} is not plain or fused")
+    elif m.kind == "decoder" and "decoder" in m.graphs:
+        fused_inputs = FUSED_INPUTS & set(m.graphs["decoder"].inputs)
+        if (m.attention == "fused") != bool(fused_inputs):  # absent (older folders) reads as plain
+            said = repr(m.attention) if m.attention else "absent (read as plain)"
+            graph = f"fused ({', '.join(sorted(fused_inputs))} inputs)" if fused_inputs else "plain (no seqlens_k input)"
+            p.append(f"attention is {said} but the decoder graph is {graph}")
     if m.kind == "seq2seq" and m.special_ids.decoder_start is None:
         p.append("special_ids.decoder_start is null, a seq2seq engine needs it")
     return p
@@ -417,6 +459,19 @@ def _weight_map_problems(m: Manifest) -> list[str]:
             p.append(f"tied: alias {alias} is also in the weight map")
         if canon not in m.weight_map:
             p.append(f"tied: {alias} -> {canon}, which is not in the weight map")
+    return p
+
+
+def _lora_problems(m: Manifest) -> list[str]:
+    """Every adapter target names graphs of this manifest and positive widths."""
+    if m.lora is None:
+        return []
+    p = [] if m.lora.targets else ["lora: no target layers"]
+    for name, t in m.lora.targets.items():
+        if not t.graphs or any(g not in m.graphs for g in t.graphs):
+            p.append(f"lora: target {name} names graphs {list(t.graphs)}, not all in graphs")
+        if t.in_features <= 0 or t.out_features <= 0:
+            p.append(f"lora: target {name} has widths {t.in_features} x {t.out_features}, must be positive")
     return p
 
 

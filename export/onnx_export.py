@@ -38,7 +38,7 @@ from refit.export.memory import StagePeaks
 from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one,
                                      engine_weight_views, fingerprint_, graph_buffers, weight_derived_values,
                                      weight_digests)
-from refit.core.integrity import sha256_files as _sha256_files
+from refit.core.integrity import folder_hashes, sha256_files as _sha256_files
 from refit.export.graph import write_graph as _write_graph
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
@@ -62,6 +62,9 @@ class ExportOptions:
     # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
     # re-quantized; backend "tensorrt": weight-only int8 through DequantizeLinear; "none": as exported (dtype)
     quantize: str = "none"
+    # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
+    # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
+    lora: tuple[str, ...] = ()
 
 
 PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
@@ -240,6 +243,8 @@ def cache_key(model_dir: Path, opts: ExportOptions) -> str:
     o = asdict(opts)
     if o.get("quantize") == "none":  # the key of an unquantized export is what it was before the field existed
         del o["quantize"]
+    if not o.get("lora"):  # likewise for an engine without adapter inputs
+        o.pop("lora", None)
     blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -385,16 +390,24 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
     return "plain", reason
 
 
-def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype, moe: bool) -> tuple:
+def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype, moe: bool,
+                   lora: tuple[str, ...] = ()) -> tuple:
     """Fingerprint ``model`` in place (:func:`refit.export.weight_map.fingerprint_`: its real weights are gone),
-    trace its graphs and map them by content. Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the
-    mapped weights as placeholders}, weight map, constants); nothing returned refers to the model's tensors."""
+    trace its graphs and map them by content; with ``lora`` (PEFT target_modules) the targeted layers get their
+    adapter branches (export/lora.py). Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the mapped
+    weights as placeholders}, weight map, constants, the Lora record or None); nothing returned refers to the
+    model's tensors."""
+    targets = None
+    if lora:
+        from refit.export.lora import resolve_targets
+
+        targets = resolve_targets(model, lora)
     fingerprint_(model)
     if moe:
         from refit.export.moe import use_grouped_experts
 
         use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (export/moe.py)
-    fp_params, _ = canonical_params(model)
+    fp_params, tied = canonical_params(model)
     specs = graph_specs(model, caps, attention)
     io = {s["name"]: (tuple(s["inputs"]), tuple(s["outputs"])) for s in specs}
     by_digest = weight_digests(fp_params, dtype)  # once: the trace's provenance and the map both read it
@@ -405,12 +418,24 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
                                        dtype, {g: prov for g, (_, prov) in traced.items()},
                                        graph_buffers(model, fp_params), by_digest)
     check_one_to_one(wmap)
-    protos = {}
+    protos, placed = {}, {}
     for g, (m, _) in traced.items():
         protos[g] = _placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
         gemm_for_transposed_weights(protos[g])
+        if targets:
+            from refit.export.lora import add_adapter_branches
+
+            weight = lambda mod: tied.get(f"{mod}.weight", f"{mod}.weight")  # noqa: E731 - a tied alias: its owner
+            engine_of = {mod: t.engine for mod in targets for t in wmap.get(weight(mod), ()) if t.graph == g}
+            for mod in add_adapter_branches(protos[g], g, targets, engine_of):
+                placed.setdefault(mod, []).append(g)
+    record = None
+    if targets:
+        from refit.export.lora import lora_record
+
+        record = lora_record(lora, targets, placed)
     _free_storage(fp_params.values())
-    return io, protos, wmap, constants
+    return io, protos, wmap, constants, record
 
 
 def _free_storage(tensors) -> None:
@@ -435,7 +460,7 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
     gate, int8_gate = gates
     fused = attention[0] == "fused"
     dtype = DTYPES[opts.dtype]
-    io, protos, wmap, constants = _trace_and_map(models.take(), caps, attention[0], dtype, moe)
+    io, protos, wmap, constants, lora = _trace_and_map(models.take(), caps, attention[0], dtype, moe, tuple(opts.lora))
     gc.collect()  # the exporter's reference cycles hold the traced (fingerprinted) model
     peaks.mark("trace+map")
     model = models.take()
@@ -455,7 +480,9 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
     tok.save_pretrained(str(tmp / "tokenizer"))
     shutil.copy(model_dir / "config.json", tmp / "config.json")
     manifest = replace(_manifest(info, caps, opts, key, graphs, wmap, tied, model_dir, time.perf_counter() - t0),
-                       attention=attention[0], attention_reason=attention[1], constants=constants or None)
+                       attention=attention[0], attention_reason=attention[1], constants=constants or None,
+                       lora=lora)
+    manifest = replace(manifest, hashes=replace(manifest.hashes, tokenizer_sha256=folder_hashes(tmp / "tokenizer")))
     if fused:
         from refit.export.fused import fused_dynamic_dims, fused_profiles
 

@@ -32,6 +32,7 @@ bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Mapping
@@ -149,6 +150,10 @@ class _OrtSeq2SeqState:
         return _logits(outs["logits"]).float()
 
 
+def _frozen_view(*_, **__) -> None:
+    raise RefitError("update_weights: this is an engine's adapter-off view (the frozen reference); it takes no push")
+
+
 def _remove_graph_pair(path: Path) -> None:
     """A graph file and its ``.data`` file (push_via="file"'s scratch pairs)."""
     path.unlink(missing_ok=True)
@@ -260,18 +265,39 @@ class OrtEngine(LoopEngine):
         self._shapes = ({g: {n: tuple(t.shape) for n, t in w.items()} for g, w in self.weights.items()}
                         if hold_weights else engine_weight_shapes(self.engine_dir, self.manifest))
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
+        self.adapter = None  # a LoRA-ready engine's adapter (rollout/ort_adapter.py), bound into every run
+        if self.manifest.lora is not None:
+            from refit.rollout.ort_adapter import AdapterSessions, AdapterSlots
+
+            self.adapter = AdapterSlots(self.manifest.lora, np.float16 if self._dtype == torch.float16 else np.float32)
+            self.sessions = AdapterSessions(self.sessions, self.adapter)
         self._version = 0
         self.last_push_s: dict[str, float] = {}  # update_weights' phases, seconds (see there); {} before a push
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
-        self._kv_pools: list = []  # one per shard: a shard's decode writes its own buffers
-        if self.manifest.attention == "fused":  # rollout/ort_fused.py: GroupQueryAttention, shared KV buffers
-            from refit.rollout.ort_fused import KVPool
+        self._kv_pools = self._make_pools()  # one per shard: a shard's decode writes its own buffers
 
-            d = self.manifest.dims
-            names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
-            np_dtype = np.float16 if self._dtype == torch.float16 else np.float32
-            self._kv_pools = [KVPool(names, d.n_kv_heads, d.head_dim, np_dtype, d.max_len) for _ in range(shards)]
+    def _make_pools(self) -> list:
+        """A fused engine's KV buffer pools, one per shard (rollout/ort_fused.py); [] for the plain graph."""
+        if self.manifest.attention != "fused":
+            return []
+        from refit.rollout.ort_fused import KVPool
+
+        d = self.manifest.dims
+        names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
+        np_dtype = np.float16 if self._dtype == torch.float16 else np.float32
+        return [KVPool(names, d.n_kv_heads, d.head_dim, np_dtype, d.max_len) for _ in range(self.shards)]
+
+    def adapter_off(self) -> "OrtEngine":
+        """This engine with its LoRA adapter off: the base, over the same sessions (one copy of the base weights in
+        memory), with KV buffers of its own. PPO's frozen reference on a LoRA run. It takes no pushes; a push of
+        the base into this engine (which a LoRA run never makes) would leave it on the sessions it had."""
+        if self.adapter is None:
+            raise RefitError(f"adapter_off: {self.engine_dir} is not a LoRA-ready engine (export it with --lora)")
+        view = copy.copy(self)
+        view.sessions, view.adapter, view._kv_pools = self.sessions.raw, None, self._make_pools()
+        view.update_weights = _frozen_view
+        return view
 
     def _open(self, new: dict[str, dict[str, torch.Tensor]]) -> dict:
         """{graph: session} over each graph file: ``new[graph]`` weights, the held ones for the rest.
@@ -330,6 +356,18 @@ class OrtEngine(LoopEngine):
         engine's :func:`quantize_push`; ~0 otherwise), ``open`` (2), ``copy`` (3); refit bench generate reports them.
         """
         t0 = time.perf_counter()
+        if self.adapter is not None and any(self.adapter.owns(n) for n in named_tensors):
+            adapter = {n: t for n, t in named_tensors.items() if self.adapter.owns(n)}
+            base = {n: t for n, t in named_tensors.items() if n not in adapter}
+            if base:  # a LoRA run pushes its adapter only; the base never changes under it
+                raise RefitError(f"update_weights: a push to {self.engine_dir} carries adapter and base weights "
+                                 f"together ({len(adapter)} adapter, {len(base)} base, e.g. {sorted(base)[:2]}); "
+                                 "push the adapter alone (the base is the exported one)")
+            moved = self.adapter.push(adapter)
+            self._version = next_version(self._version, version)
+            self.last_push_s = {"map": 0.0, "quantize": 0.0, "open": 0.0, "copy": time.perf_counter() - t0,
+                                "adapter_bytes": float(moved)}
+            return
         wmap = self.manifest.weight_map
         named = resolve_names(named_tensors, set(wmap), self.manifest.tied)
         if self._push_via == "file":

@@ -45,8 +45,10 @@ class ForwardOut:
 
 
 def _unwrap(model):
-    """The HF model inside a DDP wrapper (which has no ``config``)."""
-    return getattr(model, "module", model)
+    """The HF model inside a DDP wrapper (which has no ``config``) or a PEFT model (a LoRA policy, whose forward
+    passes every keyword on to it)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,

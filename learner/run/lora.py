@@ -1,0 +1,108 @@
+"""LoRA on the learner, through PEFT: the policy is a ``PeftModel`` over a frozen base; what a push carries.
+
+``apply_lora`` wraps the loaded base with PEFT's LoRA (``lora`` section: r, alpha, dropout, target_modules, init)
+and freezes the base: no gradient, no optimizer state for it. ``adapter_tensors`` is what reaches the engine on a
+push: per target layer PEFT's ``lora_A`` (r, K) and ``scaling * lora_B`` (N, r) under the names the engine's
+manifest gives (refit.core.manifest ``lora_push_names``), a few MB where the base is GB. The reference on a LoRA run
+is the same model with the adapter off (:class:`AdapterOff` in PyTorch; ``OrtEngine.adapter_off`` on the engine),
+so the base is held once on each side.
+
+Refused in one line: target modules that match nothing (PEFT's own message), a rank larger than a targeted layer's
+smaller side (the update would be full rank and cost more than the layer), an ``init`` that does not leave the
+policy equal to the base at step 0 (KL(0) = 0 is the contract; PiSSA/OLoRA also rewrite the base, which the
+engine holds as exported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refit.core.errors import RefitError
+from refit.core.manifest import lora_push_names
+from refit.export.lora import lora_config
+from refit.learner.run.config import LoraSection
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraSection):
+    """``model`` (the base, loaded) wrapped as a PEFT ``PeftModel`` with a fresh adapter, the base frozen."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        peft_model = get_peft_model(model, lora_config(lora.target_modules, lora.r, lora.alpha, lora.dropout,
+                                                       lora.init))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RefitError(f"lora: target_modules {list(lora.target_modules)} cannot be used on this model: "
+                         f"{first[:300]}") from None
+    layers = {n: m for n, m in peft_model.base_model.model.named_modules() if isinstance(m, LoraLayer)}
+    too_wide = [(n, m.in_features, m.out_features) for n, m in layers.items()
+                if lora.r > min(m.in_features, m.out_features)]
+    if too_wide:
+        n, k, o = too_wide[0]
+        raise RefitError(f"lora: r = {lora.r} is larger than layer {n} ({k} -> {o}); a rank above "
+                         f"min(in, out) = {min(k, o)} is no longer low-rank (lower lora.r or the target_modules)")
+    return peft_model
+
+
+def is_lora(model) -> bool:
+    """True for a PEFT model (a LoRA policy), also inside a DDP wrapper."""
+    from peft import PeftModel
+
+    return isinstance(getattr(model, "module", model), PeftModel)
+
+
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """What a push carries for a LoRA ``model``: ``{<module>.lora_A: (r, K), <module>.lora_B: scaling * (N, r)}``
+    for every adapted layer, in fp32 (the scaled B is a fresh tensor; A is the parameter itself)."""
+    from peft.tuners.lora import LoraLayer
+
+    model = getattr(model, "module", model)
+    out = {}
+    for name, m in model.base_model.model.named_modules():
+        if isinstance(m, LoraLayer) and "default" in m.lora_A:
+            a_name, b_name = lora_push_names(name)
+            out[a_name] = m.lora_A["default"].weight.detach()
+            out[b_name] = (m.lora_B["default"].weight.detach().float() * m.scaling["default"])
+    return out
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's parameters by PEFT's state-dict names (what a checkpoint holds of a LoRA policy)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(getattr(model, "module", model))
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Put :func:`trainable_state`'s tensors back into ``model``; one line when they do not fit it."""
+    from peft import set_peft_model_state_dict
+
+    res = set_peft_model_state_dict(getattr(model, "module", model), state)
+    missing = [k for k in getattr(res, "missing_keys", []) if "lora_" in k]
+    if missing:
+        raise RefitError(f"checkpoint's adapter lacks {len(missing)} of this run's LoRA tensors, e.g. {missing[:2]} "
+                         "(was it written with other lora settings?)")
+
+
+class AdapterOff(torch.nn.Module):
+    """The base of a LoRA ``model`` as a model of its own: calls run ``model`` with its adapter disabled (PEFT's
+    ``disable_adapter``). PPO's PyTorch reference on a LoRA run: the base held once, no copy."""
+
+    def __init__(self, model):
+        super().__init__()
+        object.__setattr__(self, "peft_model", getattr(model, "module", model))  # not a submodule: no params of its own
+
+    @property
+    def config(self):
+        return self.peft_model.config
+
+    def parameters(self, recurse: bool = True):
+        return self.peft_model.parameters(recurse)
+
+    def get_base_model(self):
+        return self.peft_model.get_base_model()
+
+    def forward(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
