@@ -229,6 +229,8 @@ def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]
                 m = model.get_submodule(owner)
             except AttributeError:
                 continue
+            if hasattr(m, "base_layer"):  # a PEFT LoRA layer: the base's Linear is inside it (the adapter stays fp32)
+                owner, m = f"{owner}.base_layer", m.base_layer
             if leaf == "weight" and _module_kn(m) is not None:
                 mods.append(owner)
         for t in targets:
@@ -237,10 +239,13 @@ def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]
     return out
 
 
-def reference_model(model, manifest: Manifest):
+def reference_model(model, manifest: Manifest, share_parameters: bool = False):
     """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine
-    (:class:`QDQLinear`, the dequantized weights in fp32, for the TensorRT scheme)."""
-    ref = copy.deepcopy(model)
+    (:class:`QDQLinear`, the dequantized weights in fp32, for the TensorRT scheme). ``share_parameters``: the copy
+    shares every parameter and buffer with ``model`` (only the modules are new), so it holds no fp32 copy and sees
+    ``model``'s later updates (its int8 twins are made now: right for a frozen base, as under LoRA)."""
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]} if share_parameters else None
+    ref = copy.deepcopy(model, memo)
     quant = manifest.quantization
     layer = QDQLinear if quant is not None and quant.scheme == QDQ else Int8Linear
     mods = matmul_modules(ref, manifest)

@@ -28,7 +28,6 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.checkpoint import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.weight_map import canonical_params
 from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
@@ -46,7 +45,8 @@ from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import (check_parity, engine_for_model, pick_device, probe_check,
-                                       probe_learner_side, probe_length, push_weights)
+                                       probe_learner_side, probe_length, push_tensors, push_weights)
+from refit.learner.run.lora import AdapterOff, adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
 from refit.rollout.engine import Engine, check_version
@@ -124,12 +124,18 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log)
     policy = load_model(cfg.model.model_dir, info).to(device)
-    # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer)
+    if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
+        policy = apply_lora(policy, cfg.lora)
+    # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer);
+    # a LoRA policy's is itself with the adapter off (the base, held once)
     torch_ref = (cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact") or (dist.is_main and not ref_on_engine(cfg))
-    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False) if torch_ref else None
+    ref = None
+    if torch_ref:
+        ref = AdapterOff(policy) if cfg.lora.enabled else load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)
-    optimizer = torch.optim.AdamW(list(policy.parameters()) + (list(value_head.parameters()) if critic else []),
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter only
+    optimizer = torch.optim.AdamW(trainable + (list(value_head.parameters()) if critic else []),
                                   lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
@@ -147,7 +153,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         run.start_step, run.kl_coef = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
-            engine.update_weights(canonical_params(policy)[0], version=state.get("engine_weights_version"))
+            engine.update_weights(push_tensors(policy), version=state.get("engine_weights_version"))
             # checked by the first rollout (else by no probe until a push; overlapped: on the probe batch, below)
             run.unchecked_push = cfg.probe_on_rollout and not overlap
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
@@ -160,7 +166,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         run.unchecked_push = False  # checked on the probe batch, not on the rollout (its fp32 log-probs differ)
     run.expected_version = engine.weights_version
     run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len,
-                                      threads=learner_threads)  # the reference scores in the learner's thread
+                                      threads=learner_threads, policy_engine=engine)  # in the learner's thread
     probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
     run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
                                 SamplingParams(max_new_tokens=probe_length(cfg.rollout, cfg.response_length),
@@ -184,7 +190,7 @@ def ref_on_engine(cfg: PPOConfig) -> bool:
 
 
 def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
-                     threads: int | None = None) -> Engine | None:
+                     threads: int | None = None, policy_engine: Engine | None = None) -> Engine | None:
     """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
     policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
     ``threads``: its intra-op threads (default ``rollout.engine_threads``, shared by ``rollout.engine_shards``
@@ -196,6 +202,8 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
 
     if not ref_on_engine(cfg):
         return None
+    if cfg.lora.enabled and cfg.rollout.quantize == "none" and hasattr(policy_engine, "adapter_off"):
+        return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
     folder = Path(cfg.model.engine_dir or run_dir / "engine")
     if cfg.rollout.quantize != "none":
         from refit.rollout.build import ensure_engine
@@ -330,7 +338,7 @@ def push_overlapped(run: Run, step: int, stats: dict[str, float], timings: dict[
     if not due(step, cfg.rollout.sync_every, cfg.run.steps):
         return
     t = time.perf_counter()  # a copy: the next optimizer step changes the weights in place, the push runs later
-    snapshot = {n: p.detach().clone() for n, p in canonical_params(run.policy)[0].items()}
+    snapshot = {n: p.detach().clone() for n, p in push_tensors(run.policy).items()}
     timings["time/weight_push"] = time.perf_counter() - t
     t = time.perf_counter()
     learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
@@ -381,8 +389,9 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
     settings = update_settings(cfg, run.kl_coef, on_cuda(run.policy))
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
-    fwd = (policy_forward(run.policy, run.value_head, rollout, settings)
-           if cfg.single_pass and single_pass(settings, run.dist.enabled) else None)
+    # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
+    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
+    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
     exp, stats = experience(run, rollout, scores, fwd)
     if run.ahead is not None:
         stats["mismatch/version_lag"] = float(lag)
@@ -394,8 +403,9 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     exp, _ = run.dist.share((exp, run.kl_coef))  # [dist] to ranks > 0 (no-op for one process)
-    upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                 settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process: plain
+    with adapter_dropout(run.policy):  # LoRA dropout in the update's forward only (a no-op without it)
+        upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
+                                     settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process
     del fwd  # its autograd graph is freed by the backward; drop the logits too
     check_finite(upd, f"loss at step {step}", run.run_dir)
     timings["time/update"] = time.perf_counter() - t2
@@ -407,7 +417,7 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
         t3 = time.perf_counter()
         # the next rollout checks it
         if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None:
-            run.engine.update_weights(canonical_params(run.policy)[0])
+            run.engine.update_weights(push_tensors(run.policy))
             run.expected_version, run.unchecked_push = run.engine.weights_version, True
         else:
             # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)

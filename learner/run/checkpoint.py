@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
+from refit.learner.run.lora import is_lora, load_trainable_state
 from refit.core.integrity import fault_point, sha256_files
 
 
@@ -39,7 +40,9 @@ def set_rng_state(s: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, optimizer, scheduler,
                     state: dict, keep: int = 2, files: dict | None = None) -> Path:
     """``files``: {name: object} written with torch.save beside trainer.pt (hashed like every file; PPO's batch in
-    flight with rollout.max_staleness)."""
+    flight with rollout.max_staleness). A LoRA policy (a PEFT model) writes its adapter folder only
+    (``save_pretrained``: adapter_config.json + adapter_model.safetensors), and its optimizer holds the adapter's
+    state only: the frozen base is the model folder the run started from."""
     ck_root = Path(run_dir) / "checkpoints"
     ck_root.mkdir(parents=True, exist_ok=True)
     final = ck_root / f"step_{step:06d}"
@@ -127,7 +130,17 @@ def load_checkpoint(path: Path, model, value_head, optimizer, scheduler) -> dict
     sd = {}
     for f in sorted((path / "policy").glob("*.safetensors")):
         sd.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if is_lora(model):  # a LoRA policy's checkpoint holds its adapter only (PEFT's adapter folder)
+        if not (path / "policy" / "adapter_config.json").is_file():
+            raise RefitError(f"checkpoint {path} holds a full model, this run trains a LoRA adapter (lora.r > 0); "
+                             "resume with the lora settings it was written with")
+        load_trainable_state(model, sd)
+        missing, unexpected = [], []
+    else:
+        if (path / "policy" / "adapter_config.json").is_file():
+            raise RefitError(f"checkpoint {path} holds a LoRA adapter, this run trains the full model (lora.r 0); "
+                             "resume with the lora settings it was written with")
+        missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {a for a, _ in getattr(model, "_tied_weights_keys", {}).items()} if isinstance(
         getattr(model, "_tied_weights_keys", None), dict) else set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [m for m in missing if m not in tied]

@@ -20,6 +20,7 @@ from refit.core.manifest import MANIFEST, Manifest
 from refit.export.onnx_export import DTYPES, PARITY_TOL
 from refit.export.weight_map import canonical_params
 from refit.learner.run.checkpoint import latest_checkpoint
+from refit.learner.run.lora import adapter_tensors, is_lora
 from refit.learner.run.policy import learner_view
 from refit.rollout.engine import Engine, create_engine
 from refit.rollout.types import RolloutBatch
@@ -59,8 +60,10 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
                      gpu_share: float = 1.0) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
+    lora = getattr(cfg, "lora", None)
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
-                        getattr(cfg.rollout, "quantize", "none"))
+                        getattr(cfg.rollout, "quantize", "none"),
+                        lora=tuple(lora.target_modules) if lora is not None and lora.enabled else ())
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
@@ -130,9 +133,7 @@ def probe_learner_side(engine: Engine, model: torch.nn.Module, probe: RolloutBat
     compared). It needs only the weights about to be pushed, so an overlapped PPO run computes it while the engine
     still generates (refit.learner.ppo.overlap), before the push."""
     if int8_manifest is not None:
-        from refit.export.quantize import reference_model
-
-        model = reference_model(model, int8_manifest)
+        model = int8_reference(model, int8_manifest)
     ref, floor = probe_reference(model, engine_dtype(engine))
     return learner_view(ref, None, probe, temperature)[0], floor, model
 
@@ -173,10 +174,33 @@ def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: st
     return diff
 
 
+def push_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a push of ``model`` carries: a LoRA policy's adapter (refit.learner.run.lora.adapter_tensors: the
+    engine holds the base), else every weight by canonical HF name."""
+    return adapter_tensors(model) if is_lora(model) else canonical_params(model)[0]
+
+
+def int8_reference(model: torch.nn.Module, manifest: Manifest) -> torch.nn.Module:
+    """``model`` as an int8 engine computes it (export/quantize.py ``reference_model``). For a LoRA policy the
+    reference is made once and kept on the model: it shares every parameter of the policy (the adapter as it
+    trains, the frozen base) and holds only the int8 twins of the base's linear layers, so it follows each step
+    without being made again and costs no fp32 copy of the base."""
+    from refit.export.quantize import reference_model
+
+    if not is_lora(model):
+        return reference_model(model, manifest)
+    peft_model = getattr(model, "module", model)
+    ref = getattr(peft_model, "_refit_int8_reference", None)
+    if ref is None:
+        ref = reference_model(peft_model.get_base_model(), manifest, share_parameters=True)
+        object.__setattr__(peft_model, "_refit_int8_reference", ref)
+    return ref
+
+
 def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
                  run_dir: Path, label: str = "engine", int8_manifest=None, learner_side=None) -> tuple[int, float]:
     """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff).
     ``learner_side``: the probe's learner half for these weights, computed already (:func:`probe_learner_side`)."""
-    engine.update_weights(canonical_params(model)[0])
+    engine.update_weights(push_tensors(model))
     return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest,
                                                learner_side)

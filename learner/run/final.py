@@ -3,6 +3,8 @@
     OUTPUT_DIR/final/                         save_pretrained folder: config, weights, generation config,
                                               tokenizer (with its chat template); AutoModelForCausalLM /
                                               AutoModelForSeq2SeqLM.from_pretrained loads it as is
+    OUTPUT_DIR/final/adapter/                 a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained over
+                                              the base); final/ itself then holds the base with it merged in
     OUTPUT_DIR/final_engine/                  a fresh engine folder exported from final/ (parity-gated)
     OUTPUT_DIR/final_value_head.safetensors   PPO's value head (``summary.weight``, ``summary.bias``), beside
                                               the HF folder, never inside its weights
@@ -19,10 +21,12 @@ import os
 import shutil
 from pathlib import Path
 
+from refit.learner.run.lora import is_lora, merged_state
 from refit.rollout.build import ENGINE_BACKENDS, build
 from refit.export.onnx_export import ExportOptions
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
+ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (PeftModel.from_pretrained)
 
 
 def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) -> Path:
@@ -31,7 +35,13 @@ def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) 
     final, tmp = run_dir / FINAL, run_dir / f".{FINAL}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp))
+        if is_lora(model):  # final/adapter: the PEFT folder; final/: the base with the adapter merged in
+            model.save_pretrained(str(tmp / ADAPTER))
+            tok.save_pretrained(str(tmp / ADAPTER))
+            model.get_base_model().save_pretrained(str(tmp), state_dict=merged_state(model))
+            model = model.get_base_model()
+        else:
+            model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         gen = getattr(model, "generation_config", None)
         if gen is not None and stop_ids:  # the saved generation config gets the end-of-turn token as an EOS too

@@ -15,6 +15,8 @@ engine holds as exported).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from refit.core.errors import RefitError
@@ -83,6 +85,46 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
     if missing:
         raise RefitError(f"checkpoint's adapter lacks {len(missing)} of this run's LoRA tensors, e.g. {missing[:2]} "
                          "(was it written with other lora settings?)")
+
+
+@contextmanager
+def adapter_dropout(model):
+    """LoRA dropout on (PEFT's ``lora_dropout`` modules in train mode) inside the block: the update's forward. The
+    policy stays in eval mode everywhere else, so scoring, the probe and the engine see no dropout."""
+    from peft.tuners.lora import LoraLayer
+
+    drops = [d for m in getattr(model, "module", model).modules() if isinstance(m, LoraLayer)
+             for d in m.lora_dropout.values()] if is_lora(model) else []
+    for d in drops:
+        d.train()
+    try:
+        yield
+    finally:
+        for d in drops:
+            d.eval()
+
+
+@torch.no_grad()
+def merged_state(model) -> dict[str, torch.Tensor]:
+    """The base's state dict, by its own HF names, with every adapter merged in (``W + scaling * B A``, PEFT's
+    ``get_delta_weight``): what ``merge_and_unload`` would save, computed beside the model (which is left as it
+    is: still a PEFT model, its base untouched). Fresh tensors for the merged layers only."""
+    from peft.tuners.lora import LoraLayer
+
+    model = getattr(model, "module", model)
+    base = model.get_base_model()
+    merged = {}
+    for name, m in base.named_modules():
+        if isinstance(m, LoraLayer) and "default" in m.lora_A:
+            w = m.get_base_layer().weight
+            merged[f"{name}.weight"] = (w + m.get_delta_weight("default").to(w.dtype)).contiguous()
+    out = {}
+    for key, t in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        clean = key.replace(".base_layer.", ".")
+        out[clean] = merged.get(clean, t)
+    return out
 
 
 class AdapterOff(torch.nn.Module):
