@@ -122,7 +122,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
             f"engine {engine_threads} intra-op thread(s), learner {learner_threads} torch thread(s) (of {total})")
     if dist.is_main:
         engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
-                                  cfg.run.batch_size * cfg.num_generations, max_len, log)
+                                  cfg.run.batch_size * cfg.num_generations, max_len, log, lora=cfg.lora)
     policy = load_model(cfg.model.model_dir, info).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora)

@@ -57,10 +57,10 @@ def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engin
 
 
 def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int, log=print,
-                     gpu_share: float = 1.0) -> Engine:
+                     gpu_share: float = 1.0, lora=None) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
-    backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends."""
-    lora = getattr(cfg, "lora", None)
+    backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends. ``lora`` (a
+    LoraSection with r > 0): the engine is LoRA-ready for its target modules (export/lora.py)."""
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
                         getattr(cfg.rollout, "quantize", "none"),
                         lora=tuple(lora.target_modules) if lora is not None and lora.enabled else ())
