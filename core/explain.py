@@ -18,11 +18,26 @@ def _first(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def _os_error(e: OSError) -> str | None:
+# after a full disk, how each command recovers (a command not named: "then rerun it")
+RECOVER = {
+    "ppo": "then rerun with --resume (its checkpoints before this one are intact)",
+    "distill": "then rerun with --resume (its checkpoints before this one are intact)",
+    "demo": "then rerun refit demo",
+    "export": "then rerun the same refit export (an engine folder is renamed into place only when complete)",
+    "build-model": "then rerun the same refit build-model (the model folder is renamed into place only when complete)",
+    "generate": "then rerun refit generate",
+    "bench": "then rerun the benchmark (built models and engines are reused)",
+}
+
+
+def _disk_full(where: str, command: str) -> str:
+    return f"disk full while writing {where}: free space, {RECOVER.get(command, 'then rerun it')}"
+
+
+def _os_error(e: OSError, command: str = "") -> str | None:
     where = e.filename or "a file"
     if e.errno == errno.ENOSPC or "No space left on device" in str(e):
-        return (f"disk full while writing {where}: free space, then rerun (a run: with --resume; its checkpoints "
-                "before this one are intact)")
+        return _disk_full(where, command)
     if e.errno == errno.EROFS:
         return f"cannot write {where}: read-only file system; choose a writable folder (-o / --run.output_dir)"
     if isinstance(e, PermissionError) or e.errno == errno.EACCES:
@@ -36,17 +51,17 @@ def _os_error(e: OSError) -> str | None:
     return None
 
 
-def explain(e: BaseException) -> str | None:
-    """One line for an exception from a file, a graph or the system; None when it is not one of those."""
+def explain(e: BaseException, command: str = "") -> str | None:
+    """One line for an exception from a file, a graph or the system; None when it is not one of those.
+    ``command`` (``ppo``, ``export``, ...) picks the way to recover from a full disk (:data:`RECOVER`)."""
     if isinstance(e, OSError):
-        return _os_error(e)
+        return _os_error(e, command)
     if isinstance(e, UnicodeDecodeError):
         return f"a text file is not UTF-8 ({_first(e)}): save it as UTF-8"
     name, module = type(e).__name__, type(e).__module__ or ""
     if name == "SafetensorError":
         if "No space left on device" in str(e):
-            return ("disk full while writing a checkpoint: free space, then rerun (a run: with --resume; its "
-                    "checkpoints before this one are intact)")
+            return _disk_full("a .safetensors file", command)
         return f"a .safetensors file is damaged or incomplete ({_first(e)}): replace it (re-save the model)"
     if name == "DecodeError" and "protobuf" in module:
         return ("an .onnx graph is damaged (protobuf could not parse it): re-export the engine folder "

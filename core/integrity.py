@@ -41,6 +41,12 @@ def sha256_files(paths) -> str:
     return h.hexdigest()
 
 
+def folder_hashes(folder: str | Path) -> dict[str, str]:
+    """{file name: sha256} of every file directly in ``folder`` (an engine's ``tokenizer/``), sorted by name."""
+    folder = Path(folder)
+    return {p.name: sha256_files([p]) for p in sorted(folder.iterdir()) if p.is_file()} if folder.is_dir() else {}
+
+
 def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -97,8 +103,8 @@ def hold_folder(lock: str | Path, what: str, log=print) -> None:
         raise RefitError(f"{what} is in use by another Refit process ({holder}); wait for it to end, or choose "
                          "another folder") from None
     before = _holder(lock)
-    pid = before.split()[0][4:] if before.startswith("pid ") else ""
-    if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+    pid = re.match(r"pid (\d+)", before)
+    if pid and int(pid.group(1)) != os.getpid() and not pid_alive(int(pid.group(1))):
         log(f"refit: {what} was held by {before}, which ended without releasing it; taking it over")
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()}: {' '.join(os.path.basename(a) for a in sys.argv[:3])}\n".encode())

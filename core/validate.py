@@ -94,6 +94,7 @@ RULES: dict[str, Rule] = {
     "eval_max_prompts": COUNT0, "teacher_sft_steps": COUNT0, "teacher_topk": COUNT, "warmup_steps": COUNT0,
     "max_batch": COUNT, "max_len": Rule(lo=2, text=">= 2 (a whole number)"), "repeats": COUNT, "rows": COUNT,
     "slots": COUNT, "workers": COUNT, "scale.workers": COUNT,
+    "batch_sizes": Rule(pattern=r"[1-9]\d*(,[1-9]\d*)*", text="a comma list of whole numbers >= 1 (e.g. 1,8,32)"),
     # checkpoints
     "ckpt.save_steps": COUNT,
     "ckpt.keep_checkpoints": Rule(lo=0, text=">= 0 (0 keeps every checkpoint, N keeps the newest N)"),

@@ -7,8 +7,8 @@
 - an HF model, a run or other files: refused (an export never writes over something else);
 - an engine of other weights (its manifest's ``hf_weights_sha256`` differs from the model's): refused,
   unless ``overwrite``, which removes it, saying so (it is then exported afresh);
-- an engine of these weights whose files no longer match its manifest (a ``.onnx`` or ``.onnx.data``
-  changed, truncated or missing: :func:`engine_damage`) or whose manifest cannot be read: said in one
+- an engine of these weights whose files no longer match its manifest (a ``.onnx``, ``.onnx.data`` or
+  ``tokenizer/`` file changed, truncated or missing: :func:`engine_damage`) or whose manifest cannot be read: said in one
   line and removed, so it is exported again from the model (it was this model's engine);
 - leftover ``.NAME.tmp-PID`` folders of killed exports beside it are removed.
 
@@ -17,11 +17,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.integrity import HOLDS, clean_stale_temps, folder_holds, sha256_files
+from refit.core.integrity import HOLDS, clean_stale_temps, folder_hashes, folder_holds, sha256_files
 
 
 def engine_damage(engine_dir: str | Path) -> str | None:
@@ -41,6 +42,9 @@ def engine_damage(engine_dir: str | Path) -> str | None:
                 return f"{name} is missing"
             if sha256_files([f]) != want:
                 return f"{name} does not match its manifest (sha256 differs: changed, truncated or replaced)"
+    problem = _tokenizer_damage(engine_dir, m.hashes.tokenizer_sha256)
+    if problem:
+        return problem
     cfg = engine_dir / "config.json"
     if cfg.is_file():  # the source model's config.json, copied at export
         from transformers import AutoConfig
@@ -51,6 +55,27 @@ def engine_damage(engine_dir: str | Path) -> str | None:
             return f"manifest vocab_size {m.dims.vocab_size} differs from the model's {vocab} (config.json)"
         if m.dims.max_positions is not None and m.dims.max_positions != positions:
             return f"manifest max_positions {m.dims.max_positions} differs from the model's {positions} (config.json)"
+    return None
+
+
+def _tokenizer_damage(engine_dir: Path, recorded: dict[str, str] | None) -> str | None:
+    """What is wrong with the engine's ``tokenizer/`` against its recorded hashes; a folder exported before they
+    were recorded: its ``tokenizer.json`` at least parses."""
+    tok = engine_dir / "tokenizer"
+    if recorded:
+        found = folder_hashes(tok)
+        for name, want in recorded.items():
+            if name not in found:
+                return f"tokenizer/{name} is missing"
+            if found[name] != want:
+                return f"tokenizer/{name} does not match its manifest (sha256 differs: changed, truncated or replaced)"
+        return None
+    f = tok / "tokenizer.json"
+    if f.is_file():
+        try:
+            json.loads(f.read_bytes())
+        except ValueError as e:
+            return f"tokenizer/tokenizer.json is damaged (not JSON: {str(e)[:80]})"
     return None
 
 

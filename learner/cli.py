@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the one dispatch point: every exception is one line
         if debug:
             raise
-        line = explain(e)
+        line = explain(e, name)
         print(f"refit {name}: error: {line or unexpected(e)}", file=sys.stderr)
         return 2 if line else 1
 

@@ -70,6 +70,8 @@ BAD_VALUES = [  # (command argv, field named, allowed range named)
     (["export", "m", "-o", "e", "--parity_tol", "-1"], "parity_tol = -1.0", "> 0"),
     (["bench", "generate", "--repeats", "0"], "repeats = 0", ">= 1"),
     (["bench", "inflight", "--stop_frac", "0"], "stop_frac = 0.0", "(0, 1]"),
+    (["bench", "generate", "--batch_sizes", "0,x"], "batch_sizes = '0,x'", "a comma list of whole numbers >= 1"),
+    (["bench", "generate", "--batch_sizes", "0"], "batch_sizes = '0'", "a comma list of whole numbers >= 1"),
 ]
 
 
@@ -145,7 +147,7 @@ def test_cli_turns_every_exception_into_one_line_and_debug_reraises(capsys, monk
     monkeypatch.setitem(cli.COMMANDS, "boom", ("refit_fault_cmd", "test"))
     cases = [
         (OSError(errno.ENOSPC, "No space left on device", "run/checkpoints/x"), ["disk full", "run/checkpoints/x",
-                                                                                 "--resume"]),
+                                                                                 "then rerun it"]),
         (OSError(errno.EROFS, "Read-only file system", "/ro/run"), ["cannot write /ro/run", "read-only"]),
         (PermissionError(errno.EACCES, "Permission denied", "/root/x"), ["cannot write /root/x", "permission"]),
         (FileExistsError(errno.EEXIST, "File exists", "runs/x"), ["runs/x is in the way"]),
@@ -473,3 +475,250 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, model_dirs, d
     wa = load_file(str(uninterrupted / "checkpoints/step_000004/policy/model.safetensors"))
     wb = load_file(str(tmp_path / "run/checkpoints/step_000004/policy/model.safetensors"))
     assert all((wa[k] == wb[k]).all() for k in wa)
+
+
+# ======================================================================================= issue 32
+# Nothing lost when runs collide or a user's folder is used. Each test names the issue's case(s) (#1 ... #13).
+
+_HOLDER = """
+import sys, time
+from refit.core.integrity import hold_folder
+hold_folder(sys.argv[1], "folder")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _hold_in_child(lock: Path) -> subprocess.Popen:
+    """A second process holding ``lock`` (refit.core.integrity.hold_folder) until killed."""
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_run_folder_held_by_another_process_is_refused_and_a_dead_holder_is_taken_over(tmp_path, model_dirs):
+    """#1: the run folder's OS lock names the live holder; the lock of a process killed -9 is taken over, saying
+    so (the kernel released it; the pid it left in the file tells)."""
+    from refit.core.integrity import RUN_LOCK
+    from refit.learner.run.folder import claim
+
+    run = tmp_path / "run"
+    child = _hold_in_child(run / RUN_LOCK)
+    cfg = _ppo(tmp_path, model_dirs[GPT2])
+    with pytest.raises(RefitError, match=rf"run folder {run} is in use by another Refit process \(pid {child.pid}: "):
+        claim(run, cfg, resume=False, overwrite=False)
+    assert not (run / "run.json").exists()
+    child.kill()
+    child.wait()
+    said = []
+    claim(run, cfg, resume=False, overwrite=False, log=said.append)
+    assert any(f"was held by pid {child.pid}" in s and "taking it over" in s for s in said), said
+
+
+def test_an_engine_folder_held_by_another_process_is_refused(capsys, tmp_path, model_dirs):
+    """#2: a second `refit export` to an engine folder being written is refused in one line, before any work."""
+    from refit.core.integrity import engine_lock
+
+    e = tmp_path / "e"
+    child = _hold_in_child(engine_lock(e))
+    try:
+        one_line(*refit(capsys, "export", model_dirs[GPT2], "-o", e), f"engine folder {e} is in use by another "
+                 f"Refit process (pid {child.pid}")
+    finally:
+        child.kill()
+        child.wait()
+    assert not e.exists()
+
+
+def test_a_users_folder_is_never_written_into(capsys, tmp_path, model_dirs, monkeypatch):
+    """#3: -o on a folder with the user's own config.yaml is refused (with --overwrite too: it would be
+    replaced), a non-empty folder without a run needs --overwrite, and -o . is refused."""
+    p = ["ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", tmp_path / "e"]
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "config.yaml").write_text("mine: 1\n")
+    for extra in ([], ["--overwrite"]):
+        one_line(*refit(capsys, *p, "-o", proj, *extra), f"run folder {proj} holds files that are not a Refit run's",
+                 "would replace config.yaml", "choose another run folder")
+    assert (proj / "config.yaml").read_text() == "mine: 1\n" and sorted(os.listdir(proj)) == ["config.yaml"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    one_line(*refit(capsys, *p, "-o", notes), "is not empty and holds no Refit run", "--overwrite")
+    monkeypatch.chdir(notes)
+    one_line(*refit(capsys, *p, "-o", "."), "run folder . is the current folder", "-o runs/NAME")
+    assert sorted(os.listdir(notes)) == ["todo.txt"]
+
+
+def test_a_users_engine_too_small_is_refused_never_rebuilt(capsys, tmp_path, model_dirs, default_engine_dirs,
+                                                          monkeypatch):
+    """#4: a batch over the user's engine's max_batch is refused naming both limits (the folder untouched); a
+    run's own engine is exported again never narrower than it was; a batch that cannot fit in memory is refused
+    before any work, with the estimate."""
+    import refit.rollout.build as rb
+
+    e = tmp_path / "e"
+    shutil.copytree(default_engine_dirs[GPT2], e)  # max_batch 16, max_len 128
+    before = (e / "manifest.json").read_bytes()
+    with pytest.raises(RefitError, match=rf"engine folder {e} takes 16 rows x 128 tokens \(max_batch, max_len\); "
+                                         r"this run needs 17 x 40: lower the batch, or export a larger engine"):
+        rb.ensure_engine(model_dirs[GPT2], e, 17, 40)
+    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "-o",
+                     tmp_path / "run", "--run.batch_size", "17", "--num_mini_batches", "1", "--log.no_progress",
+                     "--no_export_final")
+    one_line(rc, line, f"engine folder {e} takes 16 rows x 128 tokens", "--model.engine_dir NEW_DIR")
+    assert (e / "manifest.json").read_bytes() == before
+    asked = []
+    monkeypatch.setattr(rb, "build", lambda m, d, b, opts, **kw: asked.append(opts) or Path(d))
+    own = tmp_path / "run2/engine"
+    shutil.copytree(default_engine_dirs[GPT2], own)
+    (tmp_path / "run2/run.json").write_text("{}")
+    rb.ensure_engine(model_dirs[GPT2], own, 70, 40)
+    assert (asked[0].max_batch, asked[0].max_len) == (70, 128)  # the run's own engine: wider, never shorter
+    with pytest.raises(RefitError, match=r"100000000 rows x 140 tokens need at least [\d.]+ GiB \(KV cache and "
+                                         r"logits .*\), more than the [\d.]+ GiB available"):
+        rb.ensure_engine(model_dirs[GPT2], tmp_path / "e_huge", 100_000_000, 140)
+
+
+def test_config_sections_are_strict_with_the_nearest_name(capsys, tmp_path, model_dirs):
+    """#5, #13: a bare name under a wrong section is not an old flat name; unknown names get a suggestion."""
+    p = ["ppo", "--model.model_dir", model_dirs[GPT2], "-o", tmp_path / "run"]
+    for text, words in [("eval:\n  steps: 2\n", "unknown field eval.steps (did you mean eval_steps?)"),
+                        ("optimm:\n  learning_rate: 1.0e-4\n", "unknown field optimm.learning_rate (did you mean "
+                                                               "optim.learning_rate?)"),
+                        ("optim:\n  learing_rate: 1.0e-4\n", "unknown field optim.learing_rate (did you mean "
+                                                             "optim.learning_rate?)")]:
+        (tmp_path / "c.yaml").write_text(text)
+        one_line(*refit(capsys, *p, "--config", tmp_path / "c.yaml"), words)
+    one_line(*refit(capsys, *p, "--learing_rate", "1e-4"), "unknown arguments: --learing_rate (did you mean "
+                                                           "optim.learning_rate?)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_knows_the_run_folder_however_spelled_or_moved(tmp_path, model_dirs, monkeypatch):
+    """#6: ./run/, an absolute path, another working folder, a moved run folder and another path to the same
+    model are the same run; another model is still refused."""
+    from refit.learner.run.folder import claim
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs[GPT2], model)
+    monkeypatch.chdir(tmp_path)
+    rel = dict(model_dir="model", engine_dir="e", output_dir="run", steps=4)
+    from refit.learner.ppo.config import PPOConfig
+
+    _fake_run(tmp_path / "run", PPOConfig.from_flat(**rel))
+    for spelled in (dict(output_dir="./run/"), dict(output_dir=str(tmp_path / "run"), model_dir=str(model))):
+        said = []
+        claim(tmp_path / "run", PPOConfig.from_flat(**{**rel, **spelled}), resume=True, overwrite=False,
+              log=said.append)
+        assert said == [], said
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    claim(Path("../run"), PPOConfig.from_flat(model_dir="../model", engine_dir="../e", output_dir="../run", steps=4),
+          resume=True, overwrite=False)
+    shutil.copytree(tmp_path / "run", tmp_path / "moved")
+    shutil.copytree(model, tmp_path / "model2")
+    said = []
+    claim(tmp_path / "moved", PPOConfig.from_flat(model_dir="../model2", engine_dir="../e", output_dir="../moved",
+                                                  steps=4), resume=True, overwrite=False, log=said.append)
+    assert len(said) == 1 and "--resume: moved, run.output_dir" in said[0] and "(the same weights)" in said[0], said
+    with pytest.raises(RefitError, match=r"--resume: model.model_dir changed"):
+        claim(tmp_path / "moved", PPOConfig.from_flat(model_dir=str(model_dirs["tiny-llama"]), engine_dir="../e",
+                                                      output_dir="../moved", steps=4), resume=True, overwrite=False)
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_names_overwrite(tmp_path, model_dirs):
+    """#7: --resume and a plain rerun both name --overwrite; a run that recorded nothing starts afresh; the
+    non-finite line without a checkpoint names --overwrite too; a killed run's .run.json.tmp-PID goes (#12)."""
+    from refit.learner.run.folder import claim, write_record
+    from refit.learner.run.loop import check_finite
+
+    run, cfg = tmp_path / "run", _ppo(tmp_path, model_dirs[GPT2])
+    write_record(run, claim(run, cfg, resume=False, overwrite=False, log=lambda *_: None))
+    said = []
+    write_record(run, claim(run, cfg, resume=False, overwrite=False, log=said.append))  # nothing recorded: no refusal
+    assert "stopped before its first step (nothing recorded); starting afresh" in said[0], said
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(RefitError, match=r"--resume: run \w+ in .*run stopped before its first checkpoint: nothing "
+                                         r"to continue; start it again with --overwrite"):
+        claim(run, cfg, resume=True, overwrite=False)
+    with pytest.raises(RefitError, match=r"already holds run \w+, which stopped before its first checkpoint; start "
+                                         r"it again with --overwrite"):
+        claim(run, cfg, resume=False, overwrite=False)
+    with pytest.raises(RefitError, match=r"non-finite loss \(loss=nan\); nothing from this step was saved, there is "
+                                         r"no checkpoint yet: start again with --overwrite"):
+        check_finite({"loss": float("nan")}, "loss", run)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / f".run.json.tmp-{dead.pid}").write_text("{")
+    said = []
+    claim(run, cfg, resume=False, overwrite=True, log=said.append)
+    assert not (run / f".run.json.tmp-{dead.pid}").exists() and "removed 1 leftover" in said[0], said
+
+
+def _edit_manifest(engine: Path, fn) -> None:
+    m = json.loads((engine / "manifest.json").read_text())
+    fn(m)
+    (engine / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_manifest_without_attention_or_with_a_damaged_tokenizer_is_refused(capsys, tmp_path, model_dirs,
+                                                                           default_engine_dirs):
+    """#8, #10: the fused engine's manifest without its attention key; the engine's tokenizer.json truncated
+    (covered by the manifest's hashes; an older folder without them: it must parse). generate refuses in one
+    line, a training run does not reuse it."""
+    from refit.export.guard import engine_damage, guard_engine
+
+    e = tmp_path / "e"
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    _edit_manifest(e, lambda m: m.pop("attention"))
+    one_line(*refit(capsys, "generate", e, "--prompt", "12+34="), "is inconsistent: attention is absent (read as "
+             "plain) but the decoder graph is fused (query_seqlens, seqlens_k inputs)")
+    with pytest.raises(RefitError, match="has an unusable manifest"):
+        guard_engine(model_dirs[GPT2], e)
+    t = tmp_path / "t"
+    shutil.copytree(default_engine_dirs[GPT2], t)
+    assert "tokenizer.json" in json.loads((t / "manifest.json").read_text())["hashes"]["tokenizer_sha256"]
+    f = t / "tokenizer/tokenizer.json"
+    f.write_bytes(f.read_bytes()[:200])
+    one_line(*refit(capsys, "generate", t, "--prompt", "12+34="), f"engine folder {t} is damaged: "
+             "tokenizer/tokenizer.json does not match its manifest", "--overwrite")
+    _edit_manifest(t, lambda m: m["hashes"].pop("tokenizer_sha256"))
+    assert engine_damage(t).startswith("tokenizer/tokenizer.json is damaged (not JSON")
+    said = []
+    guard_engine(model_dirs[GPT2], t, log=said.append)
+    assert "is damaged (tokenizer/tokenizer.json" in said[0] and not t.exists()  # exported again, not reused
+
+
+def test_non_finite_weights_are_named(capsys, tmp_path, model_dirs):
+    """#9: export (and every job: core.checkpoint.load_model) names the tensor and the count, not padding."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(model_dirs[GPT2], m)
+    w = load_file(str(m / "model.safetensors"))
+    name = sorted(k for k in w if k.endswith("mlp.c_fc.weight"))[0]
+    w[name][0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+    save_file(w, str(m / "model.safetensors"), metadata={"format": "pt"})
+    for argv in (["export", m, "-o", tmp_path / "e"],
+                 ["ppo", "--model.model_dir", m, "--rollout.backend", "torch", "-o", tmp_path / "run"]):
+        one_line(*refit(capsys, *argv), f"model weights in {m} are not finite: {name} has 3 NaN or infinite values",
+                 "replace it")
+    assert not (tmp_path / "e").exists()
+
+
+def test_disk_full_names_the_commands_own_way_out(capsys, monkeypatch):
+    """#12: export and build-model have no --resume: each line names its own way to recover."""
+    raised = {}
+    mod = types.ModuleType("refit_fault_disk")
+    mod.main = lambda argv: (_ for _ in ()).throw(raised["e"])
+    monkeypatch.setitem(sys.modules, "refit_fault_disk", mod)
+    for name, words in [("ppo", "then rerun with --resume"), ("export", "then rerun the same refit export"),
+                        ("build-model", "then rerun the same refit build-model")]:
+        monkeypatch.setitem(cli.COMMANDS, name, ("refit_fault_disk", "test"))
+        raised["e"] = OSError(errno.ENOSPC, "No space left on device", "out/x")
+        rc, line = refit(capsys, name)
+        assert rc == 2 and f"refit {name}: error: disk full while writing out/x: free space, {words}" in line, line
+        assert name == "ppo" or "--resume" not in line, line

@@ -123,10 +123,10 @@ def _moved(record: dict, new: dict, mine: dict[str, str]) -> dict[str, str]:
     for k, v in new.items():
         if old.get(k) == v or not _is_path(k, v) or not _is_path(k, old.get(k)):
             continue
-        if k == "run.output_dir":
-            out[k] = f"the run in it is run {record.get('run_id', '?')}"  # the folder whose run.json was read
-        elif _same_path(old[k], v, cwd):
+        if _same_path(old[k], v, cwd):
             out[k] = "the same folder"
+        elif k == "run.output_dir":
+            out[k] = f"the run in it is run {record.get('run_id', '?')}"  # the folder whose run.json was read
         elif k in mine and record.get("models", {}).get(k) == mine[k]:
             out[k] = "the same weights"
     return out
