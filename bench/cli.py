@@ -1,4 +1,4 @@
-"""``refit bench generate|refit|ppo|workers|inflight``: benchmarks whose last stdout line is one JSON document."""
+"""``refit bench generate|refit|ppo|grpo|workers|inflight``: benchmarks whose last stdout line is one JSON document."""
 
 from __future__ import annotations
 
@@ -103,7 +103,40 @@ class BenchInflight(OnModel):
     stop_frac: float = opt(1 / 32, "fraction of the vocabulary whose tokens stop a row (mean length ~1/stop_frac)")
 
 
-BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "workers": BenchWorkers,
+@dataclass(frozen=True)
+class BenchGRPO(OnMachine):
+    """GRPO steps side by side: Refit's refit ppo against TRL's GRPOTrainer (--vs trl) or HF generate() rollouts."""
+
+    vs: str = opt("hf", "the baseline: 'trl' (TRL 1.16's GRPOTrainer, installed on first use into --trl_venv) or "
+                        "'hf' (refit ppo with --rollout.backend hf)")
+    model_dir: str = opt("", "local HF folder, decoder-only, with a chat template (default: --geometry built locally)")
+    geometry: str = opt("small-gpt2", "built when --model_dir is not given (random weights, chat tokenizer): a local "
+                                      "geometry (small-gpt2, tiny-gpt2, ...) or a published one by name "
+                                      "(qwen2.5-0.5b, llama-3.2-1b, smollm2-135m, ...)")
+    layers: int = opt(0, "a published geometry cut to this many layers (0: its published depth)")
+    dataset: str = opt("", "jsonl with a prompt column and the reward's answer column "
+                           "(default: examples/trl_chat/data.jsonl)")
+    prompts_per_step: int = opt(16, "prompts per optimizer step (one generation, one update)")
+    num_generations: int = opt(8, "completions per prompt (the GRPO group)")
+    max_completion_length: int = opt(128, "new tokens per completion at most")
+    temperature: float = opt(1.0, "sampling temperature")
+    learning_rate: float = opt(1e-5, "AdamW learning rate")
+    lr_scheduler: str = opt("constant", "learning-rate schedule on both sides: constant, linear, cosine")
+    beta: float = opt(0.0, "KL coefficient: TRL's beta (0, its default: no reference model); Refit's kl_coef, "
+                           "a k3 term in the loss")
+    steps: int = opt(10, "optimizer steps per run; each run's first is the warm-up, reported apart")
+    rounds: int = opt(2, "interleaved rounds: each side runs --steps in a fresh process per round")
+    seed: int = opt(0, "seed of round 0 on both sides (round r: seed + r)")
+    device: str = opt("cpu", "the learners' device on both sides (cpu, cuda)")
+    lora_r: int = opt(0, "LoRA rank on both sides (0: full fine-tuning)")
+    lora_alpha: float = opt(16.0, "LoRA alpha on both sides")
+    lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
+    refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. '--rollout.max_staleness 1'")
+    trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
+    trl_venv: str = opt(".venv-trl", "the TRL side's virtual environment (made on first use)")
+
+
+BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "grpo": BenchGRPO, "workers": BenchWorkers,
            "inflight": BenchInflight}
 
 
@@ -166,6 +199,19 @@ def main(argv: list[str] | None = None) -> int:
         _, engine = _model_and_engine(m, a.source)
         out = bench_inflight(engine, a.rows, a.slots, a.prompt_len, a.new_tokens, a.stop_frac, a.source.repeats,
                              m.threads)
+    elif which == "grpo":
+        from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
+
+        work = Path(m.work_dir)
+        model = Path(a.model_dir) if a.model_dir else prepare_model(work, a.geometry, a.layers)
+        w = Workload(model=str(model.resolve()), dataset=str(Path(a.dataset or DEFAULT_DATASET).resolve()),
+                     prompts_per_step=a.prompts_per_step, num_generations=a.num_generations,
+                     max_completion_length=a.max_completion_length, temperature=a.temperature,
+                     learning_rate=a.learning_rate, lr_scheduler=a.lr_scheduler, steps=a.steps, beta=a.beta,
+                     threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
+                     lora_target=a.lora_target)
+        out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
+                         Path(a.trl_venv).resolve())
     elif which == "workers":
         from refit.bench.workers import bench_workers
 

@@ -1,0 +1,380 @@
+"""``refit bench grpo``: the GRPO workload side by side, Refit's ``refit ppo`` (GRPO) against a baseline.
+
+Baselines: ``--vs trl``, TRL's ``GRPOTrainer`` (TRL 1.16, installed by the bench into a virtual environment of
+its own, ``--trl_venv``, with the same torch build as Refit's; the run is bench/trl_grpo_side.py, which imports
+TRL and never Refit); ``--vs hf``, Refit's own learner with HF ``generate()`` rollouts (``--rollout.backend hf``).
+
+Each side runs as a child process (``refit ppo``, or the TRL script), ``--steps`` optimizer steps from the same
+model folder, in ``--rounds`` interleaved rounds (a fresh process each round, the order alternating, the seed
+``--seed + round`` on both sides). Reported per side: the median seconds a step over every step but each run's
+first (the warm-up, reported apart), split by phase where the side exposes it; the peak RSS of its process
+(``os.wait4``'s ``ru_maxrss``); the mean reward and completion length per step. Refit's engine is exported once
+before the rounds by ``refit export`` (its seconds and peak RSS reported apart), and every round reuses it.
+
+The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit ppo`` flag):
+
+- prompts per step: ``per_device_train_batch_size = prompts x num_generations`` with
+  ``gradient_accumulation_steps`` 1 and ``num_iterations`` 1 (TRL's defaults), so one optimizer step per
+  generation / ``--run.batch_size`` prompts, ``--num_ppo_epochs 1 --num_mini_batches 1`` (Refit's PPO defaults
+  are 2 and 2);
+- ``num_generations`` / ``--num_generations`` (with ``--advantage_estimator grpo``; both scale by the group std);
+- ``max_completion_length`` / ``--response_length``; ``temperature`` / ``--temperature`` (top-k and top-p off on
+  both sides by default);
+- ``learning_rate`` / ``--optim.learning_rate`` and ``lr_scheduler_type`` / ``--optim.lr_scheduler_type``
+  (``--lr_scheduler``, constant by default; TRL's default is linear decay to 0, Refit's constant);
+- ``max_steps`` / ``--run.steps``; ``seed`` / ``--run.seed``;
+- ``beta`` / ``--kl_coef`` with ``--kl_penalty loss --kl_estimator k3`` (TRL's GRPO KL term; 0 by default, TRL's
+  default: TRL then loads no reference model, Refit still scores its reference engine and logs the KL);
+- fp32: ``bf16=False`` (TRL's GRPO default is bf16 autocast); Refit's learner is fp32 on the CPU;
+- the device: ``use_cpu`` / ``--run.device`` (``--device``, cpu by default);
+- threads: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in the TRL process, ``OMP_NUM_THREADS`` and
+  ``--rollout.engine_threads`` in Refit's;
+- the reward: one function in bench/grpo_reward.py, loaded by path on both sides; the data: the same jsonl;
+- LoRA (``--lora_r`` > 0): ``peft_config=LoraConfig(r, lora_alpha, target_modules)`` / ``--lora.r``,
+  ``--lora.alpha``, ``--lora.target_modules`` (PEFT's default dropout 0 on both);
+- logging only: ``logging_steps=1``, ``save_strategy="no"``, ``report_to="none"``; Refit writes no checkpoint
+  within the run and no final export.
+
+Everything else is each side's default: on TRL's side ``gradient_checkpointing=True``, ``disable_dropout=False``,
+``loss_type="dapo"``, ``epsilon`` 0.2, ``max_grad_norm`` 1.0 (the values are in the JSON, ``trl.config``).
+Departures kept visible: the two sides draw their prompts in their own orders from the same rows; a completion
+stops at EOS and at the chat template's end-of-turn on Refit's side, and at the tokenizer's EOS plus the model's
+``generation_config.eos_token_id`` on TRL's: the bench writes the end-of-turn into the generation config of the
+models it builds, and records both stop sets (``stops``) for any model. ``--refit_args`` and ``--trl_args`` pass
+further settings to one side (e.g. ``--refit_args '--rollout.max_staleness 1'``).
+
+Phases: Refit's own ``time/rollout``, ``time/score``, ``time/update``, ``time/weight_push`` (metrics.jsonl);
+TRL's ``generate`` (its ``_generate``), ``score`` (the rest of ``_generate_and_score_completions``: rewards,
+advantages, the log-probs the loss needs) and ``update`` (the rest of the optimizer step: forward, backward, the
+optimizer). ``generation_s`` is Refit's rollout or TRL's generate; ``learner_s`` the step less it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from refit.core.errors import RefitError
+from refit.learner.examples.models import GEOMETRIES, build_chat_tokenizer, build_model
+from refit.learner.examples.published import PUBLISHED, build_published
+from refit.learner.run.chat import encode_prompts, end_of_turn_ids
+
+HERE = Path(__file__).resolve().parent
+REWARD_FILE = HERE / "grpo_reward.py"
+TRL_SIDE = HERE / "trl_grpo_side.py"
+DEFAULT_DATASET = HERE.parent / "examples" / "trl_chat" / "data.jsonl"
+TRL_PIN = "trl==1.16.*"
+ENCODER_DECODER = ("t5", "bart", "marian")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The settings both sides run with (the aligned ones of the module docstring)."""
+
+    model: str  # the HF folder both sides load
+    dataset: str  # jsonl: a prompt column (chat messages) and the reward's answer column
+    prompts_per_step: int
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    learning_rate: float
+    lr_scheduler: str  # constant | linear | cosine
+    steps: int  # optimizer steps per run, one generation each
+    beta: float  # KL coefficient (a k3 term in the loss)
+    threads: int
+    device: str  # cpu | cuda
+    lora_r: int  # 0: full fine-tuning
+    lora_alpha: float
+    lora_target: str  # 'all-linear' or a comma list of module names
+
+
+def slug(name: str) -> str:
+    """'Qwen2.5 0.5B' -> 'qwen2.5-0.5b': a published geometry's name as a flag value."""
+    return name.lower().replace(" ", "-")
+
+
+def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
+    """A decoder-only model with the chat tokenizer, built locally (random weights) unless already there: a local
+    geometry (refit.learner.examples.models) or a published one by :func:`slug` (depth ``layers``, 0: published)."""
+    published = {slug(n): n for n, p in PUBLISHED.items() if p.decoder_start is None}
+    tok = build_chat_tokenizer()
+    if geometry in GEOMETRIES and GEOMETRIES[geometry].arch not in ENCODER_DECODER:
+        folder = work / f"{geometry}-chat"
+        make = lambda out: build_model(geometry, out, tokenizer=tok)  # noqa: E731
+    elif geometry in published:
+        folder = work / f"{geometry}-{f'{layers}layers' if layers else 'full'}-chat"
+        make = lambda out: build_published(published[geometry], out, n_layers=layers or None, tokenizer=tok)  # noqa: E731
+    else:
+        local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
+        raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
+                         f"{', '.join(published)}")
+    if not (folder / "config.json").exists():
+        log(f"building {geometry} (random weights, chat tokenizer) in {folder}")
+        tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+        make(tmp)
+        stop_at_end_of_turn(tmp)
+        tmp.rename(folder)
+    return folder
+
+
+def stop_at_end_of_turn(folder: Path) -> None:
+    """Write EOS and the template's end-of-turn into the folder's generation config, as released chat models do,
+    so that transformers ``generate()`` (TRL's side) stops where Refit's engine does."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    gen = GenerationConfig.from_pretrained(folder)
+    gen.eos_token_id = [tok.eos_token_id, *end_of_turn_ids(tok)]
+    gen.save_pretrained(folder)
+
+
+def stops(model: Path) -> dict:
+    """The token ids that end a completion on each side: Refit's (EOS and the template's end-of-turn) and TRL's
+    (the tokenizer's EOS and the generation config's ``eos_token_id``)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model)
+    eos = GenerationConfig.from_pretrained(model).eos_token_id if (model / "generation_config.json").exists() else None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return {"refit": sorted({tok.eos_token_id, *end_of_turn_ids(tok)}), "trl": sorted({tok.eos_token_id, *eos})}
+
+
+def engine_max_len(w: Workload) -> int:
+    """The engine's prompt + completion length: the longest rendered prompt plus the completion, as ``refit ppo``
+    counts it (+8), rounded up to 64 and capped at the model's positions."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(w.model)
+    rows = [json.loads(line) for line in Path(w.dataset).read_text().splitlines() if line.strip()]
+    longest = max(len(ids) for ids in encode_prompts(tok, [r["prompt"] for r in rows], None, 0))
+    cfg = AutoConfig.from_pretrained(w.model)
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 1 << 20
+    return min(-(-(longest + w.max_completion_length + 8) // 64) * 64, positions)
+
+
+def child_env(threads: int, keep_pythonpath: bool) -> dict:
+    """Both sides' environment: the thread count, offline hub, no tokenizer fork pool."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if not keep_pythonpath:  # the TRL side sees its own environment only
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_child(cmd: list[str], log_file: Path, env: dict, what: str) -> tuple[float, float]:
+    """Run ``cmd`` to its end (output to ``log_file``); (wall seconds, peak RSS in GB from ``os.wait4``)."""
+    t0 = time.perf_counter()
+    with open(log_file, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = " | ".join(log_file.read_text().strip().splitlines()[-3:])
+        raise RefitError(f"{what} exited with {proc.returncode} after {wall:.0f} s ({log_file}): {tail}")
+    return wall, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def trl_python(venv: Path, log=print) -> Path:
+    """The Python of ``venv`` with TRL 1.16 and PEFT, installed there on first use: torch first, pinned to the
+    build Refit runs on (a plain ``pip install torch`` would pull a multi-GB CUDA build), then TRL and PEFT."""
+    py = venv / "bin" / "python"
+    probe = [str(py), "-c", "import trl, peft, datasets; print(trl.__version__)"]
+
+    def ready() -> bool:
+        return py.exists() and subprocess.run(probe, capture_output=True, text=True).stdout.startswith("1.16.")
+
+    if ready():
+        return py
+    torch_pin = f"torch=={version('torch').split('+')[0]}"
+    log(f"installing {TRL_PIN} and peft into {venv} ({torch_pin} first), a virtual environment of their own")
+    steps = [[sys.executable, "-m", "venv", str(venv)], [str(py), "-m", "pip", "install", "-q", torch_pin],
+             [str(py), "-m", "pip", "install", "-q", TRL_PIN, "peft"]]
+    for cmd in steps:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-2:])
+            raise RefitError(f"installing TRL into {venv} failed at '{' '.join(cmd[-2:])}': {tail}")
+    if not ready():
+        raise RefitError(f"{venv} has no TRL 1.16 after the install ({' '.join(probe)})")
+    return py
+
+
+def lora_targets(w: Workload) -> list[str]:
+    return w.lora_target.split(",")
+
+
+def export_engine(w: Workload, engine: Path, logs: Path) -> dict:
+    """``refit export`` of the model (reused by every Refit round: ``refit ppo`` takes any export of the same
+    weights that fits its rows and length), in a child of its own so that its peak is apart from the runs'."""
+    cmd = [sys.executable, "-m", "refit.learner.cli", "export", w.model, "-o", str(engine), "--max_batch",
+           str(w.prompts_per_step * w.num_generations), "--max_len", str(engine_max_len(w))]
+    if w.lora_r:
+        cmd += ["--lora", *lora_targets(w)]
+    wall, rss = run_child(cmd, logs / "refit-export.log", child_env(w.threads, True), "refit export")
+    return {"s": round(wall, 1), "peak_rss_gb": round(rss, 3), "engine": str(engine)}
+
+
+def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path | None, extra: str) -> list[str]:
+    """``refit ppo`` with GRPO and the aligned settings."""
+    cmd = [sys.executable, "-m", "refit.learner.cli", "ppo", "--model.model_dir", w.model, "-o", str(out),
+           "--data.dataset", w.dataset, "--reward", f"{REWARD_FILE}:reward", "--advantage_estimator", "grpo",
+           "--num_generations", str(w.num_generations), "--run.batch_size", str(w.prompts_per_step),
+           "--response_length", str(w.max_completion_length), "--temperature", str(w.temperature),
+           "--optim.learning_rate", str(w.learning_rate), "--optim.lr_scheduler_type", w.lr_scheduler,
+           "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device,
+           "--num_ppo_epochs", "1", "--num_mini_batches", "1",
+           "--kl_coef", str(w.beta), "--kl_penalty", "loss", "--kl_estimator", "k3",
+           "--rollout.backend", backend, "--rollout.engine_threads", str(w.threads),
+           "--ckpt.save_steps", str(10 * w.steps), "--no_export_final", "--log.no_progress", "--log.no_tensorboard",
+           "--log.no_plots", "--overwrite"]
+    if engine is not None:
+        cmd += ["--model.engine_dir", str(engine)]
+    if w.lora_r:
+        cmd += ["--lora.r", str(w.lora_r), "--lora.alpha", str(w.lora_alpha), "--lora.target_modules",
+                *lora_targets(w)]
+    return cmd + shlex.split(extra)
+
+
+def trl_command(py: Path, w: Workload, out: Path, seed: int, extra: str) -> list[str]:
+    """bench/trl_grpo_side.py in the TRL environment, with the aligned settings."""
+    cmd = [str(py), str(TRL_SIDE), "--model_dir", w.model, "--dataset", w.dataset, "--reward_file", str(REWARD_FILE),
+           "--output_dir", str(out), "--out", str(out / "side.json"),
+           "--prompts_per_step", str(w.prompts_per_step), "--num_generations", str(w.num_generations),
+           "--max_completion_length", str(w.max_completion_length), "--temperature", str(w.temperature),
+           "--learning_rate", str(w.learning_rate), "--lr_scheduler", w.lr_scheduler, "--steps", str(w.steps),
+           "--beta", str(w.beta), "--seed", str(seed), "--threads", str(w.threads), "--device", w.device,
+           "--lora_r", str(w.lora_r), "--lora_alpha", str(w.lora_alpha), "--lora_target", w.lora_target]
+    return cmd + (["--trl_args", extra] if extra else [])
+
+
+def refit_rows(out: Path) -> list[dict]:
+    """Refit's steps from metrics.jsonl, in the bench's common row shape."""
+    rows = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "time/step" not in m:
+            continue
+        phases = {k.split("/")[1]: m[k] for k in ("time/rollout", "time/score", "time/update", "time/weight_push")}
+        rows.append({"step": m["step"], "step_s": m["time/step"], "generation_s": m["time/rollout"],
+                     "phases": phases, "reward": m["reward/mean"], "completion_length": m["response/length"]})
+    return rows
+
+
+def trl_rows(side: dict) -> list[dict]:
+    """TRL's steps from the side script's JSON, in the bench's common row shape."""
+    rows = []
+    for r in side["rows"]:
+        gen, gas = r.get("generate_s", 0.0), r.get("generate_and_score_s", 0.0)
+        rows.append({"step": r["step"], "step_s": r["step_s"], "generation_s": gen,
+                     "phases": {"generate": gen, "score": gas - gen, "update": r["step_s"] - gas},
+                     "reward": r["reward"], "completion_length": r["completion_length"]})
+    return rows
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One side's rounds: medians over the steady steps (all but each run's first), peaks, curves."""
+    rows = [r for run in runs for r in run["rows"]]
+    steady = [r for r in rows if r["step"] > 1] or rows
+    n_steps = min(len(run["rows"]) for run in runs)
+    by_step = lambda key: [round(statistics.fmean(run["rows"][i][key] for run in runs), 4)  # noqa: E731
+                           for i in range(n_steps)]
+    return {
+        "step_s": _median([r["step_s"] for r in steady]),
+        "first_step_s": _median([r["step_s"] for r in rows if r["step"] == 1] or [0.0]),
+        "generation_s": _median([r["generation_s"] for r in steady]),
+        "learner_s": _median([r["step_s"] - r["generation_s"] for r in steady]),
+        "phases_s": {k: _median([r["phases"][k] for r in steady]) for k in steady[0]["phases"]},
+        "step_s_by_round": [_median([r["step_s"] for r in run["rows"] if r["step"] > 1] or
+                                    [r["step_s"] for r in run["rows"]]) for run in runs],
+        "peak_rss_gb": round(max(run["peak_rss_gb"] for run in runs), 3),
+        "peak_rss_gb_by_round": [round(run["peak_rss_gb"], 3) for run in runs],
+        "wall_s_by_round": [round(run["wall_s"], 1) for run in runs],
+        "reward_by_step": by_step("reward"),
+        "reward_by_round": [[round(r["reward"], 4) for r in run["rows"]] for run in runs],
+        "reward_mean_by_round": [round(statistics.fmean(r["reward"] for r in run["rows"]), 4) for run in runs],
+        "completion_length_by_step": by_step("completion_length"),
+    }
+
+
+def reward_gap(a: dict, b: dict) -> dict:
+    """Mean reward of side ``a`` less side ``b`` over every step of every round, against the noise of the
+    per-round means (their standard errors combined; None with one round)."""
+    ma, mb = a["reward_mean_by_round"], b["reward_mean_by_round"]
+    gap = statistics.fmean(ma) - statistics.fmean(mb)
+    noise = None
+    if len(ma) > 1:
+        noise = (statistics.variance(ma) / len(ma) + statistics.variance(mb) / len(mb)) ** 0.5
+    return {"gap": round(gap, 4), "noise": None if noise is None else round(noise, 4),
+            "gap_over_noise": None if not noise else round(abs(gap) / noise, 2)}
+
+
+def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_args: str = "", trl_args: str = "",
+               trl_venv: Path = Path(".venv-trl"), log=print) -> dict:
+    """The side-by-side run (module docstring); returns the JSON document."""
+    if vs not in ("trl", "hf"):
+        raise RefitError(f"--vs {vs!r}: 'trl' (TRL's GRPOTrainer) or 'hf' (Refit with HF generate() rollouts)")
+    base = "trl" if vs == "trl" else "refit-hf"
+    runs_dir = work / "grpo-runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    py = trl_python(trl_venv, log) if vs == "trl" else None
+    engine = work / f"{Path(w.model).name}-grpo-engine{'-lora' if w.lora_r else ''}"
+    export = export_engine(w, engine, runs_dir)
+    log(f"refit export: {export['s']} s, peak RSS {export['peak_rss_gb']} GB ({engine})")
+    runs: dict[str, list[dict]] = {"refit": [], base: []}
+    trl_info: dict = {}
+    for rnd in range(rounds):
+        order = ("refit", base) if rnd % 2 == 0 else (base, "refit")
+        for side in order:
+            out = runs_dir / f"{side}-r{rnd}"
+            out.mkdir(parents=True, exist_ok=True)
+            if side == "trl":
+                cmd, env = trl_command(py, w, out, seed + rnd, trl_args), child_env(w.threads, False)
+            else:
+                backend, eng = ("onnxruntime", engine) if side == "refit" else ("hf", None)
+                cmd, env = refit_command(w, out, seed + rnd, backend, eng, refit_args), child_env(w.threads, True)
+            wall, rss = run_child(cmd, runs_dir / f"{side}-r{rnd}.log", env, f"{side} (round {rnd})")
+            if side == "trl":
+                side_json = json.loads((out / "side.json").read_text())
+                rows = trl_rows(side_json)
+                trl_info = {k: side_json[k] for k in ("versions", "config", "ref_model", "trainable_params",
+                                                      "eos_token_ids", "threads")}
+            else:
+                rows = refit_rows(out)
+            runs[side].append({"rows": rows, "wall_s": wall, "peak_rss_gb": rss})
+            log(f"round {rnd} {side:<8} step {_median([r['step_s'] for r in rows[1:] or rows]):.3f} s (median), "
+                f"first {rows[0]['step_s']:.2f} s, reward {statistics.fmean(r['reward'] for r in rows):.4f}, "
+                f"peak RSS {rss:.2f} GB, wall {wall:.0f} s")
+    sides = {name: summarize(r) for name, r in runs.items()}
+    ours, theirs = sides["refit"], sides[base]
+    out = {"bench": "grpo", "vs": vs, "baseline": base, "model": w.model, "settings": asdict(w), "rounds": rounds,
+           "seed": seed, "refit_args": refit_args, "trl_args": trl_args, "stops": stops(Path(w.model)),
+           "refit_export": export, "sides": sides,
+           "speedup": round(theirs["step_s"] / ours["step_s"], 3),
+           "generation_speedup": round(theirs["generation_s"] / ours["generation_s"], 3),
+           "learner_speedup": round(theirs["learner_s"] / ours["learner_s"], 3),
+           "speedup_by_round": [round(t / o, 3) for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])],
+           "peak_rss_ratio": round(theirs["peak_rss_gb"] / ours["peak_rss_gb"], 3),
+           "reward_gap": reward_gap(ours, theirs)}
+    if trl_info:
+        out["trl"] = trl_info
+    if out["stops"]["refit"] != out["stops"]["trl"]:
+        log(f"note: the sides stop at different ids (Refit {out['stops']['refit']}, TRL {out['stops']['trl']}): "
+            "add the template's end-of-turn to the model's generation_config.json eos_token_id")
+    log(f"refit {ours['step_s']:.3f} s a step (generation {ours['generation_s']:.3f}, learner {ours['learner_s']:.3f}), "
+        f"{base} {theirs['step_s']:.3f} s (generation {theirs['generation_s']:.3f}, learner {theirs['learner_s']:.3f}): "
+        f"{out['speedup']}x; peak RSS {ours['peak_rss_gb']} vs {theirs['peak_rss_gb']} GB; reward gap "
+        f"{out['reward_gap']['gap']} (noise {out['reward_gap']['noise']})")
+    return out
