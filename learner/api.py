@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 from refit.core.errors import RefitError
 from refit.core.parsing import with_values
+from refit.learner.run.loop import StepHooks
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,15 @@ def dataset_path(train_dataset: Any, run_dir: Path) -> str:
 
 
 def run_ppo(config, reward_funcs: Sequence[Callable | str] | None = None, train_dataset: Any = None,
-            reward_weights: Sequence[float] | None = None, resume: bool = False, log=print) -> RunResult:
+            reward_weights: Sequence[float] | None = None, resume: bool = False, log=print,
+            hooks: StepHooks | None = None) -> RunResult:
     """Run the PPO-KL job of ``config`` (a :class:`refit.learner.ppo.config.PPOConfig`).
 
     ``reward_funcs``: callables in TRL's signature and/or spec strings (``'path.py:fn'``, ``'module:fn'``, a
     classifier folder), replacing ``config.reward_funcs``; ``reward_weights`` one per function.
     ``train_dataset``: a ``datasets.Dataset`` with a prompt column (and any columns the rewards read) or a
-    dataset path, replacing ``config.data.dataset``.
+    dataset path, replacing ``config.data.dataset``. ``hooks``: called around each step
+    (:class:`refit.learner.run.loop.StepHooks`; the TRL facade's callbacks).
     """
     from refit.learner.ppo.cli import summary
     from refit.learner.ppo.cycle import ppo_job
@@ -94,16 +97,18 @@ def run_ppo(config, reward_funcs: Sequence[Callable | str] | None = None, train_
         config = replace(config, reward_funcs=tuple(spec_of(f) for f in funcs), reward_weights=weights)
     if train_dataset is not None:
         config = with_values(config, **{"data.dataset": dataset_path(train_dataset, run_dir)})
-    run_dir, _ = run_job(ppo_job(log, rewards), config, resume, log)
+    run_dir, _ = run_job(ppo_job(log, rewards), config, resume, log, hooks=hooks)
     final = run_dir / "final"
     return RunResult(run_dir=run_dir, metrics=read_metrics(run_dir), summary=summary(run_dir),
                      final_dir=final if (final / "config.json").exists() else None)
 
 
-def run_distill(config, train_dataset: Any = None, resume: bool = False, log=print) -> RunResult:
+def run_distill(config, train_dataset: Any = None, resume: bool = False, log=print,
+                hooks: StepHooks | None = None) -> RunResult:
     """Run the distillation job of ``config`` (a :class:`refit.learner.distill.config.DistillConfig`); with no model
     folders the embedded default builds a teacher and a student. ``train_dataset``: a ``datasets.Dataset`` (prompt
-    and completion columns) or a dataset path, replacing ``config.data.dataset``."""
+    and completion columns) or a dataset path, replacing ``config.data.dataset``. ``hooks``: as in
+    :func:`run_ppo`."""
     import json
 
     from refit.learner.distill.cycle import run_distill as run_cycle
@@ -120,7 +125,7 @@ def run_distill(config, train_dataset: Any = None, resume: bool = False, log=pri
         config = with_values(config, flat_names(type(config)), **build_models(models, config),
                              teacher_engine_dir=config.teacher.engine_dir or str(models / "teacher_engine"),
                              student_engine_dir=config.student.engine_dir or str(models / "student_engine"))
-    run_dir = run_cycle(config, resume, log)
+    run_dir = run_cycle(config, resume, log, hooks=hooks)
     s = run_dir / "summary.json"
     final = run_dir / "final"
     return RunResult(run_dir=run_dir, metrics=read_metrics(run_dir),

@@ -11,6 +11,7 @@ else is reachable under its room (``refit.core``, ``refit.export``, ``refit.roll
     batch = engine.generate([[5, 6, 7]], refit.SamplingParams(max_new_tokens=8))
     refit.run_ppo(refit.PPOConfig(...), reward_funcs=[my_reward])  # the PPO-KL job (as `refit ppo`)
     refit.GRPOTrainer(model=..., reward_funcs=[...], args=refit.GRPOConfig(...)).train()  # TRL's names
+    refit.DistillationTrainer(model=..., teacher_model=..., args=refit.DistillationConfig(...)).train()
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ _EXPORTS = {
     "DistillConfig": "refit.learner.distill.config",
     "run_distill": "refit.learner.api",
     "RunResult": "refit.learner.api",
-    "GRPOConfig": "refit.learner.trl_compat",
-    "GRPOTrainer": "refit.learner.trl_compat",
-    "RLOOConfig": "refit.learner.trl_compat",
-    "RLOOTrainer": "refit.learner.trl_compat",
+    "GRPOConfig": "refit.learner.trl",
+    "GRPOTrainer": "refit.learner.trl",
+    "RLOOConfig": "refit.learner.trl",
+    "RLOOTrainer": "refit.learner.trl",
+    "DistillationConfig": "refit.learner.trl",
+    "DistillationTrainer": "refit.learner.trl",
+    "GKDConfig": "refit.learner.trl",
+    "GKDTrainer": "refit.learner.trl",
 }
 _ALIASES = {"build_engine": "build"}  # public name -> the defining module's name
 
@@ -59,7 +64,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from refit.learner.api import RunResult, run_distill, run_ppo
     from refit.learner.distill.config import DistillConfig
     from refit.learner.ppo.config import PPOConfig
-    from refit.learner.trl_compat import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from refit.learner.trl import (DistillationConfig, DistillationTrainer, GKDConfig, GKDTrainer, GRPOConfig,
+                                   GRPOTrainer, RLOOConfig, RLOOTrainer)
     from refit.rollout.engine import Engine, create_engine
     from refit.rollout.types import RolloutBatch, SamplingParams
 

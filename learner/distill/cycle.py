@@ -57,7 +57,7 @@ from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
 from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
 from refit.learner.run.final import write_final
-from refit.learner.run.loop import Job, check_finite, due, run_job
+from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
 from refit.rollout.engine import Engine, check_version
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -377,14 +377,16 @@ DISTILL_JOB = Job("distill", setup=setup, step=train_and_evaluate, save=save, po
                   initial=initial, final=final)
 
 
-def run_distill(cfg: DistillConfig, resume: bool = False, log=print, overwrite: bool = False) -> Path:
+def run_distill(cfg: DistillConfig, resume: bool = False, log=print, overwrite: bool = False,
+                hooks: StepHooks | None = None) -> Path:
     """Run the cycle; return the run folder (metrics.jsonl, tb/, curves.png, checkpoints/, summary.json).
 
     Under ``torchrun --nproc-per-node K`` rank 0 drives the engines and the teacher, evaluates, pushes
     weights and writes metrics, checkpoints, plots and the summary; every rank runs its rows of each update.
+    ``hooks``: a Python caller's view of each step (:class:`refit.learner.run.loop.StepHooks`).
     """
     t_start = time.perf_counter()
-    run_dir, run = run_job(DISTILL_JOB, cfg, resume, log, overwrite)
+    run_dir, run = run_job(DISTILL_JOB, cfg, resume, log, overwrite, hooks)
     if run.dist.is_main:
         s = summary(run_dir)
         s["wall_s_this_process"] = round(time.perf_counter() - t_start, 1)

@@ -47,6 +47,9 @@ RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "c
              "final_engine", "final_value_head.safetensors")
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")
 PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
+# inputs a Python caller stages in the run folder before the job starts (refit.learner.api: a datasets.Dataset;
+# the TRL facade: a model object saved for the export); a folder holding only these is a fresh run's
+STAGED = ("train_dataset", "model", "teacher")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -166,6 +169,8 @@ def _refuse_foreign(run_dir: Path, holds: str, resume: bool, overwrite: bool) ->
     if resume and holds != "run":
         raise RefitError(f"--resume: {run_dir} holds no run to continue (no {RUN_RECORD}, metrics or checkpoints); "
                          "start it without --resume")
+    if holds == "other" and all(p.name in STAGED or p.name.startswith(".") for p in run_dir.iterdir()):
+        return  # only what the caller staged for this run
     if holds == "other":
         mine = [n for n in RUN_FILES if (run_dir / n).exists()]
         if mine:

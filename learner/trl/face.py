@@ -1,0 +1,102 @@
+"""The surface every TRL trainer shares: ``train``, ``save_model``, ``add_callback`` / ``pop_callback`` /
+``remove_callback``, ``state``, ``args``, ``model`` (the trained policy after ``train``), ``processing_class``.
+A trainer says how its job runs (:meth:`TrainerFace._run`); the rest is here."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refit.core.errors import RefitError
+from refit.learner.trl.common import tokenizer_of, trained_model
+from refit.learner.trl.events import Events
+
+
+@dataclass(frozen=True)
+class TrainOutput:
+    """What TRL's ``train()`` returns (transformers.TrainOutput's fields)."""
+
+    global_step: int  # optimizer steps taken
+    training_loss: float  # the mean of the logged loss over the run's steps
+    metrics: dict  # the final log row (train_runtime, train_loss, ...)
+
+
+class TrainerFace:
+    """A TRL trainer's public surface over one Refit job (subclasses: the GRPO/RLOO and distillation trainers)."""
+
+    def __init__(self, args, callbacks, processing_class, model):
+        self.args = args
+        self.given_model = model if not isinstance(model, (str, Path)) else None  # trained in place, as TRL
+        if processing_class is None and self.given_model is not None and hasattr(self.given_model, "config"):
+            processing_class = tokenizer_of(self.given_model)
+        self.processing_class = processing_class
+        self.events = Events(args, list(callbacks or []), processing_class)
+        self.result = None  # refit.learner.api.RunResult after train()
+        self._model = self.given_model
+
+    # transformers.Trainer's callback methods
+    def add_callback(self, callback) -> None:
+        self.events.add(callback)
+
+    def pop_callback(self, callback):
+        return self.events.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.events.remove(callback)
+
+    @property
+    def callbacks(self) -> list:
+        return list(self.events.callbacks)
+
+    @property
+    def state(self):
+        """transformers' ``TrainerState``: global_step (optimizer steps), epoch, max_steps, log_history."""
+        return self.events.state
+
+    @property
+    def control(self):
+        return self.events.control
+
+    @property
+    def model(self):
+        """The policy: after ``train()`` the trained one (a model object given in is updated in place)."""
+        return self._model
+
+    def _run(self, hooks, resume: bool):  # -> refit.learner.api.RunResult
+        raise NotImplementedError
+
+    def _hooks(self):  # -> refit.learner.run.loop.StepHooks for this trainer's job
+        raise NotImplementedError
+
+    def _samples_per_step(self) -> int:
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Run the job with the callbacks; ``resume_from_checkpoint``: True continues from OUTPUT_DIR's last
+        checkpoint (a path: it must be inside OUTPUT_DIR)."""
+        out = Path(self.args.output_dir).resolve()
+        if isinstance(resume_from_checkpoint, str) and out not in Path(resume_from_checkpoint).resolve().parents:
+            raise RefitError(f"resume_from_checkpoint={resume_from_checkpoint!r}: Refit resumes the last checkpoint "
+                             f"of output_dir {self.args.output_dir}")
+        hooks = self._hooks()
+        self.events.begin(self._model)
+        self.result = self._run(hooks, bool(resume_from_checkpoint))
+        self._model = trained_model(self.result.run_dir, self.result.final_dir, self.given_model)
+        self.events.model = self._model
+        loss = self.events.end(self._samples_per_step())
+        return TrainOutput(global_step=self.state.global_step, training_loss=loss,
+                           metrics=dict(self.state.log_history[-1]))
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The trained model as a save_pretrained folder (OUTPUT_DIR/final, copied to ``output_dir``)."""
+        if self.result is None or self.result.final_dir is None:
+            raise RefitError("save_model: nothing trained yet (call train() first; export_final writes the model)")
+        if output_dir and Path(output_dir).resolve() != self.result.final_dir.resolve():
+            shutil.copytree(self.result.final_dir, output_dir, dirs_exist_ok=True)
+
+    def log(self, logs: dict[str, Any]) -> None:
+        """transformers' ``Trainer.log``: a row into ``state.log_history`` and on_log."""
+        self.events.log(dict(logs))

@@ -1,0 +1,223 @@
+"""TRL's ``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` on Refit: TRL's argument names
+with TRL's meanings, run by the PPO job (generation on the exported engine).
+
+A TRL script moves over by changing its import line::
+
+    from refit import GRPOConfig, GRPOTrainer      # was: from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir="runs/x", per_device_train_batch_size=16, num_generations=8, beta=0.02,
+                      max_completion_length=64, max_steps=100, learning_rate=1e-5, use_cpu=True)
+    trainer = GRPOTrainer(model="models/policy", reward_funcs=[my_reward], args=args, train_dataset=dataset,
+                          callbacks=[MyCallback()])
+    trainer.train()
+    trainer.state.log_history[-1]["train_loss"], trainer.model
+
+``model`` is a local ``save_pretrained`` folder (nothing is downloaded), a ``PreTrainedModel`` (saved under
+``OUTPUT_DIR/model`` with ``processing_class``, or the tokenizer of its ``name_or_path`` as TRL loads it), or
+:data:`DEMO_CHAT_MODEL`. ``reward_funcs``: callables in TRL's signature (with TRL's ``trainer_state``,
+``log_metric``, ``log_extra`` keywords; :mod:`refit.learner.ppo.rewards`) or spec strings. ``train_dataset``: a
+``datasets.Dataset`` with a ``prompt`` column (text or chat messages). ``callbacks``: transformers'
+``TrainerCallback`` objects (:mod:`refit.learner.trl.events` says where they fire). ``peft_config``: a
+``peft.LoraConfig``, Refit's ``lora`` section (:func:`refit.learner.trl.common.lora_values`).
+
+The batch arithmetic (one process; TRL counts per device, Refit's batch is the whole rollout):
+completions per generation = per_device_train_batch_size x steps_per_generation (or generation_batch_size);
+run.batch_size (PROMPTS per rollout) = that / num_generations; num_mini_batches = steps_per_generation /
+gradient_accumulation_steps; num_ppo_epochs = num_iterations; ``max_steps`` and ``save_steps`` count optimizer
+steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its kind and its Refit setting:
+:mod:`refit.learner.trl.fields` (docs/trl-facade.md).
+
+Departures kept visible: Refit always scores the frozen reference (TRL skips it when beta is 0; the KL is
+logged either way); the held-out evaluation (``eval_steps``) is not offered here (``refit ppo`` has it).
+RLOOTrainer: TRL's RLOO clips a per-sequence ratio and averages over sequences; Refit's PPO loss clips per token
+and normalises by the token count. With num_iterations 1 (the default) the ratio is 1 at the only pass, and the
+two gradients differ by one positive factor per minibatch (its mean completion length).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+from refit.core.errors import RefitError
+from refit.learner.ppo.config import TRL_HINTS
+from refit.learner.trl.common import TrlConfig, lora_values, resolve_model, shared_values, steps_of
+from refit.learner.trl.events import grpo_row
+from refit.learner.trl.face import TrainerFace
+from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
+
+
+class GRPOConfig(TrlConfig):
+    """TRL's ``GRPOConfig``: its names with TRL's defaults (:data:`refit.learner.trl.fields.GRPO_ARGS`)."""
+
+    FIELDS = GRPO_ARGS
+    HINTS = TRL_HINTS
+    ESTIMATOR: ClassVar[str] = "grpo"
+    KL: ClassVar[tuple[str, str]] = ("loss", "k3")  # beta: a k3 term in the loss (TRL GRPO)
+
+
+class RLOOConfig(GRPOConfig):
+    """TRL's ``RLOOConfig``: as :class:`GRPOConfig`, with RLOO's defaults (2 generations, beta 0.05 as a k1
+    penalty in the reward, max_completion_length 512)."""
+
+    FIELDS = RLOO_ARGS
+    ESTIMATOR: ClassVar[str] = "rloo"
+    KL: ClassVar[tuple[str, str]] = ("reward", "k1")  # beta: the summed k1 subtracted from the score (TRL RLOO)
+
+
+def _scale_rewards(v: Any) -> str:
+    if v is True or v == "group":
+        return "group"
+    if v is False or v == "none":
+        return "none"
+    if v == "batch":
+        return "batch"
+    raise RefitError(f"scale_rewards={v!r}: Refit takes True/'group', 'batch', False/'none'")
+
+
+def batch_shape(a: GRPOConfig) -> dict[str, int]:
+    """TRL's batch arithmetic as Refit's: prompts per rollout, minibatches, optimizer steps per rollout."""
+    ga, mb = a.gradient_accumulation_steps, a.per_device_train_batch_size
+    if a.steps_per_generation is not None and a.generation_batch_size is not None:
+        raise RefitError("steps_per_generation and generation_batch_size are mutually exclusive (as in TRL)")
+    if a.generation_batch_size is not None:
+        if a.generation_batch_size % mb:
+            raise RefitError(f"generation_batch_size={a.generation_batch_size} must be a multiple of "
+                             f"per_device_train_batch_size={mb}")
+        steps = a.generation_batch_size // mb
+    else:
+        steps = a.steps_per_generation or ga
+    rows = mb * steps  # completions per generation
+    if a.num_generations < 2 or rows % a.num_generations:
+        raise RefitError(f"{rows} completions per generation (per_device_train_batch_size {mb} x "
+                         f"steps_per_generation {steps}) must be a multiple of num_generations={a.num_generations} "
+                         "(>= 2)")
+    if steps % ga:
+        raise RefitError(f"steps_per_generation={steps} must be a multiple of gradient_accumulation_steps={ga}: "
+                         "Refit's optimizer steps do not straddle generations")
+    minibatches = steps // ga
+    return {"prompts": rows // a.num_generations, "rows": rows, "num_mini_batches": minibatches,
+            "per_rollout": minibatches * a.num_iterations}
+
+
+def rollouts(a: GRPOConfig, per: int, prompts: int, num_prompts: int | None) -> int:
+    """Refit's steps (rollouts): ``max_steps`` optimizer steps (a whole number of rollouts), else
+    ``num_train_epochs`` passes over ``num_prompts``."""
+    if a.max_steps and a.max_steps > 0:
+        if a.max_steps % per:
+            lo, hi = max(per, a.max_steps // per * per), (a.max_steps // per + 1) * per
+            raise RefitError(f"max_steps={a.max_steps} optimizer steps is not a multiple of the {per} optimizer steps "
+                             "each generation makes (num_iterations * steps_per_generation / "
+                             f"gradient_accumulation_steps); use {lo} or {hi}")
+        return a.max_steps // per
+    if not num_prompts:
+        raise RefitError("max_steps is not set and the number of training prompts is unknown: set max_steps")
+    return math.ceil(a.num_train_epochs * num_prompts / prompts)
+
+
+def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None, reward_specs: tuple = (),
+                  peft_config: Any = None):
+    """The :class:`refit.learner.ppo.config.PPOConfig` that runs ``a`` with TRL's meanings (the module's mapping).
+    ``num_prompts``: training prompts, for ``num_train_epochs`` when ``max_steps`` is not set; ``reward_specs``:
+    the reward functions as the saved config names them (``refit.learner.ppo.rewards.spec_of``)."""
+    from refit.core.parsing import build, resolve
+    from refit.learner.ppo.config import PPOConfig
+
+    shape = batch_shape(a)
+    per = shape["per_rollout"]
+    if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
+        raise RefitError(f"epsilon_high={a.epsilon_high} != epsilon={a.epsilon}: not supported (Refit clips "
+                         "symmetrically with cliprange)")
+    if a.loss_type not in ("dapo", "bnpo") or (a.loss_type == "bnpo" and a.gradient_accumulation_steps != 1):
+        raise RefitError(f"loss_type={a.loss_type!r}: not supported; Refit normalises the loss by the response-token "
+                         "count of each optimizer step's minibatch, TRL's 'dapo' ('bnpo' too with "
+                         "gradient_accumulation_steps 1)")
+    steps = rollouts(a, per, shape["prompts"], num_prompts)
+    steps_of("logging_steps", a.logging_steps, steps * per)  # a ratio needs max_steps
+    values = {
+        **shared_values(a, steps, per), "run.steps": steps, "run.batch_size": shape["prompts"],
+        "model.model_dir": model_dir, "num_generations": a.num_generations, "advantage_estimator": a.ESTIMATOR,
+        "scale_rewards": _scale_rewards(a.scale_rewards), "num_ppo_epochs": a.num_iterations,
+        "num_mini_batches": shape["num_mini_batches"], "response_length": a.max_completion_length,
+        "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
+        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
+        "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
+        **lora_values(peft_config, model_dir),
+    }
+    values, _ = resolve(PPOConfig, values, {}, "trl")  # every name checked (top_p -> sampling.top_p)
+    extra, _ = resolve(PPOConfig, dict(a.refit), {}, f"{type(a).__name__}(refit=...)")
+    return build(PPOConfig, {**values, **extra})
+
+
+def lr_schedule(cfg):
+    """optimizer steps -> the learning rate after them, from the schedule the PPO job builds (transformers'
+    ``get_scheduler`` with the config's settings), for TRL's ``learning_rate`` log key."""
+    import torch
+    from transformers import get_scheduler
+
+    per = cfg.num_ppo_epochs * cfg.num_mini_batches
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optim.learning_rate)
+    sched = get_scheduler(cfg.optim.lr_scheduler_type, opt, num_warmup_steps=cfg.optim.warmup_steps,
+                          num_training_steps=cfg.run.steps * per)
+    return lambda n: cfg.optim.learning_rate * sched.lr_lambdas[0](n)
+
+
+class GRPOTrainer(TrainerFace):
+    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, processing_class, callbacks, peft_config)``
+    on the PPO job."""
+
+    config_class = GRPOConfig
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None):
+        name = type(self).__name__
+        for what, v, ok, note in (("eval_dataset", eval_dataset, None, "`refit ppo` with data.eval_split and "
+                                   "eval_steps"), ("reward_processing_classes", reward_processing_classes, None,
+                                                   "a classifier folder's own tokenizer"),
+                                  ("optimizers", tuple(optimizers or (None, None)), (None, None),
+                                   "AdamW with optim.* settings")):
+            if v != ok:
+                raise RefitError(f"{name}: {what} is not supported (Refit: {note})")
+        if args is None:
+            stem = Path(str(model)).name if isinstance(model, (str, Path)) else type(model).__name__
+            args = self.config_class(output_dir=f"{stem}-{self.config_class.ESTIMATOR.upper()}")
+        if not isinstance(args, self.config_class):
+            raise RefitError(f"{name}: args must be a {self.config_class.__name__}, got {type(args).__name__}")
+        if train_dataset is None:
+            raise RefitError(f"{name}: train_dataset is required (a datasets.Dataset with a 'prompt' column)")
+        super().__init__(args, callbacks, processing_class, model)
+        self.train_dataset = train_dataset
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        model_dir = resolve_model(model, self.processing_class, Path(args.output_dir) / "model")
+        n = len(train_dataset) if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, str) else None
+        from refit.learner.ppo.rewards import spec_of
+
+        # the PPOConfig that runs (saved as OUTPUT_DIR/config.yaml)
+        self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs), peft_config)
+        self.num_prompts = n
+
+    def _hooks(self):
+        cfg = self.config
+        per = cfg.num_ppo_epochs * cfg.num_mini_batches
+        n = self.num_prompts or cfg.run.batch_size
+        in_loss = cfg.kl_penalty == "loss"
+        return self.events.hooks(steps=cfg.run.steps, per=per, epoch_of=lambda s: s * cfg.run.batch_size / n,
+                                 row=lambda m: grpo_row(m, cfg.kl_coef, in_loss), lr_at=lr_schedule(cfg))
+
+    def _samples_per_step(self) -> int:
+        return self.config.run.batch_size * self.config.num_generations // max(
+            1, self.config.num_ppo_epochs * self.config.num_mini_batches)
+
+    def _run(self, hooks, resume: bool):
+        from refit.learner.api import run_ppo
+
+        return run_ppo(self.config, reward_funcs=self.reward_funcs, train_dataset=self.train_dataset, resume=resume,
+                       hooks=hooks)
+
+
+class RLOOTrainer(GRPOTrainer):
+    """TRL's ``RLOOTrainer``: RLOO's leave-one-out baseline, beta as a k1 penalty in the reward (see the module)."""
+
+    config_class = RLOOConfig
