@@ -5,10 +5,11 @@ Refit writes folders atomically: into ``.NAME.tmp-PID`` beside the target (engin
 leaves the temporary folder; :func:`clean_stale_temps` removes those whose process is gone (a live
 PID's folder is another process still writing, and is left alone).
 
-Who may write a folder: :func:`hold_folder` takes an OS lock (``fcntl.flock``, exclusive) on a lock file
-for the life of the process: ``RUN/.refit.lock`` inside a run folder, ``.NAME.lock`` beside an engine folder.
+Who may write a folder: :func:`hold_folder` takes an OS lock (``fcntl.flock``) on a lock file for the life
+of the process: ``RUN/.refit.lock`` inside a run folder (exclusive), ``.NAME.lock`` beside an engine folder
+(exclusive while it is exported, shared while runs only read it: readers exclude writers, not each other).
 The kernel drops it when the process ends, however it ends, so a killed run never blocks the next; the file
-records the holder's pid, which names it to a second process (refused in one line) and, left behind by a
+records the writer's pid, which names it to a second process (refused in one line) and, left behind by a
 process that did not end normally, is taken over, saying so.
 """
 
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from refit.core.errors import RefitError
@@ -28,7 +30,7 @@ from refit.core.errors import RefitError
 _TEMP = re.compile(r"^\..+\.(tmp|old)-(\d+)$")  # .step_000004.tmp-1234, .engine.tmp-1234, .engine.old-1234
 _LOCK = re.compile(r"^\..*\.lock$")  # .refit.lock (a run folder's), .NAME.lock (beside an engine folder)
 RUN_LOCK = ".refit.lock"
-_held: dict[str, int] = {}  # resolved lock file -> its open descriptor, held until the process ends
+_held: dict[str, tuple[int, bool]] = {}  # resolved lock file -> (open descriptor, shared), held until the process ends
 
 
 def sha256_files(paths) -> str:
@@ -68,12 +70,28 @@ def _holder(lock: Path) -> str:
 
 
 def _release_all() -> None:
-    """At a normal exit: empty every lock file this process holds (a pid left behind means a killed holder)."""
-    for fd in _held.values():
+    """At a normal exit: empty every lock file this process writes (a pid left behind means a killed holder)."""
+    for fd, shared in _held.values():
         try:
-            os.ftruncate(fd, 0)
+            if not shared:
+                os.ftruncate(fd, 0)
         except OSError:
             pass
+
+
+def _refuse(lock: Path, what: str) -> RefitError:
+    """The line for a lock another process holds, naming the holder (read again briefly: it writes its pid
+    just after it takes the lock)."""
+    holder = ""
+    for _ in range(50):
+        holder = _holder(lock)
+        m = re.match(r"pid (\d+)", holder)
+        if m and pid_alive(int(m.group(1))):
+            break
+        holder = ""
+        time.sleep(0.01)
+    return RefitError(f"{what} is in use by another Refit process{f' ({holder})' if holder else ''}; wait for it to "
+                      "end, or choose another folder")
 
 
 def engine_lock(engine_dir: str | Path) -> Path:
@@ -83,34 +101,48 @@ def engine_lock(engine_dir: str | Path) -> Path:
     return engine_dir.parent / f".{engine_dir.name}.lock"
 
 
-def hold_folder(lock: str | Path, what: str, log=print) -> None:
-    """Hold ``lock`` (an exclusive ``flock``) until this process ends; a second process is refused in one line.
+def hold_folder(lock: str | Path, what: str, log=print, shared: bool = False) -> None:
+    """Hold ``lock`` (a ``flock``) until this process ends; a process that the lock excludes is refused in one line.
 
-    ``what`` names the folder in that line ("run folder runs/a"). Taking a lock this process already holds
-    does nothing; a lock file naming a process that is gone (killed: the kernel released its lock) is taken
-    over, saying so."""
+    ``shared``: a reader (a run that uses an engine folder as it is): readers exclude writers, not each other.
+    Otherwise exclusive (a writer: a run folder, an export); a shared lock this process holds is turned into an
+    exclusive one. ``what`` names the folder in the refusal ("run folder runs/a"). A lock this process already
+    holds as strongly does nothing; an exclusive lock whose file names a process that is gone (killed: the
+    kernel released its lock) is taken over, saying so."""
     lock = Path(lock)
     key = str(lock.resolve())
-    if key in _held:
+    if key in _held and (shared or not _held[key][1]):
         return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    if key in _held:
+        fd = _held[key][0]
+    else:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        holder = _holder(lock) or "pid unknown"
-        raise RefitError(f"{what} is in use by another Refit process ({holder}); wait for it to end, or choose "
-                         "another folder") from None
+        if key not in _held:
+            os.close(fd)
+        raise _refuse(lock, what) from None
+    if not _held:
+        atexit.register(_release_all)
+    _held[key] = (fd, shared)
+    if shared:
+        return
     before = _holder(lock)
     pid = re.match(r"pid (\d+)", before)
     if pid and int(pid.group(1)) != os.getpid() and not pid_alive(int(pid.group(1))):
         log(f"refit: {what} was held by {before}, which ended without releasing it; taking it over")
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()}: {' '.join(os.path.basename(a) for a in sys.argv[:3])}\n".encode())
-    if not _held:
-        atexit.register(_release_all)
-    _held[key] = fd
+    os.pwrite(fd, f"pid {os.getpid()}: {' '.join(os.path.basename(a) for a in sys.argv[:3])}\n".encode(), 0)
+
+
+def share_folder(lock: str | Path) -> None:
+    """Turn this process's exclusive hold on ``lock`` into a shared one (a written engine folder now only read)."""
+    key = str(Path(lock).resolve())
+    if key in _held and not _held[key][1]:
+        fcntl.flock(_held[key][0], fcntl.LOCK_SH)
+        _held[key] = (_held[key][0], True)
 
 
 def clean_stale_temps(folder: str | Path, log=print, prefix: str = "") -> list[Path]:

@@ -22,7 +22,8 @@ import shutil
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.integrity import HOLDS, clean_stale_temps, folder_hashes, folder_holds, sha256_files
+from refit.core.integrity import (HOLDS, clean_stale_temps, engine_lock, folder_hashes, folder_holds, hold_folder,
+                                  sha256_files)
 
 
 def engine_damage(engine_dir: str | Path) -> str | None:
@@ -97,6 +98,11 @@ def require_tokenizer(model_dir: str | Path) -> None:
                          "into the model folder (tokenizer.save_pretrained(MODEL_DIR)) before exporting")
 
 
+def _take(engine_dir: Path, log) -> None:
+    """The engine folder's exclusive lock before it is removed: refused while another process uses it."""
+    hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)
+
+
 def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool = False, log=print,
                  flag: str = "--overwrite") -> None:
     """Make ``engine_dir`` safe to reuse or export into for ``model_dir`` (see the module doc), or refuse."""
@@ -125,9 +131,11 @@ def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool 
                              f"{str(source)[:12]}, {model_dir} is {mine[:12]}); give another engine folder, or pass "
                              f"{flag} to replace it")
         log(f"refit: {flag}: removing engine folder {engine_dir} (exported from other weights) to export {model_dir}")
+        _take(engine_dir, log)
         shutil.rmtree(engine_dir)
         return
     problem = engine_damage(engine_dir)
     if problem:
         log(f"refit: engine folder {engine_dir} is damaged ({problem}); exporting it again from {model_dir}")
+        _take(engine_dir, log)
         shutil.rmtree(engine_dir)

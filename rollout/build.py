@@ -23,9 +23,9 @@ from typing import Annotated, Literal
 import tyro
 
 from refit.core.errors import RefitError
-from refit.core.integrity import engine_lock, folder_holds, hold_folder
+from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_folder
 from refit.core.parsing import opt, parse
-from refit.export.onnx_export import ExportOptions, export_onnx, weights_hash
+from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
 from refit.rollout.parity import int8_parity_gate, parity_gate
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
@@ -79,9 +79,17 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.rollout.tensorrt.build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)  # one writer: a second is refused
-    if reuse_if_fits and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend, quantize=opts.quantize,
-                               lora=tuple(opts.lora)):
+    reuse = bool(reuse_if_fits) and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend,
+                                           quantize=opts.quantize, lora=tuple(opts.lora))
+    write = backend == "tensorrt" or not (reuse or _up_to_date(engine_dir, model_dir, opts))
+    lock, what = engine_lock(engine_dir), f"engine folder {engine_dir}"
+    hold_folder(lock, what, log, shared=not write)  # readers share it; a writer excludes every other process
+    if write:
+        other = _manifest_of(engine_dir)
+        if other is not None and other.hashes.hf_weights_sha256 != weights_hash(model_dir):  # written meanwhile
+            raise RefitError(f"{what} now holds an engine of other weights (another process exported into it); "
+                             "give another engine folder, or pass --overwrite to replace it")
+    if reuse:
         log(f"refit: reusing engine {engine_dir} (exported from the same weights)")
     else:
         export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate, int8_gate=int8_parity_gate)
@@ -89,7 +97,26 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.rollout.tensorrt.build import build_engines
 
         build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
+    share_folder(lock)  # written and complete: from here on only read
     return engine_dir
+
+
+def _manifest_of(engine_dir: Path):
+    """``engine_dir``'s manifest, or None (no folder, no manifest, an unusable one)."""
+    from refit.core.manifest import MANIFEST, Manifest
+
+    if not (engine_dir / MANIFEST).is_file():
+        return None
+    try:
+        return Manifest.read(engine_dir)
+    except RefitError:
+        return None
+
+
+def _up_to_date(engine_dir: Path, model_dir: Path, opts: ExportOptions) -> bool:
+    """True when ``engine_dir`` holds this very export (the exporter's cache key): reusing it only reads it."""
+    m = _manifest_of(engine_dir)
+    return m is not None and m.cache_key == cache_key(model_dir, opts)
 
 
 def _memory_available() -> int | None:
@@ -149,15 +176,8 @@ def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_
 
 def _same_weights(engine_dir: Path, model_dir: Path):
     """``engine_dir``'s manifest when it is an export of ``model_dir``'s weights, else None."""
-    from refit.core.manifest import MANIFEST, Manifest
-
-    if not (engine_dir / MANIFEST).is_file():
-        return None
-    try:
-        m = Manifest.read(engine_dir)
-    except RefitError:
-        return None
-    return m if m.hashes.hf_weights_sha256 == weights_hash(model_dir) else None
+    m = _manifest_of(engine_dir)
+    return m if m is not None and m.hashes.hf_weights_sha256 == weights_hash(model_dir) else None
 
 
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
@@ -235,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         raise RefitError("give the engine folder to write: -o OUT_DIR")
     model_info(Path(a.model_dir))  # not a checkpoint, an unknown model type: said before the tokenizer
     require_tokenizer(a.model_dir)
-    hold_folder(engine_lock(a.out), f"engine folder {a.out}")  # before the guard looks: a second export is refused
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
                          parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize, lora=tuple(a.lora))

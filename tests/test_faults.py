@@ -722,3 +722,73 @@ def test_disk_full_names_the_commands_own_way_out(capsys, monkeypatch):
         rc, line = refit(capsys, name)
         assert rc == 2 and f"refit {name}: error: disk full while writing out/x: free space, {words}" in line, line
         assert name == "ppo" or "--resume" not in line, line
+
+
+_RACER = """
+import os, sys, time
+from refit.learner import cli
+ready, n = sys.argv[1], int(sys.argv[2])
+open(os.path.join(ready, str(os.getpid())), "w").close()
+while len(os.listdir(ready)) < n:  # the barrier: every racer imported and ready
+    time.sleep(0.001)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+def _race(tmp: Path, *argvs) -> list[subprocess.CompletedProcess]:
+    """Run ``refit ARGV`` for each of ``argvs`` at once: separate processes released together by a barrier."""
+    ready = tmp / f"ready-{len(list(tmp.glob('ready-*')))}"
+    ready.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "REFIT_FAULT_POINT"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(ready), str(len(argvs)), *map(str, a)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
+    out = []
+    for p, a in zip(procs, argvs):
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(a, p.returncode, stdout, stderr))
+    return out
+
+
+RACE_ROUNDS = int(os.environ.get("REFIT_RACE_ROUNDS", "1"))  # the issue's 20: REFIT_RACE_ROUNDS=20
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_on_one_folder_never_both_run(tmp_path, model_dirs, default_engine_dirs):
+    """#1: two `refit ppo` (seeds 0 and 1) released by a barrier on one -o: one runs, the other is refused in
+    one line naming the holder; the folder holds exactly the winner's run (its seed, steps 1 and 2 once)."""
+    for i in range(RACE_ROUNDS):
+        run = tmp_path / f"run{i}"
+        argv = _ppo_argv(model_dirs[GPT2], default_engine_dirs[GPT2], run, steps=2)
+        results = _race(tmp_path, argv + ["--run.seed", "0"], argv + ["--run.seed", "1"])
+        won = [r for r in results if r.returncode == 0]
+        lost = [r for r in results if r.returncode != 0]
+        assert len(won) == 1 and len(lost) == 1, [(r.returncode, r.stderr[-500:]) for r in results]
+        line = lost[0].stderr.strip().splitlines()[-1]
+        assert line.startswith(f"refit ppo: error: run folder {run} is in use by another Refit process (pid "), line
+        seed = int(won[0].args[-1])
+        assert json.loads((run / "run.json").read_text())["config"]["run.seed"] == seed
+        assert [r["step"] for r in _rows(run) if r["step"] > 0] == [1, 2]
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+
+
+@pytest.mark.slow
+def test_two_exports_started_together_to_one_folder_never_both_write(tmp_path, model_dirs):
+    """#2: two `refit export` of different models released by a barrier to one -o: one writes, the other is
+    refused in one line; the folder holds exactly one complete engine, the winner's."""
+    from refit.export.guard import engine_damage
+    from refit.export.onnx_export import weights_hash
+
+    models = [model_dirs[GPT2], model_dirs["tiny-llama"]]
+    for i in range(RACE_ROUNDS):
+        e = tmp_path / f"e{i}"
+        results = _race(tmp_path, *(["export", m, "-o", e, "--max_batch", "4", "--max_len", "32"] for m in models))
+        won = [r for r in results if r.returncode == 0]
+        lost = [r for r in results if r.returncode != 0]
+        assert len(won) == 1 and len(lost) == 1, [(r.returncode, r.stderr[-500:]) for r in results]
+        line = lost[0].stderr.strip().splitlines()[-1]
+        assert line.startswith(f"refit export: error: engine folder {e} is in use by another Refit process (pid "), \
+            line
+        manifest = json.loads((e / "manifest.json").read_text())
+        assert manifest["hashes"]["hf_weights_sha256"] == weights_hash(Path(won[0].args[1]))
+        assert engine_damage(e) is None
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".e{i}.")) == [f".e{i}.lock"]

@@ -253,10 +253,12 @@ def engine_pairs(cfg) -> list[tuple[str, Path]]:
 
 
 def guard_engines(cfg, overwrite: bool, log=print) -> None:
-    """Lock every engine folder the job will use (:func:`refit.core.integrity.engine_lock`: a second process
-    exporting into it is refused), then :func:`refit.export.guard.guard_engine` it."""
+    """:func:`refit.export.guard.guard_engine` for every engine folder the job will use, then a shared lock on
+    each that exists (:func:`refit.core.integrity.engine_lock`: no other process exports into it while the job
+    reads it; runs that only read it share it)."""
     from refit.export.guard import guard_engine
 
     for model_dir, engine_dir in engine_pairs(cfg):
-        hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)
         guard_engine(model_dir, engine_dir, overwrite, log)
+        if engine_dir.is_dir():
+            hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log, shared=True)
