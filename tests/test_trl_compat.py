@@ -298,3 +298,195 @@ def test_run_distill_from_a_dataset_object(model_dirs, engine_dirs, tmp_path):
     assert res.run_dir == tmp_path / "run" and (res.run_dir / "train_dataset").is_dir()
     assert f"dataset: {tmp_path / 'run' / 'train_dataset'}" in (res.run_dir / "config.yaml").read_text()
     assert res.summary["steps"] == 2
+
+
+# ------------------------------------------------------------------ issue 31: the whole TRL surface
+
+
+def test_the_docs_field_table_is_generated_from_the_code():
+    from refit.learner.trl.fields import BEGIN, END, field_table
+
+    doc = (ROOT / "docs" / "trl-facade.md").read_text()
+    assert doc.split(BEGIN)[1].split(END)[0].strip() == field_table().strip(), \
+        "docs/trl-facade.md is stale: python -m refit.learner.trl.fields --write docs/trl-facade.md"
+
+
+def test_training_arguments_a_cpu_script_sets_are_honoured_accepted_or_refused():
+    from refit.learner.trl.fields import ACCEPTED, GRPO_ARGS, HONOURED, REFUSED
+
+    kinds = {k: GRPO_ARGS[k].kind for k in ("use_cpu", "no_cuda", "report_to", "save_strategy", "logging_steps",
+                                            "dataloader_num_workers", "disable_tqdm", "push_to_hub", "bf16", "fp16")}
+    assert kinds == {"use_cpu": HONOURED, "no_cuda": HONOURED, "report_to": HONOURED, "save_strategy": HONOURED,
+                     "logging_steps": HONOURED, "dataloader_num_workers": ACCEPTED, "disable_tqdm": HONOURED,
+                     "push_to_hub": REFUSED, "bf16": HONOURED, "fp16": REFUSED}
+    c = _ppo(max_steps=4, use_cpu=True, disable_tqdm=True, report_to="none", save_strategy="no", logging_steps=2,
+             dataloader_num_workers=0)
+    assert (c.run.device, c.log.progress, c.log.tensorboard, c.ckpt.save_steps) == ("cpu", False, False, 4)
+    assert _ppo(max_steps=1, no_cuda=True).run.device == "cpu" and _ppo(max_steps=1).run.device == "auto"
+    assert _ppo(max_steps=1, report_to="tensorboard").log.tensorboard
+    args = GRPOConfig(output_dir="o", dataloader_num_workers=4, max_steps=1)
+    assert args.ignored == {"dataloader_num_workers": 4} and args.dataloader_num_workers == 4  # callbacks read it
+    assert to_ppo_config(args, "m") == to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), "m")  # changes nothing
+    for kw, msg in ((dict(push_to_hub=True), "push_to_hub=True: nothing leaves the machine"),
+                    (dict(fp16=True), "fp16=True: fp32, or bf16 autocast on CUDA"),
+                    (dict(bf16=True, use_cpu=True), "bf16=True with use_cpu: Refit's CPU learner runs fp32"),
+                    (dict(report_to="wandb"), "report_to='wandb': nothing leaves the machine"),
+                    (dict(save_strategy="epoch"), "save_strategy='epoch': Refit saves by steps"),
+                    (dict(logging_strategy="epoch"), "logging_strategy='epoch'")):
+        with pytest.raises(RefitError, match=msg.replace("(", r"\(")) as e:
+            _ppo(max_steps=2, **kw)
+        assert "\n" not in str(e.value)
+
+
+def test_peft_lora_config_maps_to_the_lora_section(model_dirs):
+    import peft
+
+    from refit.learner.trl import lora_values
+
+    gpt2 = str(model_dirs["tiny-gpt2"])
+    c = to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), gpt2, peft_config=peft.LoraConfig(
+        r=8, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert (c.lora.r, c.lora.alpha, c.lora.dropout, c.lora.target_modules, c.lora.init) == (
+        8, 32.0, 0.05, ("all-linear",), "default")
+    v = lora_values(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"), gpt2)
+    assert v["lora.target_modules"] == ("q_proj", "v_proj") and v["lora.init"] == "gaussian"
+    assert lora_values(peft.LoraConfig(r=4), gpt2)["lora.target_modules"] == ("c_attn",)  # PEFT's gpt2 default
+    assert to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), gpt2).lora.r == 0  # none: full fine-tuning
+    for kw, msg in ((dict(use_dora=True), "use_dora=True: DoRA is not supported"),
+                    (dict(use_rslora=True), "use_rslora=True: rsLoRA is not supported"),
+                    (dict(bias="all"), "bias='all': only bias='none'"),
+                    (dict(modules_to_save=["lm_head"]), "modules_to_save=.*not supported"),
+                    (dict(layers_to_transform=[0]), "layers_to_transform=.*not supported"),
+                    (dict(init_lora_weights="pissa"), "init_lora_weights='pissa': Refit takes True"),
+                    (dict(init_lora_weights=False), "init_lora_weights=False: Refit takes True")):
+        with pytest.raises(RefitError, match=msg):
+            lora_values(peft.LoraConfig(r=4, target_modules=["c_attn"], **kw), gpt2)
+
+
+def test_distillation_and_gkd_configs_map_trls_names():
+    from refit.learner.trl import DistillationConfig, GKDConfig, to_distill_config
+
+    d = to_distill_config(DistillationConfig(output_dir="o", max_steps=5, per_device_train_batch_size=4,
+                                             gradient_accumulation_steps=2, beta=0.3, temperature=0.8,
+                                             max_completion_length=12, use_cpu=True), "s", "t")
+    assert (d.lmbda, d.loss, d.beta, d.sampling.temperature, d.loss_temperature, d.max_new_tokens) == (
+        1.0, "jsd", 0.3, 0.8, 0.8, 12)
+    assert (d.run.steps, d.run.batch_size, d.optim.gradient_accumulation_steps, d.run.device) == (5, 8, 2, "cpu")
+    assert (d.sampling.top_p, d.student.model_dir, d.teacher.model_dir, d.optim.learning_rate) == (0.95, "s", "t",
+                                                                                                      1e-6)
+    g = to_distill_config(GKDConfig(output_dir="o", max_steps=3, lmbda=0.25), "s", "t")
+    assert (g.lmbda, g.beta, g.sampling.temperature, g.max_new_tokens, g.seq_kd, g.loss) == (0.25, 0.5, 0.9, 128,
+                                                                                            False, "jsd")
+    s = to_distill_config(GKDConfig(output_dir="o", max_steps=3, seq_kd=True, beta=0.0, lmbda=0.0), "s", "t")
+    assert (s.seq_kd, s.loss, s.lmbda) == (True, "topk_kl", 0.0)
+    with pytest.raises(RefitError, match="seq_kd=True with beta=0.5: Refit's sequence-level KD"):
+        to_distill_config(GKDConfig(output_dir="o", max_steps=3, seq_kd=True), "s", "t")
+    with pytest.raises(RefitError, match="GKDConfig: 'no_such' is not supported"):
+        GKDConfig(no_such=1)
+    with pytest.raises(RefitError, match="num_generations=4: one completion per prompt"):
+        DistillationConfig(num_generations=4)
+
+
+def test_gkd_messages_rows_become_prompt_and_completion():
+    import datasets
+
+    from refit.learner.trl.distill import prompt_completion
+
+    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "1+2="},
+                                                   {"role": "assistant", "content": "3"}]}])
+    row = prompt_completion(ds)[0]
+    assert row["prompt"] == [{"role": "user", "content": "1+2="}]
+    assert row["completion"] == [{"role": "assistant", "content": "3"}]
+
+
+class _Recorder:
+    """A TrainerCallback that records every event, times each step, and asks for a save and a stop."""
+
+    def __new__(cls, stop_at=None, save_at=None):
+        from transformers import TrainerCallback
+
+        class Recorder(TrainerCallback):
+            def __init__(self):
+                self.events, self.times, self.logs = [], [], []
+
+            def on_train_begin(self, args, state, control, **kw):
+                self.events.append(("train_begin", state.global_step))
+
+            def on_step_begin(self, args, state, control, **kw):
+                self.events.append(("step_begin", state.global_step))
+                self.t0 = __import__("time").perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                self.events.append(("step_end", state.global_step))
+                self.times.append(__import__("time").perf_counter() - self.t0)
+                if state.global_step == save_at:
+                    control.should_save = True
+                if state.global_step == stop_at:
+                    control.should_training_stop = True
+                return control
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                self.events.append(("log", state.global_step))
+                self.logs.append(dict(logs))
+
+            def on_evaluate(self, args, state, control, metrics=None, **kw):
+                self.events.append(("evaluate", state.global_step))
+
+            def on_save(self, args, state, control, **kw):
+                self.events.append(("save", state.global_step))
+
+            def on_train_end(self, args, state, control, **kw):
+                self.events.append(("train_end", state.global_step))
+
+        return Recorder()
+
+
+def test_grpo_callbacks_state_and_a_model_object(chat_model_dir, chat_engine_dir, tmp_path):
+    """A model object without processing_class (its tokenizer from name_or_path), transformers' callbacks firing
+    at TRL's points, should_save saving, should_training_stop stopping after step 3 of 4, log_history in TRL's
+    names every logging_steps, use_cpu; the object given in holds the trained weights afterwards."""
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerState
+
+    from refit.learner.trl import GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rec = _Recorder(stop_at=3, save_at=1)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=4, beta=0.02, learning_rate=1e-3, use_cpu=True,
+                      logging_steps=2, save_steps=100, report_to="none", disable_tqdm=True,
+                      refit={"model.engine_dir": str(chat_engine_dir), "log.plots": False, "rollout.probe_size": 2})
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[correct], args=args, train_dataset=_chat_dataset(),
+                          callbacks=[rec, PrinterCallback])
+    trainer.remove_callback(PrinterCallback)
+    assert trainer.callbacks == [rec] and isinstance(trainer.state, TrainerState) and trainer.state.global_step == 0
+    out = trainer.train()
+    assert rec.events == [("train_begin", 0), ("step_begin", 0), ("step_end", 1), ("save", 1), ("step_begin", 1),
+                          ("step_end", 2), ("log", 2), ("step_begin", 2), ("step_end", 3), ("log", 3),
+                          ("log", 3), ("train_end", 3)]
+    assert len(rec.times) == 3 and all(t > 0 for t in rec.times)
+    assert out.global_step == trainer.state.global_step == 3
+    rows = trainer.state.log_history
+    assert [r["step"] for r in rows] == [2, 3, 3] and rec.logs == [{k: v for k, v in r.items() if k != "step"}
+                                                                   for r in rows]
+    for key in ("reward", "reward_std", "rewards/correct/mean", "kl", "loss", "learning_rate", "grad_norm",
+                "completions/mean_length", "epoch", "step_time", "entropy", "frac_reward_zero_std"):
+        assert key in rows[0], key
+    metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # stopped after step 3; every step in metrics.jsonl
+    assert rows[0]["reward"] == pytest.approx((metrics[0]["reward/mean"] + metrics[1]["reward/mean"]) / 2)
+    assert rows[0]["completions/mean_length"] == pytest.approx(
+        (metrics[0]["response/length"] + metrics[1]["response/length"]) / 2)
+    assert metrics[2]["reward"] == metrics[2]["reward/mean"] and metrics[2]["kl"] == metrics[2]["ppo/kl_loss"]
+    assert rows[0]["epoch"] == 2 * 2 / 8 and rows[1]["epoch"] == 3 * 2 / 8  # 2 prompts a step, 8 prompts
+    assert rows[0]["learning_rate"] == pytest.approx(1e-3 * (4 - 2) / 4)  # linear decay over max_steps
+    assert rows[-1]["train_loss"] == pytest.approx(out.training_loss) and "train_runtime" in rows[-1]
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts[0].endswith("1") and (tmp_path / "run" / "final" / "config.json").is_file()  # should_save: step 1
+    assert trainer.model is model and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert all(torch.equal(final.state_dict()[k], v) for k, v in model.state_dict().items())
