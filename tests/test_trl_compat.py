@@ -490,3 +490,34 @@ def test_grpo_callbacks_state_and_a_model_object(chat_model_dir, chat_engine_dir
     assert trainer.model is model and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert all(torch.equal(final.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_distillation_and_gkd_trainers_run_with_callbacks(model_dirs, engine_dirs, tmp_path):
+    """DistillationTrainer (on-policy) and GKDTrainer (lmbda 0.5) through the TRL surface on the tiny pair: each
+    step fires on_step_end, the held-out evaluation on_evaluate, log_history carries TRL's names."""
+    import datasets
+
+    from refit.learner.trl import DistillationConfig, DistillationTrainer, GKDConfig, GKDTrainer
+
+    rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(4)]
+    for cls, cfg_cls, kw in ((DistillationTrainer, DistillationConfig, dict(max_completion_length=4)),
+                             (GKDTrainer, GKDConfig, dict(max_new_tokens=4, lmbda=0.5))):
+        rec = _Recorder()
+        out = tmp_path / cls.__name__
+        args = cfg_cls(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+                       logging_steps=1, use_cpu=True, disable_tqdm=True, **kw,
+                       refit={"teacher.engine_dir": str(engine_dirs["tiny-llama"]),
+                              "student.engine_dir": str(engine_dirs["tiny-gpt2"]), "eval_size": 4, "eval_every": 2,
+                              "export_final": False, "log.plots": False, "rollout.probe_size": 2})
+        trainer = cls(model=str(model_dirs["tiny-gpt2"]), teacher_model=str(model_dirs["tiny-llama"]), args=args,
+                      train_dataset=datasets.Dataset.from_list(rows), callbacks=[rec])
+        assert trainer.config.loss == "jsd" and trainer.config.lmbda == (1.0 if cls is DistillationTrainer else 0.5)
+        trainer.train()
+        assert [e for e in rec.events if e[0] in ("step_end", "evaluate", "log")] == [
+            ("step_end", 1), ("log", 1), ("step_end", 2), ("log", 2), ("evaluate", 2), ("log", 2)]
+        first = trainer.state.log_history[0]
+        for key in ("loss", "grad_norm", "learning_rate", "completions/mean_length", "epoch", "step_time"):
+            assert key in first, key
+        metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        assert first["loss"] == metrics[1]["loss"] and first["learning_rate"] == metrics[1]["lr"]  # row 0: step 0
+        assert trainer.state.global_step == 2 and trainer.model is not None
