@@ -97,6 +97,7 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     assert fresh["parity"].pop("reference_dtype") == fresh["dtype"] and fresh["parity"].pop("engine_run")
     assert fresh["options"].pop("quantize") == "none"  # int8 engines (export/quantize.py) add manifest.quantization
     assert isinstance(fresh.pop("export_peak_rss_mb"), int)  # the export's own peak RSS (export/memory.py)
+    assert "tokenizer_config.json" in fresh["hashes"].pop("tokenizer_sha256")  # the engine's tokenizer/ files
     for graph, constants in fresh.pop("constants", {}).items():  # initializers no weight reaches
         assert graph in fresh["graphs"] and all(v == "constant" or v.startswith("buffer ") for v in constants.values())
     if m.attention == "fused":  # the fused graph names its own dynamic dims (cap instead of past/total)
