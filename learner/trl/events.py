@@ -64,14 +64,9 @@ def distill_row(m: dict) -> dict[str, float]:
 
 
 class Events:
-    """The callbacks, ``state`` and ``control`` of one trainer, and the hooks that drive them from a run.
-
-    ``row``: Refit metrics -> TRL-named values; ``per``: optimizer steps per Refit step; ``epoch_of``: Refit step
-    -> epochs done; ``lr_at``: optimizer steps -> the learning rate then (None: the row carries it)."""
+    """The callbacks, ``state`` and ``control`` of one trainer, and the hooks that drive them from a run."""
 
     def __init__(self, args, callbacks: list, processing_class=None):
-        from transformers import TrainerCallback
-
         self.args = args
         self.callbacks: list = []
         for cb in callbacks or []:
@@ -80,8 +75,7 @@ class Events:
         self.state.log_history = []
         self.control = TrainerControl()
         self.processing_class = processing_class
-        self.model = None
-        self._base = TrainerCallback  # to tell a callback class from an instance
+        self.model = None  # the policy the callbacks are shown (the model object given in; the trained one at the end)
 
     # -------------------------------------------------------------- the callback list (transformers' semantics)
 
@@ -125,7 +119,9 @@ class Events:
 
     def hooks(self, *, steps: int, per: int, row: Callable[[dict], dict], epoch_of: Callable[[int], float],
               lr_at: Callable[[int], float] | None = None) -> StepHooks:
-        """The step hooks of one run of ``steps`` Refit steps of ``per`` optimizer steps each."""
+        """The step hooks of one run of ``steps`` Refit steps of ``per`` optimizer steps each. ``row``: a step's
+        Refit metrics -> TRL-named values; ``epoch_of``: Refit step -> epochs done; ``lr_at``: optimizer steps ->
+        the learning rate then (None: the row carries it)."""
         s, a = self.state, self.args
         s.max_steps, s.train_batch_size = steps * per, a.per_device_train_batch_size
         s.logging_steps = max(1, _steps(a.logging_steps, s.max_steps))

@@ -5,6 +5,7 @@ A trainer says how its job runs (:meth:`TrainerFace._run`); the rest is here."""
 from __future__ import annotations
 
 import shutil
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ class TrainOutput:
     metrics: dict  # the final log row (train_runtime, train_loss, ...)
 
 
-class TrainerFace:
+class TrainerFace(ABC):
     """A TRL trainer's public surface over one Refit job (subclasses: the GRPO/RLOO and distillation trainers)."""
 
     def __init__(self, args, callbacks, processing_class, model):
@@ -64,11 +65,13 @@ class TrainerFace:
         """The policy: after ``train()`` the trained one (a model object given in is updated in place)."""
         return self._model
 
-    def _run(self, hooks, resume: bool):  # -> refit.learner.api.RunResult
-        raise NotImplementedError
+    @abstractmethod
+    def _run(self, hooks, resume: bool):
+        """Run the job with ``hooks``; return its :class:`refit.learner.api.RunResult`."""
 
-    def _hooks(self):  # -> refit.learner.run.loop.StepHooks for this trainer's job
-        raise NotImplementedError
+    @abstractmethod
+    def _hooks(self):
+        """The :class:`refit.learner.run.loop.StepHooks` of this trainer's job (:meth:`Events.hooks`)."""
 
     def _samples_per_step(self) -> int:
         a = self.args
