@@ -155,3 +155,112 @@ def test_bench_ppo_overlap_waits_for_a_slow_generation(model_dirs, engine_dirs, 
     learner = o["time/step"] - o["time/rollout"]
     assert o["time/rollout"] >= 0.4 - learner - 0.05 and o["time/step"] >= 0.35, o
     assert out["overlap"]["hidden_generation_share"] < 0.9 and out["overlap"]["version_lag"] == [1, 1]
+
+
+def _bench_grpo(tmp_path, *args):
+    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", "grpo", "--geometry", "tiny-gpt2",
+                        "--work-dir", str(tmp_path), "--prompts-per-step", "2", "--num-generations", "2",
+                        "--max-completion-length", "6", "--steps", "2", "--rounds", "1", *args],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check_side(side: dict, phases: set[str], steps: int = 2, rounds: int = 1, max_len: int = 6):
+    assert set(side["phases_s"]) == phases and side["step_s"] > 0 and side["first_step_s"] > 0
+    assert side["generation_s"] > 0 and side["learner_s"] > 0
+    assert len(side["reward_by_step"]) == steps and len(side["reward_by_round"]) == rounds
+    assert all(0 <= x <= 1 for x in side["reward_by_step"])  # bench/grpo_reward.py is in [0, 1]
+    assert all(0 < n <= max_len for n in side["completion_length_by_step"])
+    assert side["peak_rss_gb"] > 0.1 and len(side["peak_rss_gb_by_round"]) == rounds  # a Python with torch
+
+
+def test_bench_grpo_vs_hf_json(tmp_path):
+    """Without --vs trl: refit ppo (GRPO, engine rollouts) against the same learner with HF generate() rollouts,
+    each a child process; the engine is exported once and reused by the Refit run."""
+    out = _bench_grpo(tmp_path)
+    assert out["bench"] == "grpo" and out["baseline"] == "refit-hf" and set(out["sides"]) == {"refit", "refit-hf"}
+    for name in ("refit", "refit-hf"):
+        _check_side(out["sides"][name], {"rollout", "score", "update", "weight_push"})
+    assert out["speedup"] > 0 and out["generation_speedup"] > 0 and out["speedup_by_round"][0] > 0
+    assert out["stops"]["refit"] == out["stops"]["trl"] and len(out["stops"]["refit"]) == 2  # EOS, <|im_end|>
+    assert out["refit_export"]["peak_rss_gb"] > 0
+    assert "reusing engine" in (tmp_path / "grpo-runs" / "refit-r0.log").read_text()
+    assert out["settings"]["num_generations"] == 2 and out["reward_gap"]["noise"] is None  # one round: no noise
+
+
+def test_bench_grpo_aligns_both_sides(tmp_path):
+    """Every aligned setting reaches both command lines with the same value (refit ppo's flag, TRL's argument)."""
+    from refit.bench.grpo import REWARD_FILE, Workload, refit_command, trl_command
+
+    w = Workload(model="m", dataset="d.jsonl", prompts_per_step=3, num_generations=5, max_completion_length=7,
+                 temperature=0.7, learning_rate=3e-5, lr_scheduler="linear", steps=4, beta=0.02, threads=2,
+                 device="cpu", lora_r=8, lora_alpha=32.0, lora_target="q_proj,v_proj")
+    refit = refit_command(w, tmp_path / "r", 11, "onnxruntime", tmp_path / "e", "--rollout.max_staleness 1")
+    trl = trl_command(tmp_path / "py", w, tmp_path / "t", 11, '{"gradient_checkpointing": false}')
+
+    def flag(cmd, name, n=1):
+        i = cmd.index(name)
+        return cmd[i + 1:i + 1 + n] if n > 1 else cmd[i + 1]
+
+    pairs = {"--run.batch_size": "--prompts_per_step", "--num_generations": "--num_generations",
+             "--response_length": "--max_completion_length", "--temperature": "--temperature",
+             "--optim.learning_rate": "--learning_rate", "--optim.lr_scheduler_type": "--lr_scheduler",
+             "--run.steps": "--steps", "--kl_coef": "--beta", "--run.seed": "--seed",
+             "--rollout.engine_threads": "--threads", "--run.device": "--device", "--lora.r": "--lora_r",
+             "--lora.alpha": "--lora_alpha"}
+    for ours, theirs in pairs.items():
+        assert flag(refit, ours) == flag(trl, theirs), (ours, theirs)
+    assert flag(refit, "--lora.target_modules", 2) == flag(trl, "--lora_target").split(",")
+    assert flag(refit, "--reward") == f"{REWARD_FILE}:reward" and flag(trl, "--reward_file") == str(REWARD_FILE)
+    assert flag(refit, "--data.dataset") == flag(trl, "--dataset") == "d.jsonl"
+    assert flag(refit, "--model.model_dir") == flag(trl, "--model_dir") == "m"
+    # one update per generation (TRL's num_iterations 1, one micro-batch of prompts x generations), k3 in the loss
+    assert (flag(refit, "--num_ppo_epochs"), flag(refit, "--num_mini_batches")) == ("1", "1")
+    assert (flag(refit, "--kl_penalty"), flag(refit, "--kl_estimator")) == ("loss", "k3")
+    assert refit[-2:] == ["--rollout.max_staleness", "1"] and flag(trl, "--trl_args") == '{"gradient_checkpointing": false}'
+
+
+def test_grpo_reward_and_summaries_by_hand():
+    """The shared reward on hand cases (chat completions as TRL passes them); a side's summary and the reward gap
+    on hand-made rows: medians skip each run's first step, curves average the rounds."""
+    from refit.bench.grpo import reward_gap, summarize, trl_rows
+    from refit.bench.grpo_reward import reward
+
+    chat = lambda t: [{"role": "assistant", "content": t}]  # noqa: E731
+    assert reward(None, [chat(" 7 "), chat("7a"), chat("xx"), "12"], ["7", "7", "7", "12"]) == [1.0, 0.25, 0.0, 1.0]
+
+    def row(step, s, gen, r):
+        return {"step": step, "step_s": s, "generation_s": gen, "phases": {"a": gen, "b": s - gen}, "reward": r,
+                "completion_length": 4.0}
+
+    runs = [{"rows": [row(1, 9.0, 5.0, 0.0), row(2, 2.0, 1.0, 0.2), row(3, 4.0, 1.0, 0.4)], "wall_s": 20.0,
+             "peak_rss_gb": 1.5},
+            {"rows": [row(1, 7.0, 5.0, 0.2), row(2, 3.0, 2.0, 0.4), row(3, 5.0, 2.0, 0.6)], "wall_s": 21.0,
+             "peak_rss_gb": 2.5}]
+    s = summarize(runs)
+    assert s["step_s"] == 3.5 and s["first_step_s"] == 8.0 and s["generation_s"] == 1.5 and s["learner_s"] == 2.0
+    assert s["phases_s"] == {"a": 1.5, "b": 2.0} and s["step_s_by_round"] == [3.0, 4.0] and s["peak_rss_gb"] == 2.5
+    assert s["reward_by_step"] == [0.1, 0.3, 0.5] and s["reward_mean_by_round"] == [0.2, 0.4]
+    g = reward_gap(s, {**s, "reward_mean_by_round": [0.1, 0.3]})
+    assert g["gap"] == 0.1 and g["noise"] == 0.1414 and g["gap_over_noise"] == 0.71  # sqrt(0.02/2 + 0.02/2)
+    t = trl_rows({"rows": [{"step": 1, "step_s": 3.0, "generate_s": 1.0, "generate_and_score_s": 1.5,
+                            "reward": 0.5, "completion_length": 6.0}]})
+    assert t[0]["phases"] == {"generate": 1.0, "score": 0.5, "update": 1.5} and t[0]["generation_s"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_grpo_vs_trl_json(tmp_path):
+    """--vs trl: TRL 1.16's GRPOTrainer in its own virtual environment (the repository's .venv-trl, installed on
+    first use: a few minutes), on the same tiny model, data, reward and settings."""
+    from refit.bench.grpo import HERE
+
+    out = _bench_grpo(tmp_path, "--vs", "trl", "--trl-venv", str(HERE.parent / ".venv-trl"))
+    assert out["baseline"] == "trl" and set(out["sides"]) == {"refit", "trl"}
+    _check_side(out["sides"]["refit"], {"rollout", "score", "update", "weight_push"})
+    _check_side(out["sides"]["trl"], {"generate", "score", "update"})
+    trl = out["trl"]
+    assert trl["versions"]["trl"].startswith("1.16.") and trl["threads"] == 2 and trl["ref_model"] is False
+    assert trl["config"]["bf16"] is False and trl["config"]["gradient_checkpointing"] is True  # TRL's default kept
+    assert trl["config"]["per_device_train_batch_size"] == 4 and trl["config"]["num_iterations"] == 1
+    assert sorted(trl["eos_token_ids"]) == out["stops"]["trl"] == out["stops"]["refit"]
