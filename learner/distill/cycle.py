@@ -46,7 +46,6 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.checkpoint import load_model
 from refit.core.errors import RefitError
 from refit.core.padding import pad_batch
-from refit.export.weight_map import canonical_params
 from refit.learner import losses as D
 from refit.learner.distill.batch import DistillBatch, check_teacher_student, draws_student, load_examples
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
@@ -55,7 +54,9 @@ from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
-from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device, probe_length, push_weights
+from refit.learner.run.engines import (CountingEngine, engine_for_model, pick_device, probe_length, push_tensors,
+                                       push_weights)
+from refit.learner.run.lora import apply_lora
 from refit.learner.run.final import write_final
 from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
@@ -195,7 +196,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     device = dist.device or pick_device(cfg.run.device)
     seq2seq = s_info.kind == "seq2seq"
     if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
-        student = load_model(cfg.student.model_dir, s_info).to(device)
+        student = student_model(cfg, s_info, device)
         optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
         run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student, teacher_model=None, student_engine=None,
                   teacher=None, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
@@ -205,14 +206,14 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
             run.start_step = resume_latest(run_dir, student, None, optimizer, scheduler, lambda *_: None)[1]["step"]
         dist.wrap(student)
         return run
-    engine = lambda name, model_dir, engine_dir: engine_for_model(  # noqa: E731
-        cfg, model_dir, engine_dir or run_dir / f"{name}_engine", rows, max_len, log, gpu_share=0.5)
+    engine = lambda name, model_dir, engine_dir, lora=None: engine_for_model(  # noqa: E731
+        cfg, model_dir, engine_dir or run_dir / f"{name}_engine", rows, max_len, log, gpu_share=0.5, lora=lora)
     teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
-    student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir)
+    student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir, cfg.lora)
     teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
-    student = load_model(cfg.student.model_dir, s_info).to(device)
+    student = student_model(cfg, s_info, device)
     optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
     run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student,
               teacher_model=teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine=student_engine,
@@ -224,7 +225,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         run.start_step = state["step"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         # the checkpoint's weights, under the version the engine had then
-        student_engine.update_weights(canonical_params(student)[0], version=state.get("engine_weights_version"))
+        student_engine.update_weights(push_tensors(student), version=state.get("engine_weights_version"))
         log(f"refit distill: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
             f"student engine weights_version {student_engine.weights_version})")
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
@@ -235,8 +236,15 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     return run
 
 
+def student_model(cfg: DistillConfig, info, device):
+    """The student to train: the loaded model, or with ``lora.r > 0`` a LoRA adapter over it (the base frozen)."""
+    student = load_model(cfg.student.model_dir, info).to(device)
+    return apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
+
+
 def _optimizer(cfg: DistillConfig, student, get_scheduler):
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.optim.learning_rate,
+                                  weight_decay=cfg.optim.weight_decay)
     return optimizer, get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                                     num_training_steps=cfg.run.steps)
 

@@ -24,8 +24,8 @@ import tyro
 from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
 from refit.core.parsing import opt, parse
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, ModelSection, OptimSection,
-                                      RolloutSection, RunSection)
+from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
+                                      OptimSection, RolloutSection, RunSection)
 from refit.rollout.config import Sampling
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
@@ -72,6 +72,10 @@ class DemoConfig:
         "auto", "PPO's rollout/learner mismatch correction (auto: tis with --quantize int8, else none)")
     chat: bool = opt(False, "a chat policy: the tokenizer has a chat template and the warm-up sees templated user "
                             "turns (with --policy_only, e.g. for examples/trl_chat)")
+    lora: int = opt(0, "LoRA rank: train a LoRA adapter (all-linear, alpha 2r) over the frozen warmed-up policy "
+                       "instead of every weight; the engine takes only the adapter on each push; 0 = full fine-tuning")
+    learning_rate: float = opt(0.0, "AdamW learning rate; 0: 3e-4 for full fine-tuning, 3e-3 with --lora (LoRA "
+                                    "wants about 10x: Schulman et al., 'LoRA Without Regret', 2025)")
 
 
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
@@ -80,7 +84,9 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
         run=RunSection(output_dir=str(Path(a.out) / "ppo"), seed=a.seed, steps=a.steps, batch_size=a.batch_size),
         model=ModelSection(model_dir=str(policy)), data=DataSection(max_operand=a.max_operand),
         rollout=RolloutSection(backend=a.backend, engine_threads=a.threads, quantize=a.quantize),
-        optim=OptimSection(learning_rate=3e-4), ckpt=CheckpointSection(save_steps=10),
+        optim=OptimSection(learning_rate=a.learning_rate or (3e-3 if a.lora else 3e-4)),
+        ckpt=CheckpointSection(save_steps=10),
+        lora=LoraSection(r=a.lora, alpha=2.0 * a.lora) if a.lora else LoraSection(),
         log=LogSection(progress=a.progress), sampling=Sampling(temperature=1.0, top_k=0),
         num_generations=a.num_generations, advantage_estimator="gae", num_ppo_epochs=2, num_mini_batches=2,
         kl_coef=0.01, response_length=6, mismatch_correction=a.mismatch_correction)
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
     k = next(key for key in s if key.startswith("reward_first"))
-    print(f"refit demo: reward {s[k]:.3f} (mean of the first {k[12:-5]} steps) -> "
+    what = f"LoRA r {a.lora} " if a.lora else ""
+    print(f"refit demo: {what}reward {s[k]:.3f} (mean of the first {k[12:-5]} steps) -> "
           f"{s[k.replace('first', 'last')]:.3f} (last {k[12:-5]}) over {s['steps']} PPO steps; "
           f"min exact KL {s['min_exact_kl']:.2e} (>= 0); run folder {run_dir.resolve()}")
     print(json.dumps(s))

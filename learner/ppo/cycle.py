@@ -125,7 +125,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
                                   cfg.run.batch_size * cfg.num_generations, max_len, log, lora=cfg.lora)
     policy = load_model(cfg.model.model_dir, info).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
-        policy = apply_lora(policy, cfg.lora)
+        policy = apply_lora(policy, cfg.lora, cfg.run.seed)
     # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer);
     # a LoRA policy's is itself with the adapter off (the base, held once)
     torch_ref = (cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact") or (dist.is_main and not ref_on_engine(cfg))

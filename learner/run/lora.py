@@ -25,14 +25,18 @@ from refit.export.lora import lora_config
 from refit.learner.run.config import LoraSection
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSection):
-    """``model`` (the base, loaded) wrapped as a PEFT ``PeftModel`` with a fresh adapter, the base frozen."""
+def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
+    """``model`` (the base, loaded) wrapped as a PEFT ``PeftModel`` with a fresh adapter, the base frozen. The
+    adapter's random init (PEFT's ``lora_A``) is drawn from ``seed`` alone, not from the process's random state,
+    so a run and its resumed or repeated twin start from the same adapter."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
     try:
-        peft_model = get_peft_model(model, lora_config(lora.target_modules, lora.r, lora.alpha, lora.dropout,
-                                                       lora.init))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, lora_config(lora.target_modules, lora.r, lora.alpha, lora.dropout,
+                                                           lora.init))
     except ValueError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RefitError(f"lora: target_modules {list(lora.target_modules)} cannot be used on this model: "

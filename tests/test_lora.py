@@ -1,0 +1,238 @@
+"""LoRA end to end: the LoRA-ready engine against PEFT's forward, adapter pushes and their probe, the adapter-off
+reference, KL(0), resume, the PEFT folder out, and the one-line refusals.
+
+The reference for every engine check is PEFT's own ``PeftModel`` forward (refit.learner.run.policy.learner_view),
+with the engine's padding and positions, the same as for full-model pushes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
+from refit.export.onnx_export import ExportOptions
+from refit.learner.run.config import LoraSection
+from refit.learner.run.engines import int8_reference, probe_check, push_tensors
+from refit.learner.run.lora import AdapterOff, adapter_tensors, apply_lora
+from refit.learner.run.policy import learner_view
+from refit.rollout.build import build
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]  # four lengths: padding exercised
+QUIET = dict(log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def lora_engines(tmp_path_factory, model_dirs):
+    """{(geometry, quantize): LoRA-ready (all-linear) engine folder}, each exported on first use."""
+    root = tmp_path_factory.mktemp("lora_engines")
+    made = {}
+
+    def get(geometry: str, quantize: str = "none", targets=("all-linear",)):
+        key = (geometry, quantize, tuple(targets))
+        if key not in made:
+            made[key] = build(model_dirs[geometry], root / f"{geometry}-{quantize}-{len(made)}",
+                              opts=ExportOptions(max_batch=16, max_len=128, quantize=quantize, lora=tuple(targets)),
+                              **QUIET)
+        return made[key]
+
+    return get
+
+
+def _peft(model_dir, r=4, alpha=8.0, seed=0, targets=("all-linear",)):
+    from refit.core.checkpoint import load_model, model_info
+
+    torch.manual_seed(seed)
+    return apply_lora(load_model(model_dir, model_info(model_dir)), LoraSection(r=r, alpha=alpha,
+                                                                                target_modules=targets))
+
+
+@torch.no_grad()
+def _perturb_adapter(model, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _diff(engine, model, batch) -> float:
+    eng = engine.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask).logprobs
+    mine = learner_view(model, None, batch, 1.0)[0]
+    return float(((eng - mine).abs() * batch.response_mask).max())
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
+def test_engine_with_adapter_equals_peft_forward(arch, model_dirs, lora_engines):
+    """GPT-2 (Conv1D, Gemm), Llama (MatMul of a transposed weight) and T5 (encoder and decoder graphs, cross
+    attention): after a push of a random adapter the engine's log-probs equal PEFT's within the fp32 gate; the
+    push moved exactly the adapter's bytes; the adapter-off view still scores the base."""
+    folder = lora_engines(arch)
+    m = Manifest.read(folder)
+    assert m.lora is not None and m.lora.targets
+    if arch == "tiny-t5":
+        assert {g for t in m.lora.targets.values() for g in t.graphs} == {"encoder", "decoder"}
+    model = _peft(model_dirs[arch])
+    assert sorted(m.lora.targets) == sorted(n for n, _ in model.base_model.model.named_modules()
+                                            if hasattr(_, "lora_A"))
+    eng = create_engine("onnxruntime", folder, hold_weights=False)
+    ref = eng.adapter_off()
+    batch = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0, top_k=20))
+    assert _diff(eng, model, batch) < 1e-4  # step 0: B = 0, the policy is the base
+    base_lp = learner_view(model, None, batch, 1.0)[0]
+    _perturb_adapter(model)
+    moved = float(((learner_view(model, None, batch, 1.0)[0] - base_lp).abs() * batch.response_mask).max())
+    assert moved > 1e-2  # the adapter changes the function
+    tensors = adapter_tensors(model)
+    eng.update_weights(tensors)
+    assert eng.last_push_s["adapter_bytes"] == sum(t.numel() * 4 for t in tensors.values())
+    assert _diff(eng, model, batch) < 1e-4
+    assert _diff(ref, AdapterOff(model), batch) < 1e-4  # the reference: the base, on the same sessions
+    again = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0, top_k=20))  # the decode loop runs it
+    assert float(((again.rollout_plain_logprobs - learner_view(model, None, again, 1.0)[0]).abs()
+                  * again.response_mask).max()) < 1e-4
+    eng.close()
+
+
+def test_adapter_off_reference_is_the_base_engine_bit_for_bit(model_dirs, lora_engines, default_engine_dirs):
+    """The adapter-off view of a pushed LoRA engine scores exactly what the plain engine of the same model
+    scores: the unbound branch adds an exact zero."""
+    model = _peft(model_dirs["tiny-llama"])
+    _perturb_adapter(model)
+    eng = create_engine("onnxruntime", lora_engines("tiny-llama"), hold_weights=False)
+    eng.update_weights(adapter_tensors(model))
+    plain = create_engine("onnxruntime", default_engine_dirs["tiny-llama"], hold_weights=False)
+    b = plain.generate(PROMPTS, SamplingParams(max_new_tokens=5, greedy=True))
+    args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    assert torch.equal(eng.adapter_off().score(*args).logprobs, plain.score(*args).logprobs)
+    assert not torch.equal(eng.score(*args).logprobs, plain.score(*args).logprobs)
+    with pytest.raises(RefitError, match="adapter-off view"):
+        eng.adapter_off().update_weights(adapter_tensors(model))
+
+
+def test_stale_adapter_is_caught_by_the_probe_and_a_push_fixes_it(model_dirs, lora_engines, tmp_path):
+    model = _peft(model_dirs["tiny-gpt2"])
+    eng = create_engine("onnxruntime", lora_engines("tiny-gpt2"), hold_weights=False)
+    probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-4
+    _perturb_adapter(model)
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path)  # the engine still runs the old adapter
+    eng.update_weights(push_tensors(model))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-4
+    # another rank: new buffers bound; rank 0 unbinds (off: the base again)
+    other = _peft(model_dirs["tiny-gpt2"], r=2, alpha=4.0)
+    _perturb_adapter(other, seed=3)
+    eng.update_weights(adapter_tensors(other))
+    assert _diff(eng, other, probe) < 1e-4
+    off = {n: t[:0] if n.endswith("lora_A") else t[:, :0] for n, t in adapter_tensors(other).items()}
+    eng.update_weights(off)
+    assert _diff(eng, AdapterOff(other), probe) < 1e-4
+
+
+def test_int8_base_with_fp32_adapter(model_dirs, lora_engines, tmp_path):
+    """An int8 base (MatMulInteger) with the adapter in fp32: the engine equals PEFT's model whose base layers
+    run the engine's int8 arithmetic, within the int8 gate's tolerance; no base weight is re-quantized."""
+    folder = lora_engines("tiny-llama", "int8")
+    m = Manifest.read(folder)
+    assert m.quantization is not None and m.lora is not None
+    model = _peft(model_dirs["tiny-llama"])
+    _perturb_adapter(model)
+    eng = create_engine("onnxruntime", folder, hold_weights=False)
+    eng.update_weights(adapter_tensors(model))
+    assert eng.last_push_s["quantize"] == 0.0
+    probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m) <= 2e-3
+    ref = int8_reference(model, m)
+    assert int8_reference(model, m) is ref  # made once, shares the policy's parameters
+    assert {id(p) for p in ref.parameters()} <= {id(p) for p in model.parameters()} | {
+        id(p) for p in ref.parameters() if p.dtype == torch.int8 or not p.requires_grad}
+
+
+def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
+    with pytest.raises(RefitError, match="lora: target_modules \\['no_such_layer'\\] cannot be used") as e:
+        _peft(model_dirs["tiny-llama"], targets=("no_such_layer",))
+    assert "\n" not in str(e.value)
+    with pytest.raises(RefitError, match="lora: r = 4096 is larger than layer"):
+        _peft(model_dirs["tiny-llama"], r=4096)
+    with pytest.raises(RefitError, match="config: lora.r = -1"):
+        LoraSection(r=-1)
+    from refit.rollout.build import engine_source
+
+    for backend in ("tensorrt",):
+        with pytest.raises(RefitError, match="lora needs rollout.backend onnxruntime"):
+            engine_source(backend, model_dirs["tiny-llama"], tmp_path / "e", 4, 64, lora=("all-linear",))
+    with pytest.raises(RefitError, match="lora: target_modules \\['no_such_layer'\\] cannot be used"):
+        build(model_dirs["tiny-llama"], tmp_path / "x", opts=ExportOptions(max_batch=4, max_len=64,
+                                                                           lora=("no_such_layer",)), **QUIET)
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def _cfg(model_dirs, out, **kw):
+    from refit.learner.ppo.config import PPOConfig
+
+    base = {"model.model_dir": str(model_dirs["tiny-gpt2"]), "run.output_dir": str(out), "run.steps": 4,
+            "run.batch_size": 4, "num_generations": 2, "advantage_estimator": "grpo", "response_length": 4,
+            "ckpt.save_steps": 2, "rollout.probe_size": 4, "log.progress": False, "log.tensorboard": False,
+            "log.plots": False, "data.max_operand": 9, "data.num_prompts": 32, "optim.learning_rate": 5e-3,
+            "export_final": False, "lora.r": 4, "lora.alpha": 8.0, "num_ppo_epochs": 1, "num_mini_batches": 1}
+    base.update(kw)
+    return PPOConfig.from_flat(**base)
+
+
+def test_ppo_with_lora_kl0_adapter_only_checkpoint_and_exact_resume(model_dirs, tmp_path):
+    """KL(0) <= 1e-6 with the reference on the engine's adapter-off view; the optimizer holds only the adapter;
+    a checkpoint holds the adapter folder only; a run stopped at step 2 and resumed logs what the uninterrupted
+    run logs."""
+    from refit.learner.ppo.cycle import experience, run_ppo, setup
+    from refit.learner.run.metrics import read_metrics
+
+    run = setup(_cfg(model_dirs, tmp_path / "s"), resume=False, **QUIET)
+    assert run.ref_engine is not None and run.ref_engine.sessions is run.engine.sessions.raw  # one copy of the base
+    n_adapter = sum(p.numel() for p in run.policy.parameters() if p.requires_grad)
+    assert sum(p.numel() for g in run.optimizer.param_groups for p in g["params"]) == n_adapter
+    rollout = run.engine.generate(run.prompt_ids[:4], SamplingParams(max_new_tokens=6, top_k=5, top_p=0.9, seed=3))
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    for k in ("k1", "k2", "k3", "exact"):
+        assert abs(stats[f"kl/{k}"]) <= 1e-6, (k, stats[f"kl/{k}"])
+    run.engine.close()
+
+    full = run_ppo(_cfg(model_dirs, tmp_path / "full"), **QUIET)
+    part = tmp_path / "part"
+    run_ppo(_cfg(model_dirs, part, **{"run.max_steps_this_run": 2}), **QUIET)
+    ck = part / "checkpoints" / "step_000002" / "policy"
+    assert (ck / "adapter_model.safetensors").is_file() and not (ck / "model.safetensors").exists()
+    run_ppo(_cfg(model_dirs, part), resume=True, **QUIET)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a[2:], b[2:]):
+        for k, v in ra.items():
+            if not k.startswith(("time/", "tokens_per_s")) and v is not None:
+                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert a[-1]["kl/exact"] > 1e-6  # it trained
+    assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in a) < 1e-4
+
+
+def test_final_folders_merged_and_peft_adapter_agree(model_dirs, tmp_path):
+    """OUTPUT_DIR/final loads with from_pretrained (the base with the adapter merged), OUTPUT_DIR/final/adapter
+    with PeftModel.from_pretrained over the base; both give the trained policy's log-probs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from refit.learner.ppo.cycle import run_ppo
+
+    out = run_ppo(_cfg(model_dirs, tmp_path / "r", **{"run.steps": 2, "export_final": True}), **QUIET)
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["tiny-gpt2"]),
+                                     out / "final" / "adapter").eval()
+    assert json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    eng = create_engine("onnxruntime", out / "final_engine", hold_weights=False)
+    b = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    lp_merged, lp_peft = learner_view(merged, None, b, 1.0)[0], learner_view(peft, None, b, 1.0)[0]
+    assert float(((lp_merged - lp_peft).abs() * b.response_mask).max()) < 1e-5
+    base = AutoModelForCausalLM.from_pretrained(model_dirs["tiny-gpt2"]).eval()
+    assert float(((learner_view(base, None, b, 1.0)[0] - lp_peft).abs() * b.response_mask).max()) > 1e-5
+    assert _diff(eng, merged, b) < 1e-4
