@@ -111,6 +111,7 @@ def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool 
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     clean_stale_temps(engine_dir.parent, log, prefix=engine_dir.name + ".")
+    clean_stale_temps(engine_dir, log, prefix="manifest.json")  # a manifest rewrite killed before its rename
     holds = folder_holds(engine_dir)
     if holds in ("missing", "empty") or not model_dir.is_dir():
         return  # nothing to protect, or no model (the export says so in its own line)

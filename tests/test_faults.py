@@ -655,6 +655,13 @@ def test_a_run_that_failed_before_its_first_checkpoint_names_overwrite(tmp_path,
     said = []
     claim(run, cfg, resume=False, overwrite=True, log=said.append)
     assert not (run / f".run.json.tmp-{dead.pid}").exists() and "removed 1 leftover" in said[0], said
+    from refit.export.guard import guard_engine
+
+    e = tmp_path / "e"  # an engine folder's manifest rewrite killed before its rename: gone on the next use
+    e.mkdir()
+    (e / f".manifest.json.tmp-{dead.pid}").write_text("{")
+    guard_engine(model_dirs[GPT2], e, log=lambda *_: None)
+    assert not (e / f".manifest.json.tmp-{dead.pid}").exists()
 
 
 def _edit_manifest(engine: Path, fn) -> None:
