@@ -1,4 +1,4 @@
-"""``refit bench generate|refit|ppo|grpo|workers|inflight``: benchmarks whose last stdout line is one JSON document."""
+"""``refit bench generate|refit|ppo|grpo|workers|inflight|lora``: benchmarks whose last stdout line is one JSON document."""
 
 from __future__ import annotations
 
@@ -143,6 +143,7 @@ BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "grp
 def _usage() -> str:
     lines = ["usage: refit bench {" + ",".join(BENCHES) + "} [options]", "", __doc__.splitlines()[0], "", "benches:"]
     lines += [f"  {name:<10} {cls.__doc__.splitlines()[0]}" for name, cls in BENCHES.items()]
+    lines += [f"  {'lora':<10} LoRA at published geometries, full depth: export, adapter vs full push, GRPO steps"]
     return "\n".join(lines + ["", "Run 'refit bench <bench> --help' for its options."])
 
 
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] == "lora":  # its own argument parser: stages in child processes (bench/lora.py)
+        from refit.bench.lora import main as lora_main
+
+        return lora_main(argv[1:])
     if argv[0] not in BENCHES:
         raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(BENCHES)}")
     which = argv[0]

@@ -1,0 +1,239 @@
+"""``refit bench lora``: LoRA at published geometries, full depth by default, on this machine; one JSON line.
+
+Per geometry (random weights, built locally from learner/examples/published.py), each stage in a process of its own
+so that its peak RSS (``wait4``'s ``ru_maxrss``: the child's high-water mark) is its own:
+
+1. ``export``: the LoRA-ready engine (export/lora.py; ``--quantize int8``: an int8 base) - seconds, peak RSS.
+2. ``push``: the engine and the learner's PEFT model (LoRA r, all-linear, a random adapter): the adapter push
+   (median of ``--repeats``) against today's full push of every base weight into the same engine, each followed by
+   the probe (engine vs PEFT on a fixed batch, as the jobs check every push).
+3. ``grpo``: ``refit ppo`` with GRPO and LoRA, ``--steps`` steps of ``--prompts`` x ``--generations`` with
+   ``--response_length``-token responses - peak RSS, seconds a step by phase (the mean of the steps after the
+   first), KL(0) (step 1's exact KL, taken before any update), the adapter push's seconds.
+4. ``full`` (``--full_ft``): the same run with full fine-tuning under ``--rss_cap_gb`` of anonymous memory: where
+   full fine-tuning stops.
+
+Rows go to stdout as they finish; the last line is one JSON document with every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+STAGES = ("export", "push", "grpo", "full")
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace(" ", "-").replace(".", "")
+
+
+def _anon_gb(pid: int) -> float:
+    """A process's anonymous resident memory (RssAnon), GB; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[int, float, float, str]:
+    """(exit status, seconds, peak RSS GB of the child, its last output line); with ``cap_gb`` the child is killed
+    once its anonymous memory passes it (status -9, "stopped at the cap")."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    capped = []
+
+    def watch():
+        while proc.poll() is None:
+            if cap_gb is not None and _anon_gb(proc.pid) > cap_gb:
+                capped.append(True)
+                proc.kill()
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    last = ""
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line:
+            last = line
+            if line.startswith(("refit", "step", "{", "[bench")):
+                log(f"    {line[:300]}")
+    _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return (-9 if capped else code), time.perf_counter() - t0, usage.ru_maxrss / 2**20, last
+
+
+# ----------------------------------------------------------------------------- stages (run in the child)
+
+def stage_export(a) -> dict:
+    from refit.export.onnx_export import ExportOptions
+    from refit.rollout.build import build
+
+    t0 = time.perf_counter()
+    build(a.model_dir, a.engine_dir, opts=ExportOptions(max_batch=max(64, a.prompts * a.generations),
+                                                        max_len=a.max_len, quantize=a.quantize, lora=("all-linear",)))
+    return {"export_s": round(time.perf_counter() - t0, 1)}
+
+
+def stage_push(a) -> dict:
+    import torch
+
+    from refit.core.checkpoint import load_model, model_info
+    from refit.core.manifest import Manifest
+    from refit.export.weight_map import canonical_params
+    from refit.learner.run.config import LoraSection
+    from refit.learner.run.engines import probe_check
+    from refit.learner.run.lora import adapter_tensors, apply_lora
+    from refit.rollout.engine import create_engine
+    from refit.rollout.types import SamplingParams
+
+    torch.set_num_threads(a.threads)
+    manifest = Manifest.read(a.engine_dir)
+    int8 = manifest if manifest.quantization is not None else None
+    model = apply_lora(load_model(a.model_dir, model_info(a.model_dir)), LoraSection(r=a.r, alpha=2.0 * a.r))
+    eng = create_engine("onnxruntime", a.engine_dir, threads=a.threads, hold_weights=False)
+    probe = eng.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14]], SamplingParams(max_new_tokens=8, greedy=True))
+    run_dir = Path(a.engine_dir).parent
+
+    def push_adapter(seed: int) -> tuple[float, float]:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        t = time.perf_counter()
+        eng.update_weights(adapter_tensors(model))
+        s = time.perf_counter() - t
+        return s, probe_check(eng, model, probe, 1.0, 1e-3, run_dir, int8_manifest=int8)
+
+    adapter = [push_adapter(s) for s in range(a.repeats)]
+    out = {"adapter_push_s": statistics.median(s for s, _ in adapter),
+           "adapter_probe_diff": max(d for _, d in adapter),
+           "adapter_mb": round(eng.last_push_s["adapter_bytes"] / 2**20, 2),
+           "trainable_params_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)}
+    if int8 is None:  # the full push: every base weight, by its HF name, through the same engine (today's route)
+        base = {k.replace(".base_layer", ""): v for k, v in canonical_params(model.get_base_model())[0].items()
+                if ".lora_" not in k}
+        full = []
+        for _ in range(a.repeats):
+            t = time.perf_counter()
+            eng.update_weights(base)
+            full.append(time.perf_counter() - t)
+        out["full_push_s"] = statistics.median(full)
+        out["full_push_over_adapter_push"] = round(out["full_push_s"] / out["adapter_push_s"], 1)
+        out["probe_after_full_push"] = push_adapter(99)[1]  # the adapter again, on the fully pushed base
+    return out
+
+
+def _ppo_args(a, lora: bool) -> list[str]:
+    out = Path(a.work_dir) / f"{_slug(a.geometry)}-{'lora' if lora else 'full'}{'-int8' if a.quantize != 'none' else ''}"
+    args = ["-m", "refit.learner.cli", "ppo", "--model.model_dir", a.model_dir, "--model.engine_dir", a.engine_dir,
+            "-o", str(out), "--overwrite", "--run.steps", str(a.steps), "--run.batch_size", str(a.prompts),
+            "--num_generations", str(a.generations), "--advantage_estimator", "grpo", "--response_length",
+            str(a.response_length), "--num_ppo_epochs", "1", "--num_mini_batches", "1", "--kl_coef", "0.05",
+            "--rollout.engine_threads", str(a.threads), "--rollout.quantize", a.quantize, "--log.no_progress",
+            "--log.no_plots", "--log.no_tensorboard", "--no_export_final", "--ckpt.save_steps", str(a.steps),
+            "--optim.learning_rate", "1e-4" if lora else "1e-5"]
+    if lora:
+        args += ["--lora.r", str(a.r), "--lora.alpha", str(2.0 * a.r)]
+    return args
+
+
+def stage_grpo(a, lora: bool = True) -> dict:
+    """The PPO job's own rows (metrics.jsonl) of a run made by this process's parent."""
+    from refit.learner.run.metrics import read_metrics
+
+    run_dir = Path(_ppo_args(a, lora)[_ppo_args(a, lora).index("-o") + 1])
+    rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    later = rows[1:] or rows
+    mean = lambda k: round(statistics.mean(r.get(k, 0.0) for r in later), 2)  # noqa: E731
+    return {"steps": len(rows), "step_s": mean("time/step"), "rollout_s": mean("time/rollout"),
+            "score_s": mean("time/score"), "update_s": mean("time/update"), "push_s": mean("time/weight_push"),
+            "first_step_s": round(rows[0]["time/step"], 1), "kl0": rows[0]["kl/exact"],
+            "kl_last": rows[-1]["kl/exact"], "probe_max": max(r.get("probe/max_abs_logprob_diff") or 0.0 for r in rows)}
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def geometry_row(a, log=print) -> dict:
+    from refit.learner.examples.published import build_published, n_params
+
+    work = Path(a.work_dir)
+    model_dir = work / f"{_slug(a.geometry)}-model"
+    engine_dir = work / f"{_slug(a.geometry)}-engine-lora{'-int8' if a.quantize != 'none' else ''}"
+    row = {"geometry": a.geometry, "params_b": round(n_params(a.geometry, None) / 1e9, 3), "quantize": a.quantize,
+           "lora_r": a.r, "shape": f"{a.prompts}x{a.generations}x{a.response_length}", "threads": a.threads}
+    if not (model_dir / "config.json").is_file():
+        log(f"[bench lora] building {a.geometry} (full depth, random weights) in {model_dir}")
+        build_published(a.geometry, model_dir, n_layers=None)
+    common = ["--geometry", a.geometry, "--model_dir", str(model_dir), "--engine_dir", str(engine_dir),
+              "--work_dir", str(work), "--r", str(a.r), "--threads", str(a.threads), "--quantize", a.quantize,
+              "--prompts", str(a.prompts), "--generations", str(a.generations), "--response_length",
+              str(a.response_length), "--steps", str(a.steps), "--repeats", str(a.repeats), "--max_len",
+              str(a.max_len)]
+    for stage in a.stages.split(","):
+        log(f"[bench lora] {a.geometry}: {stage}")
+        if stage in ("grpo", "full"):
+            lora = stage == "grpo"
+            code, secs, rss, last = run_child(_ppo_args(a, lora), a.rss_cap_gb if stage == "full" else None, log)
+            res = {"status": "ok" if code == 0 else ("stopped at the cap" if code == -9 else f"failed: {last[:200]}")}
+            if code == 0:
+                code2, _, _, last2 = run_child(["-m", "refit.bench.lora", "--stage", stage, *common], log=log)
+                res.update(json.loads(last2) if code2 == 0 else {"status": f"failed: {last2[:200]}"})
+        else:
+            code, secs, rss, last = run_child(["-m", "refit.bench.lora", "--stage", stage, *common], log=log)
+            res = json.loads(last) if code == 0 else {"status": f"failed: {last[:200]}"}
+        row.update({f"{stage}_{k}": v for k, v in res.items()})
+        row[f"{stage}_wall_s"], row[f"{stage}_peak_rss_gb"] = round(secs, 1), round(rss, 2)
+        log(f"[bench lora] {json.dumps(row)}")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="refit bench lora", description=__doc__.splitlines()[0])
+    p.add_argument("--geometry", default="Qwen2.5 0.5B", help="published geometries, comma list "
+                   "(learner/examples/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', 'Qwen2.5 3B', ...)")
+    p.add_argument("--stages", default="export,push,grpo", help=f"comma list of {', '.join(STAGES)}")
+    p.add_argument("--quantize", default="none", choices=("none", "int8"), help="the engine's base")
+    p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha 2r, all-linear)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--response_length", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes (median)")
+    p.add_argument("--max_len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rss_cap_gb", type=float, default=20.0, help="the full fine-tuning row's anonymous-memory cap")
+    p.add_argument("--work_dir", default="runs/bench-lora")
+    p.add_argument("--stage", default="", help=argparse.SUPPRESS)  # a child's one stage
+    p.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--engine_dir", default="", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.stage:
+        fn = {"export": stage_export, "push": stage_push, "grpo": stage_grpo,
+              "full": lambda x: stage_grpo(x, lora=False)}[a.stage]
+        print(json.dumps(fn(a)))
+        return 0
+    Path(a.work_dir).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for g in [x.strip() for x in a.geometry.split(",") if x.strip()]:
+        rows.append(geometry_row(argparse.Namespace(**{**vars(a), "geometry": g})))
+    print(json.dumps({"bench": "lora", "rows": rows,
+                      "driver_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
