@@ -183,14 +183,14 @@ def _same_weights(engine_dir: Path, model_dir: Path):
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
                   log=print, quantize: str = "none", lora: tuple[str, ...] = ()) -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
+    if lora and backend != "onnxruntime":
+        raise RefitError(f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); "
+                         f"the {backend} backend cannot take an adapter push yet (docs/lora.md)")
     if backend in TORCH_BACKENDS:
         if quantize != "none":
             raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime or tensorrt), "
                              f"not {backend}")
         return Path(model_dir)
-    if lora and backend != "onnxruntime":
-        raise RefitError(f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); "
-                         f"the {backend} backend cannot take an adapter push yet (docs/lora.md)")
     return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize, lora=lora)
 
 

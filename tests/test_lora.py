@@ -162,9 +162,13 @@ def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
         LoraSection(r=-1)
     from refit.rollout.build import engine_source
 
-    for backend in ("tensorrt",):
+    for backend in ("tensorrt", "torch", "hf"):
         with pytest.raises(RefitError, match="lora needs rollout.backend onnxruntime"):
             engine_source(backend, model_dirs["tiny-llama"], tmp_path / "e", 4, 64, lora=("all-linear",))
+    with pytest.raises(RefitError, match="config: lora needs rollout.backend onnxruntime"):
+        _cfg(model_dirs, tmp_path / "r", **{"rollout.backend": "torch"})
+    with pytest.raises(RefitError, match="config: lora with scale.workers > 1 is not built"):
+        _cfg(model_dirs, tmp_path / "r", **{"scale.workers": 2})
     with pytest.raises(RefitError, match="lora: target_modules \\['no_such_layer'\\] cannot be used"):
         build(model_dirs["tiny-llama"], tmp_path / "x", opts=ExportOptions(max_batch=4, max_len=64,
                                                                            lora=("no_such_layer",)), **QUIET)

@@ -81,6 +81,11 @@ class DistillConfig:
         check([
             (self.rollout.backend == "hf", "rollout.backend 'hf' is the PPO baseline; distill runs on "
                                            "onnxruntime, torch or tensorrt engines"),
+            (self.lora.enabled and self.rollout.backend != "onnxruntime",
+             f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); the "
+             f"{self.rollout.backend} backend cannot take an adapter push (docs/lora.md)"),
+            (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
+                                                            "workers take full-model pushes only"),
             (self.rollout.max_staleness != 0, "rollout.max_staleness (generation overlapped with the update) is "
                                               "PPO only; distill generates, then updates"),
             (not 0.0 <= self.lmbda <= 1.0, f"lmbda must be in [0, 1], got {self.lmbda}"),
