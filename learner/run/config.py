@@ -15,7 +15,7 @@ section     class                     fields
                                       probe_tokens, quantize, max_staleness
 ``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
                                       ``--temperature``, ``top_k:``; the one section generate shares too)
-``lora``    :class:`LoraSection`      r (0: full fine-tuning), alpha, dropout, target_modules, init, base_dtype
+``lora``    :class:`LoraSection`      r (0: full fine-tuning), alpha, dropout, target_modules, init
 ``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
                                       max_grad_norm, gradient_accumulation_steps
 ``ckpt``    :class:`CheckpointSection`  save_steps, keep_checkpoints
@@ -167,8 +167,6 @@ class LoraSection:
     init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
                                                          "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
                                                          "to the base at step 0, so KL(0) = 0")
-    base_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype of the frozen base on the learner (the adapter stays "
-                                                     "fp32); bf16 halves the base's memory")
 
     @property
     def enabled(self) -> bool:
