@@ -111,7 +111,8 @@ def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
         make = lambda out: build_model(geometry, out, tokenizer=tok)  # noqa: E731
     elif geometry in published:
         folder = work / f"{geometry}-{f'{layers}layers' if layers else 'full'}-chat"
-        make = lambda out: build_published(published[geometry], out, n_layers=layers or None, tokenizer=tok)  # noqa: E731
+        name = published[geometry]
+        make = lambda out: build_published(name, out, n_layers=layers or None, tokenizer=tok)  # noqa: E731
     else:
         local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
         raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
@@ -309,6 +310,10 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def _split(s: dict) -> str:
+    return f"{s['step_s']:.3f} s (generation {s['generation_s']:.3f}, learner {s['learner_s']:.3f})"
+
+
 def reward_gap(a: dict, b: dict) -> dict:
     """Mean reward of side ``a`` less side ``b`` over every step of every round, against the noise of the
     per-round means (their standard errors combined; None with one round)."""
@@ -321,11 +326,34 @@ def reward_gap(a: dict, b: dict) -> dict:
             "gap_over_noise": None if not noise else round(abs(gap) / noise, 2)}
 
 
+def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log=print) -> dict:
+    """One side's run in round ``rnd``: its rows, wall seconds, peak RSS (and the TRL side's own record)."""
+    out = runs_dir / f"{side}-r{rnd}"
+    out.mkdir(parents=True, exist_ok=True)
+    wall, rss = run_child(cmd, runs_dir / f"{side}-r{rnd}.log", env, f"{side} (round {rnd})")
+    run = {"wall_s": wall, "peak_rss_gb": rss}
+    if side == "trl":
+        side_json = json.loads((out / "side.json").read_text())
+        run["rows"] = trl_rows(side_json)
+        run["info"] = {k: side_json[k] for k in ("versions", "config", "ref_model", "trainable_params",
+                                                 "eos_token_ids", "threads")}
+    else:
+        run["rows"] = refit_rows(out)
+    rows = run["rows"]
+    log(f"round {rnd} {side:<8} step {_median([r['step_s'] for r in rows[1:] or rows]):.3f} s (median), "
+        f"first {rows[0]['step_s']:.2f} s, reward {statistics.fmean(r['reward'] for r in rows):.4f}, "
+        f"peak RSS {rss:.2f} GB, wall {wall:.0f} s")
+    return run
+
+
 def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_args: str = "", trl_args: str = "",
                trl_venv: Path = Path(".venv-trl"), log=print) -> dict:
     """The side-by-side run (module docstring); returns the JSON document."""
     if vs not in ("trl", "hf"):
         raise RefitError(f"--vs {vs!r}: 'trl' (TRL's GRPOTrainer) or 'hf' (Refit with HF generate() rollouts)")
+    if vs == "hf" and w.lora_r:
+        raise RefitError("--lora_r with --vs hf: Refit's HF generate() baseline (rollout.backend hf) takes no adapter "
+                         "push; compare LoRA with --vs trl")
     base = "trl" if vs == "trl" else "refit-hf"
     runs_dir = work / "grpo-runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -334,29 +362,16 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
     export = export_engine(w, engine, runs_dir)
     log(f"refit export: {export['s']} s, peak RSS {export['peak_rss_gb']} GB ({engine})")
     runs: dict[str, list[dict]] = {"refit": [], base: []}
-    trl_info: dict = {}
     for rnd in range(rounds):
-        order = ("refit", base) if rnd % 2 == 0 else (base, "refit")
-        for side in order:
-            out = runs_dir / f"{side}-r{rnd}"
-            out.mkdir(parents=True, exist_ok=True)
+        for side in ("refit", base) if rnd % 2 == 0 else (base, "refit"):
+            folder = runs_dir / f"{side}-r{rnd}"
             if side == "trl":
-                cmd, env = trl_command(py, w, out, seed + rnd, trl_args), child_env(w.threads, False)
+                cmd, own_path = trl_command(py, w, folder, seed + rnd, trl_args), False
             else:
                 backend, eng = ("onnxruntime", engine) if side == "refit" else ("hf", None)
-                cmd, env = refit_command(w, out, seed + rnd, backend, eng, refit_args), child_env(w.threads, True)
-            wall, rss = run_child(cmd, runs_dir / f"{side}-r{rnd}.log", env, f"{side} (round {rnd})")
-            if side == "trl":
-                side_json = json.loads((out / "side.json").read_text())
-                rows = trl_rows(side_json)
-                trl_info = {k: side_json[k] for k in ("versions", "config", "ref_model", "trainable_params",
-                                                      "eos_token_ids", "threads")}
-            else:
-                rows = refit_rows(out)
-            runs[side].append({"rows": rows, "wall_s": wall, "peak_rss_gb": rss})
-            log(f"round {rnd} {side:<8} step {_median([r['step_s'] for r in rows[1:] or rows]):.3f} s (median), "
-                f"first {rows[0]['step_s']:.2f} s, reward {statistics.fmean(r['reward'] for r in rows):.4f}, "
-                f"peak RSS {rss:.2f} GB, wall {wall:.0f} s")
+                cmd, own_path = refit_command(w, folder, seed + rnd, backend, eng, refit_args), True
+            runs[side].append(run_side(side, rnd, cmd, child_env(w.threads, own_path), runs_dir, log))
+    trl_info = runs[base][-1].get("info", {})
     sides = {name: summarize(r) for name, r in runs.items()}
     ours, theirs = sides["refit"], sides[base]
     out = {"bench": "grpo", "vs": vs, "baseline": base, "model": w.model, "settings": asdict(w), "rounds": rounds,
@@ -373,8 +388,7 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
     if out["stops"]["refit"] != out["stops"]["trl"]:
         log(f"note: the sides stop at different ids (Refit {out['stops']['refit']}, TRL {out['stops']['trl']}): "
             "add the template's end-of-turn to the model's generation_config.json eos_token_id")
-    log(f"refit {ours['step_s']:.3f} s a step (generation {ours['generation_s']:.3f}, learner {ours['learner_s']:.3f}), "
-        f"{base} {theirs['step_s']:.3f} s (generation {theirs['generation_s']:.3f}, learner {theirs['learner_s']:.3f}): "
+    log(f"refit {_split(ours)} a step, {base} {_split(theirs)}: "
         f"{out['speedup']}x; peak RSS {ours['peak_rss_gb']} vs {theirs['peak_rss_gb']} GB; reward gap "
         f"{out['reward_gap']['gap']} (noise {out['reward_gap']['noise']})")
     return out
