@@ -201,6 +201,39 @@ def geometry_row(a, log=print) -> dict:
     return row
 
 
+MARKS = ("<!-- lora-full-depth:start -->", "<!-- lora-full-depth:end -->")
+
+
+def _cell(r: dict, stage: str, fmt) -> str:
+    status = r.get(f"{stage}_status")
+    if status is None and f"{stage}_wall_s" not in r:
+        return "not run"
+    if status not in (None, "ok"):
+        return f"{status} ({r.get(f'{stage}_wall_s')} s, {r.get(f'{stage}_peak_rss_gb')} GB)"
+    return fmt(r)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table of :func:`geometry_row` records."""
+    head = ("| model (full depth) | params | engine base | export: s, peak RSS | adapter push vs full push (probe) "
+            "| GRPO + LoRA: s a step (rollout / score / update / push), peak RSS, KL(0) | full fine-tuning |\n"
+            "|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        export = _cell(r, "export", lambda r: f"{r['export_export_s']} s, {r['export_peak_rss_gb']} GB")
+        push = _cell(r, "push", lambda r: (
+            f"{r['push_adapter_push_s'] * 1e3:.1f} ms ({r['push_adapter_mb']} MB, r {r['lora_r']})"
+            + (f" vs {r['push_full_push_s']:.2f} s: {r['push_full_push_over_adapter_push']}x" if "push_full_push_s" in r
+               else "") + f"; probe {r['push_adapter_probe_diff']:.1e}"))
+        grpo = _cell(r, "grpo", lambda r: (
+            f"{r['grpo_step_s']} s ({r['grpo_rollout_s']} / {r['grpo_score_s']} / {r['grpo_update_s']} / "
+            f"{r['grpo_push_s']}), {r['grpo_peak_rss_gb']} GB, KL(0) {r['grpo_kl0']:.1e}"))
+        full = _cell(r, "full", lambda r: f"{r['full_step_s']} s a step, {r['full_peak_rss_gb']} GB")
+        lines.append(f"| {r['geometry']} | {r['params_b']}B | {r['quantize'] if r['quantize'] != 'none' else 'fp32'} "
+                     f"| {export} | {push} | {grpo} | {full} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="refit bench lora", description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="Qwen2.5 0.5B", help="published geometries, comma list "
@@ -217,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rss_cap_gb", type=float, default=20.0, help="the full fine-tuning row's anonymous-memory cap")
     p.add_argument("--work_dir", default="runs/bench-lora")
+    p.add_argument("--readme", default="", help="also write the table between the lora-full-depth markers of this "
+                                                "file: every row in WORK_DIR/rows.json (each run adds or replaces "
+                                                "its geometries' rows there)")
     p.add_argument("--stage", default="", help=argparse.SUPPRESS)  # a child's one stage
     p.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--engine_dir", default="", help=argparse.SUPPRESS)
@@ -230,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for g in [x.strip() for x in a.geometry.split(",") if x.strip()]:
         rows.append(geometry_row(argparse.Namespace(**{**vars(a), "geometry": g})))
+    store = Path(a.work_dir) / "rows.json"  # every geometry measured so far, by (geometry, engine base)
+    kept = json.loads(store.read_text()) if store.is_file() else {}
+    for r in rows:
+        old = kept.get(f"{r['geometry']}|{r['quantize']}", {})
+        kept[f"{r['geometry']}|{r['quantize']}"] = {**old, **r}  # stages run now replace theirs, others stay
+    store.write_text(json.dumps(kept, indent=1))
+    print(markdown(list(kept.values())))
+    if a.readme:
+        from refit.bench.families import update_readme
+
+        update_readme(Path(a.readme), markdown(list(kept.values())), MARKS)
     print(json.dumps({"bench": "lora", "rows": rows,
                       "driver_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
     return 0
