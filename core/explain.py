@@ -1,6 +1,6 @@
 """Any exception that reaches the ``refit`` command line -> one line that says what happened and what to do.
 
-``refit.learner.cli.main`` is the one dispatch point: a :class:`RefitError` is printed as is; the
+``refit.cli.main`` (the front door) is the one dispatch point: a :class:`RefitError` is printed as is; the
 exceptions that come from files, graphs and the operating system are named here (:func:`explain`);
 anything else is an unexpected error, printed as one line with a hint to rerun with ``--debug``,
 which re-raises it with its traceback.

@@ -1,72 +1,14 @@
-"""``refit``: one console command, one subcommand per job.
-
-Each subcommand lives in the module that owns the job and exposes ``main(argv) -> int``; this
-file only dispatches (imports are lazy so ``refit export --help`` never imports the learner,
-and nothing imports ``tensorrt`` unless asked). A :class:`refit.core.errors.RefitError` becomes one
-line on stderr and exit status 2; nothing half-written is left behind by the jobs themselves. Any other
-exception is one line too (:mod:`refit.core.explain`: files, graphs, the disk; else "unexpected", with a
-hint); ``--debug`` (anywhere on the line) re-raises it with its traceback instead.
-"""
+"""Deprecated spelling of the front door: ``python -m refit.learner.cli ...`` runs ``refit.cli`` (use ``refit ...``
+or ``python -m refit ...``). The one arrow from a floor up to the face, named in tests/test_layout.py's SHIMS;
+it stays while scripts and tests outside the learner still spell the old module."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 
-# name -> (module, one-line help)
-COMMANDS = {
-    "build-model": ("refit.learner.examples.models", "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
-    "export": ("refit.rollout.build", "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
-    "generate": ("refit.rollout.cli", "generate from an engine folder with padded batches and per-token log-probs"),
-    "bench": ("refit.bench.cli", "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
-    "ppo": ("refit.learner.ppo.cli", "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
-    "distill": ("refit.learner.distill.cli", "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
-    "demo": ("refit.learner.examples.demo", "the embedded default: a small verifiable task trained with PPO on CPU"),
-}
+from refit.cli import COMMANDS, main
 
-
-def _usage() -> str:
-    lines = ["usage: refit <command> [options]", "", "Refit: RLHF and distillation with generation on exported engines.",
-             "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run 'refit <command> --help' for the options of a command."]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    from refit.core.errors import RefitError
-    from refit.core.explain import explain, unexpected
-
-    try:
-        module = importlib.import_module(COMMANDS[name][0])
-        return int(module.main(rest) or 0)
-    except RefitError as e:
-        if debug:
-            raise
-        print(f"refit {name}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"refit {name}: interrupted", file=sys.stderr)
-        return 130
-    except SystemExit:
-        raise  # --help, tyro's own usage errors
-    except Exception as e:  # noqa: BLE001 - the one dispatch point: every exception is one line
-        if debug:
-            raise
-        line = explain(e, name)
-        print(f"refit {name}: error: {line or unexpected(e)}", file=sys.stderr)
-        return 2 if line else 1
-
+__all__ = ["COMMANDS", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

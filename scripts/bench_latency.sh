@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
-REFIT="${REFIT:-$PY -m refit.learner.cli}"
+REFIT="${REFIT:-$PY -m refit}"
 $REFIT bench generate "$@"
 if [[ "${REFIT_BENCH_PUSH:-0}" == "1" ]]; then
   $REFIT bench refit

@@ -54,7 +54,7 @@ fi
 
 if [[ $STEPS == *3* ]]; then
 echo "== 3/3 refit demo, learner on CUDA (run.device auto), rollouts on the onnxruntime CPU engine"
-timeout 170 "$PY" -m refit.learner.cli demo --out "$WORK/demo" --no_progress >"$OUT/demo.log" 2>&1; demo_rc=$?
+timeout 170 "$PY" -m refit demo --out "$WORK/demo" --no_progress >"$OUT/demo.log" 2>&1; demo_rc=$?
 cp "$WORK"/demo/ppo/metrics.jsonl "$WORK"/demo/ppo/curves.png "$OUT/" 2>/dev/null
 tail -6 "$OUT/demo.log"
 fi

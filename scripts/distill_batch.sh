@@ -17,7 +17,7 @@
 #                       on CPU, NCCL on GPU; batch_size divisible by K x gradient_accumulation_steps); more
 #                       nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500"
 #
-# A thin driver over `python -m refit.learner.cli distill`: the embedded teacher (SFT, 4x128) and student (2x64)
+# A thin driver over `python -m refit distill`: the embedded teacher (SFT, 4x128) and student (2x64)
 # and their engines are built ONCE (`refit distill --build_models DIR`), then each config runs in its own
 # process and folder (OUT/NAME, stdout OUT/NAME.log, stderr OUT/NAME.err); the table is read from each
 # run's last stdout line.
@@ -60,17 +60,17 @@ done
 PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
-distill=("$PY" -m refit.learner.cli distill)
+distill=("$PY" -m refit distill)
 if [[ "$NPROC" -gt 1 ]]; then  # DDP learner: rank 0 drives the engines, writes metrics and checkpoints
   # shellcheck disable=SC2206  # TORCHRUN and TORCHRUN_ARGS are word lists
   distill=(${TORCHRUN:-"$PY" -m torch.distributed.run} --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:---standalone}
-           -m refit.learner.cli distill)
+           -m refit distill)
 fi
 
 if [[ -z "$MODELS" ]]; then
   MODELS="$OUT/models"
   echo "== building teacher and student once: $MODELS"
-  "$PY" -m refit.learner.cli distill --build_models "$MODELS" "${EXTRA[@]}" > "$OUT/models.log" 2>&1 \
+  "$PY" -m refit distill --build_models "$MODELS" "${EXTRA[@]}" > "$OUT/models.log" 2>&1 \
     || { tail -n 20 "$OUT/models.log" >&2; exit 1; }
 fi
 model_flags=()

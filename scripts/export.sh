@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
-REFIT="${REFIT:-$PY -m refit.learner.cli}"
+REFIT="${REFIT:-$PY -m refit}"
 policy="" teacher="" out="runs/export" pass=()
 while [[ $# -gt 0 ]]; do  # only the script's own flags; the rest goes to `refit export` as given
   case "$1" in

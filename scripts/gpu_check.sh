@@ -51,7 +51,7 @@ esac
 # 3. latency benchmark with small settings, inside what is left of the budget
 left=$((budget - (SECONDS - t0)))
 bench="skipped(no-time)"
-if [[ $left -gt 30 ]] && "$PY" -m refit.learner.cli bench generate --help >"$logs/bench_help.txt" 2>&1; then
+if [[ $left -gt 30 ]] && "$PY" -m refit bench generate --help >"$logs/bench_help.txt" 2>&1; then
   args=()
   grep -qE -- '--max[-_]new[-_]tokens' "$logs/bench_help.txt" && args+=(--max-new-tokens 16)
   grep -qE -- '(^|[ ,])--new[-_]tokens' "$logs/bench_help.txt" && args+=(--new-tokens 16)
@@ -63,7 +63,7 @@ if [[ $left -gt 30 ]] && "$PY" -m refit.learner.cli bench generate --help >"$log
   extra=(${GPU_CHECK_BENCH_ARGS:-})
   echo "== gpu_check 3/3: bench generate --backends torch,onnxruntime,tensorrt ${args[*]} ${extra[*]}, limit ${left}s"
   set +e
-  timeout "$left" "$PY" -m refit.learner.cli bench generate --backends torch,onnxruntime,tensorrt "${args[@]}" "${extra[@]}" \
+  timeout "$left" "$PY" -m refit bench generate --backends torch,onnxruntime,tensorrt "${args[@]}" "${extra[@]}" \
     >"$logs/bench.log" 2>&1
   bench_rc=$?
   set -e

@@ -82,7 +82,7 @@ if [[ $QUICK == 1 ]]; then  # plumbing check: tiny settings
 else
   GEN=(--new_tokens 128 --repeats 3); I8=(--batch_sizes 1,8,32 --new_tokens 64 --repeats 3); PPO=(--response_length 192 --repeats 5)
 fi
-B="$PY -m refit.learner.cli bench"
+B="$PY -m refit bench"
 gen_cmd()  { $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 --n 8 --prompt_len 32 --work_dir "$WORK/b-gen" "${GEN[@]}" "$@"; }
 int8_cmd() { $B generate --quantize int8 ${CT2:+--ct2_python "$CT2"} --prompt_len 32 --work_dir "$WORK/b-int8" "${I8[@]}" "$@"; }
 genold_cmd() { PYTHONPATH="$OLD_SRC:$PYTHONPATH" $B generate --geometry small-gpt2 --backends onnxruntime --batch_sizes 128 \

@@ -5,7 +5,7 @@
 # usage: scripts/train_ppo.sh [--model DIR] [-o OUT] [--nproc K] [--workers N] [--ray-address ADDR] [refit ppo flags]
 #   --model DIR         policy HF folder (default: the embedded warmed-up demo policy, built locally)
 #   -o OUT              output root (default: runs/train_ppo): OUT/engine, OUT/run
-#   --nproc K           learner processes: K > 1 runs `torchrun --nproc-per-node K --standalone -m refit.learner.cli
+#   --nproc K           learner processes: K > 1 runs `torchrun --nproc-per-node K --standalone -m refit
 #                       ppo` (DDP, gloo on CPU, NCCL on GPU); more nodes: TORCHRUN_ARGS="--nnodes 2 --node-rank R
 #                       --rdzv-backend c10d --rdzv-endpoint HOST:29500" on each node (replaces --standalone)
 #   --workers N         = --scale.workers N: rollout engines as Ray actors (default 1: one engine in this process);
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"  # the venv setup.sh made, if any
-REFIT="${REFIT:-$PY -m refit.learner.cli}"
+REFIT="${REFIT:-$PY -m refit}"
 model="" out="runs/train_ppo" nproc=1 pass=()
 while [[ $# -gt 0 ]]; do  # only the script's own flags; the rest goes to `refit ppo` as given
   case "$1" in
@@ -40,7 +40,7 @@ ppo=($REFIT ppo)
 if [[ "$nproc" -gt 1 ]]; then  # DDP learner: rank 0 drives the rollouts, writes metrics and checkpoints
   # shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of flags
   ppo=(${TORCHRUN:-$PY -m torch.distributed.run} --nproc-per-node "$nproc" ${TORCHRUN_ARGS:---standalone}
-       -m refit.learner.cli ppo)
+       -m refit ppo)
 fi
 echo "== train"
 summary=$("${ppo[@]}" --model.model_dir "$model" --model.engine_dir "$out/engine" -o "$out/run" "${pass[@]}" | tail -n 1)

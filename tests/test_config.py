@@ -13,7 +13,7 @@ from refit.bench.cli import BENCHES
 from refit.rollout.build import ExportConfig
 from refit.core.errors import RefitError
 from refit.core.parsing import flat_leaves, leaves, parse
-from refit.learner.cli import main as refit
+from refit.cli import main as refit
 from refit.learner.distill.config import DistillConfig
 from refit.learner.examples.demo import DemoConfig
 from refit.learner.ppo.config import PPOConfig

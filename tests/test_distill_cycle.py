@@ -123,7 +123,7 @@ def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer
     import dataclasses
 
     from refit.learner.examples.models import GEOMETRIES, build_model
-    from refit.learner.cli import main
+    from refit.cli import main
 
     geom = dataclasses.replace(GEOMETRIES["tiny-gpt2"], vocab_size=400)
     student = build_model(geom, tmp_path / "wide", tokenizer=tokenizer)
@@ -207,7 +207,7 @@ def default_run(tmp_path_factory):
     import contextlib
     import io
 
-    from refit.learner.cli import main
+    from refit.cli import main
 
     out, buf = tmp_path_factory.mktemp("distill_default") / "d", io.StringIO()
     with contextlib.redirect_stdout(buf):

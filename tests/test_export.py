@@ -152,7 +152,7 @@ def test_reexport_same_weights_is_reused(engine_dirs, model_dirs):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "refit.learner.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "refit", *args], capture_output=True, text=True, timeout=300)
 
 
 def _one_line_error(r, *words):

@@ -144,7 +144,7 @@ def test_cli_turns_every_exception_into_one_line_and_debug_reraises(capsys, monk
     mod = types.ModuleType("refit_fault_cmd")
     mod.main = lambda argv: (_ for _ in ()).throw(raised["e"])
     monkeypatch.setitem(sys.modules, "refit_fault_cmd", mod)
-    monkeypatch.setitem(cli.COMMANDS, "boom", ("refit_fault_cmd", "test"))
+    monkeypatch.setitem(cli.COMMANDS, "boom", (mod.main, "test"))
     cases = [
         (OSError(errno.ENOSPC, "No space left on device", "run/checkpoints/x"), ["disk full", "run/checkpoints/x",
                                                                                  "then rerun it"]),
@@ -724,7 +724,7 @@ def test_disk_full_names_the_commands_own_way_out(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "refit_fault_disk", mod)
     for name, words in [("ppo", "then rerun with --resume"), ("export", "then rerun the same refit export"),
                         ("build-model", "then rerun the same refit build-model")]:
-        monkeypatch.setitem(cli.COMMANDS, name, ("refit_fault_disk", "test"))
+        monkeypatch.setitem(cli.COMMANDS, name, (mod.main, "test"))
         raised["e"] = OSError(errno.ENOSPC, "No space left on device", "out/x")
         rc, line = refit(capsys, name)
         assert rc == 2 and f"refit {name}: error: disk full while writing out/x: free space, {words}" in line, line

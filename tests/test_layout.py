@@ -2,9 +2,11 @@
 
 Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, checkpoint
 loading) <- ``refit.export`` (HF -> graphs + manifest) <- ``refit.rollout`` (engines and the one decode loop)
-<- ``refit.learner`` (losses, jobs) <- ``refit.bench``. An import may only point down or sideways within its
-room; ``refit/__init__.py`` (the public face) may name anything. Imports inside functions count: a lazy import
-is still an arrow.
+<- ``refit.learner`` (losses, jobs) <- ``refit.bench`` <- the face ``refit`` (``refit/__init__.py``, the public
+names, and ``refit/cli.py``, the front door's command table). An import may only point down or sideways within
+its room; the face may name every floor. Imports inside functions count: a lazy import is still an arrow, and no
+module outside the face and the optional backends' registry names a module in an ``importlib`` string, which no
+reader or test could follow.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"core": 0, "export": 1, "rollout": 2, "learner": 3, "bench": 4}
+FLOORS = {"core": 0, "export": 1, "rollout": 2, "learner": 3, "bench": 4, "refit": 5}
+
+# Deprecation shims, the only arrows allowed up a floor: {shim module: the one module it forwards to}.
+SHIMS = {"refit.learner.cli": "refit.cli"}  # `python -m refit.learner.cli ...`, the old spelling of `refit ...`
+
+# Where importlib may take a module name from a string: the face's lazy names, the engine backends' lazy
+# registry (tensorrt is imported only when asked for), user reward functions named on the command line,
+# and a benchmark that loads one file by path into another package's venv.
+IMPORTLIB_ALLOWED = {"refit", "refit.rollout.engine", "refit.learner.ppo.rewards", "refit.bench.trl_grpo_side"}
 
 
 def _modules() -> dict[str, Path]:
@@ -24,6 +34,8 @@ def _modules() -> dict[str, Path]:
             parts = list(f.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
+            if room == "refit":  # the face: refit/cli.py is refit.cli
+                parts.pop(0)
             out[".".join(["refit", *parts])] = f
     return out
 
@@ -56,7 +68,8 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _floor(module: str) -> int:
-    return FLOORS[module.split(".")[1]]
+    parts = module.split(".")
+    return FLOORS[parts[1]] if len(parts) > 1 and parts[1] in FLOORS else FLOORS["refit"]
 
 
 def _is_package(module: str, graph) -> bool:
@@ -64,8 +77,31 @@ def _is_package(module: str, graph) -> bool:
 
 
 def test_no_import_points_up_a_floor():
-    up = sorted(f"{a} -> {b}" for a, deps in _graph().items() for b in deps if _floor(b) > _floor(a))
+    graph = _graph()
+    commands = {"refit.learner.build_model", "refit.rollout.build", "refit.rollout.cli", "refit.bench.cli",
+                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.examples.demo"}
+    assert commands <= graph["refit.cli"], \
+        "the front door's table must reach each command by a plain import"
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a)
+                and SHIMS.get(a) != b)
     assert not up, f"{len(up)} import(s) run back up the floors: {up}"
+    for shim, target in SHIMS.items():  # a shim forwards and does nothing else
+        assert graph[shim] == {target}, (shim, graph[shim])
+
+
+def test_no_importlib_strings_outside_the_face_and_the_backends():
+    """A command, a backend or a helper reached by ``importlib.import_module("refit....")`` is an arrow no test
+    sees: the front door (refit/cli.py) dispatches by plain imports."""
+    users = set()
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(n == "importlib" or n.startswith("importlib.") and n != "importlib.metadata" for n in names):
+                    users.add(module)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__":
+                users.add(module)
+    assert users <= IMPORTLIB_ALLOWED, f"importlib outside the face and the backends: {sorted(users - IMPORTLIB_ALLOWED)}"
 
 
 def test_no_import_circle():

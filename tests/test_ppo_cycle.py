@@ -280,7 +280,7 @@ def test_config_yaml_and_flags(tmp_path):
 
 
 def test_demo_end_to_end_short(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "demo", "-o", str(tmp_path / "demo"), "--steps", "3",
+    r = subprocess.run([sys.executable, "-m", "refit", "demo", "-o", str(tmp_path / "demo"), "--steps", "3",
                         "--sft-steps", "20", "--batch-size", "8", "--num-generations", "2", "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

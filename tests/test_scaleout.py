@@ -357,7 +357,7 @@ def test_ddp_cycle_resumes_with_another_world_size(model_dirs, engine_dirs, tmp_
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "refit.learner.cli", "ppo", *flags], capture_output=True, text=True, timeout=300, env=env,
+                        "-m", "refit", "ppo", *flags], capture_output=True, text=True, timeout=300, env=env,
                        cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     state = json.loads((tmp_path / "two" / "checkpoints" / "step_000001" / "state.json").read_text())

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script, *args, timeout=600):
-    env = {**os.environ, "REFIT": f"{sys.executable} -m refit.learner.cli", "SFT_STEPS": "10",
+    env = {**os.environ, "REFIT": f"{sys.executable} -m refit", "SFT_STEPS": "10",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(["bash", str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -103,11 +103,11 @@ def test_scale_flags_pass_through(tmp_path):
                        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     calls = (tmp_path / "CALLS").read_text().splitlines()
-    distill = next(c for c in calls if "refit.learner.cli distill" in c)
-    assert distill.startswith("TORCHRUN --nproc-per-node 2 --standalone -m refit.learner.cli distill")
+    distill = next(c for c in calls if "-m refit distill" in c)
+    assert distill.startswith("TORCHRUN --nproc-per-node 2 --standalone -m refit distill")
     assert "--scale.workers 3" in distill and "--scale.ray_address HOST:6379" in distill
-    ppo = next(c for c in calls if "refit.learner.cli ppo" in c)
-    assert ppo.startswith("TORCHRUN --nproc-per-node 2 --standalone -m refit.learner.cli ppo")
+    ppo = next(c for c in calls if "-m refit ppo" in c)
+    assert ppo.startswith("TORCHRUN --nproc-per-node 2 --standalone -m refit ppo")
     assert "--scale.workers 2" in ppo and "--scale.ray_address auto" in ppo
     r = subprocess.run(["bash", "scripts/distill_batch.sh", "--nproc", "two"], capture_output=True, text=True,
                        timeout=60, env=env, cwd=ROOT)

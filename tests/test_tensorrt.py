@@ -214,7 +214,7 @@ def test_require_tensorrt_raises_one_line():
 def test_export_backend_tensorrt_fails_fast_and_leaves_nothing(model_dirs, tmp_path):
     out = tmp_path / "out"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "export", str(model_dirs["tiny-gpt2"]), "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "refit", "export", str(model_dirs["tiny-gpt2"]), "-o", str(out),
                         "--backend", "tensorrt"], capture_output=True, text=True, timeout=300)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr

@@ -1,4 +1,4 @@
-"""The learner on K processes: ``torchrun --nproc-per-node K -m refit.learner.cli ppo|distill ...`` (DDP).
+"""The learner on K processes: ``torchrun --nproc-per-node K -m refit ppo|distill ...`` (DDP).
 
 PPO is described below; distillation (:mod:`refit.learner.distill`) follows the same rules: rank 0 makes
 the batch (engines, teacher targets) and shares it, rank r runs its contiguous slice of rows, the
