@@ -1,5 +1,11 @@
 """``refit bench grpo``: the GRPO workload side by side, Refit's ``refit ppo`` (GRPO) against a baseline.
 
+    refit bench grpo --vs trl                          # small-gpt2 chat model, 16 prompts x 8, 128 tokens, 10 steps
+    refit bench grpo --vs trl --refit_args '--rollout.max_staleness 1' --steps 40 --rounds 1   # overlapped Refit
+    refit bench grpo --vs trl --geometry qwen2.5-0.5b --lora_r 16 --lora_alpha 32 --steps 3 --rounds 1
+        --prompts_per_step 16 --num_generations 4 --max_completion_length 64   # (one command) full depth, LoRA
+    refit bench grpo                                   # Refit's engine against its own HF generate() rollouts
+
 Baselines: ``--vs trl``, TRL's ``GRPOTrainer`` (TRL 1.16, installed by the bench into a virtual environment of
 its own, ``--trl_venv``, with the same torch build as Refit's; the run is bench/trl_grpo_side.py, which imports
 TRL and never Refit); ``--vs hf``, Refit's own learner with HF ``generate()`` rollouts (``--rollout.backend hf``).
@@ -25,7 +31,8 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 - ``max_steps`` / ``--run.steps``; ``seed`` / ``--run.seed``;
 - ``beta`` / ``--kl_coef`` with ``--kl_penalty loss --kl_estimator k3`` (TRL's GRPO KL term; 0 by default, TRL's
   default: TRL then loads no reference model, Refit still scores its reference engine and logs the KL);
-- fp32: ``bf16=False`` (TRL's GRPO default is bf16 autocast); Refit's learner is fp32 on the CPU;
+- fp32: ``bf16=False`` / ``--run.no_bf16`` (the default of both is bf16 autocast: TRL's GRPO everywhere, Refit's
+  on CUDA only);
 - the device: ``use_cpu`` / ``--run.device`` (``--device``, cpu by default);
 - threads: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in the TRL process, ``OMP_NUM_THREADS`` and
   ``--rollout.engine_threads`` in Refit's;
@@ -231,7 +238,7 @@ def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path 
            "--num_generations", str(w.num_generations), "--run.batch_size", str(w.prompts_per_step),
            "--response_length", str(w.max_completion_length), "--temperature", str(w.temperature),
            "--optim.learning_rate", str(w.learning_rate), "--optim.lr_scheduler_type", w.lr_scheduler,
-           "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device,
+           "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device, "--run.no_bf16",
            "--num_ppo_epochs", "1", "--num_mini_batches", "1",
            "--kl_coef", str(w.beta), "--kl_penalty", "loss", "--kl_estimator", "k3",
            "--rollout.backend", backend, "--rollout.engine_threads", str(w.threads),

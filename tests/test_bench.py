@@ -218,7 +218,9 @@ def test_bench_grpo_aligns_both_sides(tmp_path):
     # one update per generation (TRL's num_iterations 1, one micro-batch of prompts x generations), k3 in the loss
     assert (flag(refit, "--num_ppo_epochs"), flag(refit, "--num_mini_batches")) == ("1", "1")
     assert (flag(refit, "--kl_penalty"), flag(refit, "--kl_estimator")) == ("loss", "k3")
-    assert refit[-2:] == ["--rollout.max_staleness", "1"] and flag(trl, "--trl_args") == '{"gradient_checkpointing": false}'
+    assert "--run.no_bf16" in refit  # fp32 learners (TRL's side: bf16=False in trl_grpo_side.grpo_args)
+    assert refit[-2:] == ["--rollout.max_staleness", "1"]
+    assert flag(trl, "--trl_args") == '{"gradient_checkpointing": false}'
 
 
 def test_grpo_reward_and_summaries_by_hand():
