@@ -25,6 +25,7 @@ import tyro
 from refit.core.errors import RefitError
 from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_folder
 from refit.core.parsing import opt, parse
+from refit.export.guard import guard_engine, require_tokenizer
 from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
 from refit.rollout.parity import int8_parity_gate, parity_gate
 
@@ -131,8 +132,9 @@ def _memory_available() -> int | None:
 
 
 def check_memory(model_dir: str | Path, rows: int, max_len: int) -> None:
-    """Refuse, before any work, a batch whose KV cache and one (rows, max_len, vocab) fp32 logits tensor (the
-    learner's forward) alone exceed the memory available; the line gives the estimate."""
+    """Refuse, before any work, a batch whose KV cache and the fp32 logits and log-probs over the vocabulary of a
+    whole-batch scoring pass ((rows, max_len, vocab) twice: any log-prob materialises both) alone exceed the
+    memory available; the line gives that estimate, a lower bound (activations, the optimizer not counted)."""
     from refit.core.checkpoint import text_config
 
     text = text_config(model_dir)
@@ -143,7 +145,7 @@ def check_memory(model_dir: str | Path, rows: int, max_len: int) -> None:
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or getattr(text, "d_model", 0)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or getattr(text, "num_layers", 1)
     head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    need = 4 * rows * max_len * (2 * layers * kv_heads * head_dim + text.vocab_size)  # fp32: K and V, logits
+    need = 4 * rows * max_len * (2 * layers * kv_heads * head_dim + 2 * text.vocab_size)  # fp32: K, V; logits, log-probs
     have = _memory_available()
     if have is not None and need > have:
         raise RefitError(f"{rows} rows x {max_len} tokens need at least {need / 2**30:.1f} GiB (KV cache and "
@@ -183,9 +185,9 @@ def _same_weights(engine_dir: Path, model_dir: Path):
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
                   log=print, quantize: str = "none", lora: tuple[str, ...] = ()) -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
-    if lora and backend != "onnxruntime":
-        raise RefitError(f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); "
-                         f"the {backend} backend cannot take an adapter push yet (docs/lora.md)")
+    if lora and backend != "onnxruntime":  # TensorRT's LoRA runs refit merged layers into a plain engine
+        raise RefitError(f"a LoRA-ready engine (adapter inputs) is built for rollout.backend onnxruntime; the "
+                         f"{backend} backend takes none (tensorrt: refit of the merged targeted layers, docs/lora.md)")
     if backend in TORCH_BACKENDS:
         if quantize != "none":
             raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime or tensorrt), "
@@ -248,8 +250,6 @@ class ExportConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from refit.core.checkpoint import model_info
-    from refit.export.guard import guard_engine, require_tokenizer
-
     a, _ = parse(ExportConfig, argv, "refit export")
     if not a.out:
         raise RefitError("give the engine folder to write: -o OUT_DIR")
