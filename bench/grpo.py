@@ -50,6 +50,11 @@ stops at EOS and at the chat template's end-of-turn on Refit's side, and at the 
 models it builds, and records both stop sets (``stops``) for any model. ``--refit_args`` and ``--trl_args`` pass
 further settings to one side (e.g. ``--refit_args '--rollout.max_staleness 1'``).
 
+Run it on a quiet machine: the JSON records the load average after each run (``machine``, ``loadavg_1m_by_round``)
+and the bench warns when it passed the CPU count: with more runnable threads than cores, multi-threaded PyTorch
+slows far more than its share of the CPUs (each of the many small ops of transformers ``generate()`` waits at an
+OpenMP barrier for a thread the scheduler has put aside), so a loaded machine penalises TRL's side most.
+
 Phases: Refit's own ``time/rollout``, ``time/score``, ``time/update``, ``time/weight_push`` (metrics.jsonl);
 TRL's ``generate`` (its ``_generate``), ``score`` (the rest of ``_generate_and_score_completions``: rewards,
 advantages, the log-probs the loss needs) and ``update`` (the rest of the optimizer step: forward, backward, the
@@ -310,6 +315,7 @@ def summarize(runs: list[dict]) -> dict:
         "peak_rss_gb": round(max(run["peak_rss_gb"] for run in runs), 3),
         "peak_rss_gb_by_round": [round(run["peak_rss_gb"], 3) for run in runs],
         "wall_s_by_round": [round(run["wall_s"], 1) for run in runs],
+        "loadavg_1m_by_round": [round(run["loadavg_1m"], 2) for run in runs],
         "reward_by_step": by_step("reward"),
         "reward_by_round": [[round(r["reward"], 4) for r in run["rows"]] for run in runs],
         "reward_mean_by_round": [round(statistics.fmean(r["reward"] for r in run["rows"]), 4) for run in runs],
@@ -338,7 +344,7 @@ def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log
     out = runs_dir / f"{side}-r{rnd}"
     out.mkdir(parents=True, exist_ok=True)
     wall, rss = run_child(cmd, runs_dir / f"{side}-r{rnd}.log", env, f"{side} (round {rnd})")
-    run = {"wall_s": wall, "peak_rss_gb": rss}
+    run = {"wall_s": wall, "peak_rss_gb": rss, "loadavg_1m": os.getloadavg()[0]}  # the machine's, this run included
     if side == "trl":
         side_json = json.loads((out / "side.json").read_text())
         run["rows"] = trl_rows(side_json)
@@ -392,6 +398,12 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
            "reward_gap": reward_gap(ours, theirs)}
     if trl_info:
         out["trl"] = trl_info
+    load = max(x for side in sides.values() for x in side["loadavg_1m_by_round"])
+    out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_max": round(load, 2)}
+    if load > (os.cpu_count() or 1) + 0.5:
+        log(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs: other processes ran beside the bench, and "
+            "multi-threaded PyTorch (OpenMP barriers in every op) slows far more than the threads' share; rerun on a "
+            "quiet machine before quoting these seconds")
     if out["stops"]["refit"] != out["stops"]["trl"]:
         log(f"note: the sides stop at different ids (Refit {out['stops']['refit']}, TRL {out['stops']['trl']}): "
             "add the template's end-of-turn to the model's generation_config.json eos_token_id")

@@ -187,6 +187,7 @@ def test_bench_grpo_vs_hf_json(tmp_path):
     assert out["refit_export"]["peak_rss_gb"] > 0
     assert "reusing engine" in (tmp_path / "grpo-runs" / "refit-r0.log").read_text()
     assert out["settings"]["num_generations"] == 2 and out["reward_gap"]["noise"] is None  # one round: no noise
+    assert out["machine"]["cpus"] >= 1 and out["machine"]["loadavg_1m_max"] >= 0
 
 
 def test_bench_grpo_aligns_both_sides(tmp_path):
@@ -237,9 +238,9 @@ def test_grpo_reward_and_summaries_by_hand():
                 "completion_length": 4.0}
 
     runs = [{"rows": [row(1, 9.0, 5.0, 0.0), row(2, 2.0, 1.0, 0.2), row(3, 4.0, 1.0, 0.4)], "wall_s": 20.0,
-             "peak_rss_gb": 1.5},
+             "peak_rss_gb": 1.5, "loadavg_1m": 1.0},
             {"rows": [row(1, 7.0, 5.0, 0.2), row(2, 3.0, 2.0, 0.4), row(3, 5.0, 2.0, 0.6)], "wall_s": 21.0,
-             "peak_rss_gb": 2.5}]
+             "peak_rss_gb": 2.5, "loadavg_1m": 2.0}]
     s = summarize(runs)
     assert s["step_s"] == 3.5 and s["first_step_s"] == 8.0 and s["generation_s"] == 1.5 and s["learner_s"] == 2.0
     assert s["phases_s"] == {"a": 1.5, "b": 2.0} and s["step_s_by_round"] == [3.0, 4.0] and s["peak_rss_gb"] == 2.5
