@@ -94,7 +94,7 @@ def stage_push(a) -> dict:
     from refit.core.manifest import Manifest
     from refit.export.weight_map import canonical_params
     from refit.learner.run.config import LoraSection
-    from refit.learner.run.engines import probe_check
+    from refit.learner.run.sync import probe_check
     from refit.learner.run.lora import adapter_tensors, apply_lora
     from refit.rollout.engine import create_engine
     from refit.rollout.types import SamplingParams

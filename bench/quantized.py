@@ -61,7 +61,7 @@ def push_check(int8, model: torch.nn.Module, prompts: list[list[int]], new_token
     (the learner's push-probe side, ``probe_learner_side``), against the export gate's tolerances. ``model`` is
     left holding the perturbed tensors."""
     from refit.export.weight_map import canonical_params
-    from refit.learner.run.engines import probe_learner_side
+    from refit.learner.run.sync import probe_learner_side
     from refit.rollout.types import SamplingParams
 
     b = int8.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=12))

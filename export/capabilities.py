@@ -26,6 +26,7 @@ import inspect
 
 import torch
 
+from refit.core.contract import decoder_start_id
 from refit.core.errors import RefitError
 from refit.core.hf_compat import cache_kw, cache_of
 from refit.core.manifest import Capabilities
@@ -188,16 +189,6 @@ def probe_padding(model, kind: str, side: str, pad_id: int, path) -> None:
     if not diff <= PROBE_TOL:
         raise refuse(path, f"{what}: max diff {diff:.2e} > {PROBE_TOL:g}; missing capability: padding-invariant "
                            "prompts")
-
-
-def decoder_start_id(model) -> int | None:
-    """The first decoder token: ``config.decoder_start_token_id``, else the generation config's.
-
-    The one rule the exporter, the torch reference and the learner share (Marian: the pad id)."""
-    start = getattr(model.config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
-    return None if start is None else int(start)
 
 
 def _decoder_start(model, path) -> int:

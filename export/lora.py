@@ -28,20 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from refit.core.contract import lora_config
 from refit.core.errors import RefitError
 from refit.core.manifest import Lora, LoraTarget, lora_inputs
 
 RANK_DIM = "lora_rank"  # the dynamic dimension of every adapter input
-
-
-def lora_config(target_modules, r: int = 1, alpha: float = 1.0, dropout: float = 0.0, init: str = "default"):
-    """A ``peft.LoraConfig`` for ``target_modules`` (``("all-linear",)`` or module names / suffixes)."""
-    from peft import LoraConfig
-
-    tm = list(target_modules)
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                      target_modules="all-linear" if tm == ["all-linear"] else tm,
-                      init_lora_weights=True if init == "default" else init, bias="none")
 
 
 def resolve_targets(model: torch.nn.Module, target_modules) -> dict[str, tuple[int, int]]:

@@ -31,6 +31,7 @@ import torch
 
 from refit.export.capabilities import Capabilities, detect
 from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
+from refit.core.contract import PARITY_TOL, weights_hash
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
 from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
@@ -65,9 +66,6 @@ class ExportOptions:
     # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
     # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
     lora: tuple[str, ...] = ()
-
-
-PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
 
 
 def _kv_names(prefix: str, n_layers: int) -> list[str]:
@@ -232,11 +230,6 @@ def _placeholder_proto(model, weights: set[str]):
         t = v.const_value
         v.const_value = ir.ExternalTensor("placeholder", 0, t.nbytes, t.dtype, shape=t.shape, name=name)
     return ir.serde.serialize_model(model)
-
-
-def weights_hash(model_dir: Path) -> str:
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
-    return _sha256_files(files)
 
 
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:

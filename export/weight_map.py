@@ -39,33 +39,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from refit.core.contract import DTYPES, canonical_params  # noqa: F401 - canonical_params: this module's name too
 from refit.core.errors import RefitError
 from refit.core.manifest import WeightTarget
 
 WeightMap = dict[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engine weights}
-
-
-def canonical_params(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Unique weight tensors by canonical HF name, and ``{alias: canonical}`` for tied ones.
-
-    Weights are the parameters (trainable or frozen, e.g. Marian's sinusoidal table) plus the
-    floating-point buffers saved in the checkpoint (BART/Marian ``final_logits_bias``): the graph
-    holds them like weights, so the map must carry them or a push would leave them stale.
-    Non-persistent buffers (rotary frequencies) are recomputed from the config and stay out.
-    """
-    canon: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    seen: dict[int, str] = {}
-    saved = set(model.state_dict(keep_vars=True))
-    buffers = [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in saved and b.is_floating_point()]
-    for name, p in [*model.named_parameters(remove_duplicate=False), *buffers]:
-        key = id(p)
-        if key in seen:
-            tied[name] = seen[key]
-        else:
-            seen[key] = name
-            canon[name] = p
-    return canon, tied
 
 
 def graph_buffers(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -101,7 +79,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return byte_view(t).tobytes()
 
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # manifest dtype -> torch
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -250,6 +250,7 @@ class ExportConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from refit.core.checkpoint import model_info
+
     a, _ = parse(ExportConfig, argv, "refit export")
     if not a.out:
         raise RefitError("give the engine folder to write: -o OUT_DIR")

@@ -236,7 +236,7 @@ def test_learner_probe_after_push_into_fp16_engine(exports, model_dirs, prompts,
     """The learner's probe with an fp16 engine: compared with its fp32 model's weights rounded to fp16, at
     least the fp16 gate's tolerance; a push that took passes, an engine left stale fails in one line."""
     from refit.core.checkpoint import load_model
-    from refit.learner.run.engines import engine_dtype, probe_check, push_weights
+    from refit.learner.run.sync import engine_dtype, probe_check, push_weights
     from refit.rollout.ort_backend import OrtEngine
     from refit.rollout.torch_backend import TorchEngine
     from refit.rollout.types import SamplingParams

@@ -89,6 +89,39 @@ def test_no_import_points_up_a_floor():
         assert graph[shim] == {target}, (shim, graph[shim])
 
 
+# The learner talks to engines through the rollout protocol and shares the contract through refit.core: the one
+# module still reaching into export/ is the int8 reference (export/quantize.py's reference_model and rounding_floor,
+# the learner-side twin of an int8 engine), not yet moved beside the contract.
+LEARNER_TO_EXPORT = {"refit.learner.run.sync -> refit.export.quantize"}
+
+# internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers
+INSIDE_FUNCTIONS_AT_MOST = 202
+
+
+def test_the_learner_imports_nothing_from_export():
+    graph = _graph()
+    arrows = {f"{a} -> {b}" for a, deps in graph.items() if a.startswith("refit.learner.")
+              for b in deps if b.startswith("refit.export")}
+    assert arrows == LEARNER_TO_EXPORT, f"the learner reaches into export/: {sorted(arrows - LEARNER_TO_EXPORT)}"
+
+
+def test_imports_inside_functions_are_counted():
+    """A module's header shows what it depends on: internal imports inside functions are reported (the face's lazy
+    names and the front door's commands are lazy by design) and may only shrink."""
+    inside, total = [], 0
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("refit") or (
+                    isinstance(node, ast.Import) and any(a.name.startswith("refit") for a in node.names)):
+                total += 1
+                if id(node) not in top and not module.startswith("refit.cli") and module != "refit":
+                    inside.append(f"{module}:{node.lineno}")
+    print(f"{len(inside)} of {total} internal imports inside functions")
+    assert len(inside) <= INSIDE_FUNCTIONS_AT_MOST, f"{len(inside)} internal imports inside functions: {inside[:20]}"
+
+
 def test_no_importlib_strings_outside_the_face_and_the_backends():
     """A command, a backend or a helper reached by ``importlib.import_module("refit....")`` is an arrow no test
     sees: the front door (refit/cli.py) dispatches by plain imports."""

@@ -15,7 +15,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.export.onnx_export import ExportOptions
 from refit.learner.run.config import LoraSection
-from refit.learner.run.engines import int8_reference, probe_check, push_tensors
+from refit.learner.run.sync import int8_reference, probe_check, push_tensors
 from refit.learner.run.lora import AdapterOff, adapter_tensors, apply_lora
 from refit.learner.run.policy import learner_view
 from refit.rollout.build import build
@@ -163,9 +163,10 @@ def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
     from refit.rollout.build import engine_source
 
     for backend in ("tensorrt", "torch", "hf"):
-        with pytest.raises(RefitError, match="lora needs rollout.backend onnxruntime"):
+        with pytest.raises(RefitError, match="a LoRA-ready engine \\(adapter inputs\\) is built for rollout.backend "
+                                             "onnxruntime"):
             engine_source(backend, model_dirs["tiny-llama"], tmp_path / "e", 4, 64, lora=("all-linear",))
-    with pytest.raises(RefitError, match="config: lora needs rollout.backend onnxruntime"):
+    with pytest.raises(RefitError, match="config: lora needs an engine backend"):
         _cfg(model_dirs, tmp_path / "r", **{"rollout.backend": "torch"})
     with pytest.raises(RefitError, match="config: lora with scale.workers > 1 is not built"):
         _cfg(model_dirs, tmp_path / "r", **{"scale.workers": 2})

@@ -140,7 +140,7 @@ def test_staleness_bound_is_enforced(model_dirs, engine_dirs, tmp_path):
         idx, sampling = step_batch(run, 1, 0)
         batch = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
         before = [p.detach().clone() for p in run.policy.parameters()]
-        for version, lag in ((run.expected_version - 2, 2), (run.expected_version + 1, -1)):
+        for version, lag in ((run.sync.version - 2, 2), (run.sync.version + 1, -1)):
             run.ahead.restore(1, replace(batch, weights_version=version))
             with pytest.raises(RefitError, match=rf"stale rollout: .* {lag} pushes behind, rollout.max_staleness "
                                                  r"allows 0 to 1"):
@@ -148,7 +148,7 @@ def test_staleness_bound_is_enforced(model_dirs, engine_dirs, tmp_path):
             run.data_position = 0
         assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))  # nothing updated
         run.cfg = replace(run.cfg, rollout=replace(run.cfg.rollout, max_staleness=2))
-        run.ahead.restore(1, replace(batch, weights_version=run.expected_version - 2))
+        run.ahead.restore(1, replace(batch, weights_version=run.sync.version - 2))
         assert train_step(run, 1, log=lambda *_: None)["mismatch/version_lag"] == 2
     finally:
         run.ahead.close()

@@ -16,7 +16,7 @@ from refit.learner.ppo.cycle import experience, run_ppo, setup, train_step
 from refit.learner.run.metrics import read_metrics
 from refit.learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
 from refit.learner.ppo.update import UpdateSettings, ppo_update, score_batch
-from refit.learner.run.engines import probe_check
+from refit.learner.run.sync import probe_check
 from refit.learner.run.policy import learner_view
 from refit.rollout.types import SamplingParams
 
@@ -189,7 +189,7 @@ def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dir
     run.engine.update_weights = corrupting(push)
     if on_rollout:
         m = train_step(run, 1, log=lambda *_: None)  # pushed, not yet checked
-        assert "probe/max_abs_logprob_diff" not in m and run.unchecked_push
+        assert "probe/max_abs_logprob_diff" not in m and run.sync.unchecked
         before = [p.detach().clone() for p in run.policy.parameters()]
     with pytest.raises(RefitError, match="parity probe failed.*" + ("first rollout" if on_rollout else "probe batch")):
         train_step(run, 2 if on_rollout else 1, log=lambda *_: None)
@@ -197,7 +197,7 @@ def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dir
         assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))  # no update from it
     run.engine.update_weights = push
     push({n: p for n, p in run.policy.named_parameters()})
-    assert probe_check(run.engine, run.policy, run.probe, 1.0, 1e-3, run.run_dir) < 1e-4
+    assert probe_check(run.engine, run.policy, run.sync.probe, 1.0, 1e-3, run.run_dir) < 1e-4
 
 
 def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):

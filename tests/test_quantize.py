@@ -161,7 +161,7 @@ def test_kl_is_zero_at_step_zero_with_int8_policy_engine(int8_dirs, model_dirs, 
     cfg = _ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", batch_size=8, ref_backend=ref_backend)
     assert cfg.correction == "tis"
     run = setup(cfg, resume=False, log=lambda *_: None)
-    assert run.engine.manifest.quantization is not None and run.engine_manifest is not None
+    assert run.engine.manifest.quantization is not None and run.sync.contract.int8_manifest is not None
     if ref_backend == "auto":
         assert run.ref_engine is None  # PyTorch
     else:
@@ -198,7 +198,7 @@ def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, promp
     the push fails the probe; once pushed, it passes (against the learner quantized as the engine is)."""
     from refit.core.checkpoint import load_model
     from refit.export.weight_map import canonical_params
-    from refit.learner.run.engines import probe_check
+    from refit.learner.run.sync import probe_check
 
     m = Manifest.read(int8_dirs["tiny-gpt2"])
     eng = OrtEngine(int8_dirs["tiny-gpt2"])

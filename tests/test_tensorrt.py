@@ -352,6 +352,32 @@ def test_refit_changes_output_and_restores_it(trt_env, model_dirs, arch):
     trt_eng.close()
 
 
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_lora_policy_refits_its_merged_layers(trt_env, model_dirs, arch, tmp_path):
+    """A LoRA run on TensorRT pushes ``W + s B A`` of the targeted layers (a partial refit, the rest of the plans
+    untouched; refit.learner.run.sync.push_tensors): the engine then scores as PEFT's model does, the probe
+    passes, and it caught the stale engine before the push."""
+    from refit.core.checkpoint import load_model
+    from refit.learner.run.config import LoraSection
+    from refit.learner.run.sync import probe_check, push_tensors
+    from refit.learner.run.lora import apply_lora
+
+    model = apply_lora(load_model(model_dirs[arch]), LoraSection(r=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    trt_eng = trt_env.folders.open(trt_env.dirs[arch])
+    probe = trt_eng.generate(PROMPTS, GREEDY)
+    with pytest.raises(RefitError, match="parity probe failed"):
+        probe_check(trt_eng, model, probe, 1.0, trt_env.atol, tmp_path)
+    pushed = push_tensors(model, trt_eng)
+    assert pushed and all(n.endswith(".weight") and "lora" not in n for n in pushed)
+    trt_eng.update_weights(pushed)
+    assert probe_check(trt_eng, model, probe, 1.0, trt_env.atol, tmp_path) <= trt_env.atol
+    trt_eng.close()
+
+
 def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
     from refit.core.checkpoint import load_model
     from refit.export.weight_map import canonical_params

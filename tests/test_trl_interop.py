@@ -173,7 +173,7 @@ def test_kl_zero_at_step_zero_with_chat_template_and_top_p(chat_model_dir, chat_
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(8))
     run = setup(_chat_cfg(chat_model_dir, chat_engine_dir, data, tmp_path / "run", top_p=0.8), False, lambda *_: None)
     im_end = chat_tok.convert_tokens_to_ids("<|im_end|>")
-    assert run.stop_ids == (im_end,) and run.probe.stop_set() == {im_end, chat_tok.eos_token_id}
+    assert run.stop_ids == (im_end,) and run.sync.probe.stop_set() == {im_end, chat_tok.eos_token_id}
     assert run.prompt_ids[0] == encode_prompts(chat_tok, [run.prompts[0]], None, 4)[0]
     rollout = run.engine.generate(run.prompt_ids, SamplingParams(max_new_tokens=6, top_p=0.8, seed=3, n=2,
                                                                  stop_ids=run.stop_ids))

@@ -81,9 +81,9 @@ class DistillConfig:
         check([
             (self.rollout.backend == "hf", "rollout.backend 'hf' is the PPO baseline; distill runs on "
                                            "onnxruntime, torch or tensorrt engines"),
-            (self.lora.enabled and self.rollout.backend != "onnxruntime",
-             f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); the "
-             f"{self.rollout.backend} backend cannot take an adapter push (docs/lora.md)"),
+            (self.lora.enabled and self.rollout.backend in ("torch", "hf"),
+             f"lora needs an engine backend: onnxruntime (the adapter as bound inputs) or tensorrt (a refit of the "
+             f"merged targeted layers); the {self.rollout.backend} backend takes no adapter push (docs/lora.md)"),
             (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
                                                             "workers take full-model pushes only"),
             (self.rollout.max_staleness != 0, "rollout.max_staleness (generation overlapped with the update) is "

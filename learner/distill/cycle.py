@@ -54,14 +54,14 @@ from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
-from refit.learner.run.engines import (CountingEngine, engine_for_model, pick_device, probe_length, push_tensors,
-                                       push_weights)
+from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora
 from refit.learner.run.final import write_final
 from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
-from refit.rollout.engine import Engine, check_version
-from refit.rollout.types import RolloutBatch, SamplingParams
+from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
+from refit.rollout.engine import Engine
+from refit.rollout.types import SamplingParams
 
 PLOT_PANELS = {"loss": ["loss"], "held-out KL to teacher": ["eval/kl_to_teacher"], "accuracy": ["eval/accuracy"],
                "batch source, teacher passes": ["teacher/passes", "student/generated", "batch/from_teacher"],
@@ -89,8 +89,7 @@ class Run:
     prompt_side: str
     start_step: int = 0
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
-    expected_version: int = 0  # the student engine weights_version an on-policy batch must come from
-    probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
+    sync: WeightSync | None = None  # the student engine's pushes and their checks (rank 0; refit.learner.run.sync)
     stop_ids: tuple[int, ...] = ()  # the chat template's end-of-turn token(s): generation stops there too
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
@@ -117,7 +116,7 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     if draws_student(cfg, step):
         out = run.student_engine.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed,
                                                                        stop_ids=run.stop_ids))
-        check_version(out, run.expected_version)
+        run.sync.check_version(out)
         source = "student"
     elif cfg.seq_kd:
         out = run.teacher.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed,
@@ -225,14 +224,14 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         run.start_step = state["step"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         # the checkpoint's weights, under the version the engine had then
-        student_engine.update_weights(push_tensors(student), version=state.get("engine_weights_version"))
+        push_checkpoint(student_engine, student, state.get("engine_weights_version"))
         log(f"refit distill: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
             f"student engine weights_version {student_engine.weights_version})")
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
-    run.expected_version = student_engine.weights_version
-    probe_rows = prompt_ids[:min(cfg.rollout.probe_size, len(prompt_ids))]
-    run.probe = student_engine.generate(probe_rows, SamplingParams(
-        max_new_tokens=probe_length(cfg.rollout, cfg.max_new_tokens), greedy=True, stop_ids=stop_ids))
+    # the probe scores at temperature 1: the student's own distribution, as the losses see it
+    contract = Contract(temperature=1.0, probe_tol=cfg.rollout.probe_tol, label="student engine")
+    run.sync = WeightSync(student_engine, make_probe(student_engine, prompt_ids, cfg.rollout, cfg.max_new_tokens,
+                                                     stop_ids), contract, run_dir)
     return run
 
 
@@ -332,8 +331,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     stats = update(run, run.dist.share(b))  # [dist] the batch to ranks > 0 (no-op for one process)
     t3 = time.perf_counter()
     if due(step, cfg.rollout.sync_every, cfg.run.steps):
-        run.expected_version, stats["probe/max_abs_logprob_diff"] = push_weights(
-            run.student_engine, run.student, run.probe, 1.0, cfg.rollout.probe_tol, run.run_dir, "student engine")
+        stats["probe/max_abs_logprob_diff"] = run.sync.push(run.student)
     t4 = time.perf_counter()
     gen, score = run.teacher.generate_calls - g0, run.teacher.score_calls - s0
     tokens = float(b.response_mask.sum())

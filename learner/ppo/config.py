@@ -192,9 +192,9 @@ class PPOConfig:
             (self.run.steps < 1, "run.steps must be >= 1"),
             (self.scale.workers < 1, "scale.workers must be >= 1"),
             (self.scale.worker_cpus <= 0, "scale.worker_cpus must be > 0"),
-            (self.lora.enabled and self.rollout.backend != "onnxruntime",
-             f"lora needs rollout.backend onnxruntime (its engine takes the adapter as bound inputs); the "
-             f"{self.rollout.backend} backend cannot take an adapter push (docs/lora.md)"),
+            (self.lora.enabled and self.rollout.backend in ("torch", "hf"),
+             f"lora needs an engine backend: onnxruntime (the adapter as bound inputs) or tensorrt (a refit of the "
+             f"merged targeted layers); the {self.rollout.backend} backend takes no adapter push (docs/lora.md)"),
             (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
                                                             "workers take full-model pushes only"),
         ])

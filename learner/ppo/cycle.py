@@ -4,7 +4,7 @@
     -> every step: 1. generate on the engine   2. reward + learner log-probs (policy, reference)
                    3. PPO update                4. every ``sync_every`` steps push weights into the
                    engine; the next rollout's log-probs vs the learner's check it (the last push: a
-                   fixed probe batch scored on both sides); stop on disagreement
+                   fixed probe batch scored on both sides); stop on disagreement (refit.learner.run.sync)
                    5. checkpoint every ``save_steps`` steps (atomic)   6. metrics.jsonl / TensorBoard
 
 With ``rollout.max_staleness`` k >= 1 the engine generates step s+1's batch on a background thread during
@@ -28,28 +28,27 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.checkpoint import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.learner import losses as L
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.ppo.mismatch import describe, explain_negative_kl, mismatch_stats, name_mismatch
+from refit.learner.ppo.mismatch import describe, explain_negative_kl, name_mismatch
 from refit.learner.ppo.overlap import (PENDING_FILE, RolloutAhead, check_staleness, split_threads,
                                        torch_threads)
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
-from refit.learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, group_advantages,
-                                make_advantages, per_token_rewards, policy_forward, score_batch, single_pass)
+from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
+                                      policy_forward, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
-from refit.learner.run.engines import (check_parity, engine_for_model, pick_device, probe_check,
-                                       probe_learner_side, probe_length, push_tensors, push_weights)
+from refit.learner.run.engines import engine_for_model, pick_device
 from refit.learner.run.lora import AdapterOff, adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
-from refit.rollout.engine import Engine, check_version
+from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
+from refit.rollout.engine import Engine
 from refit.rollout.types import RolloutBatch, SamplingParams
 
 PLOT_PANELS = {"reward": ["reward/mean", "eval/reward/mean"], "KL to reference": ["kl/k1", "kl/k3", "kl/exact"],
@@ -72,7 +71,7 @@ class Run:
     prompts: list  # training prompts: text or chat messages (data.prompts)
     prompt_ids: list[list[int]]  # rendered (chat template) and tokenized
     reward_fn: list[NamedReward]  # (a bare callable is taken as one reward: tests, library use)
-    kl_coef: float
+    kl: KLCoef  # the KL penalty's coefficient (adaptive: changes every step), its one owner
     data: PromptSet | None = None  # the training prompts with their dataset columns
     eval_set: PromptSet | None = None  # held-out prompts with their columns (eval_split / eval_fraction)
     eval_ids: list[list[int]] = field(default_factory=list)
@@ -80,12 +79,8 @@ class Run:
     start_step: int = 0
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     tis_warned: bool = False  # the small-TIS-weights warning is given once per run
-    expected_version: int = 0  # the engine weights_version a rollout must come from
-    unchecked_push: bool = False  # a push whose parity check is the next rollout's (probe_on_rollout)
-    probe: RolloutBatch | None = None  # fixed greedy batch scored after every weight push
+    sync: WeightSync | None = None  # the engine's pushes and their checks (rank 0; refit.learner.run.sync)
     ref_engine: Engine | None = None  # the frozen reference on an engine (ref_backend onnxruntime), else None
-    engine_manifest: Manifest | None = None  # a quantized policy engine's manifest (rollout.quantize), else None
-    told: set[str] = field(default_factory=set)  # mismatch causes named once per run (int8 precision, version lag)
     ahead: RolloutAhead | None = None  # rollout.max_staleness >= 1: the next step's batch, generated in the background
     learner_threads: int | None = None  # with ``ahead``: the learner's torch threads in a step (the engine: the rest)
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
@@ -145,37 +140,36 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         (run_dir / "completions.jsonl").unlink(missing_ok=True)  # log_extra rows of an earlier run here
     run = Run(cfg=cfg, run_dir=run_dir, tok=tok, engine=engine, policy=policy, ref=ref, value_head=value_head,
               optimizer=optimizer, scheduler=scheduler, prompts=data.prompts, prompt_ids=prompt_ids,
-              reward_fn=rewards, kl_coef=cfg.kl_coef, data=data, eval_set=held, eval_ids=eval_ids,
+              reward_fn=rewards, kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon), data=data, eval_set=held, eval_ids=eval_ids,
               stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads)
     ck = None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
-        run.start_step, run.kl_coef = state["step"], state["kl_coef"]
+        run.start_step, run.kl.value = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
-            engine.update_weights(push_tensors(policy), version=state.get("engine_weights_version"))
-            # checked by the first rollout (else by no probe until a push; overlapped: on the probe batch, below)
-            run.unchecked_push = cfg.probe_on_rollout and not overlap
+            push_checkpoint(engine, policy, state.get("engine_weights_version"))
+            # checked by the first rollout (Contract.check_on_rollout; else by no probe until a push; overlapped: on
+            # the probe batch, below)
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
                 f"engine weights_version {engine.weights_version})")
     dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
     if engine is None:
         return run
-    if cfg.rollout.quantize != "none":  # the probe compares the engine with the learner quantized as the engine is
-        run.engine_manifest = Manifest.read(cfg.model.engine_dir or run_dir / "engine")
-        run.unchecked_push = False  # checked on the probe batch, not on the rollout (its fp32 log-probs differ)
-    run.expected_version = engine.weights_version
+    # an int8 engine: the probe compares it with the learner quantized as the engine is, on the probe batch, not on
+    # the rollout (its fp32 log-probs differ); overlapped: the next rollout comes from older weights than the push
+    int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
+    contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
+                        check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None)
     run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len,
                                       threads=learner_threads, policy_engine=engine)  # in the learner's thread
-    probe_rows = list(range(min(cfg.rollout.probe_size, len(prompt_ids))))
-    run.probe = engine.generate([prompt_ids[i] for i in probe_rows],
-                                SamplingParams(max_new_tokens=probe_length(cfg.rollout, cfg.response_length),
-                                               greedy=True, stop_ids=run.stop_ids))
+    probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids)
+    run.ahead = RolloutAhead(engine) if overlap else None
+    run.sync = WeightSync(engine, probe, contract, run_dir, ahead=run.ahead,
+                          unchecked=ck is not None and contract.check_on_rollout)
     if overlap:
-        run.ahead = RolloutAhead(engine)
         if ck is not None:  # the checkpoint's weights checked on the probe batch; its batch in flight taken back
-            probe_check(engine, policy, run.probe, cfg.sampling.temperature, cfg.rollout.probe_tol, run_dir,
-                        int8_manifest=run.engine_manifest)
+            run.sync.check_now(policy)
             if (ck / PENDING_FILE).is_file():
                 pending = torch.load(ck / PENDING_FILE, weights_only=False)
                 run.ahead.restore(pending["step"], pending["batch"], pending.get("pushed", []))
@@ -216,48 +210,14 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
                          hold_weights=False, prepack=False, shards=cfg.rollout.engine_shards if threads is None else 1)
 
 
-def experience(run: Run, rollout, scores: torch.Tensor,
+def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor,
                policy_out: ForwardOut | None = None) -> tuple[Experience, dict[str, float]]:
-    """Learner log-probs, KL by every estimator, mismatch figures, rewards and advantages.
-
-    ``policy_out``: the update's forward, already run (single pass); else the policy is scored here."""
-    cfg, t = run.cfg, run.cfg.sampling.temperature
-    critic = cfg.advantage_estimator == "gae"
+    """:func:`refit.learner.ppo.update.make_experience` on the run's models (the reference: its engine when it
+    scores on one, else the PyTorch reference) at the current KL coefficient."""
+    critic = run.cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
-    # one policy forward (or none: policy_out) + one reference forward
-    sc = score_batch(run.policy, run.value_head if critic else None, ref, rollout, t, policy_out=policy_out)
-    old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
-    mask = rollout.response_mask.clone()
-    stats = mismatch_stats(rollout, old_lp)
-    is_weights = None
-    if cfg.correction == "tis":
-        is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs, cfg.tis_cap) * mask
-        # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
-        stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, mask))
-    elif cfg.correction == "seq_mask":
-        drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs, mask, cfg.seq_mask_threshold)
-        mask = mask * (~drop).float()[:, None]
-        stats["mismatch/seq_masked_frac"] = float(drop.float().mean())
-    kls = {k: L.kl_estimate(old_lp, ref_lp, k) for k in ("k1", "k2", "k3")}
-    kls["exact"] = kl_exact
-    for k, v in kls.items():
-        stats[f"kl/{k}"] = float(L.masked_mean(v, rollout.response_mask))
-    stats["kl/k1_seq"] = float((kls["k1"] * rollout.response_mask).sum(-1).mean())
-    penalty = kls[cfg.kl_estimator] if cfg.kl_penalty == "reward" else torch.zeros_like(old_lp)
-    if critic:
-        rewards = per_token_rewards(scores, penalty, mask, run.kl_coef)
-        adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
-        stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
-    else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
-        rewards = per_token_rewards(scores, penalty, rollout.response_mask, run.kl_coef)
-        adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
-        returns = torch.zeros_like(adv)
-        stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
-    stats["policy/entropy"] = float(L.masked_mean(entropy, rollout.response_mask))
-    exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
-                     mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp, values=values, advantages=adv,
-                     returns=returns, is_weights=is_weights)
-    return exp, stats
+    return make_experience(run.cfg, run.policy, run.value_head if critic else None, ref, rollout, scores,
+                           run.kl.value, policy_out)
 
 
 def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
@@ -306,53 +266,11 @@ def take_rollout(run: Run, step: int, idx: list[int], sampling: SamplingParams) 
     in pushes (checked against rollout.max_staleness); then the next step's batch is started in the background."""
     cfg = run.cfg
     rollout, seconds = run.ahead.take(step) or run.ahead.generate([run.prompt_ids[i] for i in idx], sampling)
-    lag = check_staleness(rollout, run.expected_version, cfg.rollout.max_staleness)
+    lag = check_staleness(rollout, run.sync.version, cfg.rollout.max_staleness)
     if step < cfg.run.steps:  # the next step's batch, generated while this one is scored and updated on
         nidx, nsampling = step_batch(run, step + 1, run.data_position)
         run.ahead.submit(step + 1, [run.prompt_ids[i] for i in nidx], nsampling)
     return rollout, seconds, lag
-
-
-def push_overlapped(run: Run, step: int, stats: dict[str, float], timings: dict[str, float]) -> None:
-    """Overlapped (``run.ahead``): collect the push queued at an earlier step (its probe diff on this row), then,
-    when a push is due, snapshot the weights and queue the push behind the generation in flight, the probe's
-    learner half computed here (refit.learner.ppo.overlap: the protocol). The last step waits for its own push.
-
-    Timings, the learner's share: ``time/weight_push`` the snapshot, ``time/probe_learner`` the probe's learner
-    half, ``time/push_wait`` the wait for queued pushes; the engine thread's: ``time/push_engine`` (update_weights)
-    and ``time/probe_engine`` (the probe's engine half) of the pushes collected on this row."""
-    cfg = run.cfg
-    timings.update({k: 0.0 for k in ("time/weight_push", "time/probe_learner", "time/push_wait", "time/push_engine",
-                                     "time/probe_engine")})
-
-    def collect() -> None:
-        t = time.perf_counter()
-        done = run.ahead.pushed()  # a failed probe is raised here: before this row and any later checkpoint
-        timings["time/push_wait"] += time.perf_counter() - t
-        for p in done:
-            stats["probe/max_abs_logprob_diff"] = max(p.probe_diff, stats.get("probe/max_abs_logprob_diff", 0.0))
-            timings["time/push_engine"] += p.push_s
-            timings["time/probe_engine"] += p.probe_s
-
-    collect()
-    if not due(step, cfg.rollout.sync_every, cfg.run.steps):
-        return
-    t = time.perf_counter()  # a copy: the next optimizer step changes the weights in place, the push runs later
-    snapshot = {n: p.detach().clone() for n, p in push_tensors(run.policy).items()}
-    timings["time/weight_push"] = time.perf_counter() - t
-    t = time.perf_counter()
-    learner_side = probe_learner_side(run.engine, run.policy, run.probe, cfg.sampling.temperature,
-                                      run.engine_manifest)
-    timings["time/probe_learner"] = time.perf_counter() - t
-    # learner_side[2]: the model compared (the policy, or a copy of it quantized or rounded as the engine is); the
-    # engine thread reads the policy only through it, and only for an int8 engine's rounding floor (a copy)
-    check = partial(probe_check, run.engine, learner_side[2], run.probe, cfg.sampling.temperature,
-                    cfg.rollout.probe_tol, run.run_dir, int8_manifest=run.engine_manifest, learner_side=learner_side)
-    run.expected_version += 1  # the Engine protocol: a push without a version is the engine's + 1
-    run.ahead.push(snapshot, run.expected_version, check)
-    del snapshot  # the engine thread holds the only reference: freed once pushed
-    if step == cfg.run.steps:  # nothing left to overlap it with
-        collect()
 
 
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
@@ -361,25 +279,72 @@ def train_step(run: Run, step: int, log=print) -> dict[str, float]:
 
 
 def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
+    """One step in its phases: 1. the rollout  2. rewards  3. experience (the check of an unchecked push)
+    4. the PPO update  5. the weight sync (refit.learner.run.sync)  6. the mismatch named, the row."""
     cfg = run.cfg
     update_gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_033 + step)  # minibatch order, same on every rank
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
-        exp, run.kl_coef = run.dist.share((None, run.kl_coef))
+        exp, run.kl.value = run.dist.share((None, run.kl.value))
         distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                               update_settings(cfg, run.kl_coef, on_cuda(run.policy)), update_gen, ref_model=run.ref)
+                               update_settings(cfg, run.kl.value, on_cuda(run.policy)), update_gen, ref_model=run.ref)
         return {}
     timings = {}
     t0 = time.perf_counter()
     state = trainer_state(cfg, len(run.prompts), run.data_position, step)
-    idx, sampling = step_batch(run, step, run.data_position)
+    idx, sampling = step_batch(run, step, run.data_position)  # 1.
     run.data_position += cfg.run.batch_size
-    if run.ahead is None:
-        rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
-        check_version(rollout, run.expected_version)
-    else:  # time/rollout: the wait for it; time/generate: its own generation
-        rollout, timings["time/generate"], lag = take_rollout(run, step, idx, sampling)
+    rollout, lag = rollout_phase(run, step, idx, sampling, timings)
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
+    scores, reward_stats = reward_phase(run, step, rollout, idx, state)  # 2.
+    settings = update_settings(cfg, run.kl.value, on_cuda(run.policy))
+    # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
+    # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
+    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
+    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
+    exp, stats = experience(run, rollout, scores, fwd)  # 3.
+    if run.ahead is not None:
+        stats["mismatch/version_lag"] = float(lag)
+    checked = run.sync.check_rollout(rollout, stats["mismatch/max_abs_diff"])  # before any update uses it
+    if checked is not None:
+        stats["probe/max_abs_logprob_diff"] = checked
+    timings["time/score"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    exp, _ = run.dist.share((exp, run.kl.value))  # [dist] to ranks > 0 (no-op for one process)  4.
+    with adapter_dropout(run.policy):  # LoRA dropout in the update's forward only (a no-op without it)
+        upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
+                                     settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process
+    del fwd  # its autograd graph is freed by the backward; drop the logits too
+    check_finite(upd, f"loss at step {step}", run.run_dir)
+    timings["time/update"] = time.perf_counter() - t2
+    run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
+    run.sync.after_update(run.policy, due(step, cfg.rollout.sync_every, cfg.run.steps), step == cfg.run.steps,
+                          stats, timings)  # 5.
+    tell_mismatch(run, step, stats, sampling, log)  # 6.
+    tokens = float(rollout.response_mask.sum())
+    return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            **reward_stats, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl.value,
+            "response/length": tokens / rollout.num_rows, "engine/weights_version": run.sync.version,
+            "tokens_per_s": tokens / max(timings.get("time/generate") or timings["time/rollout"], 1e-9), **timings,
+            "time/step": time.perf_counter() - t0}
+
+
+def rollout_phase(run: Run, step: int, idx: list[int], sampling: SamplingParams,
+                  timings: dict[str, float]) -> tuple[RolloutBatch, int]:
+    """Step 1: this step's batch from the engine, its weights checked to be the last push's (overlapped: generated
+    ahead, its lag in pushes; ``time/generate`` its own generation); (batch, lag)."""
+    if run.ahead is not None:  # time/rollout: the wait for it
+        rollout, timings["time/generate"], lag = take_rollout(run, step, idx, sampling)
+        return rollout, lag
+    rollout = run.engine.generate([run.prompt_ids[i] for i in idx], sampling)
+    run.sync.check_version(rollout)
+    return rollout, 0
+
+
+def reward_phase(run: Run, step: int, rollout: RolloutBatch, idx: list[int],
+                 state: TrainerState) -> tuple[torch.Tensor, dict[str, float]]:
+    """Step 2: the reward functions on the decoded completions; (scores (B,), reward stats with TRL's log_metric
+    means); the log_extra columns into completions.jsonl."""
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
     data = run.data or PromptSet(run.prompts)
     prompts, completions, columns = reward_inputs(run.tok, rollout, data, rows)
@@ -387,65 +352,22 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
                                          {**columns, **run.reward_log.kwargs(state)})
     logged, extra = run.reward_log.flush()  # TRL's log_metric means and log_extra columns
     write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
-    settings = update_settings(cfg, run.kl_coef, on_cuda(run.policy))
-    # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
-    # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
-    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
-    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
-    exp, stats = experience(run, rollout, scores, fwd)
-    if run.ahead is not None:
-        stats["mismatch/version_lag"] = float(lag)
-    if run.unchecked_push:  # the first rollout after a push is its parity probe, before any update uses it
-        stats["probe/max_abs_logprob_diff"] = check_parity(
-            stats["mismatch/max_abs_diff"], cfg.rollout.probe_tol, rollout.weights_version, run.run_dir,
-            where=f"the first rollout after it, {int(rollout.response_mask.sum())} response tokens")
-        run.unchecked_push = False
-    timings["time/score"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    exp, _ = run.dist.share((exp, run.kl_coef))  # [dist] to ranks > 0 (no-op for one process)
-    with adapter_dropout(run.policy):  # LoRA dropout in the update's forward only (a no-op without it)
-        upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                     settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process
-    del fwd  # its autograd graph is freed by the backward; drop the logits too
-    check_finite(upd, f"loss at step {step}", run.run_dir)
-    timings["time/update"] = time.perf_counter() - t2
-    if cfg.adap_kl_ctrl:
-        run.kl_coef = L.adaptive_kl_update(run.kl_coef, stats["kl/k1_seq"], cfg.target, cfg.horizon, rollout.num_rows)
-    if run.ahead is not None:  # the push queued on the engine's thread (refit.learner.ppo.overlap)
-        push_overlapped(run, step, stats, timings)
-    elif due(step, cfg.rollout.sync_every, cfg.run.steps):
-        t3 = time.perf_counter()
-        # the next rollout checks it
-        if cfg.probe_on_rollout and step < cfg.run.steps and run.engine_manifest is None:
-            run.engine.update_weights(push_tensors(run.policy))
-            run.expected_version, run.unchecked_push = run.engine.weights_version, True
-        else:
-            # int8 engine: checked against the learner quantized as the engine is (refit.learner.run.engines)
-            run.expected_version, diff = push_weights(run.engine, run.policy, run.probe, cfg.sampling.temperature,
-                                                      cfg.rollout.probe_tol, run.run_dir,
-                                                      int8_manifest=run.engine_manifest)
-            stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
-        timings["time/weight_push"] = time.perf_counter() - t3
-    else:
-        timings["time/weight_push"] = 0.0
-    tokens = float(rollout.response_mask.sum())
+    return scores, {**reward_stats, **logged}
+
+
+def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
+    """Step 6: a small-TIS-weights warning, the engine/learner mismatch's cause named (the expected ones once per
+    run), a negative k1 KL explained."""
     warn_small_tis_weights(run, step, stats, sampling, log)
-    quantized = run.engine_manifest is not None
+    quantized = run.sync.contract.int8_manifest is not None
     cause = name_mismatch(stats, quantized=quantized)
     once = cause == "version_lag" or (quantized and cause == "precision")  # expected every step: named once
-    if cause is not None and not (once and cause in run.told):
-        if once:
-            run.told.add(cause)
+    if cause is not None and (not once or run.sync.tell_once(cause)):
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
-            + (f" [correction: {cfg.correction}; told once]" if once else ""))
+            + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
     if stats["kl/k1"] < -1e-6:
         log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
                                                    quantized))
-    return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-            **reward_stats, **logged, **stats, **{f"ppo/{k}": v for k, v in upd.items()}, "kl/coef": run.kl_coef,
-            "response/length": tokens / rollout.num_rows, "engine/weights_version": run.expected_version,
-            "tokens_per_s": tokens / max(timings.get("time/generate") or timings["time/rollout"], 1e-9), **timings,
-            "time/step": time.perf_counter() - t0}
 
 
 def save(run: Run, step: int) -> Path:
@@ -454,7 +376,7 @@ def save(run: Run, step: int) -> Path:
     held = run.ahead.held() if run.ahead is not None else None
     files = ({PENDING_FILE: {"step": held[0], "batch": held[1], "pushed": [tuple(p) for p in held[2]]}}
              if held is not None else None)
-    state = {"kl_coef": run.kl_coef, "data_position": run.data_position,
+    state = {"kl_coef": run.kl.value, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
                            state, run.cfg.ckpt.keep_checkpoints, files=files)
@@ -508,11 +430,8 @@ def finish(run: Run, log=print) -> None:
     """A run that reached its last step: overlapped, the engine's queued jobs waited for, a failed push's or probe's
     one line raised (the last step of ``run.max_steps_this_run`` queues a push no step collects; closing would
     drop its error), and a push that passed its probe there logged in one line (no step's row carries it)."""
-    if run.ahead is None:
-        return
-    run.ahead.wait()
-    for p in run.ahead.pushed():
-        log(f"last weight push (version {p.version}): probe max |engine - learner log-prob| {p.probe_diff:.3g}")
+    if run.sync is not None:
+        run.sync.finish(log)
 
 
 def final(run: Run, log=print) -> None:

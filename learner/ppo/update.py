@@ -18,6 +18,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.learner import losses as L
+from refit.learner.ppo.mismatch import mismatch_stats
 from refit.learner.run.distributed import reduce_stats
 from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
 
@@ -151,6 +152,22 @@ class UpdateSettings:
     kl_estimator: str = "k3"  # the loss term's estimator: k1 | k2 | k3 | exact (exact needs ref_model)
     use_critic: bool = True  # False (rloo / grpo): no value forward, no value loss
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
+
+
+@dataclass
+class KLCoef:
+    """The KL penalty's coefficient, its one owner: ``cfg.kl_coef`` at step 0, adapted after each step with
+    ``adap_kl_ctrl`` (Ziegler et al. 2019, Sec. 2.2), saved in and restored from a checkpoint's state. The update
+    reads it through :class:`UpdateSettings`, the reward penalty through :func:`make_experience`."""
+
+    value: float
+    target: float | None = None  # adaptive: the target KL per sequence; None: the coefficient stays fixed
+    horizon: float = 10000.0  # adaptive: the horizon
+
+    def adapt(self, kl_per_sequence: float, rows: int) -> None:
+        """After a step on ``rows`` sequences whose mean summed k1 KL was ``kl_per_sequence``."""
+        if self.target is not None:
+            self.value = L.adaptive_kl_update(self.value, kl_per_sequence, self.target, self.horizon, rows)
 
 
 def single_pass(s: UpdateSettings, distributed: bool) -> bool:
@@ -313,3 +330,48 @@ def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: E
     stats = ppo_update(ctx.policy_ddp, ctx.value_ddp, optimizer, scheduler, exp, s, generator, shard=ctx,
                        ref_model=ref_model)
     return reduce_stats(ctx, stats, TOKEN_SUM_STATS, MAX_STATS)
+
+
+def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, ref, rollout, scores: torch.Tensor,
+                    kl_coef: float, policy_out: ForwardOut | None = None) -> tuple[Experience, dict[str, float]]:
+    """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
+    advantages; (experience, stats).
+
+    ``cfg``: the PPO config (temperature, estimators, correction); ``value_head``: the critic (None: rloo / grpo);
+    ``ref``: the frozen reference (an engine or a PyTorch model); ``kl_coef``: the KL penalty's coefficient now;
+    ``policy_out``: the update's forward, already run (single pass); else the policy is scored here."""
+    critic = value_head is not None
+    # one policy forward (or none: policy_out) + one reference forward
+    sc = score_batch(policy, value_head, ref, rollout, cfg.sampling.temperature, policy_out=policy_out)
+    old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
+    mask = rollout.response_mask.clone()
+    stats = mismatch_stats(rollout, old_lp)
+    is_weights = None
+    if cfg.correction == "tis":
+        is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs, cfg.tis_cap) * mask
+        # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
+        stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, mask))
+    elif cfg.correction == "seq_mask":
+        drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs, mask, cfg.seq_mask_threshold)
+        mask = mask * (~drop).float()[:, None]
+        stats["mismatch/seq_masked_frac"] = float(drop.float().mean())
+    kls = {k: L.kl_estimate(old_lp, ref_lp, k) for k in ("k1", "k2", "k3")}
+    kls["exact"] = kl_exact
+    for k, v in kls.items():
+        stats[f"kl/{k}"] = float(L.masked_mean(v, rollout.response_mask))
+    stats["kl/k1_seq"] = float((kls["k1"] * rollout.response_mask).sum(-1).mean())
+    penalty = kls[cfg.kl_estimator] if cfg.kl_penalty == "reward" else torch.zeros_like(old_lp)
+    if critic:
+        rewards = per_token_rewards(scores, penalty, mask, kl_coef)
+        adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
+    else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
+        rewards = per_token_rewards(scores, penalty, rollout.response_mask, kl_coef)
+        adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
+        returns = torch.zeros_like(adv)
+        stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
+    stats["policy/entropy"] = float(L.masked_mean(entropy, rollout.response_mask))
+    exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
+                     mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp, values=values, advantages=adv,
+                     returns=returns, is_weights=is_weights)
+    return exp, stats

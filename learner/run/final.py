@@ -22,8 +22,7 @@ import shutil
 from pathlib import Path
 
 from refit.learner.run.lora import is_lora, merged_state
-from refit.rollout.build import ENGINE_BACKENDS, build
-from refit.export.onnx_export import ExportOptions
+from refit.rollout.build import ENGINE_BACKENDS, ExportOptions, build  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
 ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (PeftModel.from_pretrained)

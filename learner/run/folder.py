@@ -35,8 +35,11 @@ import time
 import uuid
 from pathlib import Path
 
+from refit.core.contract import weights_hash
 from refit.core.errors import RefitError
-from refit.core.integrity import HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, folder_holds, hold_folder
+from refit.core.integrity import (HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, folder_holds, folder_names,
+                                  hold_folder)
+from refit.rollout.build import guard_engine  # the engine folder's guard, through its one entry point
 
 RUN_RECORD = "run.json"
 # fields a resumed run may change (applied and logged); any other change is refused
@@ -77,8 +80,6 @@ def model_dirs(cfg) -> dict[str, str]:
 
 
 def model_hashes(cfg) -> dict[str, str]:
-    from refit.export.onnx_export import weights_hash
-
     return {k: weights_hash(Path(v)) for k, v in model_dirs(cfg).items() if Path(v).is_dir()}
 
 
@@ -192,14 +193,36 @@ def _has_rows(run_dir: Path) -> bool:
     return f.is_file() and f.stat().st_size > 0
 
 
+def _own_names(run_dir: Path, cfg) -> set[str]:
+    """Names in ``run_dir`` that the run's own config puts there: its default engine folders, model and engine
+    folders it names inside the run folder (``refit distill``'s embedded pair in ``RUN/models``)."""
+    root, out = run_dir.resolve(), set()
+    paths = [v for k, v in config_values(cfg).items() if k.endswith("_dir") and v and k != "run.output_dir"]
+    for p in [*paths, *(e for _, e in engine_pairs(cfg))]:
+        try:
+            out.add(Path(p).resolve().relative_to(root).parts[0])
+        except (ValueError, IndexError):
+            pass
+    return out
+
+
+def _holds(run_dir: Path, cfg) -> str:
+    """:func:`folder_holds`, with a folder that holds only what the run's config puts there counted as empty."""
+    holds = folder_holds(run_dir)
+    if holds == "other":
+        if folder_names(run_dir) <= _own_names(run_dir, cfg):
+            return "empty"
+    return holds
+
+
 def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
     """Make ``run_dir`` this run's (see the module doc); returns its record. Raises before anything is written
     but the folder itself and its lock file."""
     run_dir = Path(run_dir)
-    _refuse_foreign(run_dir, folder_holds(run_dir), resume, overwrite)  # nothing created for these
+    _refuse_foreign(run_dir, _holds(run_dir, cfg), resume, overwrite)  # nothing created for these
     run_dir.mkdir(parents=True, exist_ok=True)
     hold_folder(run_dir / RUN_LOCK, f"run folder {run_dir}", log)
-    holds = folder_holds(run_dir)  # again, under the lock: another run may have written it in between
+    holds = _holds(run_dir, cfg)  # again, under the lock: another run may have written it in between
     _refuse_foreign(run_dir, holds, resume, overwrite)
     clean_stale_temps(run_dir, log, prefix=RUN_RECORD)
     clean_stale_temps(run_dir / "checkpoints", log, prefix="step_")
@@ -253,11 +276,9 @@ def engine_pairs(cfg) -> list[tuple[str, Path]]:
 
 
 def guard_engines(cfg, overwrite: bool, log=print) -> None:
-    """:func:`refit.export.guard.guard_engine` for every engine folder the job will use, then a shared lock on
+    """:func:`refit.rollout.build.guard_engine` for every engine folder the job will use, then a shared lock on
     each that exists (:func:`refit.core.integrity.engine_lock`: no other process exports into it while the job
     reads it; runs that only read it share it)."""
-    from refit.export.guard import guard_engine
-
     for model_dir, engine_dir in engine_pairs(cfg):
         guard_engine(model_dir, engine_dir, overwrite, log)
         if engine_dir.is_dir():

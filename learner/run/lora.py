@@ -21,7 +21,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import lora_push_names
-from refit.export.lora import lora_config
+from refit.core.contract import lora_config
 from refit.learner.run.config import LoraSection
 
 
@@ -128,6 +128,22 @@ def merged_state(model) -> dict[str, torch.Tensor]:
             continue
         clean = key.replace(".base_layer.", ".")
         out[clean] = merged.get(clean, t)
+    return out
+
+
+@torch.no_grad()
+def merged_tensors(model) -> dict[str, torch.Tensor]:
+    """``{<module>.weight: W + scaling * B A}`` of every adapted layer by its HF name: what an engine that takes no
+    adapter inputs (TensorRT: a refit of the targeted layers, rollout/tensorrt/engine.py) is pushed on a LoRA run.
+    Fresh tensors, the size of the targeted layers; the base is left as it is."""
+    from peft.tuners.lora import LoraLayer
+
+    model = getattr(model, "module", model)
+    out = {}
+    for name, m in model.get_base_model().named_modules():
+        if isinstance(m, LoraLayer) and "default" in m.lora_A:
+            w = m.get_base_layer().weight
+            out[f"{name}.weight"] = w + m.get_delta_weight("default").to(w.dtype)
     return out
 
 

@@ -4,7 +4,7 @@
 decoder-only prompts left-padded with positions from the attention mask, then the response;
 encoder-decoder prompts as the encoder input on its native padding side (its tokenizer's: right for
 T5, BART, Marian) and the decoder fed ``[decoder_start] + response[:-1]`` (the exporter's rule,
-:func:`refit.export.capabilities.decoder_start_id`: Marian starts from the pad id). Family details
+:func:`refit.core.contract.decoder_start_id`: Marian starts from the pad id). Family details
 (final_logits_bias, scaled embeddings, position offsets) are in the HF forward, as in the engine.
 Logits are divided by the same temperature.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit.export.capabilities import decoder_start_id
+from refit.core.contract import decoder_start_id
 from refit.core.padding import position_ids_from_mask
 from refit.learner import losses as L
 
