@@ -162,6 +162,11 @@ def clean_stale_temps(folder: str | Path, log=print, prefix: str = "") -> list[P
     return removed
 
 
+def folder_names(path: str | Path) -> set[str]:
+    """The names in folder ``path``, less Refit's lock files and leftover temporary files and folders."""
+    return {p.name for p in Path(path).iterdir() if not _TEMP.match(p.name) and not _LOCK.match(p.name)}
+
+
 def folder_holds(path: str | Path) -> str:
     """What ``path`` is: "missing", "file", "empty", "engine" (manifest.json), "run" (run.json, metrics.jsonl,
     checkpoints/), "model" (config.json: an HF checkpoint) or "other"."""
@@ -170,7 +175,7 @@ def folder_holds(path: str | Path) -> str:
         return "missing"
     if not path.is_dir():
         return "file"
-    names = {p.name for p in path.iterdir() if not _TEMP.match(p.name) and not _LOCK.match(p.name)}
+    names = folder_names(path)
     if not names:
         return "empty"
     if "manifest.json" in names:

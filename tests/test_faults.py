@@ -548,6 +548,13 @@ def test_a_users_folder_is_never_written_into(capsys, tmp_path, model_dirs, monk
     monkeypatch.chdir(notes)
     one_line(*refit(capsys, *p, "-o", "."), "run folder . is the current folder", "-o runs/NAME")
     assert sorted(os.listdir(notes)) == ["todo.txt"]
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.run.folder import claim
+
+    run = tmp_path / "own"  # what the run's own config puts in its folder (refit distill's RUN/models) is not foreign
+    shutil.copytree(model_dirs[GPT2], run / "models/policy")
+    claim(run, PPOConfig.from_flat(model_dir=str(run / "models/policy"), output_dir=str(run)), resume=False,
+          overwrite=False)
 
 
 def test_a_users_engine_too_small_is_refused_never_rebuilt(capsys, tmp_path, model_dirs, default_engine_dirs,
