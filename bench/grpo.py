@@ -71,6 +71,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 
@@ -93,18 +94,18 @@ class Workload:
 
     model: str  # the HF folder both sides load
     dataset: str  # jsonl: a prompt column (chat messages) and the reward's answer column
-    prompts_per_step: int
-    num_generations: int
-    max_completion_length: int
-    temperature: float
-    learning_rate: float
+    prompts_per_step: int  # prompts per optimizer step (one generation each)
+    num_generations: int  # completions per prompt: a step has prompts_per_step x num_generations rows
+    max_completion_length: int  # new tokens per completion at most
+    temperature: float  # sampling temperature (the learner scores at it too)
+    learning_rate: float  # AdamW
     lr_scheduler: str  # constant | linear | cosine
     steps: int  # optimizer steps per run, one generation each
     beta: float  # KL coefficient (a k3 term in the loss)
-    threads: int
+    threads: int  # intra-op threads of each side's process (torch, and Refit's engine)
     device: str  # cpu | cuda
     lora_r: int  # 0: full fine-tuning
-    lora_alpha: float
+    lora_alpha: float  # the adapter's output scaled by lora_alpha / lora_r
     lora_target: str  # 'all-linear' or a comma list of module names
 
 
@@ -120,11 +121,10 @@ def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
     tok = build_chat_tokenizer()
     if geometry in GEOMETRIES and GEOMETRIES[geometry].arch not in ENCODER_DECODER:
         folder = work / f"{geometry}-chat"
-        make = lambda out: build_model(geometry, out, tokenizer=tok)  # noqa: E731
+        make = partial(build_model, geometry, tokenizer=tok)  # make(out)
     elif geometry in published:
         folder = work / f"{geometry}-{f'{layers}layers' if layers else 'full'}-chat"
-        name = published[geometry]
-        make = lambda out: build_published(name, out, n_layers=layers or None, tokenizer=tok)  # noqa: E731
+        make = partial(build_published, published[geometry], n_layers=layers or None, tokenizer=tok)
     else:
         local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
         raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
