@@ -20,8 +20,8 @@ def _first(e: BaseException) -> str:
 
 # after a full disk, how each command recovers (a command not named: "then rerun it")
 RECOVER = {
-    "ppo": "then rerun with --resume (its checkpoints before this one are intact)",
-    "distill": "then rerun with --resume (its checkpoints before this one are intact)",
+    "ppo": "then rerun (with --resume once the run has a checkpoint: those before this one are intact)",
+    "distill": "then rerun (with --resume once the run has a checkpoint: those before this one are intact)",
     "demo": "then rerun refit demo",
     "export": "then rerun the same refit export (an engine folder is renamed into place only when complete)",
     "build-model": "then rerun the same refit build-model (the model folder is renamed into place only when complete)",

@@ -729,7 +729,8 @@ def test_disk_full_names_the_commands_own_way_out(capsys, monkeypatch):
     mod = types.ModuleType("refit_fault_disk")
     mod.main = lambda argv: (_ for _ in ()).throw(raised["e"])
     monkeypatch.setitem(sys.modules, "refit_fault_disk", mod)
-    for name, words in [("ppo", "then rerun with --resume"), ("export", "then rerun the same refit export"),
+    for name, words in [("ppo", "then rerun (with --resume once the run has a checkpoint"),
+                        ("export", "then rerun the same refit export"),
                         ("build-model", "then rerun the same refit build-model")]:
         monkeypatch.setitem(cli.COMMANDS, name, (mod.main, "test"))
         raised["e"] = OSError(errno.ENOSPC, "No space left on device", "out/x")

@@ -96,8 +96,11 @@ def read_record(run_dir: Path) -> dict | None:
 
 def write_record(run_dir: Path, record: dict) -> None:
     tmp = run_dir / f".{RUN_RECORD}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, run_dir / RUN_RECORD)
+    try:
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, run_dir / RUN_RECORD)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing; a kill -9: the next claim
 
 
 def _describe(run_dir: Path, record: dict | None) -> str:
