@@ -114,27 +114,41 @@ def slug(name: str) -> str:
     return name.lower().replace(" ", "-")
 
 
-def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
-    """A decoder-only model with the chat tokenizer, built locally (random weights) unless already there: a local
-    geometry (refit.learner.examples.models) or a published one by :func:`slug` (depth ``layers``, 0: published)."""
+def _recipe(work: Path, geometry: str, layers: int):
+    """(the model's folder under ``work``, the function that builds it there)."""
     published = {slug(n): n for n, p in PUBLISHED.items() if p.decoder_start is None}
     tok = build_chat_tokenizer()
     if geometry in GEOMETRIES and GEOMETRIES[geometry].arch not in ENCODER_DECODER:
-        folder = work / f"{geometry}-chat"
-        make = partial(build_model, geometry, tokenizer=tok)  # make(out)
-    elif geometry in published:
+        return work / f"{geometry}-chat", partial(build_model, geometry, tokenizer=tok)
+    if geometry in published:
         folder = work / f"{geometry}-{f'{layers}layers' if layers else 'full'}-chat"
-        make = partial(build_published, published[geometry], n_layers=layers or None, tokenizer=tok)
-    else:
-        local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
-        raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
-                         f"{', '.join(published)}")
+        return folder, partial(build_published, published[geometry], n_layers=layers or None, tokenizer=tok)
+    local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
+    raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
+                     f"{', '.join(published)}")
+
+
+def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
+    """A decoder-only model with the chat tokenizer, built locally (random weights) unless already there: a local
+    geometry (refit.learner.examples.models) or a published one by :func:`slug` (depth ``layers``, 0: published).
+    Built in a child process, so that the bench's own process does not keep the model's memory during the runs."""
+    folder, _ = _recipe(work, geometry, layers)
     if not (folder / "config.json").exists():
         log(f"building {geometry} (random weights, chat tokenizer) in {folder}")
-        tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-        make(tmp)
-        stop_at_end_of_turn(tmp)
-        tmp.rename(folder)
+        r = subprocess.run([sys.executable, "-m", "refit.bench.grpo", str(work), geometry, str(layers)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RefitError(f"building {geometry} failed: {' | '.join(r.stderr.strip().splitlines()[-2:])}")
+    return folder
+
+
+def build_into(work: Path, geometry: str, layers: int) -> Path:
+    """Build the model of :func:`prepare_model` (written beside, then renamed into place)."""
+    folder, make = _recipe(work, geometry, layers)
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    make(tmp)
+    stop_at_end_of_turn(tmp)
+    tmp.rename(folder)
     return folder
 
 
@@ -411,3 +425,7 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
         f"{out['speedup']}x; peak RSS {ours['peak_rss_gb']} vs {theirs['peak_rss_gb']} GB; reward gap "
         f"{out['reward_gap']['gap']} (noise {out['reward_gap']['noise']})")
     return out
+
+
+if __name__ == "__main__":  # prepare_model's child: python -m refit.bench.grpo WORK GEOMETRY LAYERS
+    build_into(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
