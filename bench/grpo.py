@@ -408,6 +408,8 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
            "generation_speedup": round(theirs["generation_s"] / ours["generation_s"], 3),
            "learner_speedup": round(theirs["learner_s"] / ours["learner_s"], 3),
            "speedup_by_round": [round(t / o, 3) for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])],
+           # each round's sides ran back to back, so a change of the machine's load between rounds cancels here
+           "speedup_round_median": _median([t / o for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])]),
            "peak_rss_ratio": round(theirs["peak_rss_gb"] / ours["peak_rss_gb"], 3),
            "reward_gap": reward_gap(ours, theirs)}
     if trl_info:

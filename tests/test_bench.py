@@ -183,6 +183,7 @@ def test_bench_grpo_vs_hf_json(tmp_path):
     for name in ("refit", "refit-hf"):
         _check_side(out["sides"][name], {"rollout", "score", "update", "weight_push"})
     assert out["speedup"] > 0 and out["generation_speedup"] > 0 and out["speedup_by_round"][0] > 0
+    assert out["speedup_round_median"] == pytest.approx(out["speedup_by_round"][0], abs=1e-3)
     assert out["stops"]["refit"] == out["stops"]["trl"] and len(out["stops"]["refit"]) == 2  # EOS, <|im_end|>
     assert out["refit_export"]["peak_rss_gb"] > 0
     assert "reusing engine" in (tmp_path / "grpo-runs" / "refit-r0.log").read_text()
