@@ -556,7 +556,7 @@ def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str
                       graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                       engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()}),
         cache_key=key,
-        options=asdict(opts),
+        options={k: v for k, v in asdict(opts).items() if k != "lora" or v},  # no lora key: the old layout
         versions=_versions(),
         trace_seconds=round(export_s, 3),
         capabilities=caps,

@@ -15,6 +15,7 @@ generations (overlapped: on the engine's own thread, queued behind the generatio
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 
 import numpy as np
@@ -58,11 +59,15 @@ class AdapterSlots:
             a, b = ab[0], ab[1]
             tgt = self.lora.targets[module]
             r = a.shape[0] if a.dim() == 2 else -1
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != tgt.in_features or b.shape != (tgt.out_features, r):
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != tgt.in_features or tuple(b.shape) != (tgt.out_features, r):
                 raise RefitError(f"update_weights: adapter of {module} has lora_A {tuple(a.shape)} and lora_B "
                                  f"{tuple(b.shape)}; this engine's layer takes (r, {tgt.in_features}) and "
                                  f"({tgt.out_features}, r)")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            # numpy views (no copy for fp32 CPU tensors); numpy's single-threaded sum: torch's per-tensor OpenMP
+            # wake-ups cost more than the sums on a busy machine (rollout/sampling.py one_thread)
+            a = a.detach().to(torch.float32).cpu().numpy()
+            b = b.detach().to(torch.float32).cpu().numpy()
+            if not (math.isfinite(float(a.sum(dtype=np.float64))) and math.isfinite(float(b.sum(dtype=np.float64)))):
                 raise RefitError(f"update_weights: adapter of {module} holds NaN or inf values; not pushed")
             staged.append((module, a, b, r))
         moved = 0
@@ -74,8 +79,7 @@ class AdapterSlots:
                     self.values[g].pop(b_in, None)
                 self.rank.pop(module, None)
                 continue
-            for inp, src in ((a_in, a.detach().t()), (b_in, b.detach().t())):  # A^T (K, r), (s B)^T (r, N)
-                src = src.to(torch.float32 if self.dtype == np.float32 else torch.float16).cpu().numpy()
+            for inp, src in ((a_in, a.T), (b_in, b.T)):  # A^T (K, r), (s B)^T (r, N): views
                 buf = self.arrays.get(inp)
                 if buf is not None and buf.shape == src.shape:
                     np.copyto(buf, src)  # in place: the OrtValue over it stays bound
