@@ -130,8 +130,12 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter only
-    optimizer = torch.optim.AdamW(trainable + (list(value_head.parameters()) if critic else []),
-                                  lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    # LoRA: the adapter at lora.learning_rate (when set), the value head at optim.learning_rate
+    groups = [{"params": trainable, "lr": (cfg.lora.learning_rate or cfg.optim.learning_rate) if cfg.lora.enabled
+               else cfg.optim.learning_rate}]
+    if critic:
+        groups.append({"params": list(value_head.parameters()), "lr": cfg.optim.learning_rate})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                               num_training_steps=total)

@@ -164,6 +164,9 @@ class LoraSection:
     target_modules: tuple[str, ...] = _f(("all-linear",), "modules that get an adapter, as PEFT names them: "
                                                           "'all-linear' (every linear layer but the output head) or "
                                                           "module names / suffixes (q_proj v_proj)")
+    learning_rate: float = _f(0.0, "the adapter's AdamW learning rate (0: optim.learning_rate); LoRA wants about 10x "
+                                   "full fine-tuning's (Schulman et al., 'LoRA Without Regret', 2025), a value head "
+                                   "keeps optim.learning_rate")
     init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
                                                          "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
                                                          "to the base at step 0, so KL(0) = 0")
@@ -176,7 +179,8 @@ class LoraSection:
         check([(self.r < 0, f"lora.r = {self.r}: a rank is >= 0 (0 = full fine-tuning)"),
                (self.r > 0 and not self.target_modules, "lora.target_modules is empty: name modules or 'all-linear'"),
                (not 0.0 <= self.dropout < 1.0, f"lora.dropout = {self.dropout} is outside [0, 1)"),
-               (self.r > 0 and self.alpha <= 0, f"lora.alpha = {self.alpha} must be > 0")])
+               (self.r > 0 and self.alpha <= 0, f"lora.alpha = {self.alpha} must be > 0"),
+               (self.learning_rate < 0, f"lora.learning_rate = {self.learning_rate} must be >= 0")])
 
 
 @dataclass(frozen=True)
