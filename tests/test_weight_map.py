@@ -44,7 +44,8 @@ def test_a_weight_the_graph_uses_only_through_exp_is_refused_in_one_line(model_d
         build(model_dirs["tiny-llama"], out, opts=ExportOptions(max_batch=4, max_len=64, attention="plain"),
               log=lambda *_: None)
     assert "\n" not in str(e.value) and "stale" in str(e.value)
-    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no temporary folder left
+    # nothing written, no temporary folder left: only the engine folder's lock file (core/integrity.py engine_lock)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [f".{out.name}.lock"]
 
 
 def test_lazy_engine_weight_views_are_the_engine_weights(engine_dirs, model_dirs):
