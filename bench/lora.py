@@ -176,6 +176,7 @@ def geometry_row(a, log=print) -> dict:
     engine_dir = work / f"{_slug(a.geometry)}-engine-lora{'-int8' if a.quantize != 'none' else ''}"
     row = {"geometry": a.geometry, "params_b": round(n_params(a.geometry, None) / 1e9, 3), "quantize": a.quantize,
            "lora_r": a.r, "shape": f"{a.prompts}x{a.generations}x{a.response_length}", "threads": a.threads}
+    a = argparse.Namespace(**{**vars(a), "model_dir": str(model_dir), "engine_dir": str(engine_dir)})
     if not (model_dir / "config.json").is_file():
         log(f"[bench lora] building {a.geometry} (full depth, random weights) in {model_dir}")
         build_published(a.geometry, model_dir, n_layers=None)
