@@ -228,6 +228,7 @@ class ScaleSection:
 # the flat names of the release before sections, where they are not the field's own name
 _RENAMED = {"scale.workers": "rollout_workers", "scale.worker_cpus": "rollout_worker_cpus",
             "scale.worker_gpus": "rollout_worker_gpus"}
+NO_FLAT_NAMES = ("lora",)  # sections added after the flat release: they never had flat names
 # fields that moved to another section: old dotted path -> new one (read with a deprecation note)
 MOVED = {"rollout.temperature": "sampling.temperature"}
 
@@ -236,11 +237,12 @@ def flat_names(cls) -> dict[str, str]:
     """Old flat name -> dotted path, for every section field of ``cls`` (``learning_rate`` ->
     ``optim.learning_rate``; ``student_model_dir`` -> ``student.model_dir``: a model section other than
     ``model`` had its role as prefix; ``rollout_workers`` -> ``scale.workers``). A FLAT section's fields
-    (``top_k``) are spelled without prefix already: not old names."""
+    (``top_k``) are spelled without prefix already: not old names; nor are the fields of sections born after the
+    flat release (``lora``: its ``learning_rate`` must not take ``optim.learning_rate``'s old name)."""
     out, flat = {}, set(flat_leaves(cls).values())
     for path in leaves(cls):
         section, _, leaf = path.partition(".")
-        if leaf and path not in flat:
+        if leaf and path not in flat and section not in NO_FLAT_NAMES:
             old = _RENAMED.get(path) or (f"{section}_{leaf}" if section in ("student", "teacher") else leaf)
             out[old] = path
     out.update({old: new for old, new in MOVED.items() if new in flat or new in out.values()})
