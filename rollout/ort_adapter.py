@@ -77,6 +77,8 @@ class AdapterSlots:
                 for g in self.lora.targets[module].graphs:
                     self.values[g].pop(a_in, None)
                     self.values[g].pop(b_in, None)
+                self.arrays.pop(a_in, None)  # a later push allocates and binds afresh
+                self.arrays.pop(b_in, None)
                 self.rank.pop(module, None)
                 continue
             for inp, src in ((a_in, a.T), (b_in, b.T)):  # A^T (K, r), (s B)^T (r, N): views

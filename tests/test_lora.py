@@ -131,6 +131,8 @@ def test_stale_adapter_is_caught_by_the_probe_and_a_push_fixes_it(model_dirs, lo
     off = {n: t[:0] if n.endswith("lora_A") else t[:, :0] for n, t in adapter_tensors(other).items()}
     eng.update_weights(off)
     assert _diff(eng, AdapterOff(other), probe) < 1e-4
+    eng.update_weights(adapter_tensors(other))  # bound again after being off, at the rank it had
+    assert _diff(eng, other, probe) < 1e-4
 
 
 def test_int8_base_with_fp32_adapter(model_dirs, lora_engines, tmp_path):
