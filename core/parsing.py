@@ -133,7 +133,12 @@ def suggest(cls, name: str) -> str:
     leaf = key.rpartition(".")[2]
     joined = [key.replace(".", "_")] if key.replace(".", "_") in spelled else []  # eval.steps -> eval_steps
     same_leaf = [n for n, p in spelled.items() if p.rpartition(".")[2] == leaf]
-    near = joined or same_leaf or difflib.get_close_matches(key, list(spelled), n=1, cutoff=0.75) or [
+    by_leaf = []  # no section given: the closest leaf, the first such field in the config's order on a tie
+    if "." not in key:
+        ratio = {n: difflib.SequenceMatcher(None, leaf, n.rpartition(".")[2]).ratio() for n in spelled}
+        best = max(ratio.values(), default=0.0)
+        by_leaf = [next(n for n, r in ratio.items() if r == best)] if best >= 0.8 else []
+    near = joined or same_leaf or by_leaf or difflib.get_close_matches(key, list(spelled), n=1, cutoff=0.75) or [
         n for n in spelled if difflib.get_close_matches(leaf, [n.rpartition(".")[2]], n=1, cutoff=0.8)]
     return f"{name} (did you mean {near[0]}?)" if near else name
 
