@@ -8,7 +8,7 @@
 - :func:`decoder_start_id`: an encoder-decoder's first decoder token, the one rule the exporter, the torch
   reference and the learner share.
 - :func:`weights_hash`: the hash of a checkpoint folder's weights, the key an engine folder is matched by.
-- :func:`lora_config`: which layers carry a LoRA adapter, and how (PEFT's ``LoraConfig``): the learner's adapter and
+- :func:`lora_config`, :func:`peft_lora_model`: which layers carry a LoRA adapter, and how (PEFT's ``LoraConfig``): the learner's adapter and
   a LoRA-ready engine's adapter inputs are made from the same one.
 
 The padding rule sits beside it, in refit.core.padding.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from refit.core.errors import RefitError
 from refit.core.integrity import sha256_files
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # manifest dtype -> torch
@@ -65,6 +66,20 @@ def weights_hash(model_dir: Path) -> str:
     """sha256 over a checkpoint folder's weight files and config.json (sorted by name)."""
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
     return sha256_files(files)
+
+
+def peft_lora_model(model, target_modules, r: int = 1, alpha: float = 1.0, dropout: float = 0.0,
+                    init: str = "default"):
+    """``peft.get_peft_model(model, lora_config(...))``; PEFT's refusal (target modules that match nothing, a layer
+    it cannot adapt) as one RefitError line. The export's target resolution and the learner's policy both use it."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(target_modules, r, alpha, dropout, init))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RefitError(f"lora: target_modules {list(target_modules)} cannot be used on this model: "
+                         f"{first[:300]}") from None
 
 
 def lora_config(target_modules, r: int = 1, alpha: float = 1.0, dropout: float = 0.0, init: str = "default"):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from refit.core.contract import lora_config
+from refit.core.contract import peft_lora_model
 from refit.core.errors import RefitError
 from refit.core.manifest import Lora, LoraTarget, lora_inputs
 
@@ -38,17 +38,11 @@ RANK_DIM = "lora_rank"  # the dynamic dimension of every adapter input
 def resolve_targets(model: torch.nn.Module, target_modules) -> dict[str, tuple[int, int]]:
     """{HF module name: (in_features, out_features)} of the layers PEFT puts an adapter on for ``target_modules``;
     RefitError (one line) when they match nothing or name a layer PEFT cannot adapt."""
-    from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
     with torch.device("meta"):
         shell = type(model)._from_config(model.config)
-    try:
-        peft_model = get_peft_model(shell, lora_config(target_modules))
-    except ValueError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RefitError(f"lora: target_modules {list(target_modules)} cannot be used on this model: "
-                         f"{first[:300]}") from None
+    peft_model = peft_lora_model(shell, target_modules)
     inner = peft_model.base_model.model
     out = {name: (m.in_features, m.out_features) for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
     if not out:

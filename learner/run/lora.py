@@ -21,7 +21,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import lora_push_names
-from refit.core.contract import lora_config
+from refit.core.contract import peft_lora_model
 from refit.learner.run.config import LoraSection
 
 
@@ -29,18 +29,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
     """``model`` (the base, loaded) wrapped as a PEFT ``PeftModel`` with a fresh adapter, the base frozen. The
     adapter's random init (PEFT's ``lora_A``) is drawn from ``seed`` alone, not from the process's random state,
     so a run and its resumed or repeated twin start from the same adapter."""
-    from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            peft_model = get_peft_model(model, lora_config(lora.target_modules, lora.r, lora.alpha, lora.dropout,
-                                                           lora.init))
-    except ValueError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RefitError(f"lora: target_modules {list(lora.target_modules)} cannot be used on this model: "
-                         f"{first[:300]}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = peft_lora_model(model, lora.target_modules, lora.r, lora.alpha, lora.dropout, lora.init)
     layers = {n: m for n, m in peft_model.base_model.model.named_modules() if isinstance(m, LoraLayer)}
     too_wide = [(n, m.in_features, m.out_features) for n, m in layers.items()
                 if lora.r > min(m.in_features, m.out_features)]
@@ -113,16 +106,9 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     """The base's state dict, by its own HF names, with every adapter merged in (``W + scaling * B A``, PEFT's
     ``get_delta_weight``): what ``merge_and_unload`` would save, computed beside the model (which is left as it
     is: still a PEFT model, its base untouched). Fresh tensors for the merged layers only."""
-    from peft.tuners.lora import LoraLayer
-
-    model = getattr(model, "module", model)
-    base = model.get_base_model()
-    merged = {}
-    for name, m in base.named_modules():
-        if isinstance(m, LoraLayer) and "default" in m.lora_A:
-            w = m.get_base_layer().weight
-            merged[f"{name}.weight"] = (w + m.get_delta_weight("default").to(w.dtype)).contiguous()
+    merged = merged_tensors(model)
     out = {}
+    base = getattr(model, "module", model).get_base_model()
     for key, t in base.state_dict().items():
         if ".lora_" in key:
             continue
@@ -143,7 +129,7 @@ def merged_tensors(model) -> dict[str, torch.Tensor]:
     for name, m in model.get_base_model().named_modules():
         if isinstance(m, LoraLayer) and "default" in m.lora_A:
             w = m.get_base_layer().weight
-            out[f"{name}.weight"] = w + m.get_delta_weight("default").to(w.dtype)
+            out[f"{name}.weight"] = (w + m.get_delta_weight("default").to(w.dtype)).contiguous()
     return out
 
 
