@@ -219,7 +219,7 @@ def _cell(r: dict, stage: str, fmt) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table of :func:`geometry_row` records."""
+    """The full-depth table (docs/lora.md, between :data:`MARKS`) of :func:`geometry_row` records."""
     head = ("| model (full depth) | params | engine base | export: s, peak RSS | adapter push vs full push (probe) "
             "| GRPO + LoRA: s a step (rollout / score / update / push), peak RSS, KL(0) | full fine-tuning |\n"
             "|---|---|---|---|---|---|---|")
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss_cap_gb", type=float, default=20.0, help="the full fine-tuning row's anonymous-memory cap")
     p.add_argument("--work_dir", default="runs/bench-lora")
     p.add_argument("--readme", default="", help="also write the table between the lora-full-depth markers of this "
-                                                "file: every row in WORK_DIR/rows.json (each run adds or replaces "
-                                                "its geometries' rows there)")
+                                                "file (docs/lora.md holds them): every row in WORK_DIR/rows.json "
+                                                "(each run adds or replaces its geometries' rows there)")
     p.add_argument("--stage", default="", help=argparse.SUPPRESS)  # a child's one stage
     p.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--engine_dir", default="", help=argparse.SUPPRESS)
