@@ -1,5 +1,5 @@
 """The model families Refit is tested on, one tiny locally built checkpoint each, and the export half
-of the README's family table.
+of the family table (docs/families.md).
 
 The exporter does not read this list (it decides from the config and a probe what a model needs,
 :mod:`refit.export.capabilities`); tests and ``scripts/family_table.sh`` (``python -m refit.bench.families``) do, so every family is

@@ -1,4 +1,4 @@
-"""The README's family table, from real runs: ``python -m refit.bench.families [--only NAME ...] [--readme FILE]``.
+"""The family table (docs/families.md), from real runs: ``python -m refit.bench.families [--only NAME] [--readme F]``.
 
 For each family of :data:`refit.bench.export_families.FAMILIES` (GPT-2 ... Marian): build its tiny checkpoint
 (random weights, the local tokenizer), export it through the parity gate, run the CPU-side
@@ -6,12 +6,12 @@ TensorRT checks (``refit.rollout.tensorrt.check``), then two PPO steps (top-k 20
 penalty, a weight push and probe each step) and two distillation steps with the model as its own
 teacher (one on-policy and one dataset batch, the teacher engine's top-k). KL(0) is the KL of the
 first batch, taken before any update: 0 when engine and learner agree. Prints the markdown table
-(and, with ``--readme``, replaces the table between the README's ``families`` markers); the last
-stdout line is one JSON document with every record, as the benchmarks do.
+(and, with ``--readme docs/families.md``, replaces the table between that page's ``families`` markers); the
+last stdout line is one JSON document with every record, as the benchmarks do.
 
 ``--set real`` runs the published geometries of :mod:`refit.learner.examples.published` instead (real widths, head dims,
 vocabularies; 2 layers), one process each (:mod:`refit.bench.real`), and adds a weight-push check and the
-export's seconds and peak RSS; its table goes between the README's ``real-geometry`` markers.
+export's seconds and peak RSS; its table goes between docs/families.md's ``real-geometry`` markers.
 """
 
 from __future__ import annotations

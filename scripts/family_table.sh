@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's family table from real runs (thin wrapper over `python -m refit.bench.families`): for each
+# The model-family table (docs/families.md) from real runs (thin wrapper over `python -m refit.bench.families`): for each
 # family (GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, Phi, OPT, T5, BART, Marian) build a tiny checkpoint,
 # export it (parity gate), run refit.rollout.tensorrt.check, 2 PPO steps and 2 distillation steps; print the table.
 #
