@@ -10,7 +10,7 @@ rollout machine), costs no PyTorch model in memory, and starts from exactly the 
 parity gate checked. The held set is one copy of the model beside the sessions' own; an engine opened with
 ``hold_weights=False`` keeps none (its sessions read the files; it then takes complete pushes only), which is
 how a training job opens its engines: at real sizes that copy decides whether a PPO step fits in memory
-(README, "Published geometries").
+(docs/families.md, "Published geometries").
 
 Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_map``
 (transpose included, tied aliases folded), closes the sessions of the graphs a pushed weight
