@@ -41,16 +41,6 @@ from refit.rollout.types import SamplingParams
 NEG_INF = float("-inf")
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded from ``seed`` (nondeterministic when None)."""
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(int(seed))
-    return g
-
-
 def row_seed(seed: int, prompt: int, sample: int) -> int:
     """The seed of row (prompt, sample) of a call seeded with ``seed``: a SeedSequence hash, 63 bits."""
     return int(np.random.SeedSequence([int(seed), int(prompt), int(sample)]).generate_state(1, np.uint64)[0] >> 1)

@@ -12,9 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.rollout.sampling import (RACE_BLOCK, StepBuffers, chosen_logprobs, make_generator, one_thread, plain_logprobs,
-                              process_logits, sample, sample_step, top_k_filter, top_p_filter)
+from refit.rollout.sampling import (RACE_BLOCK, StepBuffers, chosen_logprobs, one_thread, plain_logprobs, process_logits,
+                                    sample, sample_step, top_k_filter, top_p_filter)
 from refit.rollout.types import RolloutBatch, SamplingParams
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def _logits(b=4, v=50, seed=0):

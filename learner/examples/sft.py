@@ -60,18 +60,3 @@ def sft(model, tok, pairs: list[tuple[str, str]], steps: int, batch_size: int = 
             log(f"sft step {step + 1}/{steps}: loss {loss.item():.3f}")
     model.eval()
     return losses
-
-
-@torch.no_grad()
-def greedy_accuracy(engine, tok, pairs: list[tuple[str, str]], max_new_tokens: int = 8) -> float:
-    """Exact-match accuracy of greedy generation on an engine (any backend)."""
-    from refit.rollout.types import SamplingParams
-
-    batch = engine.generate([tok(p, add_special_tokens=False).input_ids for p, _ in pairs],
-                            SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
-    stops = batch.stop_set()
-    hits = 0
-    for (p, a), ids, m in zip(pairs, batch.response_ids.tolist(), batch.response_mask.tolist()):
-        text = tok.decode([t for t, k in zip(ids, m) if k and t not in stops], skip_special_tokens=True)
-        hits += text.strip() == a
-    return hits / len(pairs)

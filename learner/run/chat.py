@@ -95,8 +95,3 @@ def completion_for(prompt: Prompt, text: str) -> Any:
     """What a reward function receives as the completion: text for a text prompt, and for a chat prompt
     ``[{"role": "assistant", "content": text}]`` (TRL GRPOTrainer's conversational convention)."""
     return [{"role": "assistant", "content": text}] if not isinstance(prompt, str) else text
-
-
-def message_text(prompt: Prompt) -> str:
-    """The prompt as plain text for logs and text-only scorers: the text, or the messages' contents joined."""
-    return prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
