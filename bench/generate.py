@@ -190,7 +190,7 @@ def matmul_gflops(shapes: list[tuple[int, int]], batch: int, threads: int, repea
     """GFLOP/s of plain ``torch.matmul`` (B, in) @ (in, out) over the decode step's weight shapes, on this
     machine, now: {intra-op threads: best of ``repeats`` passes}, for 1 and ``threads`` threads. The best
     pass and the better thread count are the closest to what the cores can do: on 2 shared cores a
-    second OpenMP thread is often descheduled (measured 5 GFLOP/s with 2 threads vs 21 with 1 under load)."""
+    second OpenMP thread is often descheduled under load."""
     gen = torch.Generator().manual_seed(0)
     pairs = [(torch.randn(batch, i, generator=gen), torch.randn(i, o, generator=gen)) for i, o in set(shapes)]
     count = {s: shapes.count(s) for s in set(shapes)}

@@ -153,7 +153,7 @@ def overlapped_block(run, step, name: str) -> dict:
     The first step of a round takes the batch generated at the end of the previous round, ready before the round
     began (its wait is 0 whatever the generation costs), so only a later step is a steady-state iteration: it
     waits for the batch generated during the step before it, as every step of a real run does. (Interleaving
-    single steps, as before 2026-12-04, let each batch be generated during the other runs' steps: the overlapped
+    single steps, as the bench once did, let each batch be generated during the other runs' steps: the overlapped
     iteration then read as the learner's phases alone, however long the generation.)"""
     for _ in range(BLOCK):
         row = step(name)

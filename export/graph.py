@@ -40,9 +40,8 @@ def session_options(threads: int | None = None, opt_level: str = "all", prepack:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     # No busy-waiting workers between runs: the engine shares its cores with the sampling step,
-    # the PyTorch learner and, on a shared box, other jobs. Measured 2026-12-02, GPT-2 small,
-    # batch 32, 32 tokens, interleaved: spinning was 8% faster on an idle 2-core box and 25%
-    # slower with one busy neighbour process.
+    # the PyTorch learner and, on a shared box, other jobs: spinning gains a little on an idle box
+    # and loses far more beside one busy neighbour process (docs/performance.md).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepack:
         so.add_session_config_entry("session.disable_prepacking", "1")
@@ -58,10 +57,9 @@ def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse (no mmap per large block, no trimming); once per process.
 
     Opening a session makes ONNX Runtime copy every initializer and pre-pack the MatMul weights
-    into fresh allocations (~1 GB for GPT-2 small). With glibc's defaults each such block is a
-    new mmap, page-faulted in at ~1.5 us per 4 KB page: 60-70% of the session open, which every
-    weight push pays (0.55 s -> 0.19 s per open, 0 page faults after the first, measured
-    2026-12-02 on this repo's dev box). The freed blocks of the previous session are reused
+    into fresh allocations (about the model's size again). With glibc's defaults each such block is a
+    new mmap, page-faulted in page by page: most of the session open, which every weight push pays.
+    The freed blocks of the previous session are reused
     instead. Process-wide: the resident size stays at its peak rather than shrinking after a
     push. Returns False (nothing changed) where the C library is not glibc.
     """

@@ -37,9 +37,8 @@ def distinct_rows(cids: np.ndarray, n: np.ndarray) -> tuple[np.ndarray | None, n
     """Compact prompts (B, T) and lengths (B,) -> (the first row of each distinct prompt (k,), each row's index
     into those (B,)), or (None, None) when rows repeat prompts fewer than :data:`DEDUP_MIN` times on average.
 
-    Measured 2026-12-04 (small-gpt2, 16 prompts x 8 samples x 32 tokens, 1 thread, interleaved, load 5.6 on 2
-    cores): the prefill of the (128, 32) batch took 270 ms row by row, 45 ms with the 16 distinct prompts run
-    once and their K/V (4 layers x K, V; 128 rows x 32 positions) copied. A row's logits and K/V do not
+    Running each distinct prompt once and copying its K/V to the rows that share it makes a group-sampled
+    prefill several times cheaper (docs/performance.md). A row's logits and K/V do not
     depend on the other rows of a run (tested: the same tokens and log-probs either way).
     """
     if len(n) < 2 * DEDUP_MIN - 1:
@@ -113,8 +112,8 @@ class _FusedSteps:
         out = _run_fused(self.sess, self._host(ids, valid, keep), self.kv.values, self._bound())
         self.n = self.n + valid.astype(np.int32)
         bad = keep >= valid[:, None]  # (B, K) positions the op leaves unspecified
-        if bad.any():  # numpy, in place on ORT's output: torch's masked_fill_ ran on 2 OpenMP threads, ~5 ms
-            out[bad] = 0  # a step at 128 rows on shared cores (measured 2026-12-04)
+        if bad.any():  # numpy, in place on ORT's output: torch's masked_fill_ ran on 2 OpenMP threads, slow
+            out[bad] = 0  # on shared cores
         return torch.from_numpy(out).float()  # (B, K, V), from the engine dtype (fp32: ORT's output itself)
 
     def _step_binding(self) -> StepBinding:

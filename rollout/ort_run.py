@@ -89,8 +89,8 @@ class StepBinding:
     inputs ``consts`` (encoder mask), ``logits_index`` (0) and a preallocated logits output are bound once;
     the per-step inputs are arrays bound once as OrtValues over their memory and rewritten in place by
     :meth:`run` (ORT reads them at each run, as it does the KV buffers). A fresh binding per step (6 host
-    inputs, 16 KV bindings, ``get_outputs``) plus ``step_inputs`` made a decode step's host work, ``extend``
-    minus ORT's run, 0.22-0.26 ms; now 0.03-0.05 ms (measured 2026-12-04, small-gpt2, 8 rows, 1 thread).
+    inputs, 16 KV bindings, ``get_outputs``) plus ``step_inputs`` made a decode step's host work several times
+    what it is now.
     """
 
     def __init__(self, sess, kv: KVBuffers, bound: dict, consts: dict[str, np.ndarray] | None = None,

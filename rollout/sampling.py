@@ -11,19 +11,19 @@ Sampling is an exponential race (argmax of ``log p - log E``, ``E ~ Exp(1)``, as
 ``multinomial_sample_one_no_sync``) run in two levels over blocks of ``RACE_BLOCK`` tokens:
 first a block, weighted by its probability mass, then a token inside it. That draws exactly
 from softmax, with B * (V / 256 + 256) draws per step (~14k at 32 x 50257) instead of B * V
-(1.6M, 30 ms on this repo's CPU, measured 2026-12-02). A fixed number of draws per step,
+(1.6M). A fixed number of draws per step,
 whatever the row state, keeps the random stream row-state free. A race, unlike an inverse CDF,
 keeps the same seed on the same tokens across backends whose logits differ by ~1e-6: a token's
 key depends on its own score (and its block's mass), not on the running sum of every token
-before it (measured on GPT-2 small, ORT vs PyTorch, 32 rows x 32 tokens at T=0.7/top_p=0.9:
-an inverse CDF put 2 rows on other tokens, 0.2% per row-step; the race none).
+before it (an inverse CDF moved rows onto other tokens between ONNX Runtime and PyTorch logits; the
+race did not).
 
 Per step on (B, V) the untruncated path reads the logits twice (max, then exp into a reused
 buffer) and sums the blocks: the plain log-partition is the sum of the block masses, so no
 log_softmax is materialised and the token's processed and plain log-probs are one number.
 Top-k/top-p add their filters and one log_softmax of the filtered scores. With :class:`RowStreams` the
-float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at (8, 384) a
-step is ~25 tiny ops, where torch's ~10 us of dispatch each outweighed the arithmetic (2026-12-04).
+float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at small shapes a
+step is ~25 tiny ops, where torch's per-op dispatch outweighs the arithmetic.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def row_seed(seed: int, prompt: int, sample: int) -> int:
 
 MT_N, MT_M = 624, 397  # MT19937: state words, twist offset
 _MT_A, _MT_UPPER, _MT_LOWER = np.uint32(0x9908B0DF), np.uint32(0x80000000), np.uint32(0x7FFFFFFF)
-PER_ROW_MAX = 24  # RowStreams of up to this many rows step one numpy MT19937 per row (~4 us a row a step)
+PER_ROW_MAX = 24  # RowStreams of up to this many rows step one numpy MT19937 per row (cheaper than the twist)
 
 
 def _mt_twist(state: np.ndarray) -> None:
@@ -102,14 +102,14 @@ class RowStreams:
     draw (``random64``), ``u = (w64 & (2^53 - 1)) * 2^-53``, ``E = -log1p(-u)`` (PyTorch 2.x's CPU kernel;
     tests/test_sampling.py checks it against ``exponential_`` itself). Beyond :data:`PER_ROW_MAX` rows all are stepped at once,
     vectorised in numpy: one twist of (rows, 624) words per 312 draws instead of one ``exponential_`` call
-    per row per step (128 rows x 128 steps: 16384 calls, 0.35 s of a 2.2 s rollout, measured 2026-12-04).
+    per row per step.
     The k-th sampled token of a row uses the k-th draws of its stream whatever the slot it sits in, the
     other rows, or the order rows arrive in (in-flight batching, rollout/decode.py). ``seed=None`` picks a
     random base seed once per call. A slot's stream is replaced when a new row takes the slot.
 
     Up to :data:`PER_ROW_MAX` rows, each row's stream is instead numpy's own ``MT19937`` bit generator set to
     the same state (the same words: tested), whose C loop beats the vectorised twist's ~40 numpy calls while
-    the rows are few (8 rows x 516 words a step: ~30-34 us against ~70-80 us, measured 2026-12-04).
+    the rows are few.
 
     ``log1p`` is numpy's vectorised one, which differs from the C library's scalar ``log1p`` (what
     ``exponential_`` calls) in the last bit for ~8% of draws; the race (:func:`_race_np`) keeps the old tokens exactly by
@@ -252,9 +252,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 class StepBuffers:
     """(B, V) scratch tensors reused by every step of one decode loop, so sampling allocates nothing.
 
-    A fresh 6-13 MB temporary per op costs its page faults every step (measured 2026-12-02 on a
-    32 x 50257 step: ~7 ms per temporary, more than the arithmetic; the allocator hands such
-    blocks back to the OS on free).
+    A fresh (B, V) temporary per op costs its page faults every step, more than the arithmetic: the
+    allocator hands such blocks back to the OS on free.
     """
 
     def __init__(self):
@@ -271,13 +270,11 @@ class StepBuffers:
 def one_thread():
     """Run the (B, V) host work on one intra-op thread, then restore the setting.
 
-    These ops are memory-bound and take ~1 ms each; on cores shared with other work a second
-    OpenMP thread is often descheduled and every parallel region waits for it (measured: the
-    same step took 3.4 ms on one thread and 21-27 ms on two, load ~2.5 on 2 cores).
+    These ops are memory-bound and short; on cores shared with other work a second OpenMP thread is often
+    descheduled and every parallel region waits for it.
 
-    Only on the main thread: torch's intra-op setting is process-wide, not per thread (measured 2026-12-04:
-    ``torch.set_num_threads(1)`` on a worker thread set the main thread's ``get_num_threads()`` to 1 and its
-    2000 x 2000 matmul to the 1-thread time), so a decode loop on another thread (a shard, the overlapped PPO
+    Only on the main thread: torch's intra-op setting is process-wide, not per thread (``torch.set_num_threads(1)``
+    on a worker thread sets the main thread's ``get_num_threads()`` to 1 and slows its matmuls), so a decode loop on another thread (a shard, the overlapped PPO
     engine's) leaves it alone and samples with the count the main thread set; before this, the overlapped
     engine's every step flipped the learner's torch threads to 1 and back.
     """
@@ -354,8 +351,7 @@ def _race_np(scores: torch.Tensor, mass: torch.Tensor, streams: RowStreams,
     magnitude < 1e3: < 1e-12 apart), far inside ``EXACT_MARGIN``; a row whose winning key at either level is
     within the margin of the runner-up is redone by the torch race (:func:`_race_keys`) on ``exponential_``'s
     own values, exactly as before, and any other row has the same winner either way. numpy's small-array ops
-    cost ~1-2 us against torch's ~10 us of dispatch each (measured 2026-12-04: sample_step at (8, 384)
-    0.49 -> 0.25 ms). The total mass stays a torch sum (its order, hence its bits, is torch's).
+    cost a fraction of torch's dispatch each. The total mass stays a torch sum (its order, hence its bits, is torch's).
     """
     b, v = scores.shape
     e = _as_numpy(streams.exponential(n_blocks + RACE_BLOCK))  # (B, n_blocks + RACE_BLOCK), one stream per row
@@ -494,7 +490,7 @@ def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         log_z = torch.from_numpy(_as_numpy(m) + _as_numpy(total.log_()).astype(np.float32))
         proc = None
     _check_finite(log_z)  # before any of this step's results leave
-    # the chosen token's score - log Z (float32), gathered in numpy: ~1 us a op against torch's ~10
+    # the chosen token's score - log Z (float32), gathered in numpy (cheaper than torch's dispatch here)
     plain = torch.from_numpy(_as_numpy(scores)[np.arange(len(ids)), _as_numpy(ids)] - _as_numpy(log_z)[:, 0])
     if params.return_topk:  # log_softmax is monotone per row: top-k of the scores, shifted by log Z
         values, top_ids = torch.topk(scores, params.return_topk, dim=-1)

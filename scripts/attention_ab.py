@@ -14,8 +14,7 @@ much cache as a model of that depth: past the last-level cache at the default si
   the first ``context`` positions of the same buffers, with their slack (``torch.set_num_threads(--threads)``);
 - ``read_only``: no attention, ``torch.sum`` of those same views: the time this CPU takes to read the bytes a
   step's attention must read, laid out as the buffers hold them (the floor for any kernel over this cache).
-  Measured 2026-12-04 (128 rows x 4 heads x 32, 4 layers, context 96): buffer 97 or 98, 1.26-1.29 ms; buffer
-  104, 2.94 ms; 192, 3.39 ms: blocks with gaps read at well under the streaming rate (docs/engine-step.md).
+  Blocks with gaps read at well under the streaming rate (figures: docs/engine-step.md, docs/performance.md).
 
 The matmul variants read the cache GroupQueryAttention wrote, and their outputs are checked against its
 output (``max_abs_diff``): the same attention, computed two ways. Timings: per variant the best of 3 rounds'

@@ -134,7 +134,7 @@ def test_bench_ppo_overlap_json(tmp_path):
 
 def test_bench_ppo_overlap_waits_for_a_slow_generation(model_dirs, engine_dirs, tmp_path, monkeypatch):
     """The overlapped iteration counts a generation longer than the learner's phases: with each background
-    generation slowed by 0.4 s, the timed step waits for it (before 2026-12-04 the bench interleaved single
+    generation slowed by 0.4 s, the timed step waits for it (the bench once interleaved single
     steps, so the generation ran during the other runs' steps and the overlapped step read as the learner alone)."""
     import time
 

@@ -26,12 +26,8 @@ from refit.learner.examples.published import PUBLISHED, build_published, n_param
 TOL = 1e-4  # the export gate's fp32 tolerance on log-probs (conftest.ATOL["onnxruntime"]["fp32"])
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
 
-# Measured 2026-12-04 (python -m refit.bench.families --set real, one process per stage, 2 cores; README
-# "Published geometries"): whole rows SmolLM2 108 s / 1.9 GB, GPT-2 small 97 s / 2.7 GB, T5-small 133 s / 1.7 GB,
-# opus-mt-en-de 148 s / 2.2 GB, BART-base 109 s / 3.3 GB, Qwen2.5 0.5B 216 s / 8.6 GB, Qwen3 0.6B 169 s / 9.7 GB,
-# Llama 3.2 1B 326 s / 15.0 GB, Phi-3 mini 316 s / 13.0 GB, Mistral 7B (push_via file) 409 s / 19.4 GB; Gemma 2 2B's
-# PPO does not fit at vocabulary 256000 (cut to 512: 196 s / 6.0 GB). CI runs the cheapest decoder-only and
-# encoder-decoder rows.
+# The rows' measured seconds and peak RSS (docs/families.md, "Published geometries") decide: CI runs the cheapest
+# decoder-only and encoder-decoder rows.
 CI = ["SmolLM2 135M", "T5-small"]
 SLOW = [n for n in PUBLISHED if n not in CI]
 

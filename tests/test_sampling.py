@@ -285,7 +285,7 @@ def test_row_tokens_do_not_depend_on_the_batch():
 
 
 def _torch_race(scores, streams):
-    """The RowStreams race as it was in torch (before 2026-12-04's numpy race): ids, row max, float64 total."""
+    """The RowStreams race as it was in torch (before the numpy race): ids, row max, float64 total."""
     import refit.rollout.sampling as S
 
     b, v = scores.shape

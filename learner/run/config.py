@@ -112,10 +112,9 @@ class RolloutSection:
     engine_shards: int = _f(1, "onnxruntime: a generate call's rows cut at prompt boundaries into this many shards, "
                                "each decoded on a thread of its own over the same sessions (engine_threads shared "
                                "out among them, at least one each; rows unchanged); the reference engine scores "
-                               "in as many row ranges. For a small model at large batches on as many free cores: "
-                               "small-gpt2 on 2 cores, 128 rows 1.74x one loop's speed, 32 rows 1.58x, 8 rows "
-                               "none; GPT-2 small (124M) none at 32 rows, slower at 8 (its matmuls split well on "
-                               "intra-op threads)")
+                               "in as many row ranges. Pays for a small model at large batches on as many free "
+                               "cores, not for a larger model, whose matmuls split well on intra-op threads "
+                               "(docs/performance.md)")
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
@@ -128,11 +127,10 @@ class RolloutSection:
         "memory", "onnxruntime: how a weight push reaches the engine. memory: the mapped weights handed to ONNX "
                   "Runtime, which copies them (fastest; the push briefly holds ~2x the model more); file: written "
                   "one tensor at a time to a scratch graph beside the engine folder, which ONNX Runtime maps (a "
-                  "write of the model per push; what lets a 7B-wide model's PPO step fit a 24 GB box)")
+                  "write of the model per push, and far less memory: docs/families.md)")
     probe_size: int = _f(4, "rows in the fixed probe batch")
     probe_tokens: int = _f(16, "response tokens per probe row (0: the full response length). The probe's learner "
-                               "forward is most of a push's cost: 8 x 192 tokens took 1.0-1.4 s of a 1.2-2.3 s push "
-                               "(bench ppo workload, 2 threads); 4 x 16 tokens still run every weight and check "
+                               "forward is most of a push's cost; a short probe still runs every weight and checks "
                                "every push")
     max_staleness: int = _f(
         0, "PPO: 0 = generate, then update (synchronous); k >= 1 = generate the next batch on a background thread "
