@@ -24,10 +24,9 @@ step's past (and the encoder's cross K/V for the whole batch) without numpy roun
 logits come back to the host, viewed as a torch tensor without a copy.
 
 Threads (docs/engine-step.md). ``threads`` is the session's intra-op count (None: the runtime's default,
-every physical core). On cores shared with other jobs one thread is faster at small-model shapes: the
-fused small-gpt2 step at 128 rows, interleaved, load 4.4-5.3 on 2 cores: 1 thread 1.97 s per call,
-2 threads 2.61 s, 2 spinning 4.22 s; a parallel node waits for a descheduled worker. The step itself is
-bounded by GroupQueryAttention reading the KV cache (~10 GB/s here), not by its 0.24 GFLOP.
+every physical core). On cores shared with other jobs one thread is faster at small-model shapes: a
+parallel node waits for a descheduled worker. The step itself is bounded by GroupQueryAttention reading the
+KV cache, not by its arithmetic (docs/engine-step.md).
 """
 
 from __future__ import annotations
@@ -196,10 +195,9 @@ class OrtEngine(LoopEngine):
     of weights left out would have to come from a copy; a partial push is refused in one line.
     ``prepack=False`` (with ``hold_weights=False``: PPO's frozen reference engine): ONNX Runtime does not pre-pack
     the matmul weights, so the sessions read them straight from the folder's files, mapped (page cache, which
-    the kernel may reclaim) rather than copied into packed buffers of their own. Measured 2026-12-04, Llama 3.2
-    1B's widths at 2 layers (384M parameters, tied vocabulary 128256), 8 rows: after generate + score the engine
-    held 2.62 GB with pre-packing and 1.64 GB (file pages) without; score() 1.27 s vs 1.53 s, generate() of 16
-    tokens 2.16 s vs 4.01 s. So it suits an engine that only scores.
+    the kernel may reclaim) rather than copied into packed buffers of their own: much less memory, scoring
+    a little slower and generation about half as fast (docs/performance.md), so it suits an engine that only
+    scores.
     ``push_via="file"`` (with ``hold_weights=False``, fp32/fp16/bf16 engines): a push writes the mapped weights,
     one tensor at a time, to a graph + data file pair in a scratch folder beside the engine folder (never into
     it) and opens the new sessions from those files, which ONNX Runtime maps. The memory route holds every
