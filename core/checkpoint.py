@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.padding import native_padding_side
+from refit.core.records import read_json
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,7 @@ def read_config(path: str | Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise RefitError(f"{path} is not an HF checkpoint: no config.json")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise RefitError(f"{cfg_file} is not valid JSON: {e}") from None
+    cfg = read_json(cfg_file, "is not valid JSON")
     if not any((path / f).exists() for f in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
         raise RefitError(f"{path} is not an HF checkpoint: no model.safetensors or pytorch_model.bin")
     return cfg

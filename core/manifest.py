@@ -1,40 +1,37 @@
 """The engine folder's manifest: the typed record every backend reads, checked, in one place.
 
-``manifest.json`` is the contract between the exporter and every backend (ONNX Runtime,
-TensorRT, the parity gate, the TensorRT checks): model geometry, special ids, the padding rule,
-the graphs and their I/O names, the HF -> engine weight map, tied aliases, the shape profiles,
-hashes, export options, library versions, the parity record and, once built, the TensorRT plans.
-:class:`Manifest` is that record. It is read (:meth:`Manifest.read`), written
-(:meth:`Manifest.write`, atomically) and converted (:meth:`Manifest.from_dict`,
-:meth:`Manifest.to_dict`) here and nowhere else; code elsewhere reads its fields.
+``manifest.json`` is the contract between the exporter and every backend (ONNX Runtime, TensorRT, the parity gate, the
+TensorRT checks): model geometry, special ids, the padding rule, the graphs and their I/O names, the HF -> engine weight
+map, tied aliases, the shape profiles, hashes, export options, library versions, the parity record and, once built, the
+TensorRT plans. :class:`Manifest` is that record. It is read (:meth:`Manifest.read`), written (:meth:`Manifest.write`,
+atomically) and converted (:meth:`Manifest.from_dict`, :meth:`Manifest.to_dict`) here and nowhere else; code elsewhere
+reads its fields.
 
-On disk the layout is unchanged (``FORMAT = "refit-engine/1"``): engine folders exported before
-this record existed load as they are, and ``to_dict()`` gives back exactly the JSON read.
+On disk the layout is unchanged (``FORMAT = "refit-engine/1"``): engine folders exported before this record existed load
+as they are, and ``to_dict()`` gives back exactly the JSON read.
 
-Unknown keys. Inside a known section (``dims``, a graph, a weight-map entry, a TensorRT plan,
-...) an unknown or missing key is an error, in one line: a misspelt or half-written manifest
-fails where it is read, not as a KeyError deep inside a backend. Unknown *top-level* sections are
-preserved deliberately in :attr:`Manifest.extra` and written back verbatim: an exporter that adds
-a section within the same format (a newer Refit, another branch's exporter) still produces a
-folder this one can run, and ``build_engines`` rewriting the manifest does not drop the section.
-No code reads ``extra``; a reader that needs a section adds a typed field for it here.
+Unknown keys. Inside a known section (``dims``, a graph, a weight-map entry, a TensorRT plan, ...) an unknown or missing
+key is an error, in one line: a misspelt or half-written manifest fails where it is read, not as a KeyError deep inside
+a backend. Unknown *top-level* sections are preserved deliberately in :attr:`Manifest.extra` and written back verbatim:
+an exporter that adds a section within the same format (a newer Refit, another branch's exporter) still produces a
+folder this one can run, and ``build_engines`` rewriting the manifest does not drop the section. No code reads
+``extra``; a reader that needs a section adds a typed field for it here.
 
-:meth:`Manifest.check` validates what the types cannot: the kind and its graphs, positive dims,
-a 1:1 weight map into existing graphs, tied aliases, every graph input covered by every shape
-profile, TensorRT plans that match the graphs and profiles. :meth:`Manifest.read` runs it.
+:meth:`Manifest.check` validates what the types cannot: the kind and its graphs, positive dims, a 1:1 weight map into
+existing graphs, tied aliases, every graph input covered by every shape profile, TensorRT plans that match the graphs
+and profiles. :meth:`Manifest.read` runs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import types
-import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from refit.core.errors import RefitError
+from refit.core.records import OMIT_IF_NONE, LayoutError, build_record, plain, read_json
 
 MANIFEST = "manifest.json"  # file name inside an engine folder
 FUSED_INPUTS = frozenset({"seqlens_k", "query_seqlens"})  # graph inputs only a fused-attention decoder has
@@ -45,7 +42,6 @@ DTYPES = ("fp32", "fp16", "bf16")
 SIDES = ("left", "right")
 TRANSFORMS = ("identity", "transpose", "affine")  # HF tensor -> the tensor the engine stores
 
-_OPTIONAL = {"omit_if_none": True}  # field metadata: a None value is left out of the JSON
 
 
 # ------------------------------------------------------------------------------- records
@@ -101,9 +97,9 @@ class WeightTarget:
     transform: str  # "identity" | "transpose" | "affine" (scale * w + shift): HF tensor -> stored tensor
     # "affine" only: the exporter folded an elementwise transform of the weight into the graph (Gemma's
     # RMSNorm stores 1 + w); a push writes scale * w + shift, computed in stored_dtype
-    scale: float | None = field(default=None, metadata=_OPTIONAL)
-    shift: float | None = field(default=None, metadata=_OPTIONAL)
-    stored_dtype: str | None = field(default=None, metadata=_OPTIONAL)  # "fp32"|"fp16"|"bf16"; None: the engine's
+    scale: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    shift: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    stored_dtype: str | None = field(default=None, metadata=OMIT_IF_NONE)  # "fp32"|"fp16"|"bf16"; None: the engine's
 
 
 @dataclass(frozen=True)
@@ -121,7 +117,7 @@ class Hashes:
     graphs_sha256: Mapping[str, str]  # {graph: sha256 of .onnx}, as in GraphSpec.sha256
     engine_weights_sha256: Mapping[str, str]  # {graph: sha256 of .onnx.data}, as in GraphSpec.weights_sha256
     # {file under tokenizer/: its sha256}: the engine's own tokenizer (absent in folders exported before it)
-    tokenizer_sha256: Mapping[str, str] | None = field(default=None, metadata=_OPTIONAL)
+    tokenizer_sha256: Mapping[str, str] | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -139,8 +135,8 @@ class Parity:
     # the engine dtype's gate (export/precision.py): the PyTorch reference's dtype (the engine's own: the
     # same rounded weights, activations rounded as PyTorch's kernels round them), and how the engine's graph
     # ran (the CPU provider as is, or a bf16 graph's CPU twin); None in folders exported before the fields
-    reference_dtype: str | None = field(default=None, metadata=_OPTIONAL)
-    engine_run: str | None = field(default=None, metadata=_OPTIONAL)
+    reference_dtype: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    engine_run: str | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -276,25 +272,25 @@ class Manifest:
     options: Mapping[str, object]  # ExportOptions as exported (asdict), kept as written: older option sets load
     versions: Mapping[str, str]  # {library: version} at export time
     trace_seconds: float  # tracing + writing the graphs, before the parity gate
-    capabilities: Capabilities | None = field(default=None, metadata=_OPTIONAL)  # the probe's findings
-    parity: Parity | None = field(default=None, metadata=_OPTIONAL)  # added once the gate passed
-    export_seconds: float | None = field(default=None, metadata=_OPTIONAL)  # whole export, gate included
+    capabilities: Capabilities | None = field(default=None, metadata=OMIT_IF_NONE)  # the probe's findings
+    parity: Parity | None = field(default=None, metadata=OMIT_IF_NONE)  # added once the gate passed
+    export_seconds: float | None = field(default=None, metadata=OMIT_IF_NONE)  # whole export, gate included
     # the exporting process's peak resident size (MB, its high-water mark by the end of the export; export/memory.py)
-    export_peak_rss_mb: int | None = field(default=None, metadata=_OPTIONAL)
-    tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=_OPTIONAL)  # {graph: plan} once built
+    export_peak_rss_mb: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=OMIT_IF_NONE)  # {graph: plan} once built
     # decoder attention (export/fused.py): "fused" = GroupQueryAttention over a preallocated KV buffer
     # (graph inputs seqlens_k/query_seqlens, compact rows); "plain" or None (folders exported before
     # the field existed) = standard ops, concatenated cache, attention_mask input
-    attention: str | None = field(default=None, metadata=_OPTIONAL)
-    attention_reason: str | None = field(default=None, metadata=_OPTIONAL)  # why this attention was chosen
+    attention: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    attention_reason: str | None = field(default=None, metadata=OMIT_IF_NONE)  # why this attention was chosen
     # {graph: {initializer: what it is}}: float initializers that no weight feeds, e.g. a rotary
     # ``inv_freq`` buffer or a folded scale; constants of the graph that training never changes
     # (export/weight_map.py decides by provenance: no HF parameter reaches them)
-    constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=_OPTIONAL)
+    constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=OMIT_IF_NONE)
     # int8 rollout engine (export/quantize.py; ExportOptions.quantize): its linear layers' int8 twins; None: fp32
-    quantization: Quantization | None = field(default=None, metadata=_OPTIONAL)
+    quantization: Quantization | None = field(default=None, metadata=OMIT_IF_NONE)
     # LoRA-ready engine (export/lora.py; ExportOptions.lora): the layers that take an adapter; None: none do
-    lora: Lora | None = field(default=None, metadata=_OPTIONAL)
+    lora: Lora | None = field(default=None, metadata=OMIT_IF_NONE)
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 
     # ---------------------------------------------------------------------- file
@@ -312,11 +308,7 @@ class Manifest:
             raise RefitError(f"engine folder {engine_dir} does not exist")
         if not f.exists():
             raise RefitError(f"{engine_dir} is not a Refit engine folder: no {MANIFEST} (run `refit export` first)")
-        try:
-            raw = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise RefitError(f"{f} is corrupt: {e}") from None
-        m = cls.from_dict(raw, where=str(f))
+        m = cls.from_dict(read_json(f, "is corrupt"), where=str(f))
         if check:
             m.check(where=str(f))
         return m
@@ -351,13 +343,13 @@ class Manifest:
         body = {k: v for k, v in raw.items() if k in known}
         extra = {k: v for k, v in raw.items() if k not in known and k != "format"}
         try:
-            return _build(cls, body, "", fixed={"extra": extra})
-        except _LayoutError as e:
+            return build_record(cls, body, "", fixed={"extra": extra})
+        except LayoutError as e:
             raise RefitError(f"{where}: {e}") from None
 
     def to_dict(self) -> dict:
         """The JSON layout: ``format`` first, the fields in order, then the preserved ``extra`` sections."""
-        out = {"format": FORMAT, **_plain(self)}
+        out = {"format": FORMAT, **plain(self)}
         del out["extra"]
         out.update(self.extra)
         return out
@@ -505,70 +497,3 @@ def _plan_problems(m: Manifest) -> list[str]:
             want = list(m.profiles.get(g, {}))
             p.append(f"{g}: TensorRT profiles {list(rec.profiles)} differ from the manifest's {want}")
     return p
-
-
-# ------------------------------------------------------------------------------- JSON <-> records
-
-class _LayoutError(ValueError):
-    """A layout problem at a dotted path inside the manifest; from_dict adds the file name."""
-
-
-def _at(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _build(cls, raw: object, path: str, fixed: dict | None = None):
-    """Record ``cls`` from its JSON object: every field present (optional ones may be absent), no other key."""
-    if not isinstance(raw, dict):
-        raise _LayoutError(f"{path}: expected an object, got {type(raw).__name__}")
-    fixed = fixed or {}
-    hints = typing.get_type_hints(cls)
-    own = [f for f in fields(cls) if f.name not in fixed]
-    unknown = sorted(set(raw) - {f.name for f in own})
-    missing = [f.name for f in own if f.name not in raw and f.default is MISSING and f.default_factory is MISSING]
-    if unknown or missing:
-        what = "; ".join(s for s in (missing and f"missing {', '.join(missing)}",
-                                     unknown and f"unknown key(s) {', '.join(unknown)}") if s)
-        raise _LayoutError(f"{path}: {what}" if path else what)
-    kw = {f.name: _value(raw[f.name], hints[f.name], _at(path, f.name)) for f in own if f.name in raw}
-    return cls(**kw, **fixed)
-
-
-def _value(v: object, hint, path: str):
-    """``v`` as ``hint`` (a record, tuple[X, ...], Mapping[str, X], X | None, int, float, str or object)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        return _value(v, next(a for a in args if a is not type(None)), path)
-    if is_dataclass(hint):
-        return _build(hint, v, path)
-    if origin is tuple:
-        if not isinstance(v, list):
-            raise _LayoutError(f"{path}: expected a list, got {type(v).__name__}")
-        return tuple(_value(x, args[0], f"{path}[{i}]") for i, x in enumerate(v))
-    if origin in (Mapping, dict):
-        if not isinstance(v, dict):
-            raise _LayoutError(f"{path}: expected an object, got {type(v).__name__}")
-        return {k: _value(x, args[1], _at(path, k)) for k, x in v.items()}
-    if hint is object:
-        return v
-    ok = {bool: lambda x: isinstance(x, bool),
-          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
-          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-          str: lambda x: isinstance(x, str)}[hint]
-    if not ok(v):
-        raise _LayoutError(f"{path}: expected {hint.__name__}, got {json.dumps(v)[:40]}")
-    return v
-
-
-def _plain(v: object):
-    """A record as its JSON value: fields in order (a None optional field left out), tuples as lists."""
-    if is_dataclass(v):
-        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)
-                if not (f.metadata.get("omit_if_none") and getattr(v, f.name) is None)}
-    if isinstance(v, tuple):
-        return [_plain(x) for x in v]
-    if isinstance(v, Mapping):
-        return {k: _plain(x) for k, x in v.items()}
-    return v
