@@ -142,10 +142,18 @@ class PPOConfig:
                                       "anyway, so the check is free), stopping before the update when they differ "
                                       "by more than rollout.probe_tol; the run's last push is checked on the fixed "
                                       "greedy probe batch; false: the probe batch after every push")
-    single_pass: bool = _f(True, "with one epoch, one minibatch, no accumulation, one process and no bf16 autocast, "
-                                 "take the old log-probs, values and entropy from the update's own forward (run "
-                                 "before any optimizer step, so they are the same numbers) instead of a separate "
-                                 "scoring forward: one policy forward per iteration saved; false: always two")
+    single_pass: bool = _f(True, "take the old log-probs from the update's own forward (run before the optimizer "
+                                 "step, so they are the same numbers) instead of a separate scoring forward, "
+                                 "where the step allows it: one epoch and one minibatch, and either no value head, "
+                                 "no KL in the reward and no seq_mask (micro-batch by micro-batch, any "
+                                 "accumulation; learner/ppo/onepass.py) or no accumulation (the whole batch in one "
+                                 "forward); false: always a separate scoring pass")
+    reference: Literal["auto", "always"] = _f(
+        "auto", "when the frozen reference is scored: auto, only when the KL is in the objective (kl_coef > 0; "
+                "TRL's GRPO at beta 0 loads no reference either, and the step then logs no kl/* figures); "
+                "always, every step (the kl/* metrics at kl_coef 0)")
+    reference_ahead: bool = _f(True, "one-pass update with an engine reference: score the next micro-batch's "
+                                     "reference on the engine's threads while the learner computes this one")
 
     from_flat = classmethod(from_flat)
 

@@ -35,6 +35,7 @@ from refit.learner.ppo.overlap import (PENDING_FILE, RolloutAhead, check_stalene
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
+from refit.learner.ppo.onepass import onepass_update, streamable
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
                                       policy_forward, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
@@ -301,27 +302,11 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     scores, reward_stats = reward_phase(run, step, rollout, idx, state)  # 2.
-    settings = update_settings(cfg, run.kl.value, on_cuda(run.policy))
-    # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
-    # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
-    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
-    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
-    exp, stats = experience(run, rollout, scores, fwd)  # 3.
-    if run.ahead is not None:
-        stats["mismatch/version_lag"] = float(lag)
-    checked = run.sync.check_rollout(rollout, stats["mismatch/max_abs_diff"])  # before any update uses it
-    if checked is not None:
-        stats["probe/max_abs_logprob_diff"] = checked
-    timings["time/score"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    exp, _ = run.dist.share((exp, run.kl.value))  # [dist] to ranks > 0 (no-op for one process)  4.
-    with adapter_dropout(run.policy):  # LoRA dropout in the update's forward only (a no-op without it)
-        upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                     settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process
-    del fwd  # its autograd graph is freed by the backward; drop the logits too
+    timings["time/reward"] = time.perf_counter() - t1
+    stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings)  # 3. and 4.
     check_finite(upd, f"loss at step {step}", run.run_dir)
-    timings["time/update"] = time.perf_counter() - t2
-    run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
+    if "kl/k1_seq" in stats:  # the reference was scored (needs_reference)
+        run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
     run.sync.after_update(run.policy, due(step, cfg.rollout.sync_every, cfg.run.steps), step == cfg.run.steps,
                           stats, timings)  # 5.
     tell_mismatch(run, step, stats, sampling, log)  # 6.
@@ -331,6 +316,47 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
             "response/length": tokens / rollout.num_rows, "engine/weights_version": run.sync.version,
             "tokens_per_s": tokens / max(timings.get("time/generate") or timings["time/rollout"], 1e-9), **timings,
             "time/step": time.perf_counter() - t0}
+
+
+def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor, lag: int,
+                update_gen: torch.Generator, timings: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Steps 3 and 4: the experience (learner log-probs, reference, advantages; the check of an unchecked push
+    before any update uses the batch) and the PPO update; (experience stats, update stats). Where the step allows
+    it (refit.learner.ppo.onepass.streamable) both come from one learner pass, micro-batch by micro-batch
+    (time/score is then 0: the scoring is inside time/update); else a scoring pass, then the update."""
+    cfg = run.cfg
+    settings = update_settings(cfg, run.kl.value, on_cuda(run.policy))
+    ref = run.ref_engine if run.ref_engine is not None else run.ref
+
+    def check(stats: dict[str, float]) -> None:  # before any update uses the batch
+        if run.ahead is not None:
+            stats["mismatch/version_lag"] = float(lag)
+        checked = run.sync.check_rollout(rollout, stats["mismatch/max_abs_diff"])
+        if checked is not None:
+            stats["probe/max_abs_logprob_diff"] = checked
+
+    t1 = time.perf_counter()
+    if streamable(cfg, settings, run.dist.enabled, run.kl.value):
+        with adapter_dropout(run.policy):  # (no-op: streamable needs LoRA dropout 0)
+            _, stats, upd = onepass_update(cfg, settings, run.policy, run.optimizer, run.scheduler, rollout, scores,
+                                           ref, run.kl.value, before_step=check)
+        timings["time/score"], timings["time/update"] = 0.0, time.perf_counter() - t1
+        return stats, upd
+    # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
+    # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
+    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
+    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
+    exp, stats = experience(run, rollout, scores, fwd)
+    check(stats)
+    timings["time/score"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    exp, _ = run.dist.share((exp, run.kl.value))  # [dist] to ranks > 0 (no-op for one process)
+    with adapter_dropout(run.policy):  # LoRA dropout in the update's forward only (a no-op without it)
+        upd = distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
+                                     settings, update_gen, ref_model=run.ref, forward=fwd)  # [dist] one process
+    del fwd  # its autograd graph is freed by the backward; drop the logits too
+    timings["time/update"] = time.perf_counter() - t2
+    return stats, upd
 
 
 def rollout_phase(run: Run, step: int, idx: list[int], sampling: SamplingParams,
@@ -369,7 +395,7 @@ def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: Sampli
     if cause is not None and (not once or run.sync.tell_once(cause)):
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
             + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
-    if stats["kl/k1"] < -1e-6:
+    if stats.get("kl/k1", 0.0) < -1e-6:
         log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
                                                    quantized))
 

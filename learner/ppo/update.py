@@ -46,8 +46,8 @@ class Scored:
     logprobs: torch.Tensor  # policy log-probs of the sampled tokens
     values: torch.Tensor  # value head
     entropy: torch.Tensor  # policy entropy per position
-    ref_logprobs: torch.Tensor  # frozen reference log-probs of the sampled tokens
-    exact_kl: torch.Tensor  # KL(pi || ref) over the full vocabulary; >= 0 by construction
+    ref_logprobs: torch.Tensor | None  # frozen reference log-probs of the sampled tokens (None: not scored)
+    exact_kl: torch.Tensor | None  # KL(pi || ref) over the full vocabulary; >= 0 by construction
 
 
 def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
@@ -71,7 +71,8 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
     field by field; the exact KL is taken from the same logits instead of two extra forwards.
     ``ref_model`` is the frozen reference as a PyTorch module, or an Engine over the reference's
     engine folder (``ref_backend: onnxruntime``): its full-vocabulary log-probs then stand in for the
-    reference logits (log_softmax of log-probs is themselves).
+    reference logits (log_softmax of log-probs is themselves); None: no reference is scored
+    (:func:`needs_reference` false), ``ref_logprobs`` and ``exact_kl`` are None.
     ``policy_out``: the policy's forward over the whole batch, already run (:func:`single_pass`: the
     update's own forward); its rows are used, detached, instead of a policy forward here.
     """
@@ -84,20 +85,36 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         else:
             pol = ForwardOut(logits=policy_out.logits[s].detach(),
                              values=None if policy_out.values is None else policy_out.values[s].detach())
-        if isinstance(ref_model, torch.nn.Module):
-            ref = response_forward(ref_model, *args).logits.to(pol.logits.device)
-        else:
-            ref = engine_ref_logprobs(ref_model, batch, s, temperature, pol.logits.shape[-1]).to(pol.logits.device)
+        ref = None if ref_model is None else reference_logits(ref_model, batch, s, temperature,
+                                                              pol.logits.shape[-1]).to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         st = L.token_stats(pol.logits, ids, ref)  # token-chunked: (b, chunk, V) temporaries only
         parts["lp"].append(st.logprobs.cpu())
         parts["v"].append(pol.values.float().cpu() if pol.values is not None else torch.zeros(ids.shape))
         parts["ent"].append(st.entropy.cpu())
-        parts["ref"].append(L.token_stats(ref, ids).logprobs.cpu())
-        parts["kl"].append(st.exact_kl.cpu())
+        if ref is not None:
+            parts["ref"].append(L.token_stats(ref, ids).logprobs.cpu())
+            parts["kl"].append(st.exact_kl.cpu())
         del ref, st
-    c = {k: torch.cat(v) for k, v in parts.items()}
+    c = {k: torch.cat(v) if v else None for k, v in parts.items()}
     return Scored(logprobs=c["lp"], values=c["v"], entropy=c["ent"], ref_logprobs=c["ref"], exact_kl=c["kl"])
+
+
+@torch.no_grad()
+def reference_logits(ref_model, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
+    """(b, Tr, V) reference logits of rows ``s`` at ``temperature``: a PyTorch reference's forward, or an engine's
+    full-vocabulary log-probs (:func:`engine_ref_logprobs`; log_softmax of log-probs is themselves)."""
+    if isinstance(ref_model, torch.nn.Module):
+        return response_forward(ref_model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
+                                batch.is_seq2seq, temperature).logits
+    return engine_ref_logprobs(ref_model, batch, s, temperature, vocab)
+
+
+def needs_reference(cfg, kl_coef: float) -> bool:
+    """Whether this step scores the frozen reference: when the KL is in the objective (``kl_coef`` > 0, the
+    current, possibly adaptive, coefficient) or ``reference: always`` (the kl/* metrics at kl_coef 0). TRL's GRPO
+    at ``beta`` 0 loads no reference either; without it the step logs no kl/* figures."""
+    return cfg.reference == "always" or kl_coef > 0
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -206,17 +223,30 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
         with ctx:
             out = response_forward(model, *args, value_head if s.use_critic else None)
     dev = out.logits.device
-    g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
-    mask = g(exp.mask)
     ref_logits = None
-    if s.kl_in_loss and s.kl_estimator == "exact":
+    if kl_term_on(s) and s.kl_estimator == "exact":
         if ref_model is None:
             raise RefitError("kl_penalty=loss with kl_estimator=exact: ppo_update needs ref_model")
         with torch.no_grad(), ctx:
             ref_logits = response_forward(ref_model, *args).logits.to(dev)
     # log-prob, entropy (and exact KL) from one token-chunked pass: the logits and their gradient are the only
     # (B, Tr, V) tensors (learner/losses/chunked.py)
-    st = L.token_stats(out.logits, g(exp.response_ids), ref_logits)
+    st = L.token_stats(out.logits, exp.response_ids[idx].to(dev), ref_logits)
+    return micro_objective(out, st, exp, idx, n_tokens, s)
+
+
+def kl_term_on(s: UpdateSettings) -> bool:
+    """The KL to the reference is a loss term: ``kl_penalty: loss`` at a coefficient > 0 (at 0 the reference is
+    not scored, :func:`needs_reference`)."""
+    return s.kl_in_loss and s.kl_coef > 0
+
+
+def micro_objective(out: ForwardOut, st: L.TokenStats, exp: Experience, idx, n_tokens, s: UpdateSettings):
+    """The loss and stats of the micro-batch of rows ``idx``, from its forward ``out`` and its token stats ``st``
+    (log-probs, entropy and, for the exact KL term, the exact KL to the reference)."""
+    dev = out.logits.device
+    g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
+    mask = g(exp.mask)
     logprobs = st.logprobs
     pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
                                    is_weights=g(exp.is_weights), num_tokens=n_tokens)
@@ -228,7 +258,7 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
                                       num_tokens=n_tokens)
         loss = loss + s.vf_coef * vf
         stats.update(vstats)
-    if s.kl_in_loss:
+    if kl_term_on(s):
         per_token = (st.exact_kl if s.kl_estimator == "exact"
                      else kl_loss_term(logprobs, g(exp.ref_logprobs), s.kl_estimator))
         kl = L.token_mean(per_token, mask, n_tokens)
@@ -338,29 +368,18 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     advantages; (experience, stats).
 
     ``cfg``: the PPO config (temperature, estimators, correction); ``value_head``: the critic (None: rloo / grpo);
-    ``ref``: the frozen reference (an engine or a PyTorch model); ``kl_coef``: the KL penalty's coefficient now;
-    ``policy_out``: the update's forward, already run (single pass); else the policy is scored here."""
+    ``ref``: the frozen reference (an engine or a PyTorch model; scored only when :func:`needs_reference`);
+    ``kl_coef``: the KL penalty's coefficient now; ``policy_out``: the update's forward, already run (single pass);
+    else the policy is scored here."""
     critic = value_head is not None
-    # one policy forward (or none: policy_out) + one reference forward
-    sc = score_batch(policy, value_head, ref, rollout, cfg.sampling.temperature, policy_out=policy_out)
-    old_lp, values, entropy, ref_lp, kl_exact = sc.logprobs, sc.values, sc.entropy, sc.ref_logprobs, sc.exact_kl
-    mask = rollout.response_mask.clone()
-    stats = mismatch_stats(rollout, old_lp)
-    is_weights = None
-    if cfg.correction == "tis":
-        is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs, cfg.tis_cap) * mask
-        # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
-        stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, mask))
-    elif cfg.correction == "seq_mask":
-        drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs, mask, cfg.seq_mask_threshold)
-        mask = mask * (~drop).float()[:, None]
-        stats["mismatch/seq_masked_frac"] = float(drop.float().mean())
-    kls = {k: L.kl_estimate(old_lp, ref_lp, k) for k in ("k1", "k2", "k3")}
-    kls["exact"] = kl_exact
-    for k, v in kls.items():
-        stats[f"kl/{k}"] = float(L.masked_mean(v, rollout.response_mask))
-    stats["kl/k1_seq"] = float((kls["k1"] * rollout.response_mask).sum(-1).mean())
-    penalty = kls[cfg.kl_estimator] if cfg.kl_penalty == "reward" else torch.zeros_like(old_lp)
+    # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
+    sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
+                     cfg.sampling.temperature, policy_out=policy_out)
+    old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
+    is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), rollout.response_mask.clone())
+    stats.update(experience_stats(cfg, rollout, old_lp, sc.entropy, ref_lp, sc.exact_kl, is_weights))
+    penalty = (kl_terms(old_lp, ref_lp, sc.exact_kl)[cfg.kl_estimator] if cfg.kl_penalty == "reward"
+               and ref_lp is not None else torch.zeros_like(old_lp))
     if critic:
         rewards = per_token_rewards(scores, penalty, mask, kl_coef)
         adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
@@ -370,8 +389,47 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
         adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
         returns = torch.zeros_like(adv)
         stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
-    stats["policy/entropy"] = float(L.masked_mean(entropy, rollout.response_mask))
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
-                     mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp, values=values, advantages=adv,
-                     returns=returns, is_weights=is_weights)
+                     mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp if ref_lp is not None else
+                     torch.zeros_like(old_lp), values=values, advantages=adv, returns=returns, is_weights=is_weights)
     return exp, stats
+
+
+def corrections(cfg, rollout, old_lp: torch.Tensor, rows: slice | torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """The mismatch correction of rows ``rows`` (old log-probs ``old_lp`` and ``mask`` are those rows'):
+    (truncated importance weights or None, the mask with seq_mask's dropped rows zeroed, stats)."""
+    stats = {}
+    is_weights = None
+    if cfg.correction == "tis":
+        is_weights = L.truncated_importance_weights(old_lp, rollout.rollout_logprobs[rows], cfg.tis_cap) * mask
+    elif cfg.correction == "seq_mask":
+        drop = L.sequence_mismatch_mask(old_lp, rollout.rollout_plain_logprobs[rows], mask, cfg.seq_mask_threshold)
+        mask = mask * (~drop).float()[:, None]
+        stats["mismatch/seq_masked_frac"] = float(drop.float().mean())
+    return is_weights, mask, stats
+
+
+def kl_terms(old_lp: torch.Tensor, ref_lp: torch.Tensor, exact: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Per-token KL(pi || ref) by every estimator (B, Tr)."""
+    kls = {k: L.kl_estimate(old_lp, ref_lp, k) for k in ("k1", "k2", "k3")}
+    if exact is not None:
+        kls["exact"] = exact
+    return kls
+
+
+def experience_stats(cfg, rollout, old_lp: torch.Tensor, entropy: torch.Tensor, ref_lp: torch.Tensor | None,
+                     exact_kl: torch.Tensor | None, is_weights: torch.Tensor | None) -> dict[str, float]:
+    """The step's learner-side figures over the whole batch: engine/learner mismatch, the TIS factor, the KL by
+    every estimator (when the reference was scored) and the policy's entropy."""
+    response = rollout.response_mask
+    stats = mismatch_stats(rollout, old_lp)
+    if is_weights is not None:  # the factor by which TIS scales the mean policy-gradient term (1 = untouched)
+        stats["mismatch/tis_grad_scale"] = float(L.masked_mean(is_weights, response))
+    if ref_lp is not None:
+        kls = kl_terms(old_lp, ref_lp, exact_kl)
+        for k, v in kls.items():
+            stats[f"kl/{k}"] = float(L.masked_mean(v, response))
+        stats["kl/k1_seq"] = float((kls["k1"] * response).sum(-1).mean())
+    stats["policy/entropy"] = float(L.masked_mean(entropy, response))
+    return stats

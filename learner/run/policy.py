@@ -80,6 +80,11 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return ForwardOut(logits=logits / temperature if temperature != 1.0 else logits, values=values)
 
 
+def vocab_size(model) -> int:
+    """Rows of the model's output layer: the V of its logits."""
+    return _unwrap(model).get_output_embeddings().weight.shape[0]
+
+
 def _keeps_logits(model) -> bool:
     """The HF causal LM takes ``logits_to_keep`` (transformers >= 4.50: every decoder-only family here)."""
     import inspect

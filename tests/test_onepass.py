@@ -1,0 +1,106 @@
+"""The one-pass update (learner/ppo/onepass.py) against the two-pass update it replaces: the same step taken from
+the same rollout (metrics, loss terms, updated weights) within fp32 summation noise, with gradient accumulation,
+with and without a reference, with the reference scored ahead on the engine's threads or inline; KL(0) = 0; and the
+rule that says when a step may run in one pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import setup, train_step, update_settings
+from refit.learner.ppo.onepass import streamable
+
+
+def _run(model_dirs, engine_dirs, tmp_path, name: str, **over):
+    base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+                output_dir=str(tmp_path / name), steps=2, batch_size=4, num_generations=2,
+                advantage_estimator="grpo", num_mini_batches=1, num_ppo_epochs=1, response_length=6, probe_size=2,
+                progress=False, tensorboard=False, plots=False, num_prompts=16, max_operand=9, learning_rate=1e-3,
+                kl_coef=0.0, kl_penalty="loss", gradient_accumulation_steps=4,
+                reward="refit.learner.examples.tasks:length_reward")  # varied rewards: a non-zero step
+    return setup(PPOConfig.from_flat(**(base | over)), resume=False, log=lambda *_: None)
+
+
+def _step(run):
+    """Step 1 of ``run``: (metrics, the policy's weights after it, policy forwards during it)."""
+    calls = []
+    hook = run.policy.register_forward_hook(lambda *_: calls.append(1))
+    m = train_step(run, 1, log=lambda *_: None)
+    hook.remove()
+    weights = [p.detach().clone() for p in run.policy.parameters()]
+    for engine in {id(e): e for e in (run.engine, run.ref_engine) if e is not None}.values():
+        engine.close()
+    return m, weights, len(calls)
+
+
+CASES = {
+    "no-reference": {},
+    "k3-loss-ahead": dict(kl_coef=0.1, kl_estimator="k3"),
+    "k3-loss-inline": dict(kl_coef=0.1, kl_estimator="k3", reference_ahead=False),
+    "exact-loss": dict(kl_coef=0.1, kl_estimator="exact"),
+    "tis-rloo": dict(advantage_estimator="rloo", mismatch_correction="tis"),
+    "torch-reference": dict(kl_coef=0.1, kl_estimator="k2", ref_backend="torch"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
+    """The same step through one pass (old log-probs from the update's forward, 4 micro-batches) and through a
+    scoring pass + the update: equal metrics and weights, GA + chunks forwards fewer, ratio exactly 1."""
+    over = CASES[case]
+    one = _run(model_dirs, engine_dirs, tmp_path, "one", **over)
+    assert streamable(one.cfg, update_settings(one.cfg, one.kl.value, False), False, one.kl.value)
+    m1, w1, n1 = _step(one)
+    m2, w2, n2 = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
+    assert n1 == n2 - 1  # two-pass: one scoring forward (8 rows, one chunk) more; both: 4 micro-batches + probe
+    assert m1["time/score"] == 0.0 and m2["time/score"] > 0.0
+    keys = ["ppo/pg_loss", "ppo/approx_kl", "ppo/clipfrac", "ppo/entropy", "policy/entropy", "reward/mean",
+            "mismatch/max_abs_diff", "mismatch/mean_abs_diff", "reward/std"]
+    if over.get("kl_coef"):
+        keys += ["kl/k1", "kl/k2", "kl/k3", "kl/exact", "ppo/kl_loss"]
+    else:  # no KL in the objective: the reference is not scored (TRL at beta 0), no kl/* figures
+        assert not any(k.startswith("kl/") and k != "kl/coef" for k in m1) and "ppo/kl_loss" not in m1
+        assert not any(k.startswith("kl/") and k != "kl/coef" for k in m2)
+    if over.get("mismatch_correction") == "tis":
+        keys += ["mismatch/tis_grad_scale", "ppo/is_weights_mean"]
+    for key in keys:
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert m1["ppo/ratio_max"] == 1.0  # the old log-probs ARE the update's (detached)
+    if over.get("kl_coef"):
+        assert abs(m1["kl/k1"]) <= 1e-6 and abs(m1["kl/exact"]) <= 1e-6  # KL(0): policy == reference at step 1
+    diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2))
+    moved = max(float((a - b).abs().max()) for a, b in zip(w1, [p.detach() for p in _run(
+        model_dirs, engine_dirs, tmp_path, "fresh", **over).policy.parameters()]))
+    assert moved > 1e-4 and diff < 1e-3 * moved  # the same (non-zero) step
+
+
+def test_reference_always_logs_kl_at_zero_coef(model_dirs, engine_dirs, tmp_path):
+    m, _, _ = _step(_run(model_dirs, engine_dirs, tmp_path, "always", reference="always"))
+    assert abs(m["kl/k1"]) <= 1e-6 and abs(m["kl/exact"]) <= 1e-6 and "ppo/kl_loss" not in m
+
+
+RULE = [  # (overrides, one pass?): each case of the module docstring
+    ({}, True),
+    (dict(gradient_accumulation_steps=1), True),
+    (dict(single_pass=False), False),
+    (dict(num_ppo_epochs=2), False),
+    (dict(num_mini_batches=2, gradient_accumulation_steps=2), False),
+    (dict(advantage_estimator="gae", num_generations=1, batch_size=8), False),
+    (dict(kl_penalty="reward", kl_coef=0.05), False),
+    (dict(kl_penalty="reward", kl_coef=0.0), True),
+    (dict(kl_penalty="loss", kl_coef=0.05), True),
+    (dict(mismatch_correction="seq_mask"), False),
+    (dict(mismatch_correction="tis"), True),
+]
+
+
+@pytest.mark.parametrize("over,expected", RULE, ids=[str(o) for o, _ in RULE])
+def test_streamable_rule(over, expected):
+    cfg = PPOConfig.from_flat(**(dict(batch_size=4, num_generations=2, advantage_estimator="grpo", num_mini_batches=1,
+                                      num_ppo_epochs=1, kl_coef=0.0, kl_penalty="loss",
+                                      gradient_accumulation_steps=4) | over))
+    s = update_settings(cfg, cfg.kl_coef, False)
+    assert streamable(cfg, s, False, cfg.kl_coef) is expected
+    assert not streamable(cfg, s, True, cfg.kl_coef)  # torchrun: never
