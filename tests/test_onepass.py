@@ -54,7 +54,7 @@ def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
     assert streamable(one.cfg, update_settings(one.cfg, one.kl.value, False), False, one.kl.value)
     m1, w1, n1 = _step(one)
     m2, w2, n2 = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
-    assert n1 == n2 - 1  # two-pass: one scoring forward (8 rows, one chunk) more; both: 4 micro-batches + probe
+    assert n1 == 4 and n2 == 5  # two-pass: one scoring forward (8 rows, one chunk) more than the 4 micro-batches
     assert m1["time/score"] == 0.0 and m2["time/score"] > 0.0
     keys = ["ppo/pg_loss", "ppo/approx_kl", "ppo/clipfrac", "ppo/entropy", "policy/entropy", "reward/mean",
             "mismatch/max_abs_diff", "mismatch/mean_abs_diff", "reward/std"]
@@ -104,3 +104,37 @@ def test_streamable_rule(over, expected):
     s = update_settings(cfg, cfg.kl_coef, False)
     assert streamable(cfg, s, False, cfg.kl_coef) is expected
     assert not streamable(cfg, s, True, cfg.kl_coef)  # torchrun: never
+
+
+def test_micro_rows_at_qwen25_05b_full_depth():
+    """Auto micro-batches at Qwen2.5-0.5B's published geometry (24 layers, hidden 896, MLP 4864, vocab 151936),
+    64 rows of 40 prompt + 64 response tokens, against the hand count of the rule's bytes per row."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from refit.learner.examples.published import published_config
+    from refit.learner.ppo.onepass import micro_rows
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(published_config("Qwen2.5 0.5B", None))
+    rollout = SimpleNamespace(num_rows=64, prompt_ids=torch.zeros(64, 40), response_ids=torch.zeros(64, 64))
+    per_row = 4 * (104 * 24 * (8 * 896 + 3 * 4864) + 3 * 64 * 151936)
+    assert per_row == 333_938_688
+    assert micro_rows(model, rollout, 1, free=64 << 30) == (4 << 30) // per_row == 12  # the 4 GiB cap
+    assert micro_rows(model, rollout, 1, free=8 << 30) == (2 << 30) // per_row == 6  # a quarter of the free memory
+    assert micro_rows(model, rollout, 16, free=64 << 30) == 4  # gradient_accumulation_steps: at least 16 micro-batches
+    assert micro_rows(model, rollout, 1, explicit=20, free=1) == 20  # an explicit value wins
+    assert micro_rows(model, rollout, 1, free=1) == 1
+
+
+def test_uneven_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path):
+    """3 rows per forward over 8 rows (3 + 3 + 2): the loss is normalised by the batch's tokens, so the step is the
+    two-pass step's."""
+    over = dict(kl_coef=0.1, kl_estimator="k3", gradient_accumulation_steps=1, micro_batch_rows=3)
+    m1, w1, n1 = _step(_run(model_dirs, engine_dirs, tmp_path, "uneven", **over))
+    m2, w2, _ = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
+    for key in ("ppo/pg_loss", "ppo/entropy", "kl/k3", "ppo/kl_loss"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert max(float((a - b).abs().max()) for a, b in zip(w1, w2)) < 1e-6
+    assert n1 == 3  # three forwards (the push is checked on the next rollout: probe_on_rollout)

@@ -24,9 +24,8 @@ from typing import Callable
 
 import torch
 
-from refit.core.errors import RefitError
 from refit.learner import losses as L
-from refit.learner.ppo.update import (TOKEN_SUM_STATS, Experience, UpdateSettings, _combine, corrections,
+from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, corrections,
                                       experience_stats, group_advantages, micro_objective, needs_reference,
                                       per_token_rewards, reference_logits)
 from refit.learner.run.policy import response_forward, vocab_size
@@ -78,18 +77,17 @@ class ReferenceAhead:
 def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout, scores: torch.Tensor, ref,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
                    ) -> tuple[Experience, dict[str, float], dict[str, float]]:
-    """The step's one optimizer step over ``s.gradient_accumulation_steps`` micro-batches (rows in batch order),
-    each forwarded once: its detached log-probs are the old log-probs, the truncated importance weights and the
+    """The step's one optimizer step over micro-batches of :func:`micro_rows` rows (in batch order), each
+    forwarded once: its detached log-probs are the old log-probs, the truncated importance weights and the
     reference's KL term are made from them, then its loss is backpropagated. ``before_step(stats)`` (the probe
     check of an unchecked push) runs once every row has been forwarded, before the optimizer step.
 
     Returns (experience, the experience stats as :func:`make_experience` gives them, the update stats as
     :func:`ppo_update` gives them)."""
-    b, ga = rollout.num_rows, s.gradient_accumulation_steps
-    if b % ga:
-        raise RefitError(f"batch {b} must be divisible by gradient_accumulation_steps {ga}")
+    b = rollout.num_rows
+    per = micro_rows(model, rollout, s.gradient_accumulation_steps, cfg.optim.micro_batch_rows)
     exp, adv_stats = _experience_shell(cfg, rollout, scores)
-    rows = [slice(a * (b // ga), (a + 1) * (b // ga)) for a in range(ga)]
+    rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
     with_ref = needs_reference(cfg, kl_coef)
     refs = (ReferenceAhead(ref, rollout, rows, s.temperature, vocab_size(model), cfg.reference_ahead)
             if with_ref else None)
@@ -134,6 +132,41 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     return exp, stats, upd
 
 
+LEARNER_BUDGET = 4 << 30  # auto micro-batches: at most this many bytes of saved activations and logits
+
+
+def micro_rows(model, rollout, accumulation: int, explicit: int = 0, free: int | None = None) -> int:
+    """Rows per learner forward: ``explicit`` if given, else the most whose saved activations (a rough fp32 count
+    per token and layer: the residual stream, q/k/v/o and the MLP's inputs and outputs) and response logits (the
+    logits, their gradient and a chunk's softmax) fit min(4 GiB, a quarter of the free memory); and at most
+    batch / ``accumulation`` (gradient_accumulation_steps: a floor on the number of micro-batches)."""
+    b = rollout.num_rows
+    cap = -(-b // max(1, accumulation))
+    if explicit > 0:
+        return max(1, min(explicit, cap))
+    c = getattr(model, "config", None) or model.get_base_model().config
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or c.d_model
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or c.num_layers
+    inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    tokens, response = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1], rollout.response_ids.shape[1]
+    per_row = 4 * (tokens * layers * (8 * hidden + 3 * inter) + 3 * response * vocab_size(model))
+    free = free if free is not None else available_memory()
+    budget = min(LEARNER_BUDGET, free // 4) if free else LEARNER_BUDGET
+    return max(1, min(cap, budget // per_row))
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """The batch's :class:`Experience` with its advantages (from the scores alone: no KL in the reward) and room
     for the log-probs and weights that the micro-batches fill in; (experience, the advantage stats)."""
@@ -148,4 +181,4 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, d
     return exp, {f"advantage/{k}": float(v) for k, v in gstats.items()}
 
 
-__all__ = ["ReferenceAhead", "TOKEN_SUM_STATS", "onepass_update", "streamable"]
+__all__ = ["ReferenceAhead", "micro_rows", "onepass_update", "streamable"]

@@ -191,6 +191,9 @@ class OptimSection:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (same update, less memory)")
+    micro_batch_rows: int = _f(0, "one-pass update (refit.learner.ppo.onepass): rows per learner forward; 0 = auto, "
+                                  "the most whose saved activations and logits fit a quarter of the free memory "
+                                  "(at most 4 GiB); never fewer micro-batches than gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
