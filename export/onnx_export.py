@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from refit.export.capabilities import Capabilities, detect
@@ -41,6 +40,7 @@ from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params,
                                      weight_digests)
 from refit.core.integrity import folder_hashes, sha256_files as _sha256_files
 from refit.export.graph import write_graph as _write_graph
+from refit.export.rewrite import gemm_for_transposed_weights, initializer_views, placeholder_proto
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 OPSET = 18
@@ -119,7 +119,8 @@ def _trace(spec: dict, weights: set[str]):
     """torch.onnx.export of one wrapper: (the optimised ``onnx_ir`` model, provenance).
 
     The model's initializers are the traced module's own tensors (or the optimiser's folded ones), not copies;
-    no ``ModelProto`` with every weight inline is made (:func:`_placeholder_proto` makes one without them).
+    no ``ModelProto`` with every weight inline is made (:func:`refit.export.rewrite.placeholder_proto` makes one
+    without them).
 
     Exported unoptimised first, so :func:`refit.export.weight_map.weight_derived_values` can see which values
     the weights (content digests ``weights``) reach before constant folding hides it; then optimised
@@ -162,74 +163,6 @@ def _moe_check(model, model_dir: Path) -> bool:
     if reason is not None:
         raise RefitError(f"cannot export {model_dir}: mixture-of-experts layer not supported: {reason}")
     return True
-
-
-def gemm_for_transposed_weights(proto) -> int:
-    """Rewrite ``MatMul(A, Transpose(W))`` on a 2-D initializer ``W`` as ``Gemm(A_2d, W, transB=1)``.
-
-    The exporter leaves a tied embedding used by the lm_head (GPT-2, T5) as ``Transpose`` of the
-    initializer; ONNX Runtime then constant-folds a transposed copy at every session creation
-    (a 154 MB transpose for GPT-2 small, measured ~0.1 s of each weight push, plus its memory).
-    ``Gemm`` with ``transB`` reads ``W`` as stored (MLAS pre-packs either layout), the map keeps
-    the initializer unchanged. A of any rank: Reshape to (-1, K) and back to A's leading dims.
-    Returns the number of MatMuls rewritten.
-    """
-    from onnx import helper, numpy_helper
-
-    g = proto.graph
-    inits = {t.name: t for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
-    done = 0
-    for mm in [n for n in g.node if n.op_type == "MatMul"]:
-        tr = producer.get(mm.input[1])
-        if tr is None or tr.op_type != "Transpose" or tr.input[0] not in inits or len(inits[tr.input[0]].dims) != 2:
-            continue
-        perm = [list(a.ints) for a in tr.attribute if a.name == "perm"]
-        if perm and perm[0] != [1, 0]:
-            continue
-        w = inits[tr.input[0]]
-        n_out, k = int(w.dims[0]), int(w.dims[1])
-        p = f"{mm.name or mm.output[0]}_gemm"
-        g.initializer.extend([numpy_helper.from_array(np.array([-1, k], np.int64), f"{p}_2d"),
-                              numpy_helper.from_array(np.array([n_out], np.int64), f"{p}_n")])
-        new = [helper.make_node("Reshape", [mm.input[0], f"{p}_2d"], [f"{p}_a"], name=f"{p}_in"),
-               helper.make_node("Gemm", [f"{p}_a", w.name], [f"{p}_y"], name=p, transB=1),
-               helper.make_node("Shape", [mm.input[0]], [f"{p}_lead"], name=f"{p}_shape", start=0, end=-1),
-               helper.make_node("Concat", [f"{p}_lead", f"{p}_n"], [f"{p}_out_shape"], name=f"{p}_cat", axis=0),
-               helper.make_node("Reshape", [f"{p}_y", f"{p}_out_shape"], [mm.output[0]], name=f"{p}_out")]
-        at = list(g.node).index(mm)
-        g.node.remove(mm)
-        for i, node in enumerate(new):
-            g.node.insert(at + i, node)
-        consumers[tr.output[0]] -= 1
-        if consumers[tr.output[0]] == 0:
-            g.node.remove(tr)
-        done += 1
-    return done
-
-
-def _initializer_views(model) -> dict[str, np.ndarray]:
-    """{name: array} of an ``onnx_ir`` model's initializers: numpy views of the tensors' own memory (the traced
-    module's parameters, the optimiser's folded arrays), the dtypes ``onnx.numpy_helper.to_array`` gives; no copies."""
-    return {name: v.const_value.numpy() for name, v in model.graph.initializers.items() if v.const_value is not None}
-
-
-def _placeholder_proto(model, weights: set[str]):
-    """The ``ModelProto`` of an ``onnx_ir`` model with each initializer in ``weights`` a placeholder: an external-data
-    record with its dims and dtype and no bytes (:func:`refit.export.graph.write_graph` points it at the real
-    weight's bytes). The rest (shapes, graph constants) inline. Replaces those initializers in ``model`` too, so
-    it no longer holds their (fingerprinted) tensors."""
-    import onnx_ir as ir
-
-    for name in weights:
-        v = model.graph.initializers[name]
-        t = v.const_value
-        v.const_value = ir.ExternalTensor("placeholder", 0, t.nbytes, t.dtype, shape=t.shape, name=name)
-    return ir.serde.serialize_model(model)
 
 
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:
@@ -407,13 +340,13 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
     digests = {d for d, (_, how) in by_digest.items() if how == "identity"}
     traced = {s["name"]: _trace(s, digests) for s in specs}
     del specs
-    wmap, constants = build_weight_map(fp_params, {g: _initializer_views(m) for g, (m, _) in traced.items()},
+    wmap, constants = build_weight_map(fp_params, {g: initializer_views(m) for g, (m, _) in traced.items()},
                                        dtype, {g: prov for g, (_, prov) in traced.items()},
                                        graph_buffers(model, fp_params), by_digest)
     check_one_to_one(wmap)
     protos, placed = {}, {}
     for g, (m, _) in traced.items():
-        protos[g] = _placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
+        protos[g] = placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
         gemm_for_transposed_weights(protos[g])
         if targets:
             from refit.export.lora import add_adapter_branches
