@@ -89,6 +89,19 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
     return values
 
 
+def lr_schedule(optim, total: int):
+    """optimizer steps taken -> the learning rate of the next one, from the schedule the jobs build (transformers'
+    ``get_scheduler`` with ``optim``'s settings over ``total`` optimizer steps); TRL logs the rate of the step
+    just taken, ``lr_schedule(...)(global_step - 1)``."""
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim.learning_rate)
+    sched = get_scheduler(optim.lr_scheduler_type, opt, num_warmup_steps=optim.warmup_steps,
+                          num_training_steps=total)
+    return lambda n: optim.learning_rate * sched.lr_lambdas[0](n)
+
+
 # ------------------------------------------------------------------ models and tokenizers
 
 

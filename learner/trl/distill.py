@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
-from refit.learner.trl.common import TrlConfig, lora_values, resolve_model, shared_values, steps_of
+from refit.learner.trl.common import TrlConfig, lora_values, lr_schedule, resolve_model, shared_values, steps_of
 from refit.learner.trl.events import distill_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import DISTILLATION_ARGS, GKD_ARGS
@@ -157,7 +157,8 @@ class DistillationTrainer(TrainerFace):
     def _hooks(self):
         cfg = self.config
         return self.events.hooks(steps=cfg.run.steps, per=1, row=distill_row,
-                                 epoch_of=lambda s: s * cfg.run.batch_size / self.num_prompts)
+                                 epoch_of=lambda s: s * cfg.run.batch_size / self.num_prompts,
+                                 lr_at=lr_schedule(cfg.optim, cfg.run.steps))
 
     def _run(self, hooks, resume: bool):
         from refit.learner.api import run_distill

@@ -36,7 +36,7 @@ from refit.learner.run.loop import StepControl, StepHooks
 GRPO_NAMES = {"reward": "reward/mean", "reward_std": "reward/std", "completions/mean_length": "response/length",
               "entropy": "policy/entropy", "clip_ratio/region_mean": "ppo/clipfrac", "grad_norm": "ppo/grad_norm",
               "frac_reward_zero_std": "advantage/zero_std_frac", "step_time": "time/step"}
-DISTILL_NAMES = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "lr",
+DISTILL_NAMES = {"loss": "loss", "grad_norm": "grad_norm",
                  "completions/mean_length": "response/length", "step_time": "time/step"}
 LAST = ("epoch", "learning_rate", "grad_norm")  # logged as their value at the log step, not a window mean
 
@@ -118,10 +118,11 @@ class Events:
     # -------------------------------------------------------------- one train() call
 
     def hooks(self, *, steps: int, per: int, row: Callable[[dict], dict], epoch_of: Callable[[int], float],
-              lr_at: Callable[[int], float] | None = None) -> StepHooks:
+              lr_at: Callable[[int], float]) -> StepHooks:
         """The step hooks of one run of ``steps`` Refit steps of ``per`` optimizer steps each. ``row``: a step's
-        Refit metrics -> TRL-named values; ``epoch_of``: Refit step -> epochs done; ``lr_at``: optimizer steps ->
-        the learning rate then (None: the row carries it)."""
+        Refit metrics -> TRL-named values; ``epoch_of``: Refit step -> epochs done; ``lr_at``: optimizer steps
+        taken -> the learning rate of the next (:func:`refit.learner.trl.common.lr_schedule`): a row's
+        ``learning_rate`` is the rate its last optimizer step used, as TRL logs it."""
         s, a = self.state, self.args
         s.max_steps, s.train_batch_size = steps * per, a.per_device_train_batch_size
         s.logging_steps = max(1, _steps(a.logging_steps, s.max_steps))
@@ -138,8 +139,7 @@ class Events:
             s.global_step, s.epoch = step * per, epoch_of(step)
             trl = row(m)
             trl["epoch"] = s.epoch
-            if lr_at is not None:
-                trl["learning_rate"] = lr_at(s.global_step)
+            trl["learning_rate"] = lr_at(s.global_step - 1)
             if "loss" in trl:
                 self._losses.append(trl["loss"])
             window.append(trl)

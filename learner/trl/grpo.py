@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
 from refit.learner.ppo.config import TRL_HINTS
-from refit.learner.trl.common import TrlConfig, lora_values, resolve_model, shared_values, steps_of
+from refit.learner.trl.common import TrlConfig, lora_values, lr_schedule, resolve_model, shared_values, steps_of
 from refit.learner.trl.events import grpo_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
@@ -150,19 +150,6 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
     return build(PPOConfig, {**values, **extra})
 
 
-def lr_schedule(cfg):
-    """optimizer steps -> the learning rate after them, from the schedule the PPO job builds (transformers'
-    ``get_scheduler`` with the config's settings), for TRL's ``learning_rate`` log key."""
-    import torch
-    from transformers import get_scheduler
-
-    per = cfg.num_ppo_epochs * cfg.num_mini_batches
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optim.learning_rate)
-    sched = get_scheduler(cfg.optim.lr_scheduler_type, opt, num_warmup_steps=cfg.optim.warmup_steps,
-                          num_training_steps=cfg.run.steps * per)
-    return lambda n: cfg.optim.learning_rate * sched.lr_lambdas[0](n)
-
-
 class GRPOTrainer(TrainerFace):
     """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, processing_class, callbacks, peft_config)``
     on the PPO job."""
@@ -204,7 +191,8 @@ class GRPOTrainer(TrainerFace):
         n = self.num_prompts or cfg.run.batch_size
         in_loss = cfg.kl_penalty == "loss"
         return self.events.hooks(steps=cfg.run.steps, per=per, epoch_of=lambda s: s * cfg.run.batch_size / n,
-                                 row=lambda m: grpo_row(m, cfg.kl_coef, in_loss), lr_at=lr_schedule(cfg))
+                                 row=lambda m: grpo_row(m, cfg.kl_coef, in_loss),
+                                 lr_at=lr_schedule(cfg.optim, cfg.run.steps * per))
 
     def _samples_per_step(self) -> int:
         return self.config.run.batch_size * self.config.num_generations // max(

@@ -1,0 +1,169 @@
+"""The TRL scripts of tests/trl_scripts/ run on Refit with one line changed: their ``from trl... import`` becomes
+``from refit import`` (:func:`on_refit`). Each script prints one JSON document last (its ``trainer.state``, what
+its reward functions returned, what its callback saw); the checks read it, the same checks for both sides.
+
+Where TRL 1.16's own environment exists (``.venv-trl``, made by ``refit bench grpo --vs trl``), the same scripts
+also run unchanged under TRL (``slow``; skipped with the reason elsewhere), so they stay TRL scripts.
+
+The models are the session's tiny chat GPT-2 (the student, the GRPO policy) and a tiny chat Llama (the teacher),
+one tokenizer, built locally; Refit exports each run's engine itself, as a TRL script gives it none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refit.learner.examples.models import build_chat_tokenizer, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "trl_scripts"
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+TRL_IMPORT = re.compile(r"^from trl(\.[\w.]+)? import ", re.M)
+
+
+def on_refit(source: str) -> str:
+    """The script with its one TRL import line pointed at Refit: the only change."""
+    out, n = TRL_IMPORT.subn("from refit import ", source)
+    assert n == 1, f"{n} TRL import lines (want exactly one)"
+    return out
+
+
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def steps(d: dict) -> list[dict]:
+    """The per-step rows of log_history (TRL's final train_runtime row left out)."""
+    return [r for r in d["log_history"] if "train_runtime" not in r]
+
+
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+# ------------------------------------------------------------------ the checks, one per script (both sides)
+
+
+def check_common(d: dict, n: int, lr: float) -> None:
+    rows = steps(d)
+    assert d["global_step"] == n and [r["step"] for r in rows] == list(range(1, n + 1))
+    assert rows[0]["learning_rate"] == pytest.approx(lr)  # the rate step 1 used (linear decay from lr)
+    assert rows[-1]["learning_rate"] == pytest.approx(lr / n)
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] >= 0, r
+    final = d["log_history"][-1]
+    assert final["step"] == n and final["train_loss"] == pytest.approx(mean([r["loss"] for r in rows]), rel=1e-4)
+
+
+def check_grpo(d: dict, out: Path) -> None:
+    check_common(d, 2, 1e-3)
+    got = d["returned"]
+    assert len(got["correct"]) == len(got["short"]) == 2  # one call per generation
+    for r, correct, short in zip(steps(d), got["correct"], got["short"]):
+        assert len(correct) == len(short) == 8  # 2 prompts x 4 generations
+        assert r["reward"] == pytest.approx(mean([c + 2.0 * s for c, s in zip(correct, short)]), rel=1e-5)
+        assert r["rewards/short/mean"] == pytest.approx(mean(short), rel=1e-5)
+        assert r["rewards/correct/mean"] == pytest.approx(mean(correct), abs=1e-6)
+        assert r["kl"] >= -1e-6 and 1 <= r["completions/mean_length"] <= 8
+    assert [r["epoch"] for r in steps(d)] == [0.125, 0.25]  # 2 of 16 prompts a step
+
+
+def check_rloo(d: dict, out: Path) -> None:
+    check_common(d, 2, 1e-3)
+    assert len(d["returned"]) == 2
+    for r, got in zip(steps(d), d["returned"]):
+        assert r["reward"] == pytest.approx(mean(got), rel=1e-5) and "kl" in r  # beta 0.05: the KL is logged
+        assert r["rewards/length/mean"] == pytest.approx(mean(got), rel=1e-5)
+
+
+def check_distillation(d: dict, out: Path) -> None:
+    check_common(d, 3, 1e-3)
+    for r in steps(d):
+        assert r["loss"] > 0 and 1 <= r["completions/mean_length"] <= 6
+
+
+def check_gkd(d: dict, out: Path) -> None:
+    check_common(d, 3, 1e-3)
+    assert all(r["loss"] > 0 for r in steps(d))
+
+
+def check_grpo_callback_model(d: dict, out: Path) -> None:
+    check_common(d, 3, 1e-3)
+    assert d["events"] == [["train_begin", 0], ["step_end", 1], ["log", 1], ["step_end", 2], ["log", 2],
+                           ["step_end", 3], ["log", 3], ["log", 3], ["train_end", 3]]
+    assert len(d["seconds"]) == 3 and all(t > 0 for t in d["seconds"]) and d["max_steps"] == 3
+    assert d["weights_changed"]  # the model object given in holds the trained weights
+
+
+def check_grpo_peft(d: dict, out: Path) -> None:
+    check_common(d, 2, 1e-3)
+    assert all(r["reward"] < 0 for r in steps(d))  # -len/10 of every completion
+
+
+CHECKS = {"grpo": check_grpo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
+          "grpo_callback_model": check_grpo_callback_model, "grpo_peft": check_grpo_peft}
+TEACHER = ("distillation", "gkd")  # the scripts that take STUDENT TEACHER OUT
+SLOW = {"rloo", "distillation", "gkd", "grpo_peft"}  # 20-40 s each on a loaded 2-core box (each run exports
+# its engine and its final engine); grpo and grpo_callback_model stay in the default run
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A tiny chat Llama with the student's tokenizer (GKD's collator needs the chat template)."""
+    return build_model("tiny-llama", tmp_path_factory.mktemp("teacher") / "tiny-llama-chat", seed=1,
+                       tokenizer=build_chat_tokenizer())
+
+
+def argv(name: str, student, teacher, out: Path) -> list[str]:
+    return [str(student), str(teacher), str(out)] if name in TEACHER else [str(student), str(out)]
+
+
+def _param(name):
+    return pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [], id=name)
+
+
+def test_every_script_imports_from_trl_once_and_is_checked():
+    names = sorted(p.stem for p in SCRIPTS.glob("*.py"))
+    assert names == sorted(CHECKS)
+    for p in SCRIPTS.glob("*.py"):
+        src = p.read_text()
+        moved = on_refit(src)
+        changed = [(a, b) for a, b in zip(src.splitlines(), moved.splitlines()) if a != b]
+        assert len(changed) == 1 and changed[0][1].startswith("from refit import "), p.name
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in CHECKS])
+def test_trl_script_runs_on_refit(name, chat_model_dir, teacher_dir, tmp_path, monkeypatch, capsys):
+    script = tmp_path / f"{name}.py"
+    script.write_text(on_refit((SCRIPTS / f"{name}.py").read_text()))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [str(script), *argv(name, chat_model_dir, teacher_dir, out)])
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(script), run_name="__main__")
+    CHECKS[name](last_json(capsys.readouterr().out), out)
+    assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()  # a Refit run folder
+    if name == "grpo_peft":
+        assert "r: 4" in (out / "config.yaml").read_text()  # peft_config -> the lora section
+
+
+@pytest.mark.slow  # TRL's own run: 8-15 s a script here, plus its imports
+@pytest.mark.skipif(not TRL_PYTHON.is_file(), reason=f"no TRL environment at {TRL_PYTHON} (made by "
+                                                     "`refit bench grpo --vs trl`)")
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_trl_script_runs_under_trl(name, chat_model_dir, teacher_dir, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
+    done = subprocess.run([str(TRL_PYTHON), str(SCRIPTS / f"{name}.py"), *argv(name, chat_model_dir, teacher_dir,
+                                                                            out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    CHECKS[name](last_json(done.stdout), out)
