@@ -88,7 +88,8 @@ RULES: dict[str, Rule] = {
     # sizes and counts
     "batch_size": COUNT, "steps": COUNT, "max_steps_this_run": COUNT0, "num_ppo_epochs": COUNT,
     "num_mini_batches": COUNT, "gradient_accumulation_steps": COUNT, "sync_every": COUNT,
-    "probe_size": COUNT, "probe_tokens": COUNT0, "engine_threads": COUNT0, "engine_shards": COUNT, "shards": COUNT,
+    "probe_size": COUNT, "probe_tokens": COUNT0, "engine_threads": COUNT0, "engine_shards": COUNT0, "shards": COUNT,
+    "micro_batch_rows": COUNT0,
     "threads": COUNT0, "max_staleness": COUNT0,
     "num_prompts": COUNT, "max_operand": COUNT, "eval_size": COUNT, "eval_every": COUNT, "eval_steps": COUNT0,
     "eval_max_prompts": COUNT0, "teacher_sft_steps": COUNT0, "teacher_topk": COUNT, "warmup_steps": COUNT0,

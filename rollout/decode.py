@@ -144,6 +144,32 @@ def supports_slots(state) -> bool:
     return hasattr(state, "admit") and hasattr(state, "open")
 
 
+SHARD_MIN_ROWS = 16  # rows per shard below which a shard's fixed per-step cost outweighs its share of the work
+SHARD_MAX_LAYER_WEIGHTS = 8_000_000  # layer weights per token above which intra-op threads split the matmuls well
+
+
+def auto_shards(rows: int, layer_weights: int, threads: int) -> int:
+    """``rollout.engine_shards`` 0 (auto): how many loops decode a generate call's ``rows`` on ``threads`` threads:
+    one shard per thread, at most one per ``SHARD_MIN_ROWS`` rows, and only for models under
+    ``SHARD_MAX_LAYER_WEIGHTS`` layer weights a token, whose matmuls are too small for intra-op threads to split
+    well. The rule's data (shards against intra-op threads, by rows and model size): docs/engine-step.md, "Shards:
+    the auto rule"."""
+    if layer_weights > SHARD_MAX_LAYER_WEIGHTS:
+        return 1
+    return max(1, min(threads, rows // SHARD_MIN_ROWS))
+
+
+def layer_weights(text_cfg) -> int:
+    """Weights a token meets in the decoder layers (attention 4 d^2, MLP 2 or 3 d x ff), from a transformers
+    text config (embeddings left out: a lookup and one output matmul)."""
+    d = getattr(text_cfg, "hidden_size", None) or getattr(text_cfg, "n_embd", None) or text_cfg.d_model
+    ff = getattr(text_cfg, "intermediate_size", None) or getattr(text_cfg, "n_inner", None) or getattr(
+        text_cfg, "d_ff", None) or 4 * d
+    layers = getattr(text_cfg, "num_hidden_layers", None) or getattr(text_cfg, "n_layer", None) or text_cfg.num_layers
+    gated = 3 if getattr(text_cfg, "hidden_act", "") in ("silu", "swiglu") else 2
+    return layers * (4 * d * d + gated * d * ff)
+
+
 def shard_bounds(keys: list[tuple[int, int]], shards: int) -> list[tuple[int, int]]:
     """Row ranges [a, b) of at most ``shards`` shards of prompt-major rows, as even in rows as whole prompts allow.
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from refit.core.checkpoint import load_model, load_tokenizer, model_info
+from refit.core.checkpoint import load_model, load_tokenizer, model_info, text_config
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.learner.ppo.config import PPOConfig
@@ -37,7 +37,7 @@ from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_
                                        write_extras)
 from refit.learner.ppo.onepass import onepass_update, streamable
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
-                                      policy_forward, single_pass)
+                                      needs_reference, policy_forward, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
@@ -49,6 +49,7 @@ from refit.learner.run.lora import AdapterOff, adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
+from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_shards, layer_weights
 from refit.rollout.engine import Engine
 from refit.rollout.types import RolloutBatch, SamplingParams
 
@@ -105,6 +106,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if cfg.eval_steps and held is None:
         raise RefitError("eval_steps needs held-out prompts: set data.eval_split or data.eval_fraction with a dataset")
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.response_length + 8
+    cfg = resolve_shards(cfg, log)
     engine = None  # [dist] ranks > 0 hold no engine
     overlap = cfg.rollout.max_staleness > 0 and dist.is_main
     engine_cfg, learner_threads = cfg, None
@@ -124,7 +126,10 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
     # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer);
     # a LoRA policy's is itself with the adapter off (the base, held once)
-    torch_ref = (cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact") or (dist.is_main and not ref_on_engine(cfg))
+    # none at all when no step scores one (kl_coef 0 under reference auto: TRL's GRPO at beta 0 loads none either)
+    scored = needs_reference(cfg, cfg.kl_coef)
+    torch_ref = scored and ((cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact")
+                            or (dist.is_main and not ref_on_engine(cfg)))
     ref = None
     if torch_ref:
         ref = AdapterOff(policy) if cfg.lora.enabled else load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
@@ -166,8 +171,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
                         check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None)
-    run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations, max_len=max_len,
-                                      threads=learner_threads, policy_engine=engine)  # in the learner's thread
+    if scored:
+        run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
+                                          max_len=max_len, threads=learner_threads, policy_engine=engine)
     probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids)
     run.ahead = RolloutAhead(engine) if overlap else None
     run.sync = WeightSync(engine, probe, contract, run_dir, ahead=run.ahead,
@@ -179,6 +185,22 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
                 pending = torch.load(ck / PENDING_FILE, weights_only=False)
                 run.ahead.restore(pending["step"], pending["batch"], pending.get("pushed", []))
     return run
+
+
+def resolve_shards(cfg: PPOConfig, log=print) -> PPOConfig:
+    """``rollout.engine_shards`` 0 (auto) made a number by :func:`refit.rollout.decode.auto_shards` from the
+    rollout's rows, the model's layer weights and the engine's threads; an explicit value is kept."""
+    if cfg.rollout.engine_shards:
+        return cfg
+    rows = cfg.run.batch_size * cfg.num_generations
+    threads = cfg.rollout.engine_threads or torch.get_num_threads()
+    text = text_config(cfg.model.model_dir)
+    weights = layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1
+    shards = auto_shards(rows, weights, threads) if cfg.rollout.backend == "onnxruntime" else 1
+    if shards > 1:
+        log(f"refit ppo: rollout.engine_shards auto: {shards} ({rows} rows, {weights / 1e6:.2f}M layer weights a "
+            f"token, {threads} engine threads)")
+    return replace(cfg, rollout=replace(cfg.rollout, engine_shards=shards))
 
 
 def ref_on_engine(cfg: PPOConfig) -> bool:

@@ -109,12 +109,12 @@ class RolloutSection:
 
     backend: Backend = _f("onnxruntime", "engine backend ('hf': transformers generate(), the PPO baseline)")
     engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
-    engine_shards: int = _f(1, "onnxruntime: a generate call's rows cut at prompt boundaries into this many shards, "
+    engine_shards: int = _f(0, "onnxruntime: a generate call's rows cut at prompt boundaries into this many shards, "
                                "each decoded on a thread of its own over the same sessions (engine_threads shared "
                                "out among them, at least one each; rows unchanged); the reference engine scores "
-                               "in as many row ranges. Pays for a small model at large batches on as many free "
-                               "cores, not for a larger model, whose matmuls split well on intra-op threads "
-                               "(docs/performance.md)")
+                               "in as many row ranges. 0 = auto: one per engine thread for a small model at 16+ "
+                               "rows a shard, else 1 (refit.rollout.decode.auto_shards; its data: "
+                               "docs/engine-step.md)")
     sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                             "updates)")
     probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
@@ -141,7 +141,7 @@ class RolloutSection:
            "becomes tis (the engine's log-probs are the behaviour policy)")
 
     def __post_init__(self):
-        check([(self.engine_shards > 1 and self.backend != "onnxruntime",
+        check([(self.engine_shards > 1 and self.backend != "onnxruntime",  # (0, auto: 1 on other backends)
                 f"rollout.engine_shards = {self.engine_shards} needs rollout.backend onnxruntime (the {self.backend} "
                 "backend decodes a call's rows in one loop)")])
 
