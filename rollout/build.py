@@ -24,6 +24,7 @@ import tyro
 
 from refit.core.errors import RefitError
 from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_folder
+from refit.core.memory import F32, available, engine_terms, geometry, refuse_if_over
 from refit.core.parsing import opt, parse
 from refit.export.guard import guard_engine, require_tokenizer
 from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
@@ -31,22 +32,6 @@ from refit.rollout.parity import int8_parity_gate, parity_gate
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
-
-
-def _fits(engine_dir: Path, model_dir: Path, rows: int, max_len: int, backend: str = "onnxruntime",
-          quantize: str = "none", lora: tuple[str, ...] = ()) -> bool:
-    """True when ``engine_dir`` holds an export of ``model_dir``'s weights that takes ``rows`` x ``max_len``
-    (for TensorRT: with the standard-op graph, not the fused-attention one), quantized as asked, with adapter
-    inputs on the layers ``lora`` names (export/lora.py; () none)."""
-    from refit.core.manifest import MANIFEST, Manifest
-
-    if not (engine_dir / MANIFEST).exists():
-        return False
-    m = Manifest.read(engine_dir)
-    return (m.hashes.hf_weights_sha256 == weights_hash(model_dir) and m.dims.max_batch >= rows
-            and m.dims.max_len >= max_len and not (backend == "tensorrt" and m.attention == "fused")
-            and (m.quantization.scheme if m.quantization else "none") == _scheme(quantize, backend)
-            and tuple(m.lora.target_modules if m.lora else ()) == tuple(lora))
 
 
 def _scheme(quantize: str, backend: str) -> str:
@@ -59,12 +44,12 @@ def _scheme(quantize: str, backend: str) -> str:
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
-          opts: ExportOptions | None = None, reuse_if_fits: tuple[int, int] | None = None, log=print) -> Path:
+          opts: ExportOptions | None = None, reuse_if_fits: int | None = None, log=print) -> Path:
     """Export (or reuse) ``engine_dir`` from ``model_dir`` for ``backend``; return ``engine_dir``.
 
     By default an export is reused only when the weights and ``opts`` are the same (the exporter's
-    cache key). ``reuse_if_fits=(rows, max_len)``: reuse any export of the same weights that takes
-    that many rows and tokens (a training run does not re-export because its batch shrank).
+    cache key). ``reuse_if_fits=max_len``: reuse any export of the same weights that serves a run of rows of up
+    to that many tokens (:func:`_unfit`; a training run does not re-export because its batch changed).
     """
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     opts = opts or ExportOptions()
@@ -80,8 +65,8 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
         from refit.rollout.tensorrt.build import require_tensorrt
 
         require_tensorrt()  # one line, before anything is written
-    reuse = bool(reuse_if_fits) and _fits(engine_dir, model_dir, *reuse_if_fits, backend=backend,
-                                           quantize=opts.quantize, lora=tuple(opts.lora))
+    old = _same_weights(engine_dir, model_dir) if reuse_if_fits else None
+    reuse = old is not None and _unfit(old, reuse_if_fits, backend, opts.quantize, tuple(opts.lora)) is None
     write = backend == "tensorrt" or not (reuse or _up_to_date(engine_dir, model_dir, opts))
     lock, what = engine_lock(engine_dir), f"engine folder {engine_dir}"
     hold_folder(lock, what, log, shared=not write)  # readers share it; a writer excludes every other process
@@ -120,60 +105,65 @@ def _up_to_date(engine_dir: Path, model_dir: Path, opts: ExportOptions) -> bool:
     return m is not None and m.cache_key == cache_key(model_dir, opts)
 
 
-def _memory_available() -> int | None:
-    """Bytes of memory the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_memory(model_dir: str | Path, rows: int, max_len: int) -> None:
-    """Refuse, before any work, a batch whose KV cache and the fp32 logits and log-probs over the vocabulary of a
-    whole-batch scoring pass ((rows, max_len, vocab) twice: any log-prob materialises both) alone exceed the
-    memory available; the line gives that estimate, a lower bound (activations, the optimizer not counted)."""
-    from refit.core.checkpoint import text_config
+    """Refuse, before any work, an engine call of ``rows`` x ``max_len`` whose KV cache, logits and weights
+    (refit.core.memory) exceed the host memory available, in one line with the estimate."""
+    g = geometry(model_dir)
+    if g is not None:
+        terms = {**engine_terms(g, rows, max_len), "weights": F32 * g.params}
+        refuse_if_over(terms, available(), f"an engine call of {rows} rows x {max_len} tokens of {model_dir}",
+                       "of memory", "lower the batch (--run.batch_size) or the response length")
 
-    text = text_config(model_dir)
-    if text is None:
-        return
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or getattr(text, "d_model", 0)
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or getattr(text, "num_layers", 1)
-    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    need = 4 * rows * max_len * (2 * layers * kv_heads * head_dim + 2 * text.vocab_size)  # fp32: K, V; logits, log-probs
-    have = _memory_available()
-    if have is not None and need > have:
-        raise RefitError(f"{rows} rows x {max_len} tokens need at least {need / 2**30:.1f} GiB (KV cache and "
-                         f"logits of {model_dir}), more than the {have / 2**30:.1f} GiB available; lower the batch "
-                         "(--run.batch_size) or the response length")
+
+def _unfit(m, max_len: int, backend: str, quantize: str, lora: tuple[str, ...]) -> str | None:
+    """Why the engine of manifest ``m`` (these weights) cannot serve this run; None when it can. Its max_batch is
+    no reason: a larger batch runs within it (refit.rollout.engine.LoopEngine)."""
+    scheme = m.quantization.scheme if m.quantization else "none"
+    has = tuple(m.lora.target_modules if m.lora else ())
+    for bad, why in ((m.dims.max_len < max_len, "its max_len is too short"),
+                     (backend == "tensorrt" and m.attention == "fused", "it has the fused-attention graph; the "
+                                                                        "tensorrt backend builds from the plain one"),
+                     (scheme != _scheme(quantize, backend), f"it is quantized {scheme}; this run needs "
+                                                            f"{_scheme(quantize, backend)}"),
+                     (has != tuple(lora), f"its LoRA targets are {list(has) or 'none'}; this run needs "
+                                          f"{list(lora) or 'none'}")):
+        if bad:
+            return why
+    return None
 
 
 def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
                   backend: str = "onnxruntime", log=print, quantize: str = "none", own: bool | None = None,
                   lora: tuple[str, ...] = ()) -> Path:
-    """A training run's engine: reuse one that takes ``rows`` x ``max_len``, else export with headroom.
+    """A training run's engine: reuse an export of these weights that serves the run, else export one with headroom.
 
-    An engine of these weights that is too small is exported again, never narrower than it was, only when it is
-    Refit's own (``own``; default: it lies in a run folder, as a run's default engine does); a folder the user
-    named is never re-exported: too small, it is refused in one line naming both limits."""
+    A batch over the engine's max_batch runs within it, in calls of at most max_batch rows (LoopEngine): never a
+    reason to export again. An engine of these weights that cannot serve (too short, another quantization, other
+    LoRA targets) is exported again, never narrower than it was, only when it is Refit's own (``own``; default:
+    it lies in a run folder, as a run's default engine does); a folder the user named is never re-exported: it is
+    refused in one line naming its limits and the run's."""
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
-    check_memory(model_dir, rows, max_len)
     old = _same_weights(engine_dir, model_dir)
-    if old is not None and (old.dims.max_batch < rows or old.dims.max_len < max_len):
+    check_memory(model_dir, min(rows, old.dims.max_batch) if old is not None else rows, max_len)
+    why = _unfit(old, max_len, backend, quantize, tuple(lora)) if old is not None else None
+    if why is not None:
+        d = old.dims
         if not (own if own is not None else folder_holds(engine_dir.parent) == "run"):
-            d = old.dims
-            raise RefitError(f"engine folder {engine_dir} takes {d.max_batch} rows x {d.max_len} tokens (max_batch, "
-                             f"max_len); this run needs {rows} x {max_len}: lower the batch, or export a larger "
-                             f"engine (refit export {model_dir} -o NEW_DIR --max_batch {max(rows, d.max_batch)} "
-                             f"--max_len {max(max_len, d.max_len)}) and pass it (--model.engine_dir NEW_DIR)")
-        rows, max_len = max(rows, old.dims.max_batch), max(max_len, old.dims.max_len)
+            flags = (f" --quantize {quantize}" if quantize != "none" else "") + (" --backend tensorrt" if backend ==
+                                                                                 "tensorrt" else "")
+            flags += f" --lora {' '.join(lora)}" if lora else ""
+            raise RefitError(f"engine folder {engine_dir} (max_batch {d.max_batch}, max_len {d.max_len}) cannot "
+                             f"serve this run ({rows} rows of up to {max_len} tokens): {why}; export another "
+                             f"engine (refit export {model_dir} -o NEW_DIR --max_batch {d.max_batch} --max_len "
+                             f"{max(max_len, d.max_len)}{flags}) and pass it (--model.engine_dir NEW_DIR), or "
+                             "shorten the run's prompts or responses")
+        log(f"refit: this run's engine {engine_dir} cannot serve it ({why}): exporting it again")
+        rows, max_len = max(rows, d.max_batch), max(max_len, d.max_len)
+    elif old is not None and old.dims.max_batch < rows:
+        log(f"refit: engine {engine_dir} takes {old.dims.max_batch} rows per call (max_batch): this run's {rows} "
+            f"rows run in calls of at most {old.dims.max_batch}")
     opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize, lora=tuple(lora))
-    return build(model_dir, engine_dir, backend, opts, reuse_if_fits=(rows, max_len), log=log)
+    return build(model_dir, engine_dir, backend, opts, reuse_if_fits=max_len, log=log)
 
 
 def _same_weights(engine_dir: Path, model_dir: Path):

@@ -183,8 +183,11 @@ class LoopEngine:
     A subclass sets ``spec`` (:class:`ModelSpec`) and ``_version`` in ``__init__`` and defines
     ``_new_state(capacity)`` -> a fresh :class:`StepState` (``capacity``: tokens per row the call may
     hold, for a backend that preallocates its KV buffer; the others ignore it). Optional: ``slots``
-    and ``inflight`` (see :func:`run_generate`); ``max_batch`` with ``_check_rows(rows)`` to refuse a
-    batch before any work; ``shards`` > 1 with ``_new_state(capacity, shard)`` giving each shard a state over
+    and ``inflight`` (see :func:`run_generate`); ``max_batch``, the most rows one run of the model takes (the
+    engine's shape profiles): a call with more rows runs within it, ``generate`` through at most ``max_batch``
+    slots (in flight where the state supports it, else static batches) and ``score`` in row ranges of at most
+    ``max_batch``, the rows the same as in one call (each row has its own stream, positions and cache;
+    tests/test_rollout.py); ``shards`` > 1 with ``_new_state(capacity, shard)`` giving each shard a state over
     buffers of its own, for a backend whose steps may run on several threads at once. ``update_weights`` and
     ``close`` stay the backend's own; the :class:`Engine` protocol remains the public contract.
     """
@@ -193,14 +196,17 @@ class LoopEngine:
     _version: int = 0
     slots: int | None = None  # at most this many rows decoded at once; None: all rows in one batch
     inflight: bool = True  # with slots: refill a slot as soon as its row stops; False: static batches
-    max_batch: int | None = None  # most rows one call may run; None: unchecked (no _check_rows call)
+    max_batch: int | None = None  # most rows one run of the model takes; more are split within it; None: no limit
     shards: int = 1  # generate() decodes its rows in this many shards, one thread each (decode.schedule)
 
     def _new_state(self, capacity: int = 0) -> StepState:
         raise NotImplementedError
 
-    def _check_rows(self, rows: int) -> None:
-        """Raise RefitError when ``rows`` exceeds ``max_batch``; called only where ``max_batch`` is set."""
+    def _slots(self, rows: int) -> int | None:
+        """The slots a call of ``rows`` rows decodes through: ``slots``, at most ``max_batch``."""
+        if self.max_batch is None or rows <= self.max_batch:
+            return self.slots
+        return min(self.slots or rows, self.max_batch)
 
     @property
     def weights_version(self) -> int:
@@ -208,23 +214,25 @@ class LoopEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
                  on_step: StepHook | None = None) -> RolloutBatch:
-        if self.max_batch is not None:
-            self._check_rows(len(prompts) * getattr(sampling, "n", 1))
         # capacity computed when a state is made: run_generate has checked prompts and sampling by then
         def new_state(shard: int = 0) -> StepState:
             cap = max(len(p) for p in prompts) + sampling.max_new_tokens
             return self._new_state(cap, shard) if self.shards > 1 else self._new_state(cap)
 
-        return run_generate(new_state, self.spec, prompts, sampling, self._version, on_step, self.slots,
+        rows = len(prompts) * getattr(sampling, "n", 1) if isinstance(prompts, (list, tuple)) else 0
+        return run_generate(new_state, self.spec, prompts, sampling, self._version, on_step, self._slots(rows),
                             self.inflight, self.shards)
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,
               chunk_size: int = DEFAULT_SCORE_CHUNK) -> ScoreResult:
-        if self.max_batch is not None:
-            self._check_rows(int(prompt_ids.shape[0]))
-        cap = prompt_ids.shape[-1] + response_ids.shape[-1]
         b = int(prompt_ids.shape[0])
+        if self.max_batch is not None and b > self.max_batch and response_ids.shape[0] == b:  # within the engine
+            step = self.max_batch
+            parts = [self.score(prompt_ids[lo:lo + step], prompt_mask[lo:lo + step], response_ids[lo:lo + step],
+                                response_mask[lo:lo + step], temperature, topk, chunk_size) for lo in range(0, b, step)]
+            return join_scores(parts, topk == self.spec.vocab_size)
+        cap = prompt_ids.shape[-1] + response_ids.shape[-1]
         # even row ranges (every row a cut point for shard_bounds), one thread each, joined in row order; rows that
         # disagree in number go to run_score whole, which refuses them in one line
         ranges = shard_bounds([(r, 0) for r in range(b)], self.shards) if response_ids.shape[0] == b else []

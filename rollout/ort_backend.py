@@ -272,6 +272,7 @@ class OrtEngine(LoopEngine):
         self._version = 0
         self.last_push_s: dict[str, float] = {}  # update_weights' phases, seconds (see there); {} before a push
         self.slots = slots  # at most this many rows decoded at once; None: all rows in one batch
+        self.max_batch = self.manifest.dims.max_batch  # the rows one run takes (its profiles); more: split (LoopEngine)
         self.inflight = inflight  # refill a slot as soon as its row stops (fused graph); False: static batches
         self._kv_pools = self._make_pools()  # one per shard: a shard's decode writes its own buffers
 

@@ -557,34 +557,79 @@ def test_a_users_folder_is_never_written_into(capsys, tmp_path, model_dirs, monk
           overwrite=False)
 
 
-def test_a_users_engine_too_small_is_refused_never_rebuilt(capsys, tmp_path, model_dirs, default_engine_dirs,
-                                                          monkeypatch):
-    """#4: a batch over the user's engine's max_batch is refused naming both limits (the folder untouched); a
-    run's own engine is exported again never narrower than it was; a batch that cannot fit in memory is refused
-    before any work, with the estimate."""
+def test_a_batch_over_the_users_engine_runs_within_it_and_a_short_engine_is_refused(capsys, tmp_path, model_dirs,
+                                                                                    default_engine_dirs, monkeypatch):
+    """#4: a batch over the user's engine's max_batch runs within it (calls of at most max_batch rows; the folder
+    untouched); an engine too short for the run is refused in one line naming both limits, never re-exported; a
+    run's own engine is exported again only when it cannot serve, never narrower than it was."""
     import refit.rollout.build as rb
 
     e = tmp_path / "e"
     shutil.copytree(default_engine_dirs[GPT2], e)  # max_batch 16, max_len 128
-    before = (e / "manifest.json").read_bytes()
-    with pytest.raises(RefitError, match=rf"engine folder {e} takes 16 rows x 128 tokens \(max_batch, max_len\); "
-                                         r"this run needs 17 x 40: lower the batch, or export a larger engine"):
-        rb.ensure_engine(model_dirs[GPT2], e, 17, 40)
-    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "-o",
-                     tmp_path / "run", "--run.batch_size", "17", "--num_mini_batches", "1", "--log.no_progress",
-                     "--no_export_final")
-    one_line(rc, line, f"engine folder {e} takes 16 rows x 128 tokens", "--model.engine_dir NEW_DIR")
-    assert (e / "manifest.json").read_bytes() == before
+    before = {f.name: f.read_bytes() for f in e.iterdir() if f.is_file()}
+    p = ["ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "--num_mini_batches", "1",
+         "--log.no_progress", "--log.no_tensorboard", "--log.no_plots", "--no_export_final", "--run.steps", "1",
+         "--rollout.probe_size", "2", "--data.num_prompts", "20"]
+    capsys.readouterr()
+    assert cli.main([str(a) for a in (*p, "-o", tmp_path / "run", "--run.batch_size", "17", "--response_length",
+                                      "3")]) == 0
+    assert f"refit: engine {e} takes 16 rows per call (max_batch): this run's 17 rows run in calls of at most 16" in \
+        capsys.readouterr().out
+    rc, line = refit(capsys, *p, "-o", tmp_path / "run2", "--run.batch_size", "2", "--response_length", "120")
+    one_line(rc, line, rf"engine folder {e} (max_batch 16, max_len 128) cannot serve this run (2 rows of up to ",
+             "its max_len is too short; export another engine (refit export", "--max_batch 16 --max_len 1",
+             "(--model.engine_dir NEW_DIR)")
+    assert {f.name: f.read_bytes() for f in e.iterdir() if f.is_file()} == before
+    with pytest.raises(RefitError, match=rf"engine folder {e} \(max_batch 16, max_len 128\) cannot serve this run "
+                                         r"\(4 rows of up to 140 tokens\): its max_len is too short"):
+        rb.ensure_engine(model_dirs[GPT2], e, 4, 140)
+    own = tmp_path / "run3/engine"  # the run's own engine (in a run folder): reused for a larger batch, exported
+    shutil.copytree(default_engine_dirs[GPT2], own)  # again (never narrower) only when too short
+    (tmp_path / "run3/run.json").write_text("{}")
+    said = []
+    assert rb.ensure_engine(model_dirs[GPT2], own, 70, 40, log=said.append) == own
+    assert "reusing engine" in said[-1] and (own / "manifest.json").read_bytes() == before["manifest.json"]
     asked = []
     monkeypatch.setattr(rb, "build", lambda m, d, b, opts, **kw: asked.append(opts) or Path(d))
-    own = tmp_path / "run2/engine"
-    shutil.copytree(default_engine_dirs[GPT2], own)
-    (tmp_path / "run2/run.json").write_text("{}")
-    rb.ensure_engine(model_dirs[GPT2], own, 70, 40)
-    assert (asked[0].max_batch, asked[0].max_len) == (70, 128)  # the run's own engine: wider, never shorter
-    with pytest.raises(RefitError, match=r"100000000 rows x 140 tokens need at least [\d.]+ GiB \(KV cache and "
-                                         r"logits .*\), more than the [\d.]+ GiB available"):
+    rb.ensure_engine(model_dirs[GPT2], own, 8, 200, log=said.append)
+    assert (asked[0].max_batch, asked[0].max_len) == (64, 200) and "cannot serve it (its max_len is too short): " \
+        "exporting it again" in said[-1], said
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, model_dirs, default_engine_dirs,
+                                                             monkeypatch):
+    """#4: --run.batch_size 100000 is refused before the run folder, any export or any generation, with the
+    estimate (KV cache, logits, the learner's activations: refit.core.memory); a normal batch passes the same
+    check, before and after the prompts' length is known; an engine call alone is checked too."""
+    import refit.learner.run.engines as re
+    import refit.rollout.build as rb
+
+    four = 4 * 2 ** 30
+    monkeypatch.setattr(re, "available", lambda: four)
+    monkeypatch.setattr(rb, "available", lambda: four)
+    e = tmp_path / "e"
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    before = (e / "manifest.json").read_bytes()
+    run = tmp_path / "run"
+    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "-o", run,
+                     "--run.batch_size", "100000", "--log.no_progress")
+    one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, "
+             "50000 rows a micro-batch in the update, needs about ", "learner activations ",
+             "more than the 4.0 GiB of memory available; lower run.batch_size")
+    assert not run.exists() and (e / "manifest.json").read_bytes() == before
+    big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1) for b in (20000, 2))
+    re.check_batch_memory(big)  # one-token prompts: fits; the prompts' real length: does not
+    with pytest.raises(RefitError, match=r"a batch of 20000 rows .* of up to 140 tokens .* needs about [\d.]+ GiB "
+                                         r"\(KV cache [\d.]+ MiB, .*learner activations [\d.]+ GiB, weights "
+                                         r"[\d.]+ MiB\), more than the 4.0 GiB"):
+        re.check_batch_memory(big, max_len=140)
+    re.check_batch_memory(normal)
+    re.check_batch_memory(normal, max_len=140)
+    with pytest.raises(RefitError, match=r"an engine call of 100000000 rows x 140 tokens of .* needs about [\d.]+ TiB "
+                                         r"\(KV cache [\d.]+ TiB, engine logits [\d.]+ TiB, "
+                                         r"weights [\d.]+ MiB\), more than the 4.0 GiB"):
         rb.ensure_engine(model_dirs[GPT2], tmp_path / "e_huge", 100_000_000, 140)
+    assert not (tmp_path / "e_huge").exists()
 
 
 def test_config_sections_are_strict_with_the_nearest_name(capsys, tmp_path, model_dirs):

@@ -171,10 +171,11 @@ def test_cli_smoke(engine_dirs, capsys, tmp_path):
 class _CountingState:
     """A toy StepState: logits favour token (last fed id + 1) % V, so greedy decoding counts up."""
 
-    def __init__(self, vocab: int):
-        self.vocab = vocab
+    def __init__(self, vocab: int, rows: list | None = None):
+        self.vocab, self.rows = vocab, rows if rows is not None else []
 
     def _logits(self, ids):
+        self.rows.append(int(ids.shape[0]))
         return torch.nn.functional.one_hot((ids + 1) % self.vocab, self.vocab).float() * 10
 
     def prefill(self, ids, mask):
@@ -190,16 +191,12 @@ class _ToyEngine(LoopEngine):
     def __init__(self, max_batch=None):
         self.spec = ModelSpec(kind="decoder", pad_id=0, eos_id=15, decoder_start_id=None, prompt_side="left",
                               vocab_size=16, max_len=None)
-        self._version, self.max_batch, self.capacities, self.checked = 3, max_batch, [], []
+        self._version, self.max_batch, self.capacities = 3, max_batch, []
+        self.rows: list[int] = []  # rows of each prefill and extend the states ran
 
     def _new_state(self, capacity=0):
         self.capacities.append(capacity)
-        return _CountingState(self.spec.vocab_size)
-
-    def _check_rows(self, rows):
-        self.checked.append(rows)
-        if rows > self.max_batch:
-            raise RefitError(f"{rows} rows exceed {self.max_batch}")
+        return _CountingState(self.spec.vocab_size, self.rows)
 
     def update_weights(self, named_tensors, version=None):  # the backend's own, as in every real one
         self._version = next_version(self._version, version)
@@ -210,19 +207,50 @@ class _ToyEngine(LoopEngine):
 
 def test_loop_engine_shared_generate_and_score():
     """LoopEngine's generate/score: the batch carries weights_version, on_step sees every phase, the
-    state factory gets the call's capacity, and max_batch is checked before any work."""
+    state factory gets the call's capacity, and a call over max_batch runs in runs of at most max_batch rows,
+    with the same rows."""
     eng = _ToyEngine()
     assert isinstance(eng, Engine) and eng.weights_version == 3
     events = []
     batch = eng.generate([[1, 2], [4]], SamplingParams(max_new_tokens=3, greedy=True), on_step=events.append)
     assert batch.weights_version == 3 and batch.response_ids.tolist() == [[3, 4, 5], [5, 6, 7]]
     assert [(e.phase, e.step, e.tokens) for e in events] == [("prefill", 0, 2), ("decode", 1, 2), ("decode", 2, 2)]
-    assert eng.capacities == [2 + 3] and eng.checked == []  # no max_batch: _check_rows is not called
+    assert eng.capacities == [2 + 3] and max(eng.rows) == 2
     scored = eng.score(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     assert scored.logprobs.shape == (2, 3) and eng.capacities[-1] == 2 + 3
     eng.update_weights({})
     assert eng.weights_version == 4 and eng.generate([[1]], SamplingParams(max_new_tokens=1)).weights_version == 4
-    limited = _ToyEngine(max_batch=3)
-    with pytest.raises(RefitError, match="4 rows exceed 3"):
-        limited.generate([[1], [2]], SamplingParams(n=2, max_new_tokens=1))
-    assert limited.checked == [4] and limited.capacities == []
+    prompts, params = [[1], [2, 3], [4], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, greedy=True)
+    whole, limited = _ToyEngine(), _ToyEngine(max_batch=3)
+    a, b = whole.generate(prompts, params), limited.generate(prompts, params)
+    assert max(whole.rows) == 8 and max(limited.rows) == 3  # 8 rows through 3 at a time
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    limited.rows.clear()
+    sa = whole.score(a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask, topk=2)
+    sb = limited.score(a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask, topk=2)
+    assert max(limited.rows) == 3 and torch.equal(sa.logprobs, sb.logprobs) and torch.equal(sa.topk_ids, sb.topk_ids)
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
+def test_a_batch_over_the_engines_max_batch_runs_within_it(engines, prompts, arch):
+    """Issue 32 #4: more rows than the engine's max_batch (its shape profiles) run in calls of at most max_batch
+    rows (in flight on the fused decoder, static batches on the encoder-decoder) with the same tokens and
+    log-probs as one call; score() in row ranges of max_batch, the same log-probs."""
+    _, ort = engines[arch]
+    params = SamplingParams(max_new_tokens=6, seed=3, n=3, return_topk=2, stop_ids=tuple(range(5, 40)))
+    assert ort.max_batch == 16  # the session's engine folders (conftest)
+    try:
+        ort.max_batch = 1000
+        whole = ort.generate(prompts, params)
+        s_whole = ort.score(whole.prompt_ids, whole.prompt_mask, whole.response_ids, whole.response_mask, topk=3)
+        ort.max_batch = 5
+        split = ort.generate(prompts, params)
+        s_split = ort.score(whole.prompt_ids, whole.prompt_mask, whole.response_ids, whole.response_mask, topk=3)
+    finally:
+        ort.max_batch = 16
+    assert whole.num_rows == 3 * len(prompts) > 5
+    for name in ("response_ids", "response_mask", "rollout_logprobs", "rollout_plain_logprobs", "topk_ids",
+                 "topk_logprobs"):
+        assert torch.equal(getattr(whole, name), getattr(split, name)), name
+    assert torch.equal(s_whole.logprobs, s_split.logprobs) and torch.equal(s_whole.topk_ids, s_split.topk_ids)
+    assert torch.equal(s_whole.topk_logprobs, s_split.topk_logprobs)

@@ -1,5 +1,6 @@
-"""What both jobs do with engines: pick the learner device, make an engine (or a Ray pool of them) for a
-model, and count teacher passes. Pushing weights into them and checking the push: refit.learner.run.sync.
+"""What both jobs do with engines: pick the learner device, check that the batch fits in memory, make an engine
+(or a Ray pool of them) for a model, and count teacher passes. Pushing weights into them and checking the push:
+refit.learner.run.sync.
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.core.errors import RefitError
+from refit.core.manifest import MANIFEST, Manifest
+from refit.core.memory import available, engine_terms, geometry, learner_terms, refuse_if_over
+from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.rollout.engine import Engine, create_engine
 
@@ -21,6 +24,50 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RefitError("device=cuda asked for, but no CUDA device is visible")
     return torch.device(name)
+
+
+def _engine_rows(cfg, rows: int) -> int:
+    """Rows of the policy engine's largest call: ``rows``, at most the max_batch of an engine folder already there
+    (a larger batch runs within it: refit.rollout.engine.LoopEngine)."""
+    folder = Path(cfg.model.engine_dir or Path(cfg.run.output_dir) / "engine") if hasattr(cfg, "model") else None
+    if folder is None or not (folder / MANIFEST).is_file():
+        return rows
+    try:
+        return min(rows, Manifest.read(folder).dims.max_batch)
+    except RefitError:
+        return rows
+
+
+def check_batch_memory(cfg, max_len: int | None = None) -> None:
+    """Refuse, before any work, a batch that cannot fit: the estimate of refit.core.memory for the trained model
+    (PPO's policy, the distillation's student) at the job's largest calls, in one line. ``max_len`` None: before
+    the prompts are read, a lower bound (a one-token prompt and the whole response).
+
+    The engine's call (KV cache, logits) is checked with the learner's micro-batch (its logits and activations)
+    and the weights against host memory, or, with a CUDA learner, the learner's part against the GPU's free
+    memory (an ONNX Runtime engine stays in host memory)."""
+    sec = getattr(cfg, "model", None) or getattr(cfg, "student", None)
+    g = geometry(sec.model_dir) if sec is not None and sec.model_dir and Path(sec.model_dir).is_dir() else None
+    if g is None:
+        return  # no model yet (the embedded default) or no readable config: the job's own line says so
+    response = getattr(cfg, "response_length", None) or getattr(cfg, "max_new_tokens", 1)
+    gens, minis = getattr(cfg, "num_generations", 1), getattr(cfg, "num_mini_batches", 1)
+    rows = cfg.run.batch_size * gens
+    micro = max(1, rows // minis // cfg.optim.gradient_accumulation_steps)
+    length = max_len or response + 1
+    lora = getattr(getattr(cfg, "lora", None), "enabled", False)
+    engine = engine_terms(g, _engine_rows(cfg, rows), length)
+    learner = learner_terms(g, micro, length, response, weight_copies=2 if lora else 5)
+    per = f" x num_generations {gens}" if gens > 1 else ""
+    what = (f"a batch of {rows} rows (run.batch_size {cfg.run.batch_size}{per}) of up to {length} tokens of "
+            f"{sec.model_dir}, {micro} rows a micro-batch in the update,")
+    fix = ("lower run.batch_size, or the response length; raise num_mini_batches or optim.gradient_accumulation_steps "
+           "for a smaller update micro-batch")
+    if pick_device(cfg.run.device).type == "cuda":
+        refuse_if_over(engine, available(), what, "of host memory", fix)
+        refuse_if_over(learner, torch.cuda.mem_get_info()[0], what, "of free GPU memory", fix)
+    else:
+        refuse_if_over({**engine, **learner}, available(), what, "of memory", fix)
 
 
 def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:
@@ -51,6 +98,7 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     LoraSection with r > 0): the engine is LoRA-ready for its target modules (export/lora.py)."""
     # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
     lora_ready = lora is not None and lora.enabled and cfg.rollout.backend != "tensorrt"
+    check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
                         getattr(cfg.rollout, "quantize", "none"), lora=tuple(lora.target_modules) if lora_ready else ())
     if cfg.rollout.backend in TORCH_BACKENDS:

@@ -4,9 +4,10 @@ checkpoints, and closing everything whatever happens.
 A job (PPO, distillation) is a :class:`Job`: a ``setup`` that builds its state, a ``step`` that
 returns one step's metrics, and a ``save`` that writes a checkpoint. :func:`run_job` drives it:
 
-    0. the config's ranges (refit.core.validate), the run folder's lock and owner and every engine folder's
-       lock and integrity (refit.learner.run.folder: refused in one line before any work; --overwrite,
-       --resume); a fresh run's record (run.json) written at once
+    0. the config's ranges (refit.core.validate), whether the batch can fit in memory (an estimate before the
+       prompts are read: refit.learner.run.engines.check_batch_memory), the run folder's lock and owner and every
+       engine folder's lock and integrity (refit.learner.run.folder: refused in one line before any work;
+       --overwrite, --resume); a fresh run's record (run.json) written at once
     1. run folder, resolved config printed and saved (rank 0)
     2. setup (engines, models, optimizer; resume from the last checkpoint)
     3. optional step-0 metrics (``Job.initial``, not on resume)
@@ -36,6 +37,7 @@ from refit.core.validate import validate
 from refit.learner.run.config import save_config
 from refit.learner.run.folder import claim, guard_engines, write_record
 from refit.learner.run.distributed import DistContext, init_from_env
+from refit.learner.run.engines import check_batch_memory
 from refit.learner.run.metrics import MetricsLog, plot_metrics
 
 
@@ -112,6 +114,7 @@ def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = Fa
     folder it names (refit.learner.run.folder); otherwise both are refused in one line. ``hooks``: see
     :class:`StepHooks`."""
     validate(cfg)
+    check_batch_memory(cfg)  # a batch that cannot fit: refused before any work, with the estimate
     run_dir = Path(cfg.run.output_dir)
     dist = init_from_env(cfg.run.device)  # [dist] torchrun's RANK/WORLD_SIZE; one process: nothing changes
     if hooks is not None and dist.enabled:  # a stop asked on rank 0 alone would leave the other ranks waiting

@@ -266,7 +266,8 @@ class TrtEngine(LoopEngine):
                        for g, rec in self.manifest.tensorrt.items()}
         self._runtime = runtime
         self.weights = read_held_weights(self.engine_dir, self.manifest)  # {graph: {trt_name: tensor}}
-        # axis 0 is the batch on every input of rank >= 2 (logits_index (K,) has none)
+        # axis 0 is the batch on every input of rank >= 2 (logits_index (K,) has none); a call with more rows runs in
+        # static batches and row ranges of max_batch (LoopEngine)
         self.max_batch = min(p[n].max[0] for g in self.graphs.values() for p in g.profiles for n in p
                              if len(p[n].max) > 1)
         self._version = 0
@@ -291,11 +292,6 @@ class TrtEngine(LoopEngine):
 
     def _new_state(self, capacity: int = 0):  # generate/score come from LoopEngine; capacity unused
         return _TrtSeq2SeqState(self) if self.spec.kind == "seq2seq" else _TrtDecoderState(self)
-
-    def _check_rows(self, rows: int) -> None:
-        if rows > self.max_batch:
-            raise RefitError(f"{rows} rows exceed the TensorRT engine's max batch {self.max_batch} "
-                             "(split the batch or re-export with a larger --max-batch)")
 
     # ------------------------------------------------------------------------------ refit
 

@@ -1,0 +1,117 @@
+"""What a batch needs in memory, estimated from the model's config before any work (issue 32 #4).
+
+A batch that cannot fit is refused in one line with the estimate, before any export or generation, instead of
+running for minutes and dying of memory. The estimate is of the largest call of each kind, in fp32 (4 bytes):
+
+- **KV cache**: the engine's call of ``engine_rows`` rows (at most its max_batch: a larger batch runs within it,
+  refit.rollout.engine.LoopEngine) x ``max_len`` positions x 2 (K, V) x layers x kv heads x head dim;
+- **engine logits**: the larger of a decode step (rows x V, three copies: logits, processed and plain log-probs)
+  and a scoring chunk (rows x 64 positions x V, the logits and their log-softmax);
+- **learner logits**: the learner's micro-batch (``learner_rows``) x response positions x V, twice (the logits
+  and their gradient: refit.learner.losses.chunked keeps no other full-size tensor);
+- **learner activations**: micro-batch x ``max_len`` x layers x (6 hidden + 4 intermediate + 2 heads x max_len)
+  values kept for the backward pass (the residual stream, q, k, v, the attention output and the MLP's inputs
+  and outputs, the attention scores and probabilities of eager attention);
+- **weights**: the parameters (the checkpoint's size) in fp32, times ``weight_copies`` (the policy, a frozen
+  copy, its gradient and Adam's two moments).
+
+It is an estimate, not a bound: allocator slack, ONNX Runtime's arenas and Python's own memory come on top, and a
+fused kernel may keep less. What matters is its order: ``--run.batch_size 100000`` needs terabytes, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from refit.core.checkpoint import text_config
+from refit.core.errors import RefitError
+
+F32 = 4  # bytes per value: the learner and the engines' logits are fp32
+SCORE_CHUNK = 64  # positions per scoring forward (refit.rollout.engine.DEFAULT_SCORE_CHUNK)
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the estimate reads of a model's config."""
+
+    layers: int  # decoder layers
+    hidden: int  # residual width
+    intermediate: int  # MLP width (4 x hidden where the config has none)
+    heads: int  # attention heads (the scores are (heads, T, T) per row)
+    kv_dim: int  # kv heads x head dim: one position's K (or V) in one layer
+    vocab: int  # logits per position
+    params: int  # parameters, from the checkpoint files' size and dtype
+
+
+def _first(cfg, *names, default=0):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v:
+            return int(v)
+    return default
+
+
+def _params(model_dir: Path, text) -> int:
+    """Parameters from the checkpoint files' size (safetensors or .bin) and the config's dtype."""
+    size = sum(f.stat().st_size for pat in ("*.safetensors", "*.bin") for f in model_dir.glob(pat))
+    dtype = str(getattr(text, "torch_dtype", None) or getattr(text, "dtype", None) or "float32")
+    return size // (2 if ("16" in dtype) else 4)
+
+
+def geometry(model_dir: str | Path) -> Geometry | None:
+    """The model's :class:`Geometry`; None when its config cannot be read (the job's own line says why later)."""
+    text = text_config(model_dir)
+    if text is None or not getattr(text, "vocab_size", None):
+        return None
+    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    heads = _first(text, "num_attention_heads", "n_head", "num_heads", default=1)
+    head_dim = _first(text, "head_dim", default=hidden // max(heads, 1))
+    kv_heads = _first(text, "num_key_value_heads", default=heads)
+    return Geometry(layers=_first(text, "num_hidden_layers", "n_layer", "num_layers", default=1), hidden=hidden,
+                    intermediate=_first(text, "intermediate_size", "n_inner", "d_ff", "ffn_dim", default=4 * hidden),
+                    heads=heads, kv_dim=kv_heads * head_dim, vocab=int(text.vocab_size),
+                    params=_params(Path(model_dir), text))
+
+
+def engine_terms(g: Geometry, engine_rows: int, max_len: int) -> dict[str, int]:
+    """Bytes of an engine's largest call: its KV cache and logits."""
+    step = engine_rows * g.vocab * 3
+    score = engine_rows * min(SCORE_CHUNK, max_len) * g.vocab * 2
+    return {"KV cache": F32 * engine_rows * max_len * 2 * g.layers * g.kv_dim, "engine logits": F32 * max(step, score)}
+
+
+def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, weight_copies: int) -> dict[str, int]:
+    """Bytes of the learner's largest call (one micro-batch with autograd) and of its weights."""
+    per_pos = g.layers * (6 * g.hidden + 4 * g.intermediate + 2 * g.heads * max_len)
+    return {"learner logits": F32 * learner_rows * response * g.vocab * 2,
+            "learner activations": F32 * learner_rows * max_len * per_pos,
+            "weights": F32 * g.params * weight_copies}
+
+
+def available() -> int | None:
+    """Bytes of host memory the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gib(n: int) -> str:
+    """``n`` bytes in MiB, GiB or TiB, one decimal."""
+    return (f"{n / 2 ** 20:.1f} MiB" if n < GiB else f"{n / GiB:.1f} GiB" if n < 2 ** 40
+            else f"{n / 2 ** 40:.1f} TiB")
+
+
+def refuse_if_over(terms: dict[str, int], have: int | None, what: str, where: str, fix: str) -> None:
+    """One line when the ``terms`` (bytes) add up to more than ``have``: the estimate, its parts, the way out."""
+    need = sum(terms.values())
+    if have is None or need <= have:
+        return
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in terms.items())
+    raise RefitError(f"{what} needs about {gib(need)} ({parts}), more than the {gib(have)} {where} available; "
+                     f"{fix}")
