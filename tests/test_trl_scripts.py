@@ -167,3 +167,12 @@ def test_trl_script_runs_under_trl(name, chat_model_dir, teacher_dir, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     CHECKS[name](last_json(done.stdout), out)
+
+
+def test_the_long_grpo_example_differs_from_its_trl_original_in_the_import_line():
+    """examples/trl_chat/grpo_long.py is grpo_long_trl.py (TRL's) with one line changed: the import."""
+    trl = (ROOT / "examples" / "trl_chat" / "grpo_long_trl.py").read_text()
+    ours = (ROOT / "examples" / "trl_chat" / "grpo_long.py").read_text()
+    assert on_refit(trl) == ours
+    assert [a for a, b in zip(trl.splitlines(), ours.splitlines()) if a != b] == [
+        "from trl import GRPOConfig, GRPOTrainer"]

@@ -18,3 +18,9 @@ def carry_bonus(completions, answer, difficulty, **kwargs):
     """Extra credit for a right sum that carries; None (not applicable: left out of the sum and the mean) otherwise."""
     return [float(_text(c).strip() == a) if d == "carry" else None
             for c, a, d in zip(completions, answer, difficulty)]
+
+
+def digit_share(completions, **kwargs):
+    """The share of the reply's characters that are digits (a graded reward: a long, wordy reply scores low)."""
+    texts = [_text(c) for c in completions]
+    return [sum(ch.isdigit() for ch in t) / len(t) if t else 0.0 for t in texts]
