@@ -1,9 +1,10 @@
 """File integrity shared by every room: sha256 of files, what a folder holds, leftover temporary folders.
 
-Refit writes folders atomically: into ``.NAME.tmp-PID`` beside the target (engines) or
-``checkpoints/.step_N.tmp-PID`` (checkpoints), then one rename. A process killed before the rename
-leaves the temporary folder; :func:`clean_stale_temps` removes those whose process is gone (a live
-PID's folder is another process still writing, and is left alone).
+Refit writes folders and files atomically: into ``.NAME.tmp-PID`` beside the target (engines, ``run.json``,
+``final``, ``manifest.json``, a weight push's scratch ``.NAME.push-XXXX.tmp-PID``) or
+``checkpoints/.step_N.tmp-PID`` (checkpoints), then one rename. A process killed before the rename leaves the
+temporary folder or file; :func:`clean_stale_temps` removes those whose process is gone (a live PID's is another
+process still writing, and is left alone).
 
 Who may write a folder: :func:`hold_folder` takes an OS lock (``fcntl.flock``) on a lock file for the life
 of the process: ``RUN/.refit.lock`` inside a run folder (exclusive), ``.NAME.lock`` beside an engine folder
@@ -147,18 +148,25 @@ def share_folder(lock: str | Path) -> None:
 
 def clean_stale_temps(folder: str | Path, log=print, prefix: str = "") -> list[Path]:
     """Remove ``folder/.NAME.tmp-PID`` (and ``.old-PID``) folders and files left by a process that is gone."""
-    folder, removed = Path(folder), []
+    folder, removed, dirs = Path(folder), [], 0
     if not folder.is_dir():
         return removed
     for p in sorted(folder.iterdir()):
         m = _TEMP.match(p.name)
         if m is None or not p.name.startswith(f".{prefix}") or pid_alive(int(m.group(2))):
             continue
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            dirs += 1
+        else:
+            p.unlink(missing_ok=True)
         removed.append(p)
     if removed:
-        log(f"refit: removed {len(removed)} leftover temporary folder{'s' if len(removed) > 1 else ''} of killed "
-            f"runs in {folder} ({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})")
+        n, files = len(removed), len(removed) - dirs
+        what = (f"folder{'s' if n > 1 else ''}" if not files else f"file{'s' if n > 1 else ''}" if not dirs
+                else "files and folders")
+        log(f"refit: removed {n} leftover temporary {what} of killed runs in {folder} "
+            f"({', '.join(p.name for p in removed[:3])}{', ...' if n > 3 else ''})")
     return removed
 
 

@@ -436,7 +436,8 @@ class OrtEngine(LoopEngine):
         for g, view in views.items():
             self._check_complete(g, view)
         if self._scratch is None:  # absolute: the sessions open engine_dir / file, which must not prefix it again
-            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-",
+            # .NAME.push-XXXX.tmp-PID: a killed run's is removed by the next guard_engine (core/integrity.py)
+            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-", suffix=f".tmp-{os.getpid()}",
                                                   dir=self.engine_dir.parent)).resolve()
         new_version = next_version(self._version, version)
         written: dict[str, Path] = {}

@@ -716,6 +716,73 @@ def test_a_run_that_failed_before_its_first_checkpoint_names_overwrite(tmp_path,
     assert not (e / f".manifest.json.tmp-{dead.pid}").exists()
 
 
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def test_a_killed_record_write_leaves_a_temp_file_that_the_next_start_removes(tmp_path, model_dirs,
+                                                                              default_engine_dirs):
+    """#12: `refit ppo` killed (os._exit) between writing .run.json.tmp-PID and its rename leaves that file; the
+    next start removes it, saying so."""
+    from refit.learner.run.folder import claim
+
+    run = tmp_path / "run"
+    killed = _refit_subprocess(_ppo_argv(model_dirs[GPT2], default_engine_dirs[GPT2], run), "record.before_rename")
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    left = [p.name for p in run.glob(".run.json.tmp-*")]
+    assert len(left) == 1 and not (run / "run.json").exists(), sorted(os.listdir(run))
+    said = []
+    claim(run, _ppo(tmp_path, model_dirs[GPT2]), resume=False, overwrite=False, log=said.append)
+    assert not list(run.glob(".run.json.tmp-*"))
+    assert "which ended without releasing it; taking it over" in said[0], said  # its lock, left by the kill
+    assert f"removed 1 leftover temporary file of killed runs in {run} ({left[0]})" in said[1], said
+
+
+TEMPS = [  # (where, name): every temporary file or folder a killed write leaves, and who removes it on the next start
+    ("run", ".run.json.tmp-{pid}"), ("run", ".final.tmp-{pid}/"), ("run", ".final_engine.tmp-{pid}/"),
+    ("run", ".final_engine.old-{pid}/"), ("run/checkpoints", ".step_000004.tmp-{pid}/"),
+    ("", ".e.tmp-{pid}/"), ("", ".e.old-{pid}/"), ("", ".e.push-k2j4.tmp-{pid}/"), ("e", ".manifest.json.tmp-{pid}"),
+    ("", ".m.tmp-{pid}/"),
+]
+
+
+@pytest.mark.parametrize("where,name", TEMPS, ids=[n.split("-")[0].strip(".") or n for _, n in TEMPS])
+def test_every_killed_writes_temp_is_removed_on_the_next_start_and_a_live_ones_kept(tmp_path, model_dirs,
+                                                                                   default_engine_dirs, where, name):
+    """#12: files (not only folders) of a dead process go on the next start: a run's claim, an engine's guard
+    (refit ppo, refit export, refit generate), build-model; the same name of a live process stays."""
+    from refit.export.guard import guard_engine
+    from refit.learner.build_model import build_model_cli
+    from refit.learner.run.folder import claim
+
+    cfg = _ppo(tmp_path, model_dirs[GPT2])
+    _fake_run(tmp_path / "run", cfg)
+    shutil.copytree(default_engine_dirs[GPT2], tmp_path / "e")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # another process, writing
+    paths = []
+    for pid in (_dead_pid(), live.pid):
+        p = tmp_path / where / name.format(pid=pid).rstrip("/")
+        (p / "x").mkdir(parents=True) if name.endswith("/") else p.write_text("{")
+        paths.append(p)
+    said = []
+    try:
+        if where.startswith("run"):
+            claim(tmp_path / "run", cfg, resume=True, overwrite=False, log=said.append)
+        elif name.startswith(".m."):
+            build_model_cli("tiny-gpt2", tmp_path / "m", 0, False, False)
+        else:
+            guard_engine(model_dirs[GPT2], tmp_path / "e", log=said.append)
+        assert not paths[0].exists() and paths[1].exists()
+    finally:
+        live.kill()
+        live.wait()
+    kind = "folder" if name.endswith("/") else "file"
+    assert name.startswith(".m.") or any(f"removed 1 leftover temporary {kind} of killed runs" in s for s in said), \
+        said
+
+
 def _edit_manifest(engine: Path, fn) -> None:
     m = json.loads((engine / "manifest.json").read_text())
     fn(m)

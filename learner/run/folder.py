@@ -19,7 +19,8 @@ config itself and the sha256 of every model folder it was started from. :func:`c
   are compared resolved (``./r5/``, ``r5`` and its absolute path are one folder), the run folder is the one
   whose ``run.json`` is read (a moved run is the same run), a model folder named by another path is the same
   when its weights are; a model folder whose weights changed since the run started is refused too;
-- leftover ``.step_N.tmp-PID`` checkpoint folders of killed runs are removed (when that PID is gone);
+- what a killed write left in the run folder is removed (when that PID is gone): ``.step_N.tmp-PID`` checkpoint
+  folders, ``.run.json.tmp-PID``, ``.final.tmp-PID`` and any other ``.NAME.tmp-PID`` / ``.NAME.old-PID``;
 - every engine folder the job will use is checked (:func:`guard_engines`): another model's engine is
   refused unless ``overwrite``, a damaged one of this model is exported again.
 """
@@ -37,8 +38,8 @@ from pathlib import Path
 
 from refit.core.contract import weights_hash
 from refit.core.errors import RefitError
-from refit.core.integrity import (HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, folder_holds, folder_names,
-                                  hold_folder)
+from refit.core.integrity import (HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, fault_point, folder_holds,
+                                  folder_names, hold_folder)
 from refit.rollout.build import guard_engine  # the engine folder's guard, through its one entry point
 
 RUN_RECORD = "run.json"
@@ -98,6 +99,7 @@ def write_record(run_dir: Path, record: dict) -> None:
     tmp = run_dir / f".{RUN_RECORD}.tmp-{os.getpid()}"
     try:
         tmp.write_text(json.dumps(record, indent=1))
+        fault_point("record.before_rename")
         os.replace(tmp, run_dir / RUN_RECORD)
     finally:
         tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing; a kill -9: the next claim
@@ -227,7 +229,7 @@ def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
     hold_folder(run_dir / RUN_LOCK, f"run folder {run_dir}", log)
     holds = _holds(run_dir, cfg)  # again, under the lock: another run may have written it in between
     _refuse_foreign(run_dir, holds, resume, overwrite)
-    clean_stale_temps(run_dir, log, prefix=RUN_RECORD)
+    clean_stale_temps(run_dir, log)  # any killed write's: .run.json.tmp-PID, .final.tmp-PID, .engine.tmp-PID, ...
     clean_stale_temps(run_dir / "checkpoints", log, prefix="step_")
     record = read_record(run_dir) if holds == "run" else None
     if resume:
