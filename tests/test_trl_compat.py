@@ -385,6 +385,12 @@ def test_distillation_and_gkd_configs_map_trls_names():
         GKDConfig(no_such=1)
     with pytest.raises(RefitError, match="num_generations=4: one completion per prompt"):
         DistillationConfig(num_generations=4)
+    e = to_distill_config(DistillationConfig(output_dir="o", max_steps=6, eval_strategy="steps", eval_steps=2), "s",
+                          "t", 20, None, 5)
+    assert (e.eval_every, e.eval_size, e.data.eval_split) == (2, 5, "eval")  # eval_dataset: the split 'eval'
+    assert to_distill_config(DistillationConfig(output_dir="o", max_steps=6), "s", "t", 20, None, 5).eval_every == 6
+    with pytest.raises(RefitError, match="eval_strategy='epoch': Refit evaluates by steps"):
+        to_distill_config(DistillationConfig(output_dir="o", max_steps=6, eval_strategy="epoch"), "s", "t", 20, None, 5)
 
 
 def test_gkd_messages_rows_become_prompt_and_completion():
@@ -514,7 +520,10 @@ def test_distillation_and_gkd_trainers_run_with_callbacks(model_dirs, engine_dir
         assert trainer.config.loss == "jsd" and trainer.config.lmbda == (1.0 if cls is DistillationTrainer else 0.5)
         trainer.train()
         assert [e for e in rec.events if e[0] in ("step_end", "evaluate", "log")] == [
-            ("step_end", 1), ("log", 1), ("step_end", 2), ("log", 2), ("evaluate", 2), ("log", 2)]
+            ("step_end", 1), ("log", 1), ("step_end", 2), ("log", 2), ("log", 2), ("evaluate", 2), ("log", 2)]
+        held = trainer.state.log_history[2]
+        assert held["eval_kl_to_teacher"] >= 0 and 0 <= held["eval_accuracy"] <= 1 and trainer.evaluate() == {
+            k: v for k, v in held.items() if k != "step"}
         first = trainer.state.log_history[0]
         for key in ("loss", "grad_norm", "learning_rate", "completions/mean_length", "epoch", "step_time"):
             assert key in first, key
@@ -522,3 +531,43 @@ def test_distillation_and_gkd_trainers_run_with_callbacks(model_dirs, engine_dir
         assert first["loss"] == metrics[1]["loss"] and first["learning_rate"] == 1e-3  # row 0: step 0
         assert trainer.state.log_history[1]["learning_rate"] == pytest.approx(metrics[1]["lr"])  # step 2's
         assert trainer.state.global_step == 2 and trainer.model is not None
+
+
+def test_grpo_eval_dataset_eval_steps_and_evaluate(chat_model_dir, chat_engine_dir, tmp_path):
+    """eval_dataset with eval_strategy='steps': Refit's held-out evaluation every eval_steps, logged in TRL's names
+    (eval_reward, eval_rewards/<f>/mean, eval_completions/mean_length) before on_evaluate; evaluate() returns the
+    last step's, the one metrics.jsonl holds."""
+    from refit.learner.trl import GRPOTrainer
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+    def chars(completions, **kwargs):
+        return [len(c[0]["content"]) / 10 for c in completions]
+
+    rec = _Recorder()
+    refit = {"model.engine_dir": str(chat_engine_dir), "log.plots": False, "export_final": False,
+             "rollout.probe_size": 2}
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=4, learning_rate=1e-3, logging_steps=1, beta=0.02,
+                      eval_strategy="steps", eval_steps=2, use_cpu=True, disable_tqdm=True, refit=refit)
+    with pytest.raises(RefitError, match=r"eval_strategy='steps' needs an eval_dataset"):
+        GRPOTrainer(model=str(chat_model_dir), reward_funcs=correct, args=args, train_dataset=_chat_dataset())
+    trainer = GRPOTrainer(model=str(chat_model_dir), reward_funcs=[correct, chars], args=args,
+                          train_dataset=_chat_dataset(), eval_dataset=_chat_dataset(3), callbacks=[rec])
+    assert trainer.config.eval_steps == 2 and trainer.config.data.eval_split == "eval"
+    with pytest.raises(RefitError, match="nothing evaluated yet"):
+        trainer.evaluate()
+    trainer.train()
+    assert [e for e in rec.events if e[0] == "evaluate"] == [("evaluate", 2), ("evaluate", 4)]
+    evals = [r for r in trainer.state.log_history if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    for r in evals:
+        m = metrics[r["step"]]
+        assert r["eval_reward"] == m["eval/reward/mean"] and r["eval_rewards/chars/mean"] == m["eval/reward/chars/mean"]
+        assert r["eval_completions/mean_length"] == m["eval/response_length"]
+    assert "eval/reward/mean" in metrics[0]  # and at step 0, in metrics.jsonl
+    out = trainer.evaluate()
+    assert out == {k: v for k, v in evals[-1].items() if k != "step"} and rec.events[-1] == ("evaluate", 4)
+    assert trainer.state.log_history[-1]["eval_reward"] == out["eval_reward"]

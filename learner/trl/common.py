@@ -89,6 +89,37 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
     return values
 
 
+def eval_every(a: TrlConfig, steps: int, per: int) -> int:
+    """Refit steps between held-out evaluations: ``eval_steps`` optimizer steps (None: ``logging_steps``, as
+    TRL) with ``eval_strategy='steps'``; with 'no', only the last step (for ``evaluate()``)."""
+    if a.eval_strategy not in ("no", "steps"):
+        raise RefitError(f"eval_strategy={a.eval_strategy!r}: Refit evaluates by steps ('steps', eval_steps) or at "
+                         "the last step only ('no', for evaluate())")
+    if a.eval_strategy == "no":
+        return steps
+    n = steps_of("eval_steps", a.logging_steps if a.eval_steps is None else a.eval_steps, steps * per)
+    return max(1, math.ceil(n / per))
+
+
+def staged_dataset(train: Any, held: Any, run_dir: Path) -> str:
+    """``train`` and ``held`` (``datasets.Dataset`` objects) as one ``save_to_disk`` DatasetDict with the splits
+    'train' and 'eval', staged as ``run_dir/train_dataset`` (the folder ``refit.learner.api`` stages a dataset
+    in); its path."""
+    import shutil
+
+    import datasets
+
+    for what, d in (("train_dataset", train), ("eval_dataset", held)):
+        if not isinstance(d, datasets.Dataset):
+            raise RefitError(f"{what} must be a datasets.Dataset with an eval_dataset, got {type(d).__name__}")
+    out = run_dir / "train_dataset"
+    if out.exists():
+        shutil.rmtree(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    datasets.DatasetDict({"train": train, "eval": held}).save_to_disk(str(out))
+    return str(out)
+
+
 def lr_schedule(optim, total: int):
     """optimizer steps taken -> the learning rate of the next one, from the schedule the jobs build (transformers'
     ``get_scheduler`` with ``optim``'s settings over ``total`` optimizer steps); TRL logs the rate of the step

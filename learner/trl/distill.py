@@ -30,8 +30,10 @@ size                       a Refit step is one optimizer step, so max_steps is r
 
 ``model="refit/demo-student", teacher_model="refit/demo-teacher"`` is Refit's embedded pair (built locally under
 OUTPUT_DIR/models, as ``refit distill``); without ``train_dataset`` it trains on the embedded task. The held-out
-rows are the last ``eval_size`` of the dataset (``refit={"eval_size": N}``); their KL to the teacher is logged
-every ``eval_every`` steps (``eval/kl_to_teacher``, on_evaluate).
+rows are ``eval_dataset``, else the last ``eval_size`` of the dataset (``refit={"eval_size": N}``); their KL to the
+teacher is logged every ``eval_steps`` with ``eval_strategy='steps'`` (else Refit's ``eval_every``), and at the
+last step (``eval_kl_to_teacher``, ``eval_accuracy``; on_evaluate; ``evaluate()`` returns the last). TRL's
+evaluation logs ``eval_loss`` instead, the training loss on held-out prompts.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
-from refit.learner.trl.common import TrlConfig, lora_values, lr_schedule, resolve_model, shared_values, steps_of
+from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
+                                     staged_dataset, steps_of)
 from refit.learner.trl.events import distill_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import DISTILLATION_ARGS, GKD_ARGS
@@ -62,9 +65,11 @@ class GKDConfig(TrlConfig):
 
 
 def to_distill_config(a: TrlConfig, student_dir: str, teacher_dir: str, num_prompts: int | None = None,
-                      peft_config: Any = None):
+                      peft_config: Any = None, num_eval: int | None = None):
     """The :class:`refit.learner.distill.config.DistillConfig` that runs ``a`` with TRL's meanings (the module's
-    table); empty model folders: the embedded pair."""
+    table); empty model folders: the embedded pair. ``num_eval``: the rows of an eval_dataset (the split 'eval',
+    :func:`refit.learner.trl.common.staged_dataset`), evaluated every ``eval_steps`` (``eval_strategy='steps'``)
+    and at the last step."""
     from refit.core.parsing import build, resolve
     from refit.learner.distill.config import DistillConfig
 
@@ -90,7 +95,11 @@ def to_distill_config(a: TrlConfig, student_dir: str, teacher_dir: str, num_prom
         "top_p": 1.0 if gkd else a.top_p, "top_k": 0 if gkd else (a.top_k or 0),
         "max_new_tokens": a.max_new_tokens if gkd else a.max_completion_length,
         **(lora_values(peft_config, student_dir or teacher_dir) if peft_config is not None else {}),
+        **({"eval_every": eval_every(a, steps, 1), "eval_size": num_eval, "data.eval_split": "eval"}
+           if num_eval else {}),
     }
+    if not num_eval and a.eval_strategy == "steps":  # held out: the last eval_size rows of train_dataset
+        values["eval_every"] = eval_every(a, steps, 1)
     values, _ = resolve(DistillConfig, values, {}, "trl")
     extra, _ = resolve(DistillConfig, dict(a.refit), {}, f"{type(a).__name__}(refit=...)")
     return build(DistillConfig, {**values, **extra})
@@ -123,7 +132,6 @@ class DistillationTrainer(TrainerFace):
                  optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None):
         name = type(self).__name__
         for what, v, note in (("data_collator", data_collator, "prompts are batched by the job"),
-                              ("eval_dataset", eval_dataset, "the last eval_size rows of train_dataset are held out"),
                               ("compute_metrics", compute_metrics, "held-out KL to the teacher and accuracy"),
                               ("optimizers", None if tuple(optimizers or (None, None)) == (None, None) else optimizers,
                                "AdamW with optim.* settings"),
@@ -149,9 +157,14 @@ class DistillationTrainer(TrainerFace):
         teacher_dir = "" if all(demo) else resolve_model(teacher_model, None, out / "teacher", "teacher_model")
         if train_dataset is None and not all(demo):
             raise RefitError(f"{name}: train_dataset is required (a datasets.Dataset with 'prompt', or 'messages')")
+        if eval_dataset is not None and train_dataset is None:
+            raise RefitError(f"{name}: eval_dataset needs a train_dataset (the embedded pair holds its own out)")
         self.train_dataset = prompt_completion(train_dataset) if train_dataset is not None else None
+        self.eval_dataset = prompt_completion(eval_dataset) if eval_dataset is not None else None
         n = len(self.train_dataset) if self.train_dataset is not None else None
-        self.config = to_distill_config(args, student_dir, teacher_dir, n, peft_config)
+        self.config = to_distill_config(args, student_dir, teacher_dir, n, peft_config,
+                                        None if eval_dataset is None else len(self.eval_dataset))
+        self.events.eval_in_train = self.eval_dataset is None or args.eval_strategy == "steps"
         self.num_prompts = n or self.config.data.num_prompts
 
     def _hooks(self):
@@ -163,7 +176,9 @@ class DistillationTrainer(TrainerFace):
     def _run(self, hooks, resume: bool):
         from refit.learner.api import run_distill
 
-        return run_distill(self.config, train_dataset=self.train_dataset, resume=resume, hooks=hooks)
+        data = self.train_dataset if self.eval_dataset is None else staged_dataset(
+            self.train_dataset, self.eval_dataset, Path(self.config.run.output_dir))
+        return run_distill(self.config, train_dataset=data, resume=resume, hooks=hooks)
 
 
 class GKDTrainer(DistillationTrainer):

@@ -12,7 +12,8 @@ on_step_begin       before each Refit step (should_log / should_evaluate / shoul
 on_step_end         after it: ``state.global_step`` advanced by the step's optimizer steps
 on_log              when logging is due (logging_steps, logging_first_step, the last step), with the row
                     appended to ``state.log_history``: each value the mean over the steps since the last row
-on_evaluate         after a step that ran Refit's held-out evaluation (distillation's ``eval/*``), with them
+on_evaluate         after a step that ran Refit's held-out evaluation (``eval_steps``), its metrics in TRL's names
+                    (``eval_reward``, ``eval_kl_to_teacher``, ...) logged first, as transformers' evaluate()
 on_save             after a checkpoint was written (ckpt.save_steps, or ``control.should_save``)
 on_train_end        after the run; the final row (train_runtime, train_loss, ...) is logged first, as TRL does
 ==================  ==========================================================================================
@@ -58,6 +59,24 @@ def grpo_row(m: dict, kl_coef: float, kl_in_loss: bool) -> dict[str, float]:
     return row
 
 
+def eval_row(evals: dict) -> dict[str, float]:
+    """TRL's names for Refit's held-out evaluation (``eval/...``): ``eval_reward``, ``eval_reward_std``,
+    ``eval_rewards/<func>/mean``, ``eval_completions/mean_length``; any other ``eval/X`` as ``eval_X``
+    (distillation: ``eval_kl_to_teacher``, ``eval_accuracy``)."""
+    out = {}
+    for k, v in evals.items():
+        name = k.removeprefix("eval/")
+        parts = name.split("/")
+        if name in ("reward/mean", "reward/std"):
+            key = "eval_reward" + ("_std" if parts[1] == "std" else "")
+        elif len(parts) == 3 and parts[0] == "reward":
+            key = f"eval_rewards/{parts[1]}/{parts[2]}"
+        else:
+            key = "eval_completions/mean_length" if name == "response_length" else "eval_" + name
+        out[key] = v
+    return out
+
+
 def distill_row(m: dict) -> dict[str, float]:
     """TRL DistillationTrainer / GKDTrainer names for a distillation step's metrics ``m``."""
     return {trl: m[ours] for trl, ours in DISTILL_NAMES.items() if m.get(ours) is not None}
@@ -76,6 +95,8 @@ class Events:
         self.control = TrainerControl()
         self.processing_class = processing_class
         self.model = None  # the policy the callbacks are shown (the model object given in; the trained one at the end)
+        self.eval_in_train = True  # a held-out evaluation during the run is logged and fires on_evaluate
+        self.last_eval: dict | None = None  # the last held-out evaluation, in TRL's names (evaluate() returns it)
 
     # -------------------------------------------------------------- the callback list (transformers' semantics)
 
@@ -153,7 +174,9 @@ class Events:
                 window.clear()
             evals = {k: v for k, v in m.items() if k.startswith("eval/")}
             if evals:
-                self.fire("on_evaluate", metrics=evals)
+                self.last_eval = {**eval_row(evals), "epoch": s.epoch}
+                if self.eval_in_train:
+                    self.evaluated(dict(self.last_eval))
             c = self.control
             return StepControl(save=bool(c.should_save), stop=bool(c.should_training_stop), metrics=trl)
 
@@ -166,6 +189,11 @@ class Events:
         """transformers' ``Trainer.log``: the row, with ``step``, into ``log_history``; then on_log."""
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.fire("on_log", logs=logs)
+
+    def evaluated(self, metrics: dict[str, float]) -> None:
+        """transformers' evaluate(): the metrics logged (a log_history row, on_log), then on_evaluate."""
+        self.log(metrics)
+        self.fire("on_evaluate", metrics=metrics)
 
     def begin(self, model=None) -> None:
         self.model = model

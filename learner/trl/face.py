@@ -1,5 +1,6 @@
-"""The surface every TRL trainer shares: ``train``, ``save_model``, ``add_callback`` / ``pop_callback`` /
-``remove_callback``, ``state``, ``args``, ``model`` (the trained policy after ``train``), ``processing_class``.
+"""The surface every TRL trainer shares: ``train``, ``evaluate``, ``save_model``, ``add_callback`` /
+``pop_callback`` / ``remove_callback``, ``state``, ``args``, ``model`` (the trained policy after ``train``),
+``processing_class``.
 A trainer says how its job runs (:meth:`TrainerFace._run`); the rest is here."""
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ class TrainerFace(ABC):
         loss = self.events.end(self._samples_per_step())
         return TrainOutput(global_step=self.state.global_step, training_loss=loss,
                            metrics=dict(self.state.log_history[-1]))
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """TRL's ``evaluate()``: the held-out metrics of the trained model in TRL's names (``eval_reward``, ...;
+        distillation: ``eval_kl_to_teacher``, ...), logged and passed to on_evaluate. Refit evaluates inside its
+        run, at the last step always when the trainer has an ``eval_dataset`` (and every ``eval_steps`` with
+        ``eval_strategy='steps'``): this returns that last evaluation, which saw the final weights."""
+        name = type(self).__name__
+        if eval_dataset is not None or metric_key_prefix != "eval":
+            raise RefitError(f"{name}.evaluate: Refit evaluates the eval_dataset given to the trainer, under the "
+                             "'eval_' prefix (pass eval_dataset to the trainer)")
+        if self.events.last_eval is None:
+            raise RefitError(f"{name}.evaluate: nothing evaluated yet; Refit evaluates inside train() (give the "
+                             "trainer an eval_dataset, then call train())")
+        metrics = {k: v for k, v in self.events.last_eval.items() if k not in (ignore_keys or ())}
+        self.events.evaluated(dict(metrics))
+        return metrics
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model as a save_pretrained folder (OUTPUT_DIR/final, copied to ``output_dir``)."""

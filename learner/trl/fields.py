@@ -73,6 +73,11 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "save_steps": _h(500, "ckpt.save_steps (a float < 1: of max_steps); should_save from a callback saves too"),
     "save_strategy": _h("steps", "'steps' (save_steps) or 'no' (one checkpoint, at the last step: --resume)"),
     "save_total_limit": _h(None, "ckpt.keep_checkpoints"),
+    "eval_strategy": _h("no", "'steps': Refit's held-out evaluation of eval_dataset every eval_steps (PPO: "
+                              "eval_steps, greedy, one completion a prompt; distillation: eval_every, KL to the "
+                              "teacher); 'no': at the last step only, for evaluate()"),
+    "eval_steps": _h(None, "optimizer steps between evaluations (None: logging_steps, as TRL; a float < 1: of "
+                           "max_steps)"),
     "logging_dir": _a(None, "TensorBoard events go to OUTPUT_DIR/tb"),
     "run_name": _a(None, _NO_EFFECT),
     "log_level": _a("passive", _NO_EFFECT),
@@ -85,7 +90,7 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "gradient_checkpointing": _a(False, "memory only, not numbers"),
     "gradient_checkpointing_kwargs": _a(None, "memory only, not numbers"),
     "remove_unused_columns": _a(False, "every column rides along to the reward functions"),
-    "per_device_eval_batch_size": _a(8, "no evaluation loop of TRL's kind here"),
+    "per_device_eval_batch_size": _a(8, "the held-out prompts are generated in the engine's batches"),
     "save_only_model": _a(False, "Refit's checkpoints always hold the optimizer (--resume)"),
     "save_safetensors": _a(True, "always safetensors"),
     "skip_memory_metrics": _a(True, _NO_EFFECT),
@@ -150,7 +155,6 @@ GRPO_ARGS: dict[str, TrlField] = {
     "sync_ref_model": _r(False, "not supported: the reference stays the step-0 policy"),
     "multi_objective_aggregation": _r("sum_then_normalize", "not supported: weighted sum, then the group baseline"),
     "num_generations_eval": _r(None, "not supported"),
-    "eval_strategy": _r("no", "not in GRPOTrainer: `refit ppo` has eval_steps with data.eval_split"),
     "vllm_importance_sampling_correction": _r(True, "the engine's mismatch is checked every push (probe_tol); "
                                                     "refit={'mismatch_correction': 'tis'} corrects it"),
     "max_prompt_length": _r(None, "not supported: prompts are kept whole (a prompt too long for the model is refused)"),
@@ -174,8 +178,6 @@ _DISTILL_COMMON: dict[str, TrlField] = {
     "disable_dropout": _r(True, "Refit's student trains without dropout"),
     "model_init_kwargs": _a(None, "the model folders are loaded as saved"),
     "teacher_model_init_kwargs": _a(None, "the teacher folder is loaded as saved"),
-    "eval_strategy": _r("no", "held out: the last eval_size rows (refit={'eval_size': N}), KL to the teacher every "
-                              "eval_every steps (on_evaluate)"),
     "use_vllm": _r(False, _GEN),
 }
 

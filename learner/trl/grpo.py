@@ -27,8 +27,12 @@ gradient_accumulation_steps; num_ppo_epochs = num_iterations; ``max_steps`` and 
 steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its kind and its Refit setting:
 :mod:`refit.learner.trl.fields` (docs/trl-facade.md).
 
-Departures kept visible: Refit always scores the frozen reference (TRL skips it when beta is 0; the KL is
-logged either way); the held-out evaluation (``eval_steps``) is not offered here (``refit ppo`` has it).
+``eval_dataset``: Refit's held-out evaluation (``refit ppo``'s ``eval_steps``) every ``eval_steps`` optimizer steps
+with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`` returns; logged as
+``eval_reward``, ``eval_rewards/<func>/mean``, ``eval_completions/mean_length`` with on_evaluate.
+
+Departures kept visible: the evaluation generates one greedy completion per held-out prompt (TRL samples
+``num_generations_eval`` and also logs an ``eval_loss``).
 RLOOTrainer: TRL's RLOO clips a per-sequence ratio and averages over sequences; Refit's PPO loss clips per token
 and normalises by the token count. With num_iterations 1 (the default) the ratio is 1 at the only pass, and the
 two gradients differ by one positive factor per minibatch (its mean completion length).
@@ -42,7 +46,8 @@ from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
 from refit.learner.ppo.config import TRL_HINTS
-from refit.learner.trl.common import TrlConfig, lora_values, lr_schedule, resolve_model, shared_values, steps_of
+from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
+                                     staged_dataset, steps_of)
 from refit.learner.trl.events import grpo_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
@@ -117,10 +122,11 @@ def rollouts(a: GRPOConfig, per: int, prompts: int, num_prompts: int | None) -> 
 
 
 def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None, reward_specs: tuple = (),
-                  peft_config: Any = None):
+                  peft_config: Any = None, has_eval: bool = False):
     """The :class:`refit.learner.ppo.config.PPOConfig` that runs ``a`` with TRL's meanings (the module's mapping).
     ``num_prompts``: training prompts, for ``num_train_epochs`` when ``max_steps`` is not set; ``reward_specs``:
-    the reward functions as the saved config names them (``refit.learner.ppo.rewards.spec_of``)."""
+    the reward functions as the saved config names them (``refit.learner.ppo.rewards.spec_of``); ``has_eval``: an
+    eval_dataset comes as the split 'eval' (:func:`refit.learner.trl.common.staged_dataset`)."""
     from refit.core.parsing import build, resolve
     from refit.learner.ppo.config import PPOConfig
 
@@ -144,6 +150,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
         **lora_values(peft_config, model_dir),
+        **({"eval_steps": eval_every(a, steps, per), "data.eval_split": "eval"} if has_eval else {}),
     }
     values, _ = resolve(PPOConfig, values, {}, "trl")  # every name checked (top_p -> sampling.top_p)
     extra, _ = resolve(PPOConfig, dict(a.refit), {}, f"{type(a).__name__}(refit=...)")
@@ -160,9 +167,8 @@ class GRPOTrainer(TrainerFace):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None):
         name = type(self).__name__
-        for what, v, ok, note in (("eval_dataset", eval_dataset, None, "`refit ppo` with data.eval_split and "
-                                   "eval_steps"), ("reward_processing_classes", reward_processing_classes, None,
-                                                   "a classifier folder's own tokenizer"),
+        for what, v, ok, note in (("reward_processing_classes", reward_processing_classes, None,
+                                   "a classifier folder's own tokenizer"),
                                   ("optimizers", tuple(optimizers or (None, None)), (None, None),
                                    "AdamW with optim.* settings")):
             if v != ok:
@@ -174,15 +180,19 @@ class GRPOTrainer(TrainerFace):
             raise RefitError(f"{name}: args must be a {self.config_class.__name__}, got {type(args).__name__}")
         if train_dataset is None:
             raise RefitError(f"{name}: train_dataset is required (a datasets.Dataset with a 'prompt' column)")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise RefitError(f"{name}: eval_strategy={args.eval_strategy!r} needs an eval_dataset (as in TRL)")
         super().__init__(args, callbacks, processing_class, model)
-        self.train_dataset = train_dataset
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.events.eval_in_train = args.eval_strategy == "steps"
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         model_dir = resolve_model(model, self.processing_class, Path(args.output_dir) / "model")
         n = len(train_dataset) if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, str) else None
         from refit.learner.ppo.rewards import spec_of
 
         # the PPOConfig that runs (saved as OUTPUT_DIR/config.yaml)
-        self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs), peft_config)
+        self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs), peft_config,
+                                    has_eval=eval_dataset is not None)
         self.num_prompts = n
 
     def _hooks(self):
@@ -201,8 +211,9 @@ class GRPOTrainer(TrainerFace):
     def _run(self, hooks, resume: bool):
         from refit.learner.api import run_ppo
 
-        return run_ppo(self.config, reward_funcs=self.reward_funcs, train_dataset=self.train_dataset, resume=resume,
-                       hooks=hooks)
+        data = self.train_dataset if self.eval_dataset is None else staged_dataset(
+            self.train_dataset, self.eval_dataset, Path(self.config.run.output_dir))
+        return run_ppo(self.config, reward_funcs=self.reward_funcs, train_dataset=data, resume=resume, hooks=hooks)
 
 
 class RLOOTrainer(GRPOTrainer):
