@@ -73,9 +73,9 @@ def test_other_trl_names_and_defaults():
     assert c.ckpt.save_steps == 2  # 3 optimizer steps -> the rollout boundary at or after it (2 per rollout)
     assert c.optim.warmup_steps == 2 and c.optim.lr_scheduler_type == "linear"  # TRL's (HF's) default schedule
     assert c.rollout.backend == "torch" and c.reward_weights == (1.0, 0.5)
-    d = _ppo(max_steps=1)  # TRL's defaults: 1e-6, 256 tokens, 8 generations, seed 42, no TensorBoard
+    d = _ppo(max_steps=1)  # TRL 1.16's defaults: 1e-6, 512 tokens, 8 generations, seed 42, no TensorBoard
     assert (d.optim.learning_rate, d.response_length, d.num_generations, d.run.seed, d.log.tensorboard) == (
-        1e-6, 256, 8, 42, False)
+        1e-6, 512, 8, 42, False)
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -372,7 +372,7 @@ def test_distillation_and_gkd_configs_map_trls_names():
     assert (d.lmbda, d.loss, d.beta, d.sampling.temperature, d.loss_temperature, d.max_new_tokens) == (
         1.0, "jsd", 0.3, 0.8, 0.8, 12)
     assert (d.run.steps, d.run.batch_size, d.optim.gradient_accumulation_steps, d.run.device) == (5, 8, 2, "cpu")
-    assert (d.sampling.top_p, d.student.model_dir, d.teacher.model_dir, d.optim.learning_rate) == (0.95, "s", "t",
+    assert (d.sampling.top_p, d.student.model_dir, d.teacher.model_dir, d.optim.learning_rate) == (1.0, "s", "t",
                                                                                                       1e-6)
     g = to_distill_config(GKDConfig(output_dir="o", max_steps=3, lmbda=0.25), "s", "t")
     assert (g.lmbda, g.beta, g.sampling.temperature, g.max_new_tokens, g.seq_kd, g.loss) == (0.25, 0.5, 0.9, 128,

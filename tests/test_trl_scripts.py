@@ -176,3 +176,35 @@ def test_the_long_grpo_example_differs_from_its_trl_original_in_the_import_line(
     assert on_refit(trl) == ours
     assert [a for a, b in zip(trl.splitlines(), ours.splitlines()) if a != b] == [
         "from trl import GRPOConfig, GRPOTrainer"]
+
+
+DUMP_FIELDS = """
+import dataclasses, json
+from trl import DistillationConfig, GRPOConfig, RLOOConfig
+from trl.experimental.gkd import GKDConfig
+def default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+print(json.dumps({c.__name__: {f.name: repr(default(f)) for f in dataclasses.fields(c) if f.init}
+                  for c in (GRPOConfig, RLOOConfig, DistillationConfig, GKDConfig)}))
+"""
+
+
+@pytest.mark.slow  # TRL's import: ~10 s
+@pytest.mark.skipif(not TRL_PYTHON.is_file(), reason=f"no TRL environment at {TRL_PYTHON}")
+def test_the_field_tables_hold_every_field_of_trls_configs_with_trls_defaults():
+    """learner/trl/fields.py against TRL 1.16 itself: every field of its four configs is in the tables (the counts
+    of docs/trl-facade.md are of these), nothing else but NOT_IN_TRL_116, each at TRL's default."""
+    from refit.learner.trl.fields import CONFIG_FIELDS, NOT_IN_TRL_116
+
+    done = subprocess.run([str(TRL_PYTHON), "-c", DUMP_FIELDS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    trl = last_json(done.stdout)
+    resolved = {"output_dir": "None", "disable_tqdm": "None"}  # TRL's None, resolved in __post_init__ as ours is
+    for name, table in CONFIG_FIELDS.items():
+        assert set(table) - NOT_IN_TRL_116[name] == set(trl[name]), name
+        wrong = {k: (repr(f.default), trl[name][k]) for k, f in table.items()
+                 if k in trl[name] and repr(f.default) != trl[name][k] and resolved.get(k) != trl[name][k]}
+        assert not wrong, (name, wrong)

@@ -33,13 +33,16 @@ class TrlConfig:
         self.refit = dict(kw.get("refit") or {})
         self.given = dict(kw)
         self.ignored = {k: v for k, v in kw.items() if self.FIELDS[k].kind == "accepted"}  # taken, no effect
+        if self.optim not in ("adamw_torch_fused", "adamw_torch"):
+            raise RefitError(f"{name}: optim={self.optim!r}: Refit's optimizer is torch's AdamW ('adamw_torch_fused' "
+                             "or 'adamw_torch')")
         if self.bf16 and self.on_cpu:
             raise RefitError(f"{name}: bf16=True with use_cpu: Refit's CPU learner runs fp32 (bf16 autocast is CUDA "
                              "only); leave bf16 unset or False")
 
     @property
     def on_cpu(self) -> bool:
-        return bool(self.use_cpu or self.no_cuda)
+        return bool(self.use_cpu or self.no_cuda)  # no_cuda: the older name (transformers 4)
 
     def to_dict(self) -> dict[str, Any]:
         """The config's names and values (as TRL's ``to_dict``), refused ones at their only value."""

@@ -76,6 +76,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "eval_strategy": _h("no", "'steps': Refit's held-out evaluation of eval_dataset every eval_steps (PPO: "
                               "eval_steps, greedy, one completion a prompt; distillation: eval_every, KL to the "
                               "teacher); 'no': at the last step only, for evaluate()"),
+    "eval_on_start": _a(False, "Refit evaluates at step 0 whenever it evaluates (metrics.jsonl's step-0 row; no "
+                               "log_history row)"),
     "eval_steps": _h(None, "optimizer steps between evaluations (None: logging_steps, as TRL; a float < 1: of "
                            "max_steps)"),
     "logging_dir": _a(None, "TensorBoard events go to OUTPUT_DIR/tb"),
@@ -87,7 +89,7 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "dataloader_num_workers": _a(0, "prompts are read in-process; there is no DataLoader"),
     "dataloader_pin_memory": _a(True, "there is no DataLoader"),
     "dataloader_persistent_workers": _a(False, "there is no DataLoader"),
-    "gradient_checkpointing": _a(False, "memory only, not numbers"),
+    "gradient_checkpointing": _a(True, "memory only, not numbers"),
     "gradient_checkpointing_kwargs": _a(None, "memory only, not numbers"),
     "remove_unused_columns": _a(False, "every column rides along to the reward functions"),
     "per_device_eval_batch_size": _a(8, "the held-out prompts are generated in the engine's batches"),
@@ -101,7 +103,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "push_to_hub": _r(False, "nothing leaves the machine: OUTPUT_DIR/final is a save_pretrained folder"),
     "fp16": _r(False, "fp32, or bf16 autocast on CUDA (bf16)"),
     "data_seed": _r(None, "the data order follows seed"),
-    "optim": _r("adamw_torch", "torch's AdamW (optim.* settings)"),
+    "optim": _h("adamw_torch_fused", "'adamw_torch_fused' / 'adamw_torch': torch's AdamW (optim.* settings); any "
+                                     "other optimizer is refused"),
     "adam_beta1": _r(0.9, "torch's AdamW betas (0.9, 0.999)"),
     "adam_beta2": _r(0.999, "torch's AdamW betas (0.9, 0.999)"),
     "adam_epsilon": _r(1e-8, "torch's AdamW eps 1e-8"),
@@ -114,7 +117,68 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "resume_from_checkpoint": _r(None, "call train(resume_from_checkpoint=True)"),
 }
 
+_ONE = "one process: nothing to distribute"
+_EVAL = "Refit's held-out evaluation runs in its engine, not transformers' evaluation loop"
+_NO_LOADER = "there is no DataLoader"
+MORE_TRAINING_ARGS: dict[str, TrlField] = {
+    **{k: _a(d, _ONE) for k, d in (("accelerator_config", None), ("average_tokens_across_devices", True),
+                                   ("ddp_backend", None), ("ddp_broadcast_buffers", None), ("ddp_bucket_cap_mb", None),
+                                   ("ddp_static_graph", None), ("ddp_timeout", 1800), ("fsdp_config", None),
+                                   ("local_rank", -1), ("log_on_each_node", True), ("parallelism_config", None),
+                                   ("save_on_each_node", False))},
+    **{k: _a(d, _EVAL) for k, d in (("batch_eval_metrics", False), ("bf16_full_eval", False), ("do_eval", False),
+                                    ("eval_accumulation_steps", None), ("eval_delay", 0),
+                                    ("eval_do_concat_batches", True), ("eval_use_gather_object", False),
+                                    ("fp16_full_eval", False), ("include_for_metrics", []), ("label_names", None),
+                                    ("prediction_loss_only", False), ("greater_is_better", None),
+                                    ("metric_for_best_model", None))},
+    **{k: _a(d, _NO_LOADER) for k, d in (("dataloader_drop_last", False), ("dataloader_in_order", True),
+                                         ("dataloader_multiprocessing_context", None),
+                                         ("dataloader_prefetch_factor", None), ("length_column_name", "length"),
+                                         ("train_sampling_strategy", "random"))},
+    **{k: _a(d, "memory only, not numbers") for k, d in (("activation_checkpointing", None),
+                                                        ("activation_checkpointing_kwargs", None),
+                                                        ("torch_empty_cache_steps", None))},
+    **{k: _a(d, "push_to_hub is refused; report_to decides what is written") for k, d in (
+        ("hub_always_push", False), ("hub_revision", None), ("hub_token", None), ("project", "huggingface"),
+        ("trackio_bucket_id", None), ("trackio_space_id", None), ("trackio_static_space_id", None))},
+    **{k: _a(d, "torch_compile / use_liger_kernel are refused") for k, d in (
+        ("torch_compile_backend", None), ("torch_compile_mode", None), ("liger_kernel_config", None))},
+    "debug": _a("", _NO_EFFECT),
+    "do_predict": _a(False, _NO_EFFECT),
+    "enable_jit_checkpoint": _a(False, "Refit checkpoints every save_steps"),
+    "full_determinism": _a(False, "Refit's runs are seeded (run.seed)"),
+    "ignore_data_skip": _a(False, "a resumed run continues from its saved data position"),
+    "include_num_input_tokens_seen": _a("no", _NO_EFFECT),
+    "logging_nan_inf_filter": _a(True, "a non-finite step stops the run in one line, naming the last checkpoint"),
+    "tf32": _a(None, "torch's TF32 setting is left as it is"),
+    "use_cache": _a(False, "the learner's forward passes are whole sequences; the engine keeps its own KV cache"),
+    "auto_find_batch_size": _r(False, "the batch is as configured; one that cannot fit is refused before the run"),
+    "load_best_model_at_end": _r(False, "OUTPUT_DIR/final is the last step's model"),
+    "neftune_noise_alpha": _r(None, "not supported"),
+    "optim_args": _r(None, "torch's AdamW with the optim.* settings"),
+    "optim_target_modules": _r(None, "every trainable parameter is optimised (peft_config: the adapter)"),
+    "restore_callback_states_from_checkpoint": _r(False, "callbacks start afresh on resume"),
+}
+
+# names a script may pass that TRL 1.16 (transformers 5) no longer has; taken, and not counted as TRL's
+_OLDER = {"no_cuda", "logging_dir", "overwrite_output_dir", "save_safetensors", "warmup_ratio", "refit"}
+
 _GEN = "generation runs on Refit's engine: rollout.backend via refit={'rollout.backend': ...}"
+_NO_VLLM = "use_vllm is refused: " + _GEN
+_VLLM = ("vllm_mode", "colocate"), ("vllm_model_impl", "vllm"), ("vllm_enable_sleep_mode", False), (
+    "vllm_structured_outputs_regex", None), ("vllm_server_base_url", None), ("vllm_server_host", "0.0.0.0"), (
+    "vllm_server_port", 8000), ("vllm_server_timeout", 240.0), ("vllm_group_port", 51216), (
+    "vllm_gpu_memory_utilization", 0.3), ("vllm_max_model_length", None), ("vllm_tensor_parallel_size", 1)
+_ONLINE = {  # the generation options GRPO, RLOO and Distillation share
+    **{k: _a(d, _NO_VLLM) for k, d in _VLLM},
+    "cache_implementation": _a(None, _GEN),
+    "pad_to_multiple_of": _a("auto", _NO_EFFECT),
+    "chat_template_kwargs": _r(None, "the chat template is rendered as saved, add_generation_prompt=True"),
+}
+_TRANSFORMERS_GEN = {k: _a(d, _GEN) for k, d in (("use_transformers_continuous_batching", False),
+                                                 ("transformers_continuous_batching_config", None),
+                                                 ("use_transformers_paged", False))}
 
 # GRPOConfig's own fields (TRL's GRPO trainer); RLOOConfig shares them with other defaults
 GRPO_ARGS: dict[str, TrlField] = {
@@ -124,7 +188,7 @@ GRPO_ARGS: dict[str, TrlField] = {
     "steps_per_generation": _h(None, "num_mini_batches = steps_per_generation / gradient_accumulation_steps"),
     "generation_batch_size": _h(None, "completions per generation (instead of steps_per_generation)"),
     "num_iterations": _h(1, "num_ppo_epochs (Refit reshuffles each pass; TRL replays in order)"),
-    "max_completion_length": _h(256, "response_length"),
+    "max_completion_length": _h(512, "response_length"),
     "beta": _h(0.0, "kl_coef with kl_penalty=loss, kl_estimator=k3 (a k3 term in each token's loss)"),
     "epsilon": _h(0.2, "cliprange"),
     "epsilon_high": _h(None, "only None or equal to epsilon (Refit clips symmetrically)"),
@@ -144,6 +208,13 @@ GRPO_ARGS: dict[str, TrlField] = {
     "model_init_kwargs": _a(None, "the model folder is loaded as saved"),
     "shuffle_dataset": _a(True, "Refit draws prompts in a seeded order"),
     "disable_dropout": _a(False, "Refit's policy forward runs without dropout"),
+    **MORE_TRAINING_ARGS, **_ONLINE, **_TRANSFORMERS_GEN,
+    "trust_remote_code": _a(False, "local folders of transformers' own architectures"),
+    "log_multimodal": _a(True, _LOGS),
+    "ref_model_mixup_alpha": _a(0.6, "sync_ref_model is refused"),
+    "ref_model_sync_steps": _a(512, "sync_ref_model is refused"),
+    "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
+    "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
     "use_vllm": _r(False, _GEN),
     "mask_truncated_completions": _r(False, "not supported"),
     "importance_sampling_level": _r("token", "not supported: Refit's ratios are per token"),
@@ -158,10 +229,34 @@ GRPO_ARGS: dict[str, TrlField] = {
     "vllm_importance_sampling_correction": _r(True, "the engine's mismatch is checked every push (probe_tol); "
                                                     "refit={'mismatch_correction': 'tis'} corrects it"),
     "max_prompt_length": _r(None, "not supported: prompts are kept whole (a prompt too long for the model is refused)"),
+    "use_bias_correction_kl": _a(True, "departure at beta != 0: Refit's KL term is beta x k3, not multiplied by the "
+                                       "ratio (as False); TRL's True adds k3 x the ratio's gradient"),
+    "entropy_coef": _r(0.0, "not supported: no entropy bonus"),
+    "use_adaptive_entropy": _r(False, "not supported: no entropy bonus"),
+    **{k: _a(d, "entropy_coef / use_adaptive_entropy are refused") for k, d in (
+        ("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0), ("entropy_coef_delta", 0.005), ("entropy_target", 0.2))},
+    **{k: _a(d, "only for loss_type 'sapo' / 'vespo', which are refused") for k, d in (
+        ("sapo_temperature_neg", 1.05), ("sapo_temperature_pos", 1.0), ("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0),
+        ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
+    **{k: _a(d, _NO_VLLM) for k, d in (("vllm_importance_sampling_mode", "sequence_mask"),
+                                       ("vllm_importance_sampling_cap", None),
+                                       ("vllm_importance_sampling_clip_min", None),
+                                       ("vllm_importance_sampling_clip_max", 3.0))},
+    "off_policy_mask_threshold": _r(None, "not supported"),
+    "log_completions_hub_repo": _r(None, "nothing leaves the machine: completions go to OUTPUT_DIR/completions.jsonl"),
 }
 
+# GRPOConfig's names that TRL 1.16's RLOOConfig does not have (refused there as unknown, as TRL does)
+_GRPO_ONLY = {"cast_lm_head_to_fp32", "delta", "importance_sampling_level", "multi_objective_aggregation",
+              "top_entropy_quantile", "vllm_importance_sampling_correction", "use_bias_correction_kl", "entropy_coef",
+              "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+              "vespo_lambda_neg", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+              "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "off_policy_mask_threshold",
+              "log_completions_hub_repo", "max_tool_calling_iterations"}
+
 RLOO_ARGS: dict[str, TrlField] = {
-    **GRPO_ARGS,
+    **{k: f for k, f in GRPO_ARGS.items() if k not in _GRPO_ONLY},
     "num_generations": _h(2, "num_generations (completions per prompt)"),
     "beta": _h(0.05, "kl_coef with kl_penalty=reward, kl_estimator=k1 (the summed k1 subtracted from the score)"),
     "max_completion_length": _h(512, "response_length"),
@@ -175,9 +270,10 @@ _DISTILL_COMMON: dict[str, TrlField] = {
                                          "gradient_accumulation_steps prompts, one completion each"),
     "beta": _h(1.0, "beta of the generalised JSD (loss=jsd; 0: KL(teacher||student), 1: KL(student||teacher))"),
     "refit": _h(None, "Refit's own: any DistillConfig field by dotted path ({'eval_size': 8})"),
-    "disable_dropout": _r(True, "Refit's student trains without dropout"),
+    "disable_dropout": _a(False, "Refit's student always trains without dropout (as True)"),
     "model_init_kwargs": _a(None, "the model folders are loaded as saved"),
     "teacher_model_init_kwargs": _a(None, "the teacher folder is loaded as saved"),
+    **MORE_TRAINING_ARGS,
     "use_vllm": _r(False, _GEN),
 }
 
@@ -186,7 +282,7 @@ DISTILLATION_ARGS: dict[str, TrlField] = {
     "learning_rate": _h(1e-6, "optim.learning_rate"),
     "temperature": _h(1.0, "sampling.temperature and loss_temperature"),
     "max_completion_length": _h(512, "max_new_tokens"),
-    "top_p": _h(0.95, "sampling.top_p"),
+    "top_p": _h(1.0, "sampling.top_p"),
     "top_k": _h(0, "sampling.top_k"),
     "teacher_model_name_or_path": _h(None, "teacher.model_dir when teacher_model is not given"),
     "num_generations": _r(1, "one completion per prompt"),
@@ -196,6 +292,14 @@ DISTILLATION_ARGS: dict[str, TrlField] = {
     "log_completions": _a(False, _LOGS),
     "log_completions_steps": _a(100, _LOGS),
     "num_completions_to_print": _a(None, _LOGS),
+    **_ONLINE,
+    "ds3_gather_for_generation": _a(True, "no DeepSpeed"),
+    "log_unique_prompts": _a(False, _LOGS),
+    "shuffle_dataset": _a(True, "Refit draws prompts in a seeded order"),
+    "generation_kwargs": _r(None, "not supported: temperature, top_k, top_p"),
+    "min_p": _r(None, "not supported: top_k, top_p"),
+    "repetition_penalty": _r(1.0, "not supported"),
+    "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
 }
 
 GKD_ARGS: dict[str, TrlField] = {
@@ -214,10 +318,32 @@ GKD_ARGS: dict[str, TrlField] = {
     "completion_only_loss": _a(None, "the loss is on completion tokens only"),
     "assistant_only_loss": _r(False, "the loss is on the completion (the last assistant turn)"),
     "dataset_kwargs": _a(None, _NO_EFFECT),
+    "remove_unused_columns": _a(True, "GKD reads 'messages' (or 'prompt' and 'completion')"),
+    "trust_remote_code": _a(False, "local folders of transformers' own architectures"),
+    "activation_offloading": _a(False, "memory only, not numbers"),
+    "dataset_num_proc": _a(None, _NO_EFFECT),
+    "eval_packing": _a(None, "packing is refused"),
+    "packing_strategy": _a("bfd", "packing is refused"),
+    "padding_free": _a(False, "memory only, not numbers"),
+    "truncation_mode": _a("keep_start", "prompts are kept whole (a prompt too long for the model is refused)"),
+    "shuffle_dataset": _a(False, "Refit draws prompts in a seeded order"),
+    "loss_type": _a("nll", "GKD's loss is the generalised JSD (beta), as in TRL"),
+    "pad_to_multiple_of": _a("auto", _NO_EFFECT),
+    "disable_dropout": _a(True, "Refit's student trains without dropout"),
+    "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
+    "chat_template_path": _r(None, "the tokenizer's own chat template"),
+    "eos_token": _r(None, "the tokenizer's EOS (and end-of-turn) tokens end a completion"),
+    "pad_token": _r(None, "the tokenizer's pad token"),
 }
 
 CONFIG_FIELDS = {"GRPOConfig": GRPO_ARGS, "RLOOConfig": RLOO_ARGS, "DistillationConfig": DISTILLATION_ARGS,
                  "GKDConfig": GKD_ARGS}
+# per config, the names it takes that are not fields of TRL 1.16's config (older transformers / TRL names, Refit's
+# own ``refit``, and two GRPO names RLOO's mapping reads at their GRPO defaults); the counts leave them out
+NOT_IN_TRL_116 = {"GRPOConfig": _OLDER | {"max_prompt_length"},
+                  "RLOOConfig": _OLDER | {"max_prompt_length", "loss_type", "scale_rewards"},
+                  "DistillationConfig": _OLDER | {"num_generations", "generation_batch_size", "log_completions_steps"},
+                  "GKDConfig": _OLDER | {"use_vllm"}}
 
 
 def check_values(owner: str, table: dict[str, TrlField], given: dict[str, Any], hints: dict[str, str]) -> None:
@@ -237,8 +363,10 @@ def _same(value, default) -> bool:
     return value == default or (value in empty and default in empty)
 
 
-def counts(table: dict[str, TrlField]) -> dict[str, int]:
-    return {k: sum(f.kind == k for f in table.values()) for k in KINDS}
+def counts(name: str) -> dict[str, int]:
+    """How many of TRL 1.16's fields of config ``name`` are of each kind (the names in NOT_IN_TRL_116 left out)."""
+    table = CONFIG_FIELDS[name]
+    return {k: sum(f.kind == k for n, f in table.items() if n not in NOT_IN_TRL_116[name]) for k in KINDS}
 
 
 BEGIN, END = "<!-- generated: refit.learner.trl.fields (do not edit by hand) -->", "<!-- end generated -->"
@@ -246,13 +374,18 @@ BEGIN, END = "<!-- generated: refit.learner.trl.fields (do not edit by hand) -->
 
 def field_table() -> str:
     """The markdown of every config's fields by kind (docs/trl-facade.md holds it between BEGIN and END)."""
-    out = ["| config | honoured | accepted | refused |", "|---|---|---|---|"]
-    out += [f"| `{name}` | " + " | ".join(str(n) for n in counts(t).values()) + " |" for name, t in CONFIG_FIELDS.items()]
+    out = ["| config | TRL 1.16 fields | honoured | accepted | refused | also known, not TRL 1.16's |",
+           "|---|---|---|---|---|---|"]
+    for name in CONFIG_FIELDS:
+        c = counts(name)
+        out.append(f"| `{name}` | {sum(c.values())} | " + " | ".join(str(n) for n in c.values())
+                   + f" | {', '.join(f'`{k}`' for k in sorted(NOT_IN_TRL_116[name]))} |")
     for name, table in CONFIG_FIELDS.items():
         out += ["", f"### {name}", "", "| field | kind | TRL default | in Refit |", "|---|---|---|---|"]
         for kind in KINDS:
             for k, f in sorted((k, f) for k, f in table.items() if f.kind == kind):
-                out.append(f"| `{k}` | {kind} | `{f.default!r}` | {f.note.replace('|', '/')} |")
+                extra = " (not TRL 1.16's)" if k in NOT_IN_TRL_116[name] else ""
+                out.append(f"| `{k}` | {kind}{extra} | `{f.default!r}` | {f.note.replace('|', '/')} |")
     return "\n".join(out)
 
 
