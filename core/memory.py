@@ -90,6 +90,21 @@ def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, w
             "weights": F32 * g.params * weight_copies}
 
 
+LEARNER_BUDGET = 4 * GiB  # auto micro-batches: at most this many bytes of one micro-batch's logits and activations
+
+
+def auto_learner_rows(g: Geometry, max_len: int, response: int, free: int | None = None) -> int:
+    """Rows per learner forward with autograd (``optim.micro_batch_rows`` 0, auto): the most whose logits and
+    activations (:func:`learner_terms`) fit min(``LEARNER_BUDGET``, a quarter of the ``free`` memory, by default
+    :func:`available`); at least 1. The update splits its micro-batches to this size (the loss is normalised by
+    the minibatch's tokens, so the split changes nothing but memory)."""
+    one = learner_terms(g, 1, max_len, response, 0)
+    per_row = one["learner logits"] + one["learner activations"]
+    free = available() if free is None else free
+    budget = min(LEARNER_BUDGET, free // 4) if free else LEARNER_BUDGET
+    return max(1, budget // max(per_row, 1))
+
+
 def available() -> int | None:
     """Bytes of host memory the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
     try:

@@ -612,12 +612,14 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     before = (e / "manifest.json").read_bytes()
     run = tmp_path / "run"
     rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "-o", run,
-                     "--run.batch_size", "100000", "--log.no_progress")
+                     "--run.batch_size", "100000", "--optim.micro_batch_rows", "50000", "--log.no_progress")
     one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, "
              "50000 rows a micro-batch in the update, needs about ", "learner activations ",
              "more than the 4.0 GiB of memory available; lower run.batch_size")
     assert not run.exists() and (e / "manifest.json").read_bytes() == before
-    big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1) for b in (20000, 2))
+    # micro_batch_rows explicit: the update's forwards as large as the batch (auto splits them to fit: below)
+    big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1, micro_batch_rows=b)
+                   for b in (20000, 2))
     re.check_batch_memory(big)  # one-token prompts: fits; the prompts' real length: does not
     with pytest.raises(RefitError, match=r"a batch of 20000 rows .* of up to 140 tokens .* needs about [\d.]+ GiB "
                                          r"\(KV cache [\d.]+ MiB, .*learner activations [\d.]+ GiB, weights "
@@ -625,6 +627,9 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
         re.check_batch_memory(big, max_len=140)
     re.check_batch_memory(normal)
     re.check_batch_memory(normal, max_len=140)
+    auto = _ppo(tmp_path, model_dirs[GPT2], batch_size=20000, num_mini_batches=1)  # micro_batch_rows 0 (auto)
+    assert re.learner_micro_rows(re.geometry(model_dirs[GPT2]), 20000, 140, 8, free=four) < 20000
+    re.check_batch_memory(auto, max_len=140)  # the update's forwards split to fit: the learner's part fits
     with pytest.raises(RefitError, match=r"an engine call of 100000000 rows x 140 tokens of .* needs about [\d.]+ TiB "
                                          r"\(KV cache [\d.]+ TiB, engine logits [\d.]+ TiB, "
                                          r"weights [\d.]+ MiB\), more than the 4.0 GiB"):

@@ -106,32 +106,29 @@ def test_streamable_rule(over, expected):
     assert not streamable(cfg, s, True, cfg.kl_coef)  # torchrun: never
 
 
-def test_micro_rows_at_qwen25_05b_full_depth():
-    """Auto micro-batches at Qwen2.5-0.5B's published geometry (24 layers, hidden 896, MLP 4864, vocab 151936),
-    64 rows of 40 prompt + 64 response tokens, against the hand count of the rule's bytes per row."""
-    from types import SimpleNamespace
-
-    from transformers import AutoModelForCausalLM
-
+def test_micro_rows_at_qwen25_05b_full_depth(tmp_path):
+    """Auto micro-batches at Qwen2.5-0.5B's published geometry (24 layers, hidden 896, MLP 4864, 14 heads, vocab
+    151936), rows of 40 prompt + 64 response tokens, against the hand count of refit.core.memory's bytes per row."""
+    from refit.core.memory import auto_learner_rows, geometry
     from refit.learner.examples.published import published_config
-    from refit.learner.ppo.onepass import micro_rows
+    from refit.learner.run.engines import learner_micro_rows
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(published_config("Qwen2.5 0.5B", None))
-    rollout = SimpleNamespace(num_rows=64, prompt_ids=torch.zeros(64, 40), response_ids=torch.zeros(64, 64))
-    per_row = 4 * (104 * 24 * (8 * 896 + 3 * 4864) + 3 * 64 * 151936)
-    assert per_row == 333_938_688
-    assert micro_rows(model, rollout, 1, free=64 << 30) == (4 << 30) // per_row == 12  # the 4 GiB cap
-    assert micro_rows(model, rollout, 1, free=8 << 30) == (2 << 30) // per_row == 6  # a quarter of the free memory
-    assert micro_rows(model, rollout, 16, free=64 << 30) == 4  # gradient_accumulation_steps: at least 16 micro-batches
-    assert micro_rows(model, rollout, 1, explicit=20, free=1) == 20  # an explicit value wins
-    assert micro_rows(model, rollout, 1, free=1) == 1
+    published_config("Qwen2.5 0.5B", None).save_pretrained(tmp_path)  # the config, and an empty weights file
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    g = geometry(tmp_path)
+    per_row = 4 * 64 * 151936 * 2 + 4 * 104 * 24 * (6 * 896 + 4 * 4864 + 2 * 14 * 104)  # logits x2, activations
+    assert per_row == 354_787_328
+    assert auto_learner_rows(g, 104, 64, free=64 << 30) == (4 << 30) // per_row == 12  # the 4 GiB cap
+    assert auto_learner_rows(g, 104, 64, free=8 << 30) == (2 << 30) // per_row == 6  # a quarter of the free memory
+    assert learner_micro_rows(g, 4, 104, 64, free=64 << 30) == 4  # gradient_accumulation_steps' rows are fewer
+    assert learner_micro_rows(g, 64, 104, 64, explicit=20, free=1) == 20  # an explicit value wins
+    assert learner_micro_rows(g, 64, 104, 64, free=1) == 1
 
 
 def test_uneven_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path):
     """3 rows per forward over 8 rows (3 + 3 + 2): the loss is normalised by the batch's tokens, so the step is the
     two-pass step's."""
-    over = dict(kl_coef=0.1, kl_estimator="k3", gradient_accumulation_steps=1, micro_batch_rows=3)
+    over = dict(kl_coef=0.1, kl_estimator="k3", gradient_accumulation_steps=1, micro_batch_rows=3)  # both paths
     m1, w1, n1 = _step(_run(model_dirs, engine_dirs, tmp_path, "uneven", **over))
     m2, w2, _ = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
     for key in ("ppo/pg_loss", "ppo/entropy", "kl/k3", "ppo/kl_loss"):

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.checkpoint import load_model, load_tokenizer, model_info, text_config
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
+from refit.core.memory import Geometry, geometry
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, name_mismatch
 from refit.learner.ppo.overlap import (PENDING_FILE, RolloutAhead, check_staleness, split_threads,
@@ -44,7 +45,7 @@ from refit.learner.run.data import prompt_indices
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
-from refit.learner.run.engines import engine_for_model, pick_device
+from refit.learner.run.engines import engine_for_model, learner_micro_rows, pick_device
 from refit.learner.run.lora import AdapterOff, adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
@@ -87,6 +88,7 @@ class Run:
     learner_threads: int | None = None  # with ``ahead``: the learner's torch threads in a step (the engine: the rest)
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
     reward_log: RewardLog = field(default_factory=RewardLog)  # TRL's log_metric / log_extra, flushed every step
+    geometry: Geometry | None = None  # the policy's shape, for the update's micro-batch rows (refit.core.memory)
 
 
 def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None,
@@ -151,7 +153,8 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     run = Run(cfg=cfg, run_dir=run_dir, tok=tok, engine=engine, policy=policy, ref=ref, value_head=value_head,
               optimizer=optimizer, scheduler=scheduler, prompts=data.prompts, prompt_ids=prompt_ids,
               reward_fn=rewards, kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon), data=data, eval_set=held, eval_ids=eval_ids,
-              stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads)
+              stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads,
+              geometry=geometry(cfg.model.model_dir))
     ck = None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
@@ -347,7 +350,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     it (refit.learner.ppo.onepass.streamable) both come from one learner pass, micro-batch by micro-batch
     (time/score is then 0: the scoring is inside time/update); else a scoring pass, then the update."""
     cfg = run.cfg
-    settings = update_settings(cfg, run.kl.value, on_cuda(run.policy))
+    settings = replace(update_settings(cfg, run.kl.value, on_cuda(run.policy)), micro_rows=micro_rows(run, rollout))
     ref = run.ref_engine if run.ref_engine is not None else run.ref
 
     def check(stats: dict[str, float]) -> None:  # before any update uses the batch
@@ -366,7 +369,8 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
         return stats, upd
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
     # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
-    one_pass = cfg.single_pass and single_pass(settings, run.dist.enabled) and not cfg.lora.dropout > 0
+    one_pass = (cfg.single_pass and single_pass(settings, run.dist.enabled, rollout.num_rows)
+                and not cfg.lora.dropout > 0)
     fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
     exp, stats = experience(run, rollout, scores, fwd)
     check(stats)
@@ -379,6 +383,17 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     del fwd  # its autograd graph is freed by the backward; drop the logits too
     timings["time/update"] = time.perf_counter() - t2
     return stats, upd
+
+
+def micro_rows(run: Run, rollout: RolloutBatch) -> int:
+    """Rows per learner forward with autograd in this step's update (refit.learner.run.engines.learner_micro_rows:
+    optim.micro_batch_rows, or what fits the memory); 0 (no cap) under torchrun, whose ranks split alike."""
+    if run.geometry is None or run.dist.enabled:
+        return 0
+    cfg = run.cfg
+    rows = rollout.num_rows // cfg.num_mini_batches // cfg.optim.gradient_accumulation_steps
+    tr = rollout.response_ids.shape[1]
+    return learner_micro_rows(run.geometry, rows, rollout.prompt_ids.shape[1] + tr, tr, cfg.optim.micro_batch_rows)
 
 
 def rollout_phase(run: Run, step: int, idx: list[int], sampling: SamplingParams,

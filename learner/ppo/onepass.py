@@ -77,15 +77,16 @@ class ReferenceAhead:
 def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout, scores: torch.Tensor, ref,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
                    ) -> tuple[Experience, dict[str, float], dict[str, float]]:
-    """The step's one optimizer step over micro-batches of :func:`micro_rows` rows (in batch order), each
-    forwarded once: its detached log-probs are the old log-probs, the truncated importance weights and the
+    """The step's one optimizer step over micro-batches of at most ``s.micro_rows`` rows (and at least
+    ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the old log-probs, the truncated importance weights and the
     reference's KL term are made from them, then its loss is backpropagated. ``before_step(stats)`` (the probe
     check of an unchecked push) runs once every row has been forwarded, before the optimizer step.
 
     Returns (experience, the experience stats as :func:`make_experience` gives them, the update stats as
     :func:`ppo_update` gives them)."""
     b = rollout.num_rows
-    per = micro_rows(model, rollout, s.gradient_accumulation_steps, cfg.optim.micro_batch_rows)
+    per = -(-b // s.gradient_accumulation_steps)  # gradient_accumulation_steps: a floor on the forwards
+    per = min(per, s.micro_rows) if s.micro_rows else per
     exp, adv_stats = _experience_shell(cfg, rollout, scores)
     rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
     with_ref = needs_reference(cfg, kl_coef)
@@ -132,41 +133,6 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     return exp, stats, upd
 
 
-LEARNER_BUDGET = 4 << 30  # auto micro-batches: at most this many bytes of saved activations and logits
-
-
-def micro_rows(model, rollout, accumulation: int, explicit: int = 0, free: int | None = None) -> int:
-    """Rows per learner forward: ``explicit`` if given, else the most whose saved activations (a rough fp32 count
-    per token and layer: the residual stream, q/k/v/o and the MLP's inputs and outputs) and response logits (the
-    logits, their gradient and a chunk's softmax) fit min(4 GiB, a quarter of the free memory); and at most
-    batch / ``accumulation`` (gradient_accumulation_steps: a floor on the number of micro-batches)."""
-    b = rollout.num_rows
-    cap = -(-b // max(1, accumulation))
-    if explicit > 0:
-        return max(1, min(explicit, cap))
-    c = getattr(model, "config", None) or model.get_base_model().config
-    c = c.get_text_config() if hasattr(c, "get_text_config") else c
-    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or c.d_model
-    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or c.num_layers
-    inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
-    tokens, response = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1], rollout.response_ids.shape[1]
-    per_row = 4 * (tokens * layers * (8 * hidden + 3 * inter) + 3 * response * vocab_size(model))
-    free = free if free is not None else available_memory()
-    budget = min(LEARNER_BUDGET, free // 4) if free else LEARNER_BUDGET
-    return max(1, min(cap, budget // per_row))
-
-
-def available_memory() -> int | None:
-    """Bytes the system can still give (``MemAvailable``); None where /proc/meminfo is absent."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
     """The batch's :class:`Experience` with its advantages (from the scores alone: no KL in the reward) and room
     for the log-probs and weights that the micro-batches fill in; (experience, the advantage stats)."""
@@ -181,4 +147,4 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, d
     return exp, {f"advantage/{k}": float(v) for k, v in gstats.items()}
 
 
-__all__ = ["ReferenceAhead", "micro_rows", "onepass_update", "streamable"]
+__all__ = ["ReferenceAhead", "onepass_update", "streamable"]

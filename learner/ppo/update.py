@@ -169,6 +169,7 @@ class UpdateSettings:
     kl_estimator: str = "k3"  # the loss term's estimator: k1 | k2 | k3 | exact (exact needs ref_model)
     use_critic: bool = True  # False (rloo / grpo): no value forward, no value loss
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
+    micro_rows: int = 0  # rows per forward with autograd (micro-batches split further to it); 0: no cap
 
 
 @dataclass
@@ -187,13 +188,15 @@ class KLCoef:
             self.value = L.adaptive_kl_update(self.value, kl_per_sequence, self.target, self.horizon, rows)
 
 
-def single_pass(s: UpdateSettings, distributed: bool) -> bool:
+def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -> bool:
     """True when the update's one forward can also serve as the scoring forward: one epoch, one minibatch
     and no accumulation (the only forward of every row runs before the only optimizer step, so its
     log-probs, values and entropy ARE the pre-update ones), one process (under torchrun rank 0 scores rows
-    that other ranks update) and no bf16 autocast (the contract's old log-probs are fp32, as the reference's)."""
+    that other ranks update), no bf16 autocast (the contract's old log-probs are fp32, as the reference's) and
+    the batch's ``rows`` within one forward's memory (``s.micro_rows``)."""
+    fits = rows is None or not s.micro_rows or rows <= s.micro_rows
     return (s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and s.gradient_accumulation_steps == 1
-            and not distributed and not s.autocast_bf16)
+            and not distributed and not s.autocast_bf16 and fits)
 
 
 def policy_forward(model, value_head, batch, s: UpdateSettings) -> ForwardOut:
@@ -313,9 +316,12 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
             n_tokens = (shard.all_reduce(n_tokens) if shard is not None else n_tokens).clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
             mb: dict[str, list[float]] = {}  # one value per micro-batch
-            for a in range(s.gradient_accumulation_steps):
-                idx = mine[a * micro:(a + 1) * micro]
-                last = a == s.gradient_accumulation_steps - 1
+            # each micro-batch in forwards of at most s.micro_rows rows (memory; the loss is a sum over tokens)
+            per = micro if forward is not None or not s.micro_rows else min(micro, s.micro_rows)
+            parts = [mine[a * micro:(a + 1) * micro][c:c + per] for a in range(s.gradient_accumulation_steps)
+                     for c in range(0, micro, per)]
+            for a, idx in enumerate(parts):
+                last = a == len(parts) - 1
                 with (shard.no_sync(last) if shard is not None else contextlib.nullcontext()):
                     loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s, ref_model, forward)
                     (loss * k).backward()

@@ -5,13 +5,15 @@ refit.learner.run.sync.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Manifest
-from refit.core.memory import available, engine_terms, geometry, learner_terms, refuse_if_over
+from refit.core.memory import (auto_learner_rows, available, engine_terms, geometry, learner_terms,
+                               refuse_if_over)
 from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.rollout.engine import Engine, create_engine
@@ -53,21 +55,32 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
     response = getattr(cfg, "response_length", None) or getattr(cfg, "max_new_tokens", 1)
     gens, minis = getattr(cfg, "num_generations", 1), getattr(cfg, "num_mini_batches", 1)
     rows = cfg.run.batch_size * gens
-    micro = max(1, rows // minis // cfg.optim.gradient_accumulation_steps)
     length = max_len or response + 1
+    micro = learner_micro_rows(g, rows // minis // cfg.optim.gradient_accumulation_steps, length, response,
+                               cfg.optim.micro_batch_rows)
     lora = getattr(getattr(cfg, "lora", None), "enabled", False)
     engine = engine_terms(g, _engine_rows(cfg, rows), length)
     learner = learner_terms(g, micro, length, response, weight_copies=2 if lora else 5)
     per = f" x num_generations {gens}" if gens > 1 else ""
     what = (f"a batch of {rows} rows (run.batch_size {cfg.run.batch_size}{per}) of up to {length} tokens of "
             f"{sec.model_dir}, {micro} rows a micro-batch in the update,")
-    fix = ("lower run.batch_size, or the response length; raise num_mini_batches or optim.gradient_accumulation_steps "
-           "for a smaller update micro-batch")
+    fix = ("lower run.batch_size, or the response length; lower optim.micro_batch_rows for a smaller update "
+           "micro-batch")
     if pick_device(cfg.run.device).type == "cuda":
         refuse_if_over(engine, available(), what, "of host memory", fix)
-        refuse_if_over(learner, torch.cuda.mem_get_info()[0], what, "of free GPU memory", fix)
+        gpu = int(os.environ.get("LOCAL_RANK", "0"))  # [dist] this rank's GPU, not every rank's context on GPU 0
+        refuse_if_over(learner, torch.cuda.mem_get_info(gpu)[0], what, "of free GPU memory", fix)
     else:
         refuse_if_over({**engine, **learner}, available(), what, "of memory", fix)
+
+
+def learner_micro_rows(g, rows: int, max_len: int, response: int, explicit: int = 0,
+                       free: int | None = None) -> int:
+    """Rows per learner forward with autograd: at most ``rows`` (a minibatch's micro-batch, num_mini_batches and
+    gradient_accumulation_steps given), and at most ``explicit`` (optim.micro_batch_rows) or, when 0, what fits
+    the memory (refit.core.memory.auto_learner_rows)."""
+    cap = explicit if explicit > 0 else auto_learner_rows(g, max_len, response, free)
+    return max(1, min(rows, cap))
 
 
 def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:
