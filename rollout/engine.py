@@ -185,7 +185,8 @@ class LoopEngine:
     hold, for a backend that preallocates its KV buffer; the others ignore it). Optional: ``slots``
     and ``inflight`` (see :func:`run_generate`); ``max_batch``, the most rows one run of the model takes (the
     engine's shape profiles): a call with more rows runs within it, ``generate`` through at most ``max_batch``
-    slots (in flight where the state supports it, else static batches) and ``score`` in row ranges of at most
+    slots (in flight where the state supports it, else, or with an ``on_step`` hook, static batches, each reporting
+    its phases) and ``score`` in row ranges of at most
     ``max_batch``, the rows the same as in one call (each row has its own stream, positions and cache;
     tests/test_rollout.py); ``shards`` > 1 with ``_new_state(capacity, shard)`` giving each shard a state over
     buffers of its own, for a backend whose steps may run on several threads at once. ``update_weights`` and
@@ -220,8 +221,10 @@ class LoopEngine:
             return self._new_state(cap, shard) if self.shards > 1 else self._new_state(cap)
 
         rows = len(prompts) * getattr(sampling, "n", 1) if isinstance(prompts, (list, tuple)) else 0
+        split = self.max_batch is not None and rows > self.max_batch
+        # split within max_batch with a timing hook: static batches, each reporting its phases (in flight reports none)
         return run_generate(new_state, self.spec, prompts, sampling, self._version, on_step, self._slots(rows),
-                            self.inflight, self.shards)
+                            self.inflight and not (split and on_step is not None), self.shards)
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor, temperature: float = 1.0, topk: int = 0,

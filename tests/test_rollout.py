@@ -234,8 +234,9 @@ def test_loop_engine_shared_generate_and_score():
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
 def test_a_batch_over_the_engines_max_batch_runs_within_it(engines, prompts, arch):
     """Issue 32 #4: more rows than the engine's max_batch (its shape profiles) run in calls of at most max_batch
-    rows (in flight on the fused decoder, static batches on the encoder-decoder) with the same tokens and
-    log-probs as one call; score() in row ranges of max_batch, the same log-probs."""
+    rows (in flight on the fused decoder, static batches on the encoder-decoder and under a timing hook, whose
+    phases each batch reports) with the same tokens and log-probs as one call; score() in row ranges of
+    max_batch, the same log-probs."""
     _, ort = engines[arch]
     params = SamplingParams(max_new_tokens=6, seed=3, n=3, return_topk=2, stop_ids=tuple(range(5, 40)))
     assert ort.max_batch == 16  # the session's engine folders (conftest)
@@ -245,6 +246,8 @@ def test_a_batch_over_the_engines_max_batch_runs_within_it(engines, prompts, arc
         s_whole = ort.score(whole.prompt_ids, whole.prompt_mask, whole.response_ids, whole.response_mask, topk=3)
         ort.max_batch = 5
         split = ort.generate(prompts, params)
+        events = []
+        timed = ort.generate(prompts, params, on_step=events.append)  # a timing hook: static batches of 5, 5, 2
         s_split = ort.score(whole.prompt_ids, whole.prompt_mask, whole.response_ids, whole.response_mask, topk=3)
     finally:
         ort.max_batch = 16
@@ -252,5 +255,7 @@ def test_a_batch_over_the_engines_max_batch_runs_within_it(engines, prompts, arc
     for name in ("response_ids", "response_mask", "rollout_logprobs", "rollout_plain_logprobs", "topk_ids",
                  "topk_logprobs"):
         assert torch.equal(getattr(whole, name), getattr(split, name)), name
+        assert torch.equal(getattr(whole, name), getattr(timed, name)), name
+    assert [e.tokens for e in events if e.phase == "prefill"] == [5, 5, 2]
     assert torch.equal(s_whole.logprobs, s_split.logprobs) and torch.equal(s_whole.topk_ids, s_split.topk_ids)
     assert torch.equal(s_whole.topk_logprobs, s_split.topk_logprobs)
