@@ -910,11 +910,20 @@ def test_two_runs_started_together_on_one_folder_never_both_run(tmp_path, model_
 @pytest.mark.parametrize("rounds", RACE_ROUNDS)
 def test_two_exports_started_together_to_one_folder_never_both_write(tmp_path, model_dirs, rounds):
     """#2: two `refit export` of different models released by a barrier to one -o: one writes, the other is
-    refused in one line; the folder holds exactly one complete engine, the winner's."""
+    refused in one line; the folder holds exactly one complete engine, the winner's. The two are tiny GPT-2s of
+    other weights (the same work before the lock, so either may win: a tiny Llama beside it lost every round)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from refit.export.guard import engine_damage
     from refit.export.onnx_export import weights_hash
 
-    models = [model_dirs[GPT2], model_dirs["tiny-llama"]]
+    other = tmp_path / "gpt2-other"
+    shutil.copytree(model_dirs[GPT2], other)
+    w = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 1e-3 if v.is_floating_point() else v for k, v in w.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    models = [model_dirs[GPT2], other]
     for i in range(rounds):
         e = tmp_path / f"e{i}"
         results = _race(tmp_path, *(["export", m, "-o", e, "--max_batch", "4", "--max_len", "32"] for m in models))
