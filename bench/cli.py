@@ -7,9 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-
+from refit.bench.generate import bench_generate, bench_refit
+from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
+from refit.bench.inflight import bench_inflight
+from refit.bench.lora import main as lora_main
+from refit.bench.ppo import bench_ppo
+from refit.bench.quantized import bench_quantized
+from refit.bench.workers import bench_workers
 from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
+from refit.export.onnx_export import ExportOptions
+from refit.learner.examples.models import build_model
+from refit.rollout.build import build
 
 
 @dataclass(frozen=True)
@@ -150,10 +159,6 @@ def _usage() -> str:
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256,
                       quantize: str = "none") -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
-    from refit.rollout.build import build
-    from refit.learner.examples.models import build_model
-    from refit.export.onnx_export import ExportOptions
-
     work = Path(m.work_dir)
     model = Path(s.model) if s.model else work / s.geometry
     if not s.model and not (model / "config.json").exists():
@@ -172,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] == "lora":  # its own argument parser: stages in child processes (bench/lora.py)
-        from refit.bench.lora import main as lora_main
-
         return lora_main(argv[1:])
     if argv[0] not in BENCHES:
         raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(BENCHES)}")
@@ -181,32 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
     m = a.machine
     if which == "generate" and a.quantize != "none":
-        from refit.bench.quantized import bench_quantized
-
         model, fp32 = _model_and_engine(m, a.source)
         _, int8 = _model_and_engine(m, a.source, quantize=a.quantize)
         out = bench_quantized(model, fp32, int8, [int(x) for x in a.batch_sizes.split(",")], a.prompt_len,
                               a.new_tokens, a.source.repeats, m.threads, a.ct2_python, Path(m.work_dir))
     elif which == "generate":
-        from refit.bench.generate import bench_generate
-
         model, engine = _model_and_engine(m, a.source, a.backends)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
     elif which == "refit":
-        from refit.bench.generate import bench_refit
-
         model, engine = _model_and_engine(m, a.source)
         out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
     elif which == "inflight":
-        from refit.bench.inflight import bench_inflight
-
         _, engine = _model_and_engine(m, a.source)
         out = bench_inflight(engine, a.rows, a.slots, a.prompt_len, a.new_tokens, a.stop_frac, a.source.repeats,
                              m.threads)
     elif which == "grpo":
-        from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
-
         work = Path(m.work_dir)
         model = Path(a.model_dir) if a.model_dir else prepare_model(work, a.geometry, a.layers)
         w = Workload(model=str(model.resolve()), dataset=str(Path(a.dataset or DEFAULT_DATASET).resolve()),
@@ -218,12 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
                          Path(a.trl_venv).resolve())
     elif which == "workers":
-        from refit.bench.workers import bench_workers
-
         out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
     else:
-        from refit.bench.ppo import bench_ppo
-
         model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
         out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),
                         repeats=a.source.repeats, max_staleness=a.max_staleness, num_generations=a.num_generations,

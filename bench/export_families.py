@@ -15,6 +15,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
+from refit.export.onnx_export import ExportOptions
+from refit.learner.examples.models import build_model
+from refit.rollout.build import build, plain_twin
+from refit.rollout.tensorrt.check import check_engine_folder
+
 # README family name -> geometry in refit.learner.examples.models.GEOMETRIES (2 layers, d_model 32-64)
 FAMILIES: dict[str, str] = {
     "GPT-2": "tiny-gpt2",
@@ -33,14 +40,6 @@ SEQ2SEQ = ("tiny-t5", "tiny-bart", "tiny-marian")
 
 def export_family(geometry: str, root: Path, tokenizer, log=print) -> dict:
     """Build ``geometry``'s checkpoint under ``root``, export it, run trt_check; one record for the table."""
-    from refit.rollout.build import plain_twin
-    from refit.core.errors import RefitError
-    from refit.core.manifest import Manifest
-    from refit.learner.examples.models import build_model
-    from refit.export.onnx_export import ExportOptions
-    from refit.rollout.build import build
-    from refit.rollout.tensorrt.check import check_engine_folder
-
     model_dir = build_model(geometry, root / "models" / geometry, seed=0, tokenizer=tokenizer)
     engine_dir = root / "engines" / geometry
     rec = {"geometry": geometry, "model_dir": str(model_dir), "engine_dir": str(engine_dir)}

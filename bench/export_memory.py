@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from refit.bench.real import EXPORT_ARGS, measured
+from refit.core.manifest import Manifest
+from refit.learner.examples.published import build_published
 
 MODELS = {"SmolLM2 135M": "smollm2-135m", "Qwen2.5 0.5B": "qwen25-05b"}
 # the child runs in the checkout (``python -c`` puts its working folder first on sys.path) and says whose code it ran
@@ -30,8 +32,6 @@ _PUSH = ("import json, sys; from refit.bench.real import push_check; from refit.
 
 def build_checkpoint(name: str, root: Path) -> Path:
     """The full-depth random-weight checkpoint of ``name`` under ``root/models`` (built once, then reused)."""
-    from refit.learner.examples.published import build_published
-
     out = root / "models" / MODELS.get(name, name.lower().replace(" ", "-").replace(".", ""))
     if not (out / "config.json").exists():
         build_published(name, out, n_layers=None)
@@ -40,8 +40,6 @@ def build_checkpoint(name: str, root: Path) -> Path:
 
 def export_once(source: Path, model_dir: Path, engine_dir: Path, rss_cap_gb: float | None = None) -> dict:
     """Export ``model_dir`` into a fresh ``engine_dir`` with the code of checkout ``source``, in its own process."""
-    from refit.core.manifest import Manifest
-
     source, model_dir, engine_dir = source.resolve(), model_dir.resolve(), engine_dir.resolve()
     shutil.rmtree(engine_dir, ignore_errors=True)
     cmd = ["env", "-C", str(source), f"PYTHONPATH={source}", sys.executable, "-c", _EXPORT, str(model_dir), "-o",

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 from refit.bench.export_families import FAMILIES, export_family
+from refit.bench.real import run_real
 from refit.bench.smokes import _quiet, _run, distill_smoke, ppo_smoke
+from refit.learner.examples.models import build_tokenizer
+from refit.learner.examples.published import PUBLISHED
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
 REAL_MARKS = ("<!-- real-geometry:start -->", "<!-- real-geometry:end -->")
@@ -107,8 +110,6 @@ def _stages_cell(r: dict) -> str:
 
 def markdown_real(records: list[dict]) -> str:
     """The real-geometry table (refit.bench.real records)."""
-    from refit.learner.examples.published import PUBLISHED
-
     lines = ["| model (2 layers) | what it exercises | params | export | parity max abs dlogprob "
              "| weight push (perturbed, vs PyTorch) | PPO (2 steps, top-k 20, top-p 0.9) "
              "| distill (2 steps, self-teacher) | export s, peak RSS | push; PPO; distill: s, peak RSS (anon GB) "
@@ -141,8 +142,6 @@ def update_readme(readme: Path, table: str, marks: tuple[str, str] = (MARK_START
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.learner.examples.models import build_tokenizer
-
     p = argparse.ArgumentParser(prog="python -m refit.bench.families", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", default=None, help=f"families to run (default all: {', '.join(FAMILIES)})")
     p.add_argument("--work-dir", default="", help="where checkpoints, engines and runs go (default: a temp folder)")
@@ -174,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_real(p, a) -> int:
-    from refit.bench.real import run_real
-    from refit.learner.examples.published import PUBLISHED
-
     names = [n for n in PUBLISHED if a.only is None or n in a.only]
     if not names:
         p.error(f"no published geometry matches {a.only}; known: {', '.join(PUBLISHED)}")

@@ -45,6 +45,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from refit.core.checkpoint import load_model, model_info
+from refit.core.manifest import Manifest
+from refit.core.padding import native_padding_side, pad_batch
+from refit.export.onnx_export import ExportOptions
+from refit.export.weight_map import canonical_params
+from refit.rollout.build import build, plain_twin
+from refit.rollout.engine import create_engine
+from refit.rollout.hf_backend import HFStepClock
+from refit.rollout.types import SamplingParams
+
 
 class PeakRSS:
     """Peak resident set size of this process (MB, ``mb``) while the context is open, sampled at 200 Hz.
@@ -98,8 +108,6 @@ def _summarise(t_calls: list[float], runs: list[list], rows: int, new_tokens: in
 def engine_call(engine, prompts: list[list[int]], new_tokens: int, n: int = 1):
     """One timed ``engine.generate`` of ``prompts`` x ``n`` samples, seeded by the repeat: r -> (seconds, step
     events, response positions run, response tokens)."""
-    from refit.rollout.types import SamplingParams
-
     def call(r: int):
         events: list = []
         t0 = time.perf_counter()
@@ -113,9 +121,6 @@ def engine_call(engine, prompts: list[list[int]], new_tokens: int, n: int = 1):
 def hf_call(model, prompts: list[list[int]], new_tokens: int, pad_id: int, side: str = "left", n: int = 1):
     """The same for HF ``generate()`` (``num_return_sequences=n``, every row runs ``new_tokens``)."""
     from transformers import LogitsProcessorList
-
-    from refit.core.padding import pad_batch
-    from refit.rollout.hf_backend import HFStepClock
 
     ids, mask = pad_batch(prompts, pad_id, side)  # the padding rule (refit.core.padding): the engines' too
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
@@ -253,30 +258,9 @@ def _fraction(gflop: float, step_ms: float, limit_gflops: float) -> float | None
     return float(f"{gflop / (step_ms / 1e3) / limit_gflops:.4g}")
 
 
-def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
-                   new_tokens: int, repeats: int, threads: int, log=print, n: int = 1, shards: int = 1) -> dict:
-    """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
-    standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
-    of this machine's measured ``torch.matmul`` GFLOP/s that the step reached.
-
-    ``shards`` > 1: each ``onnxruntime*`` backend runs a second time as ``<backend>-shards<S>``, the same engine
-    folder with ``shards=S`` (rows cut at prompt boundaries, one decode loop per shard on its own thread, the
-    ``threads`` budget shared out), in the same interleaved rounds; its phase times are shard 0's (its rows)."""
-    from refit.rollout.build import plain_twin
-    from refit.core.checkpoint import load_model, model_info
-    from refit.core.manifest import Manifest
-    from refit.core.padding import native_padding_side
-    from refit.rollout.engine import create_engine
-
-    torch.set_num_threads(threads)
-    load_before = os.getloadavg()
-    info = model_info(model_dir)
-    rng = np.random.default_rng(0)
-    lo = 4  # skip the special ids (pad, eos, bos, unk)
-    all_prompts = rng.integers(lo, info.vocab_size, size=(max(batch_sizes), prompt_len)).tolist()
-    results = []
-    hf = load_model(model_dir, info, attn="sdpa")
-    side = native_padding_side(bool(getattr(hf.config, "is_encoder_decoder", False)), model_dir)
+def _open_engines(model_dir: Path, engine_dir: Path, backends: list[str], threads: int, shards: int, log) -> dict:
+    """{name: engine} for each backend asked (``onnxruntime-plain``: the standard-op twin of ``engine_dir``), and
+    with ``shards`` > 1 an ``<backend>-shards<S>`` twin of each ``onnxruntime*`` one."""
     engines = {}
     for b in backends:
         if b == "onnxruntime-plain":
@@ -287,32 +271,63 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
         for b in [b for b in engines if b.startswith("onnxruntime")]:
             folder = engines[b].engine_dir
             engines[f"{b}-shards{shards}"] = create_engine("onnxruntime", folder, threads=threads, shards=shards)
+    return engines
+
+
+def _step_limits(hf, manifest, bs: int, prompt_len: int, new_tokens: int, n: int, threads: int,
+                 gbps_by_threads: dict, log) -> tuple[dict, float]:
+    """What a decode step at batch ``bs`` costs at the least here: its GFLOP at the measured matmul rate plus its KV
+    bytes at the measured read rate (the roofline floor), with and without a shared prompt prefix; and its GFLOP,
+    unrounded."""
+    gbps = max(gbps_by_threads.values())
+    context = prompt_len + new_tokens // 2  # a decode step's mean cached positions
+    gflop, shapes = decode_step_gflop(hf, bs, context)
+    by_threads = matmul_gflops(shapes, bs, threads)
+    kv = decode_step_kv_bytes(manifest.dims, bs, context)
+    kv_shared = decode_step_kv_bytes(manifest.dims, bs, context, shared_prefix=prompt_len if n > 1 else 0, n=n)
+    mm = max(by_threads.values())
+    limits = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": mm,
+              "matmul_gflops_by_threads": by_threads, "kv_mb_per_step": round(kv / 1e6, 2),
+              "kv_mb_per_step_shared_prefix": round(kv_shared / 1e6, 2), "read_gbps": gbps,
+              "read_gbps_by_threads": gbps_by_threads,
+              "floor_ms": round(step_floor(gflop, mm, kv, gbps), 3),
+              "floor_ms_shared_prefix": round(step_floor(gflop, mm, kv_shared, gbps), 3)}
+    log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP and reads {kv / 1e6:.1f} MB of KV cache; "
+        f"torch.matmul of its shapes runs at {mm:.1f} GFLOP/s here (threads: {by_threads}); "
+        f"roofline floor {limits['floor_ms']:.2f} ms a step "
+        f"({limits['floor_ms_shared_prefix']:.2f} ms with a shared prompt prefix)")
+    return limits, gflop
+
+
+def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch_sizes: list[int], prompt_len: int,
+                   new_tokens: int, repeats: int, threads: int, log=print, n: int = 1, shards: int = 1) -> dict:
+    """``onnxruntime`` runs ``engine_dir`` (the fused-attention graph by default); ``onnxruntime-plain`` the
+    standard-op graph of the same model. Each row also carries the decode step's GFLOP and the fraction
+    of this machine's measured ``torch.matmul`` GFLOP/s that the step reached.
+
+    ``shards`` > 1: each ``onnxruntime*`` backend runs a second time as ``<backend>-shards<S>``, the same engine
+    folder with ``shards=S`` (rows cut at prompt boundaries, one decode loop per shard on its own thread, the
+    ``threads`` budget shared out), in the same interleaved rounds; its phase times are shard 0's (its rows)."""
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    info = model_info(model_dir)
+    rng = np.random.default_rng(0)
+    lo = 4  # skip the special ids (pad, eos, bos, unk)
+    all_prompts = rng.integers(lo, info.vocab_size, size=(max(batch_sizes), prompt_len)).tolist()
+    results = []
+    hf = load_model(model_dir, info, attn="sdpa")
+    side = native_padding_side(bool(getattr(hf.config, "is_encoder_decoder", False)), model_dir)
+    engines = _open_engines(model_dir, engine_dir, backends, threads, shards, log)
     backends = list(engines)
     limits = {}
     manifest = Manifest.read(engine_dir)
     gbps_by_threads = read_gbps(threads)
-    gbps = max(gbps_by_threads.values())
-    log(f"streaming read: {gbps:.1f} GB/s here (threads: {gbps_by_threads})")
+    log(f"streaming read: {max(gbps_by_threads.values()):.1f} GB/s here (threads: {gbps_by_threads})")
     for bs in batch_sizes:
         if bs % n:
             raise ValueError(f"batch size {bs} is not a multiple of --n {n}")
         prompts = all_prompts[:bs // n]  # bs rows: bs / n prompts, n samples each (a PPO/GRPO group)
-        context = prompt_len + new_tokens // 2  # a decode step's mean cached positions
-        gflop, shapes = decode_step_gflop(hf, bs, context)
-        by_threads = matmul_gflops(shapes, bs, threads)
-        kv = decode_step_kv_bytes(manifest.dims, bs, context)
-        kv_shared = decode_step_kv_bytes(manifest.dims, bs, context, shared_prefix=prompt_len if n > 1 else 0, n=n)
-        mm = max(by_threads.values())
-        limits[bs] = {"decode_step_gflop": round(gflop, 3), "matmul_gflops": mm,
-                      "matmul_gflops_by_threads": by_threads, "kv_mb_per_step": round(kv / 1e6, 2),
-                      "kv_mb_per_step_shared_prefix": round(kv_shared / 1e6, 2), "read_gbps": gbps,
-                      "read_gbps_by_threads": gbps_by_threads,
-                      "floor_ms": round(step_floor(gflop, mm, kv, gbps), 3),
-                      "floor_ms_shared_prefix": round(step_floor(gflop, mm, kv_shared, gbps), 3)}
-        log(f"batch {bs:>3} a decode step is {gflop:.2f} GFLOP and reads {kv / 1e6:.1f} MB of KV cache; "
-            f"torch.matmul of its shapes runs at {mm:.1f} GFLOP/s here (threads: {by_threads}); "
-            f"roofline floor {limits[bs]['floor_ms']:.2f} ms a step "
-            f"({limits[bs]['floor_ms_shared_prefix']:.2f} ms with a shared prompt prefix)")
+        limits[bs], gflop = _step_limits(hf, manifest, bs, prompt_len, new_tokens, n, threads, gbps_by_threads, log)
         calls = {"hf_generate": hf_call(hf, prompts, new_tokens, info.pad_id, side, n)}
         calls.update({name: engine_call(eng, prompts, new_tokens, n) for name, eng in engines.items()})
         for name, r in run_interleaved(calls, bs, repeats).items():
@@ -346,12 +361,6 @@ def bench_generate(model_dir: Path, engine_dir: Path, backends: list[str], batch
 def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, work_dir: Path, log=print) -> dict:
     """Median ``update_weights`` time (all weights, perturbed) against one full re-export of the same model."""
     import shutil
-
-    from refit.core.checkpoint import load_model
-    from refit.export.onnx_export import ExportOptions
-    from refit.rollout.build import build
-    from refit.export.weight_map import canonical_params
-    from refit.rollout.engine import create_engine
 
     torch.set_num_threads(threads)
     load_before = os.getloadavg()

@@ -25,6 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from refit.bench.generate import PeakRSS
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
+
 
 def _rows(out) -> list[tuple[list[int], list[float]]]:
     """Each row's (tokens, plain log-probs) without padding."""
@@ -37,10 +41,6 @@ def _rows(out) -> list[tuple[list[int], list[float]]]:
 
 def bench_inflight(engine_dir: Path, rows: int, slots: int, prompt_len: int, max_new_tokens: int, stop_frac: float,
                    repeats: int, threads: int, log=print) -> dict:
-    from refit.bench.generate import PeakRSS
-    from refit.rollout.engine import create_engine
-    from refit.rollout.types import SamplingParams
-
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     static_eng = create_engine("onnxruntime", engine_dir, threads=threads, slots=slots, inflight=False)

@@ -23,6 +23,17 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+from refit.bench.smokes import distill_smoke, ppo_smoke
+from refit.core.manifest import Manifest
+from refit.export.moe import translation_table, use_grouped_experts
+from refit.export.onnx_export import ExportOptions
+from refit.learner.examples.models import build_tokenizer
+from refit.learner.examples.moe_models import build_moe_model
+from refit.rollout.build import build
+from refit.rollout.ort_backend import OrtEngine
+from refit.rollout.torch_backend import TorchEngine
+from refit.rollout.types import SamplingParams
+
 # what is cut from the published geometry, and why (fp32). Widths, heads, head dims, routing and vocabulary are the
 # published ones; the expert count (and depth) is what the shared 24 GB box forces down. A PPO step holds the
 # policy, its gradient, two Adam moments and one engine session each for the policy and the reference (~6x the
@@ -61,9 +72,6 @@ def _measured(fn, *args):
 
 
 def build_stage(name: str, out: str) -> dict:
-    from refit.learner.examples.models import build_tokenizer
-    from refit.learner.examples.moe_models import build_moe_model
-
     cut = dict(RUNS[name])
     build_moe_model(cut.pop("geometry", name), out, build_tokenizer(), seed=0, **cut)
     from transformers import AutoConfig
@@ -76,10 +84,6 @@ def build_stage(name: str, out: str) -> dict:
 
 
 def export_stage(model_dir: str, engine_dir: str) -> dict:
-    from refit.core.manifest import Manifest
-    from refit.export.onnx_export import ExportOptions
-    from refit.rollout.build import build
-
     t0 = time.perf_counter()
     build(model_dir, engine_dir, opts=ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
     m = Manifest.read(engine_dir)
@@ -91,10 +95,6 @@ def export_stage(model_dir: str, engine_dir: str) -> dict:
 def push_stage(model_dir: str, engine_dir: str) -> dict:
     """Perturb layer 0's expert tensors: the engine's log-probs move and match the PyTorch engine's."""
     import torch
-
-    from refit.rollout.ort_backend import OrtEngine
-    from refit.rollout.torch_backend import TorchEngine
-    from refit.rollout.types import SamplingParams
 
     ort, ref = OrtEngine(engine_dir), TorchEngine(model_dir)
     tok_ids = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
@@ -116,15 +116,11 @@ def push_stage(model_dir: str, engine_dir: str) -> dict:
 
 
 def ppo_stage(model_dir: str, engine_dir: str, root: str) -> dict:
-    from refit.bench.smokes import ppo_smoke
-
     # push_via file: at these widths the memory route's push transient (~2x the model) would not fit the box
     return ppo_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root), push_via="file")
 
 
 def distill_stage(model_dir: str, engine_dir: str, root: str) -> dict:
-    from refit.bench.smokes import distill_smoke
-
     return distill_smoke({"model_dir": model_dir, "engine_dir": engine_dir}, Path(root), push_via="file")
 
 
@@ -150,8 +146,6 @@ def compare_stage(model_dir: str, work: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    from refit.export.moe import translation_table, use_grouped_experts
 
     class Logits(torch.nn.Module):
         def __init__(self, m):

@@ -35,6 +35,11 @@ from pathlib import Path
 
 import torch
 
+from refit.core.manifest import Manifest
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import setup, train_step
+from refit.learner.ppo.overlap import split_threads
+
 PHASES = ("time/rollout", "time/score", "time/update", "time/weight_push", "time/step")
 OVERLAP_PHASES = ("time/generate", "time/push_wait", "time/probe_learner", "time/push_engine",
                   "time/probe_engine")  # the overlapped run's own
@@ -51,6 +56,29 @@ def _prompts_file(work: Path, n: int, length: int) -> Path:
     return f
 
 
+def _overlap_summary(phases: dict, rows: dict, run, backend: str, overlapped: str, max_staleness: int,
+                     threads: int) -> dict:
+    """The overlapped run against HF and the synchronous engine loop: speedups, the push and probe's share of its
+    step (on the learner's path and on the engine's thread), the generation it hid, the version lag per step."""
+    o, e, h = phases[overlapped], phases[backend], phases["hf"]
+    return {
+        "max_staleness": max_staleness, "engine_threads": split_threads(0, threads)[0],
+        "learner_threads": run.learner_threads, "correction": run.cfg.correction,
+        "speedup_vs_hf": round(h["time/step"] / o["time/step"], 3),
+        "speedup_vs_sync": round(e["time/step"] / o["time/step"], 3),
+        "speedup_vs_hf_per_iteration": [round(hr["time/step"] / orow["time/step"], 3)
+                                        for orow, hr in zip(rows[overlapped][1:], rows["hf"][1:])],
+        # the push and probe on the learner's critical path: snapshot, learner half, wait for the queued push
+        "push_probe_share_of_step": round(sum(o[k] for k in ("time/weight_push", "time/probe_learner",
+                                                            "time/push_wait")) / o["time/step"], 4),
+        # the engine thread's push and probe (overlapped with the learner's next step)
+        "push_probe_engine_share_of_step": round((o["time/push_engine"] + o["time/probe_engine"])
+                                                 / o["time/step"], 4),
+        # the part of the generation not waited for (the wait before the step's batch)
+        "hidden_generation_share": round(1 - o["time/rollout"] / max(o["time/generate"], 1e-9), 4),
+        "version_lag": [r["mismatch/version_lag"] for r in rows[overlapped]]}
+
+
 def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response_length: int, threads: int,
               work: Path, repeats: int = 2, log=print, max_staleness: int = 0, num_generations: int = 1,
               engine_shards: int = 1) -> dict:
@@ -59,9 +87,6 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
     ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``), two consecutive steps
     a round with the second timed (:func:`overlapped_block`). ``num_generations`` > 1: GRPO, ``batch_size`` prompts x
     that many samples; ``engine_shards``: the synchronous engine run's ``rollout.engine_shards``."""
-    from refit.learner.ppo.config import PPOConfig
-    from refit.learner.ppo.cycle import setup, train_step
-    from refit.learner.ppo.overlap import split_threads
     torch.set_num_threads(threads)
     prompts = _prompts_file(work, 4 * batch_size, 32)
     overlapped = f"{backend}-overlap"
@@ -118,24 +143,7 @@ def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response
             "engine_attention": _attention(engine), "ref_backend": {n: "onnxruntime" if runs[n].ref_engine is not None
                                                                    else "torch" for n in names}}
     if max_staleness:
-        o, e, h = phases[overlapped], phases[backend], phases["hf"]
-        run = runs[overlapped]
-        out["overlap"] = {
-            "max_staleness": max_staleness, "engine_threads": split_threads(0, threads)[0],
-            "learner_threads": run.learner_threads, "correction": run.cfg.correction,
-            "speedup_vs_hf": round(h["time/step"] / o["time/step"], 3),
-            "speedup_vs_sync": round(e["time/step"] / o["time/step"], 3),
-            "speedup_vs_hf_per_iteration": [round(hr["time/step"] / orow["time/step"], 3)
-                                            for orow, hr in zip(rows[overlapped][1:], rows["hf"][1:])],
-            # the push and probe on the learner's critical path: snapshot, learner half, wait for the queued push
-            "push_probe_share_of_step": round(sum(o[k] for k in ("time/weight_push", "time/probe_learner",
-                                                                "time/push_wait")) / o["time/step"], 4),
-            # the engine thread's push and probe (overlapped with the learner's next step)
-            "push_probe_engine_share_of_step": round((o["time/push_engine"] + o["time/probe_engine"])
-                                                     / o["time/step"], 4),
-            # the part of the generation not waited for (the wait before the step's batch)
-            "hidden_generation_share": round(1 - o["time/rollout"] / max(o["time/generate"], 1e-9), 4),
-            "version_lag": [r["mismatch/version_lag"] for r in rows[overlapped]]}
+        out["overlap"] = _overlap_summary(phases, rows, runs[overlapped], backend, overlapped, max_staleness, threads)
         log(f"overlapped (k={max_staleness}): {out['overlap']['speedup_vs_hf']}x HF generate() per iteration, "
             f"{out['overlap']['speedup_vs_sync']}x the synchronous engine loop; push+probe "
             f"{100 * out['overlap']['push_probe_share_of_step']:.1f}% of its step on the learner "
@@ -162,8 +170,6 @@ def overlapped_block(run, step, name: str) -> dict:
 
 
 def _attention(engine: Path) -> str:
-    from refit.core.manifest import Manifest
-
     return Manifest.read(engine).attention or "plain"
 
 

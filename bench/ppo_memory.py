@@ -21,6 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from refit.export.onnx_export import ExportOptions
+from refit.learner.examples.models import _IDS, build_tokenizer
+from refit.rollout.build import build as build_engine
+
 _CHILD = """
 import json, resource, sys, time
 from pathlib import Path
@@ -110,8 +114,6 @@ def build(work: Path, layers: int, with_engine: bool = True) -> tuple[Path, Path
         import torch
         import transformers
 
-        from refit.learner.examples.models import _IDS, build_tokenizer
-
         cfg = transformers.Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
                                        intermediate_size=4864, num_hidden_layers=layers, vocab_size=151936,
                                        tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
@@ -120,9 +122,6 @@ def build(work: Path, layers: int, with_engine: bool = True) -> tuple[Path, Path
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(model))
         build_tokenizer(model)
     if with_engine and not (engine / "manifest.json").exists():
-        from refit.export.onnx_export import ExportOptions
-        from refit.rollout.build import build as build_engine
-
         build_engine(model, engine, opts=ExportOptions(attention="plain", max_len=256), log=lambda *_: None)
     return model, engine
 

@@ -29,11 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from refit.bench.generate import _load, run_engine, run_hf_generate
+from refit.core.checkpoint import load_model, model_info
+from refit.core.manifest import Manifest
+from refit.core.padding import native_padding_side
+from refit.export.weight_map import canonical_params
+from refit.learner.run.sync import probe_learner_side
+from refit.rollout.engine import create_engine
+from refit.rollout.types import SamplingParams
+
 
 def logprob_gap(fp32, int8, prompts: list[list[int]], new_tokens: int) -> dict:
     """Both engines score the fp32 engine's sampled batch; |int8 - fp32| log-prob on its response tokens."""
-    from refit.rollout.types import SamplingParams
-
     b = fp32.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=11))
     m = b.response_mask.bool()
     a = fp32.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask).logprobs[m]
@@ -60,10 +67,6 @@ def push_check(int8, model: torch.nn.Module, prompts: list[list[int]], new_token
     on a batch it sampled, and how far they then are from the quantize-dequantize reference holding the same tensors
     (the learner's push-probe side, ``probe_learner_side``), against the export gate's tolerances. ``model`` is
     left holding the perturbed tensors."""
-    from refit.export.weight_map import canonical_params
-    from refit.learner.run.sync import probe_learner_side
-    from refit.rollout.types import SamplingParams
-
     b = int8.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=12))
     m = b.response_mask.bool()
     score = lambda: int8.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask).logprobs[m]  # noqa: E731
@@ -164,13 +167,6 @@ def ctranslate2_int8(python: str, model_dir: Path, work: Path, prompts, batch_si
 def bench_quantized(model_dir: Path, fp32_dir: Path, int8_dir: Path, batch_sizes: list[int], prompt_len: int,
                     new_tokens: int, repeats: int, threads: int, ct2_python: str = "", work: Path | None = None,
                     push_repeats: int = 3, log=print) -> dict:
-    from refit.bench.generate import _load, run_engine, run_hf_generate
-    from refit.core.checkpoint import load_model, model_info
-    from refit.core.manifest import Manifest
-    from refit.core.padding import native_padding_side
-    from refit.export.weight_map import canonical_params
-    from refit.rollout.engine import create_engine
-
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     info = model_info(model_dir)

@@ -21,6 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from refit.bench.smokes import _run, distill_smoke, ppo_smoke
+from refit.core.manifest import Manifest
+from refit.export.weight_map import canonical_params
+from refit.learner.examples.models import build_tokenizer
+from refit.learner.examples.published import PUBLISHED, build_published, n_params
+from refit.rollout.ort_backend import OrtEngine
+from refit.rollout.torch_backend import TorchEngine
+from refit.rollout.types import SamplingParams
+
 EXPORT_ARGS = ["--max-batch", "16", "--max-len", "128"]  # as refit.bench.export_families.export_family
 
 
@@ -105,11 +114,6 @@ def push_check(model_dir: str, engine_dir: str, prompts: list[list[int]], scales
     the sampled tokens' log-probs by 3e-5), where a small push would check nothing. The scale used is recorded."""
     import torch
 
-    from refit.export.weight_map import canonical_params
-    from refit.rollout.ort_backend import OrtEngine
-    from refit.rollout.torch_backend import TorchEngine
-    from refit.rollout.types import SamplingParams
-
     ort, ref = OrtEngine(engine_dir), TorchEngine(model_dir)
     try:
         params, _ = canonical_params(ref.model)
@@ -174,9 +178,6 @@ def _slug(name: str) -> str:
 
 def run_stage(stage: str, name: str, root: Path, push_via: str = "memory") -> dict | str:
     """One stage of a geometry's row, on the checkpoint and engine :func:`geometry_record` made under ``root``."""
-    from refit.bench.smokes import _run, distill_smoke, ppo_smoke
-    from refit.learner.examples.models import build_tokenizer
-
     rec = {"model_dir": str(root / "models" / _slug(name)), "engine_dir": str(root / "engines" / _slug(name))}
     # no re-export of the final model (the export is measured once, before); the jobs' weight-push route
     quick = dict(export_final=False, push_via=push_via)
@@ -210,10 +211,6 @@ def geometry_record(name: str, root: Path, rss_cap_gb: float | None = None, voca
     after each stage. ``vocab``: the vocabulary cut to that many rows (recorded), for a geometry whose published
     vocabulary does not fit the machine; every other field as published."""
     from dataclasses import asdict
-
-    from refit.core.manifest import Manifest
-    from refit.learner.examples.models import build_tokenizer
-    from refit.learner.examples.published import PUBLISHED, build_published, n_params
 
     slug = _slug(name)
     tok = build_tokenizer()

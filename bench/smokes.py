@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from refit.learner.distill.config import DistillConfig
+from refit.learner.distill.cycle import run_distill
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import run_ppo
+from refit.learner.run.metrics import read_metrics
+
 # flat field names (refit.learner.run.config.from_flat maps them to their sections)
 SMOKE = dict(steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, save_steps=2, seed=0)
 
@@ -16,10 +22,6 @@ def _quiet(*_):
 def ppo_smoke(rec: dict, root: Path, **overrides) -> dict:
     """Two PPO steps on the family's engine (a dense reward, so step 2's policy has moved); KL(0), the
     smallest and the last exact KL, the largest probe diff. ``overrides``: further flat config fields."""
-    from refit.learner.ppo.config import PPOConfig
-    from refit.learner.ppo.cycle import run_ppo
-    from refit.learner.run.metrics import read_metrics
-
     cfg = PPOConfig.from_flat(
         model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
         num_generations=2, advantage_estimator="gae", num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
@@ -35,10 +37,6 @@ def ppo_smoke(rec: dict, root: Path, **overrides) -> dict:
 
 def distill_smoke(rec: dict, root: Path, **overrides) -> dict:
     """Two distillation steps, the model its own teacher: held-out KL at step 0, the loss of each step."""
-    from refit.learner.distill.config import DistillConfig
-    from refit.learner.distill.cycle import run_distill
-    from refit.learner.run.metrics import read_metrics
-
     cfg = DistillConfig.from_flat(
         teacher_model_dir=rec["model_dir"], student_model_dir=rec["model_dir"], teacher_engine_dir=rec["engine_dir"],
         student_engine_dir=rec["engine_dir"], output_dir=str(root / "distill"), batch_size=4, eval_size=4,

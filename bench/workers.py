@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 
 from refit.bench.ppo import PHASES
+from refit.learner.examples.demo import build_policy
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import run_ppo
+from refit.learner.run.metrics import read_metrics
 
 
 def bench_workers(work: Path, workers: int, steps: int, threads: int, warmup: int = 2, log=print) -> dict:
-    from refit.learner.ppo.config import PPOConfig
-    from refit.learner.ppo.cycle import run_ppo
-    from refit.learner.examples.demo import build_policy
-    from refit.learner.run.metrics import read_metrics
-
     torch.set_num_threads(threads)
     policy = work / "policy"
     if not (policy / "config.json").exists():

@@ -32,6 +32,8 @@ import tyro
 import yaml
 
 from refit.core.errors import RefitError
+from refit.core.integrity import read_text
+from refit.core.validate import validate
 
 BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
@@ -195,7 +197,6 @@ def load_yaml(cls, path: str | Path, legacy: dict[str, str] | None = None):
     path = Path(path)
     if not path.is_file():
         raise RefitError(f"config file {path} does not exist")
-    from refit.core.integrity import read_text
 
     try:
         raw = yaml.safe_load(read_text(path, "config file")) or {}
@@ -313,7 +314,6 @@ def parse(cls, argv: list[str] | None, prog: str, options: tuple = (), legacy: d
         words = [f"--{hinted(cls, t[2:]) or suggest(cls, t[2:])}" if t.startswith("--") and "=" not in t else t
                  for t in rest]
         raise RefitError(f"unknown arguments: {' '.join(words)} (see {prog} --help)")
-    from refit.core.validate import validate
 
     validate(parsed.cfg)  # the value ranges, every command alike (refit.core.validate.RULES)
     return parsed.cfg, SimpleNamespace(**{n: getattr(parsed, n) for n, _, _ in opts})

@@ -30,6 +30,7 @@ from refit.core.contract import decoder_start_id
 from refit.core.errors import RefitError
 from refit.core.hf_compat import cache_kw, cache_of
 from refit.core.manifest import Capabilities
+from refit.core.padding import pad_batch, position_ids_from_mask
 
 PROBE_TOL = 1e-4  # max |logit| / |hidden| difference a padding probe allows (fp32)
 _PROBE_IDS = [5, 6, 7]  # any ids >= 4 (past the special tokens) of any vocabulary
@@ -169,8 +170,6 @@ def probe_cache(model, kind: str, start_id: int | None, path) -> dict:
 @torch.no_grad()
 def probe_padding(model, kind: str, side: str, pad_id: int, path) -> None:
     """Refuse unless padding (decoder-only: left, positions from the mask; encoder: ``side``) is invisible."""
-    from refit.core.padding import pad_batch, position_ids_from_mask
-
     ids, mask = (torch.from_numpy(a) for a in pad_batch([_PROBE_IDS, _PROBE_IDS + [8, 9]], pad_id,
                                                         "left" if kind == "decoder" else side))
     alone = torch.tensor([_PROBE_IDS])

@@ -33,6 +33,9 @@ import contextlib
 
 import torch
 
+from refit.core.manifest import ShapeRange
+from refit.export.profiles import shape_profiles
+
 ATTN_NAME = "refit_gqa"  # the transformers attention implementation registered here
 
 ACTIVE: list[dict] = []  # the fused call in progress: its buffers, lengths and the presents it collects
@@ -281,9 +284,6 @@ def fused_profiles(caps, max_batch: int, max_len: int, seq2seq: bool = False) ->
 
     ``seq2seq`` (export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
     ``e``), its prefill is the start token; the plain encoder graph keeps its profile."""
-    from refit.core.manifest import ShapeRange
-    from refit.export.profiles import shape_profiles
-
     def shapes(b, s, c, k, e):
         d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],
              "total_sequence_length": [], "logits_index": [b, k]}

@@ -24,13 +24,13 @@ from pathlib import Path
 from refit.core.errors import RefitError
 from refit.core.integrity import (HOLDS, clean_stale_temps, engine_lock, folder_hashes, folder_holds, hold_folder,
                                   sha256_files)
+from refit.core.manifest import Manifest
+from refit.export.onnx_export import weights_hash
 
 
 def engine_damage(engine_dir: str | Path) -> str | None:
     """None when every graph file of ``engine_dir`` matches its manifest (sha256 of ``.onnx`` and ``.onnx.data``)
     and the manifest's sizes match the folder's config.json; else what is wrong, in words."""
-    from refit.core.manifest import Manifest
-
     engine_dir = Path(engine_dir)
     try:
         m = Manifest.read(engine_dir)
@@ -106,9 +106,6 @@ def _take(engine_dir: Path, log) -> None:
 def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool = False, log=print,
                  flag: str = "--overwrite") -> None:
     """Make ``engine_dir`` safe to reuse or export into for ``model_dir`` (see the module doc), or refuse."""
-    from refit.core.manifest import Manifest
-    from refit.export.onnx_export import weights_hash
-
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     clean_stale_temps(engine_dir.parent, log, prefix=engine_dir.name + ".")
     clean_stale_temps(engine_dir, log, prefix="manifest.json")  # a manifest rewrite killed before its rename

@@ -28,19 +28,24 @@ from typing import Callable
 
 import torch
 
-from refit.export.capabilities import Capabilities, detect
 from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.contract import PARITY_TOL, weights_hash
 from refit.core.errors import RefitError
-from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
-from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
-from refit.export.memory import StagePeaks
-from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one,
-                                     engine_weight_views, fingerprint_, graph_buffers, weight_derived_values,
-                                     weight_digests)
 from refit.core.integrity import folder_hashes, sha256_files as _sha256_files
+from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
+from refit.export.capabilities import Capabilities, detect
+from refit.export.fused import fused_dynamic_dims, fused_profiles, fused_spec, supports_fused
+from refit.export.fused_seq2seq import fused_seq2seq_spec, seq2seq_refusal
 from refit.export.graph import write_graph as _write_graph
+from refit.export.lora import add_adapter_branches, lora_record, resolve_targets
+from refit.export.memory import StagePeaks
+from refit.export.moe import is_moe, moe_refusal, translation_table as moe_translation, use_grouped_experts
+from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
+from refit.export.profiles import dynamic_dims, shape_profiles
+from refit.export.quantize import quantize_folder
 from refit.export.rewrite import gemm_for_transposed_weights, initializer_views, placeholder_proto
+from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one, engine_weight_views,
+                                     fingerprint_, graph_buffers, weight_derived_values, weight_digests)
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 OPSET = 18
@@ -75,8 +80,6 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
 def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dict]:
     """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
     if attention == "fused" and caps.kind == "decoder":
-        from refit.export.fused import fused_spec
-
         return [fused_spec(model, caps)]
     D = torch.export.Dim
     batch, seq, past, total, enc, keep = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq"), D("keep")
@@ -101,8 +104,6 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
                    inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
                    dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
     if attention == "fused":  # the plain encoder, the fused decoder (export/fused_seq2seq.py)
-        from refit.export.fused_seq2seq import fused_seq2seq_spec
-
         return [encoder, fused_seq2seq_spec(model, caps)]
     return [
         encoder,
@@ -127,8 +128,6 @@ def _trace(spec: dict, weights: set[str]):
     exactly as ``torch.onnx.export(optimize=True)`` does.
     """
     import warnings
-
-    from refit.export.moe import translation_table as moe_translation
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -155,8 +154,6 @@ def _first_line(e: Exception) -> str:
 def _moe_check(model, model_dir: Path) -> bool:
     """True when ``model`` has mixture-of-experts blocks the exporter can put in the graph; RefitError
     (one line) when it has blocks it cannot (:func:`refit.export.moe.moe_refusal`)."""
-    from refit.export.moe import is_moe, moe_refusal
-
     if not is_moe(model):
         return False
     reason = moe_refusal(model)
@@ -298,16 +295,12 @@ def _check_quantize(opts: ExportOptions) -> None:
 
 def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
     """("fused" | "plain", why) for ``opts.attention``; RefitError when "fused" is asked for where it cannot run."""
-    from refit.export.fused import supports_fused
-
     if opts.attention not in ("auto", "fused", "plain"):
         raise RefitError(f"unknown attention {opts.attention!r}; choose auto, fused or plain")
     if opts.attention == "plain":
         return "plain", "asked for (attention=plain)"
     reason = supports_fused(model, caps, opts.backend, opts.dtype)
     if reason is None and caps.kind != "decoder":
-        from refit.export.fused_seq2seq import seq2seq_refusal
-
         reason = seq2seq_refusal(model)
     if reason is None:
         return "fused", f"{opts.attention}: GroupQueryAttention over a preallocated KV buffer"
@@ -325,13 +318,9 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
     model's tensors."""
     targets = None
     if lora:
-        from refit.export.lora import resolve_targets
-
         targets = resolve_targets(model, lora)
     fingerprint_(model)
     if moe:
-        from refit.export.moe import use_grouped_experts
-
         use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (export/moe.py)
     fp_params, tied = canonical_params(model)
     specs = graph_specs(model, caps, attention)
@@ -349,16 +338,12 @@ def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype
         protos[g] = placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
         gemm_for_transposed_weights(protos[g])
         if targets:
-            from refit.export.lora import add_adapter_branches
-
             weight = lambda mod: tied.get(f"{mod}.weight", f"{mod}.weight")  # noqa: E731 - a tied alias: its owner
             engine_of = {mod: t.engine for mod in targets for t in wmap.get(weight(mod), ()) if t.graph == g}
             for mod in add_adapter_branches(protos[g], g, targets, engine_of):
                 placed.setdefault(mod, []).append(g)
     record = None
     if targets:
-        from refit.export.lora import lora_record
-
         record = lora_record(lora, targets, placed)
     _free_storage(fp_params.values())
     return io, protos, wmap, constants, record
@@ -410,8 +395,6 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
                        lora=lora)
     manifest = replace(manifest, hashes=replace(manifest.hashes, tokenizer_sha256=folder_hashes(tmp / "tokenizer")))
     if fused:
-        from refit.export.fused import fused_dynamic_dims, fused_profiles
-
         seq2seq = caps.kind != "decoder"
         manifest = replace(manifest, dynamic_dims=fused_dynamic_dims(seq2seq),
                            profiles=fused_profiles(caps, opts.max_batch, opts.max_len, seq2seq))
@@ -427,8 +410,6 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
     manifest = replace(manifest, parity=parity, export_seconds=round(time.perf_counter() - t0, 3))
     peaks.mark("gate")
     if opts.quantize != "none":  # int8 twins of the gated fp32 graphs, gated again (by the caller's int8 gate)
-        from refit.export.quantize import quantize_folder
-
         if int8_gate is None:
             raise RefitError("quantize int8: this caller gave the exporter no int8 gate (refit.rollout.build.build does)")
         manifest = int8_gate(tmp, quantize_folder(tmp, manifest, model, real), model, tok)
@@ -466,8 +447,6 @@ def _position_rule(caps: Capabilities) -> str:
 
 def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str, graphs: dict[str, GraphSpec],
               wmap: dict, tied: dict[str, str], model_dir: Path, export_s: float) -> Manifest:
-    from refit.export.profiles import dynamic_dims, shape_profiles
-
     return Manifest(
         backend="onnx", model_type=info.model_type, architecture=info.architecture, kind=info.kind,
         dtype=opts.dtype, opset=OPSET, source_model=str(model_dir.resolve()),

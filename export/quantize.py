@@ -22,7 +22,7 @@ being a function of (seed, prompt, sample, weights). The per-row scale costs a f
 distinct matmul input (shared by the matmuls that read it) and keeps rows independent.
 
 Exactness. The integer product is exact, so a PyTorch forward that quantizes the same weights and the same
-activations the same way (:func:`int8_linear`, :func:`reference_model`) computes what the engine computes up
+activations the same way (:func:`refit.core.int8.int8_linear`, :func:`~refit.core.int8.reference_model`) computes what the engine computes up
 to fp32 rounding elsewhere; the parity gate compares the engine with it, and records the engine's log-prob
 gap to the fp32 model in the manifest (``quantization.gap_vs_fp32``), a property of the engine, not a failure.
 One thing is not exact: rounding an activation to its int8 code is a step function, so where ONNX Runtime's
@@ -32,8 +32,8 @@ Tiny models never hit it (measured 2e-7); GPT-2 small (random weights, the gate'
 max |dlogprob| engine vs reference, the same as the reference against *itself* with its matmul inputs
 perturbed by 1e-7 relative (5.8e-2), while the whole int8-vs-fp32 gap was 9.0e-2 (mean 4.0e-3 vs 1.4e-2);
 the demo's policy (2 layers, 128 wide) once gave 1.13e-3 on its push probe (4 x 6 tokens) where fp32 gives 3e-5.
-So the gate measures that rounding floor first (:func:`rounding_floor`: the reference against itself,
-inputs perturbed by :data:`FLOOR_JITTER`, three seeds) and allows twice it (at least :data:`GATE_TOL_MIN`), on
+So the gate measures that rounding floor first (:func:`refit.core.int8.rounding_floor`: the reference against itself,
+inputs perturbed by ``FLOOR_JITTER``, three seeds) and allows twice it (at least :data:`GATE_TOL_MIN`), on
 the max and on the mean. The learner's push probe does the same on its own batch
 (``refit.learner.run.sync.probe_check`` with ``int8_manifest``): within the probe tolerance, passed; else
 the floor is measured on the probe batch and the engine must be within twice it. A push that changes the
@@ -45,10 +45,10 @@ names each fp32 engine weight's int8 twin. :func:`quantize_push` turns a mapped 
 fp32 weight itself is dropped unless another node, a tied embedding's ``Gather``, still reads it).
 
 The TensorRT scheme (``"int8-qdq"``, ``refit export --backend tensorrt --quantize int8``): weight-only int8 through
-explicit quantization. Each quantized weight is the same int8 twin (:func:`quantize_weight`, stored (K, N)) feeding
+explicit quantization. Each quantized weight is the same int8 twin (:func:`refit.core.int8.quantize_weight`, stored (K, N)) feeding
 ``DequantizeLinear(axis=1)`` with its per-output-column scale, into the MatMul / Gemm (a ``transB=1`` Gemm becomes
 ``transB=0``: the twin is (K, N)); activations stay fp32. It is standard ONNX, so ONNX Runtime's CPU provider runs
-the very graph TensorRT parses, and the gate compares it with :class:`QDQLinear` (an fp32 matmul by the
+the very graph TensorRT parses, and the gate compares it with :class:`refit.core.int8.QDQLinear` (an fp32 matmul by the
 dequantized weight ``q * scale``): no activation rounding, so no rounding floor, fp32 parity's 1e-4 tolerance.
 A push re-quantizes with the same :func:`quantize_push`; TensorRT refits the int8 weight and its scale by their
 ONNX names (rollout/tensorrt/engine.py). docs/int8.md says what ran where.
@@ -56,7 +56,6 @@ ONNX names (rollout/tensorrt/engine.py). docs/int8.md says what ran where.
 
 from __future__ import annotations
 
-import copy
 from collections import ChainMap
 from dataclasses import replace
 from pathlib import Path
@@ -65,57 +64,17 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, QuantizedWeight, Quantization
+from refit.core.int8 import QDQ, TINY, matmul_modules, quantize_weight
+from refit.core.integrity import sha256_files as _sha256_files
+from refit.core.manifest import Manifest, Quantization, QuantizedWeight
+from refit.export.graph import write_graph as _write_graph
 
 SCHEMES = ("none", "int8")  # ExportOptions.quantize (both backends)
-QDQ = "int8-qdq"  # Quantization.scheme of a TensorRT export: weight-only int8, DequantizeLinear into fp32 matmuls
 QDQ_GATE_TOL = 1e-4  # the Q/DQ gate's max |logprob diff| (fp32 parity's: the arithmetic is fp32 on both sides)
 GATE_TOL_MIN = 1e-3  # the int8 gate's least tolerance on max |logprob diff| (the fp32 probe's default)
-FLOOR_JITTER = 1e-6  # relative perturbation of every quantized matmul input when measuring the rounding floor
-_TINY = 1e-30  # floor of a row's max |x|: an all-zero row quantizes to 0, never divides by 0
 
 
 # ----------------------------------------------------------------------------- the arithmetic (torch)
-
-
-def quantize_weight(w_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, N) float weight -> (q (K, N) int8 in [-127, 127], scale (N,) float32): per output column, symmetric.
-
-    Works on the memory layout it is given (a transposed view, e.g. a Linear weight or a Gemm transB=1
-    weight, is reduced along its contiguous rows, then the int8 result transposed once): the same numbers
-    either way (max, one division and rounding per element), 4.7 -> ~1 s for GPT-2 small's push."""
-    w = w_kn.detach().float()
-    nk = not w.is_contiguous() and w.t().is_contiguous()
-    if nk:
-        w = w.t()  # (N, K) contiguous: reduce along rows
-    axis = 1 if nk else 0
-    scale = torch.maximum(w.amax(axis), w.amin(axis).neg_()).clamp_min_(_TINY).div_(127.0)  # (N,)
-    q = torch.div(w, scale[:, None] if nk else scale).round_().clamp_(-127, 127).to(torch.int8)
-    return (q.t().contiguous() if nk else q), scale.contiguous()
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) activations -> (codes (..., K) float in [-127, 127], scale (..., 1)): per row, symmetric.
-
-    The graph's ops in the graph's order: ``Div(max|x|, 127)``, ``Round(Div(x, t))`` (half to even, as ONNX)."""
-    t = x.abs().amax(-1, keepdim=True).clamp_min(_TINY) / 127.0
-    return torch.round(x / t), t
-
-
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                jitter: torch.Generator | None = None) -> torch.Tensor:
-    """The engine's int8 matmul in PyTorch: (..., K) x (K, N) int8 -> (..., N) float32, as the graph computes it.
-
-    The integer dot products are exact in float64 (|sum| <= K * 127^2 < 2^53); ``float()`` rounds them as
-    ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order, then the bias.
-    ``jitter``: perturb ``x`` by :data:`FLOOR_JITTER` relative noise first (:func:`rounding_floor`)."""
-    x = x.float()
-    if jitter is not None:
-        x = x * (1 + FLOOR_JITTER * torch.randn(x.shape, generator=jitter))
-    codes, t = quantize_rows(x)
-    acc = (codes.double() @ q.double()).float()
-    y = acc * t * scale
-    return y + bias if bias is not None else y
 
 
 def kn(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -140,139 +99,9 @@ def quantize_push(mapped: dict[str, dict[str, torch.Tensor]], quant: Quantizatio
     return out
 
 
-# ----------------------------------------------------------------------------- the PyTorch reference
-
-
-class Int8Linear(torch.nn.Module):
-    """A Linear / GPT-2 Conv1D replaced by :func:`int8_linear` over its quantized weight (the gate's reference)."""
-
-    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        q, s = quantize_weight(w_kn)
-        self.register_buffer("q", q)
-        self.register_buffer("scale", s)
-        self.bias = None if bias is None else bias.detach().float()
-        self.jitter: torch.Generator | None = None  # set by rounding_floor only
-        self._weight: tuple | None = None  # (q, q._version, scale, scale._version, weight) of the last read
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight as a Linear holds it, (out, in): HF code reads it (T5 reads ``wo.weight`` twice
-        per feed-forward per forward, for its dtype); the forward never does. Made once and kept while ``q`` and
-        ``scale`` are the same tensors, unchanged: a tensor's ``_version`` counts its in-place changes
-        (``load_state_dict`` copies in place; ``.to()`` or an assignment gives a new tensor). Inference tensors
-        (made under ``torch.inference_mode``) count nothing: made on each read."""
-        q, s, held = self.q, self.scale, self._weight
-        if q.is_inference() or s.is_inference():
-            return dequantize(q, s).t()
-        if held is None or held[0] is not q or held[1] != q._version or held[2] is not s or held[3] != s._version:
-            held = self._weight = (q, q._version, s, s._version, dequantize(q, s).t())
-        return held[4]
-
-    def forward(self, x):
-        return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
-
-
-class QDQLinear(torch.nn.Module):
-    """A Linear / Conv1D replaced by an fp32 matmul by its dequantized weight ``q * scale`` (the Q/DQ gate's
-    reference: what ``DequantizeLinear`` then ``MatMul`` / ``Gemm`` compute)."""
-
-    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        q, s = quantize_weight(w_kn)
-        self.register_buffer("w", dequantize(q, s))
-        self.bias = None if bias is None else bias.detach().float()
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight as a Linear holds it, (out, in): HF code reads it (T5's ``wo.weight.dtype``)."""
-        return self.w.t()
-
-    def forward(self, x):
-        y = x.float() @ self.w
-        return (y + self.bias if self.bias is not None else y).to(x.dtype)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``DequantizeLinear(q, scale, axis=1)`` of a (K, N) int8 twin: ``float(q) * scale[n]``, one fp32 rounding."""
-    return q.float() * scale.float()
-
-
 def scheme_for(backend: str) -> str:
     """The Quantization.scheme ``--quantize int8`` makes for an export backend ("onnx" | "tensorrt")."""
     return QDQ if backend == "tensorrt" else "int8"
-
-
-def _module_kn(module) -> torch.Tensor | None:
-    """The (K, N) weight a Linear (out, in) or Conv1D (in, out) multiplies by; None for any other module."""
-    kind = type(module).__name__
-    if isinstance(module, torch.nn.Linear):
-        return module.weight.t()
-    if kind == "Conv1D":
-        return module.weight
-    return None
-
-
-def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]:
-    """{graph: {fp32 engine weight: [Linear / Conv1D module names that multiply by it]}} (tied aliases included).
-
-    A graph matmul is quantized only where this finds its module: that module is what the reference replaces."""
-    aliases: dict[str, list[str]] = {}
-    for alias, canon in manifest.tied.items():
-        aliases.setdefault(canon, []).append(alias)
-    out: dict[str, dict[str, list[str]]] = {}
-    for hf, targets in manifest.weight_map.items():
-        mods = []
-        for name in [hf, *aliases.get(hf, [])]:
-            owner, _, leaf = name.rpartition(".")
-            try:
-                m = model.get_submodule(owner)
-            except AttributeError:
-                continue
-            if hasattr(m, "base_layer"):  # a PEFT LoRA layer: the base's Linear is inside it (the adapter stays fp32)
-                owner, m = f"{owner}.base_layer", m.base_layer
-            if leaf == "weight" and _module_kn(m) is not None:
-                mods.append(owner)
-        for t in targets:
-            if mods and t.transform in ("identity", "transpose"):
-                out.setdefault(t.graph, {})[t.engine] = mods
-    return out
-
-
-def reference_model(model, manifest: Manifest, share_parameters: bool = False):
-    """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine
-    (:class:`QDQLinear`, the dequantized weights in fp32, for the TensorRT scheme). ``share_parameters``: the copy
-    shares every parameter and buffer with ``model`` (only the modules are new), so it holds no fp32 copy and sees
-    ``model``'s later updates (its int8 twins are made now: right for a frozen base, as under LoRA)."""
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]} if share_parameters else None
-    ref = copy.deepcopy(model, memo)
-    quant = manifest.quantization
-    layer = QDQLinear if quant is not None and quant.scheme == QDQ else Int8Linear
-    mods = matmul_modules(ref, manifest)
-    for g, twins in (quant.weights if quant else {}).items():
-        for name in twins:
-            for owner in mods[g][name]:
-                parent, _, leaf = owner.rpartition(".")
-                m = ref.get_submodule(owner)
-                setattr(ref.get_submodule(parent) if parent else ref, leaf, layer(_module_kn(m), m.bias))
-    return ref
-
-
-def rounding_floor(ref, forward, distance, seeds: int = 3) -> float:
-    """max over ``seeds`` of ``distance(forward(ref) with every Int8Linear input perturbed by FLOOR_JITTER)``: how far
-    the quantized function moves under fp32 rounding noise alone. ``ref`` is left unperturbed."""
-    mods = [m for m in ref.modules() if isinstance(m, Int8Linear)]
-    worst = 0.0
-    try:
-        for s in range(seeds):
-            gen = torch.Generator().manual_seed(s)
-            for m in mods:
-                m.jitter = gen
-            worst = max(worst, float(distance(forward(ref))))
-    finally:
-        for m in mods:
-            m.jitter = None
-    return worst
 
 
 # ----------------------------------------------------------------------------- the graph rewrite
@@ -353,7 +182,7 @@ def rewrite_graph(proto, weights: dict[str, torch.Tensor],
     consts = [numpy_helper.from_array(np.array(127, np.float32), "int8_c127"),
               numpy_helper.from_array(np.array(128, np.float32), "int8_c128"),
               numpy_helper.from_array(np.array(128, np.uint8), "int8_zp"),
-              numpy_helper.from_array(np.array(_TINY, np.float32), "int8_tiny"),
+              numpy_helper.from_array(np.array(TINY, np.float32), "int8_tiny"),
               numpy_helper.from_array(np.array([-1], np.int64), "int8_last")]
     rowq: dict[str, tuple[str, str]] = {}  # activation name -> (uint8 codes, row scale)
 
@@ -426,9 +255,6 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
     written with."""
     import onnx
 
-    from refit.core.integrity import sha256_files as _sha256_files
-    from refit.export.graph import write_graph as _write_graph
-
     scheme = scheme_for((manifest.options or {}).get("backend", "onnx"))
     rewrite = rewrite_graph_qdq if scheme == QDQ else rewrite_graph
     mods = matmul_modules(model, manifest)
@@ -453,9 +279,9 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
                          "nothing to quantize")
     hashes = replace(manifest.hashes, graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                      engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()})
-    reference = ("PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.QDQLinear (fp32 "
+    reference = ("PyTorch uncached forward, quantized Linear/Conv1D layers as refit.core.int8.QDQLinear (fp32 "
                  "matmul by the dequantized int8 weights)" if scheme == QDQ else
-                 "PyTorch uncached forward, quantized Linear/Conv1D layers as export/quantize.int8_linear")
+                 "PyTorch uncached forward, quantized Linear/Conv1D layers as refit.core.int8.int8_linear")
     quant = Quantization(scheme=scheme, weights=twins, quantized_matmuls=n_q, float_matmuls=n_left,
                          reference=reference,
                          max_abs_logprob_diff=float("nan"), tolerance_logprob=float("nan"), gap_vs_fp32={})

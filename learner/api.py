@@ -32,7 +32,14 @@ from typing import Any, Callable, Sequence
 
 from refit.core.errors import RefitError
 from refit.core.parsing import with_values
-from refit.learner.run.loop import StepHooks
+from refit.learner.distill.cycle import run_distill as run_cycle
+from refit.learner.examples.distill_pair import build_models
+from refit.learner.ppo.cli import summary
+from refit.learner.ppo.cycle import ppo_job
+from refit.learner.ppo.rewards import load_rewards, spec_of
+from refit.learner.run.config import flat_names
+from refit.learner.run.loop import StepHooks, run_job
+from refit.learner.run.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,6 @@ def run_ppo(config, reward_funcs: Sequence[Callable | str] | None = None, train_
     dataset path, replacing ``config.data.dataset``. ``hooks``: called around each step
     (:class:`refit.learner.run.loop.StepHooks`; the TRL facade's callbacks).
     """
-    from refit.learner.ppo.cli import summary
-    from refit.learner.ppo.cycle import ppo_job
-    from refit.learner.ppo.rewards import load_rewards, spec_of
-    from refit.learner.run.loop import run_job
-    from refit.learner.run.metrics import read_metrics
-
     run_dir = Path(config.run.output_dir)
     if not config.model.model_dir:
         raise RefitError("PPOConfig.model.model_dir is required (a policy HF checkpoint folder)")
@@ -111,16 +112,10 @@ def run_distill(config, train_dataset: Any = None, resume: bool = False, log=pri
     :func:`run_ppo`."""
     import json
 
-    from refit.learner.distill.cycle import run_distill as run_cycle
-    from refit.learner.run.metrics import read_metrics
-
     run_dir = Path(config.run.output_dir)
     if train_dataset is not None:
         config = with_values(config, **{"data.dataset": dataset_path(train_dataset, run_dir)})
     if not config.teacher.model_dir and not config.student.model_dir:  # the embedded pair, as `refit distill`
-        from refit.learner.examples.distill_pair import build_models
-        from refit.learner.run.config import flat_names
-
         models = run_dir / "models"
         config = with_values(config, flat_names(type(config)), **build_models(models, config),
                              teacher_engine_dir=config.teacher.engine_dir or str(models / "teacher_engine"),

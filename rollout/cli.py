@@ -17,8 +17,12 @@ import tyro
 
 from refit.core.errors import RefitError
 from refit.core.integrity import read_text
+from refit.core.manifest import Manifest
 from refit.core.parsing import FLAT, opt, parse
+from refit.export.guard import require_intact
+from refit.export.onnx_export import weights_hash
 from refit.rollout.config import Sampling
+from refit.rollout.engine import create_engine
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,8 @@ def check_engine_for_generate(engine_dir: Path, m, backend: str) -> None:
     """Refuse, in one line, an engine folder whose files no longer match its manifest; for ``--backend torch``
     (which runs the engine's source HF folder) refuse a source whose weights changed since the export: the
     completions would not be the engine's."""
-    from refit.export.guard import require_intact
-
     require_intact(engine_dir, m.source_model)
     if backend == "torch":
-        from refit.export.onnx_export import weights_hash
-
         src = Path(m.source_model)
         if src.is_dir() and weights_hash(src) != m.hashes.hf_weights_sha256:
             raise RefitError(f"--backend torch runs the source model {src}, whose weights changed since {engine_dir} "
@@ -100,8 +100,6 @@ def _records(batch, texts: list[str], tok) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.rollout.engine import create_engine
-
     a, _ = parse(GenerateConfig, argv, "refit generate")
     engine_dir = Path(a.engine_dir)
     try:
@@ -109,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise RefitError(str(e)) from None
     texts = _prompts(a)
-    from refit.core.manifest import Manifest
 
     m = Manifest.read(engine_dir)  # one clear line when the folder is not an engine
     check_engine_for_generate(engine_dir, m, a.backend)

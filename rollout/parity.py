@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.int8 import QDQ, reference_model, rounding_floor
 from refit.core.manifest import Manifest, Parity
-from refit.core.padding import position_ids_from_mask
+from refit.core.padding import pad_batch, position_ids_from_mask
+from refit.export.quantize import GATE_TOL_MIN, QDQ_GATE_TOL
 from refit.rollout.decode import decode_loop
-from refit.rollout.engine import pad_prompts
-from refit.rollout.types import SamplingParams
+from refit.rollout.engine import create_engine, pad_prompts
+from refit.rollout.types import ModelSpec, SamplingParams
 
 PARITY_PROMPTS = ["12+34=", "sort 9172 = ", "Refit trains language models", "7"]
 
@@ -61,8 +63,6 @@ def engine_greedy_logits(engine_dir: Path, ids: np.ndarray, mask: np.ndarray, n_
     ``ids``/``mask`` are prompts padded by the model's rule; the decode loop is the engines' own. ``files``:
     {graph: file} run instead of the manifest's (a bf16 graph's CPU twin, refit.export.precision.cpu_twin).
     """
-    from refit.rollout.engine import create_engine
-
     # the gate pushes nothing: the sessions read the weights from the files, no copy of them held in Python
     eng = engine if engine is not None else create_engine("onnxruntime", engine_dir, graph_files=files,
                                                           hold_weights=False, keep_heap=False)
@@ -99,8 +99,6 @@ def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: flo
 
     The reference is ``model`` as loaded (the engine's dtype: the same rounded weights); ``files`` and
     ``engine_run``: the graphs run and how (see :func:`engine_greedy_logits`), recorded."""
-    from refit.rollout.types import ModelSpec
-
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask, _ = pad_prompts(seqs, 1, ModelSpec.from_manifest(manifest))
     ids, mask = ids.numpy(), mask.numpy()
@@ -124,11 +122,8 @@ def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: flo
 
 def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=print) -> Manifest:
     """The int8 engine in ``folder`` (export/quantize.py) through the engine's own decode loop, against the
-    quantize-dequantize PyTorch forward (:func:`refit.export.quantize.reference_model`), within twice the
+    quantize-dequantize PyTorch forward (:func:`refit.core.int8.reference_model`), within twice the
     int8 rounding floor; the gap to fp32 recorded. Returns the manifest with its quantization record filled."""
-    from refit.core.padding import pad_batch
-    from refit.export.quantize import GATE_TOL_MIN, QDQ, QDQ_GATE_TOL, reference_model, rounding_floor
-
     quant = manifest.quantization
     qdq = quant.scheme == QDQ  # weight-only: no activation rounding, so no floor; fp32 parity's tolerance
     n_q, n_left = quant.quantized_matmuls, quant.float_matmuls

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from refit.core.errors import RefitError
+from refit.rollout import engine as _engine
 from refit.rollout.engine import DEFAULT_SCORE_CHUNK, check_prompts, create_engine, next_version, register_backend
 from refit.rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
@@ -192,7 +193,6 @@ class RayEnginePool:
                  start_timeout_s: float = 300.0, **engine_kw):
         if workers < 1 or chunk < 1:
             raise RefitError(f"RayEnginePool: need workers >= 1 and chunk >= 1 (got {workers}, {chunk})")
-        from refit.rollout import engine as _engine
 
         self.backend, self.path, self.chunk = backend, str(path), chunk
         self._target = _engine._BACKENDS.get(backend)

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import torch
 
-from refit.export.capabilities import decoder_start_id
+from refit.core.checkpoint import load_model
 from refit.core.errors import RefitError
 from refit.core.hf_compat import cache_kw
+from refit.core.manifest import MANIFEST, Manifest
 from refit.core.padding import position_ids_from_mask
+from refit.export.capabilities import decoder_start_id
+from refit.export.weight_map import canonical_params
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 
 
@@ -73,9 +76,6 @@ class _Seq2SeqState:
 
 def _load(source, dtype):
     """(model, engine max_len or None) from an nn.Module, an HF model folder or an engine folder."""
-    from refit.core.checkpoint import load_model
-    from refit.core.manifest import MANIFEST, Manifest
-
     if isinstance(source, torch.nn.Module):
         return source.eval(), None
     path = Path(source)
@@ -109,8 +109,6 @@ class TorchEngine(LoopEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Copy HF state_dict tensors (canonical or tied alias names) into the model; version += 1."""
-        from refit.export.weight_map import canonical_params
-
         params, tied = canonical_params(self.model)
         named_tensors = resolve_names(named_tensors, set(params), tied)
         for name, t in named_tensors.items():

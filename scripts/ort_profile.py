@@ -24,25 +24,14 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", default="runs/engine/small-gpt2-engine")
-    p.add_argument("--rows", type=int, default=128)
-    p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--new_tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--label", default="run")
-    p.add_argument("--out", default="")
-    p.add_argument("--top", type=int, default=25, help="nodes listed")
-    a = p.parse_args()
-
+def profile_generate(a, out: Path) -> tuple[list[dict], float, int | None, Path]:
+    """Two ``generate`` calls (warm-up, then timed) on an engine whose decoder session profiles itself: (ORT's trace
+    events, the timed call's seconds, its response tokens, the trace file)."""
     import numpy as np
     import torch
 
     import refit.export.graph as graph
 
-    out = Path(a.out or f"runs/engine/profile-{a.label}")
-    out.mkdir(parents=True, exist_ok=True)
     base = graph.session_options
 
     def profiled(*args, **kw):
@@ -52,6 +41,7 @@ def main() -> int:
         return so
 
     graph.session_options = profiled
+    # imported after the patch (not at the top), so the engine's module picks up the profiling options
     from refit.rollout.engine import create_engine
     from refit.rollout.types import SamplingParams
 
@@ -59,22 +49,20 @@ def main() -> int:
     eng = create_engine("onnxruntime", a.engine, threads=a.threads)
     graph.session_options = base
     sess = eng.sessions["decoder"]
-    vocab = eng.spec.vocab_size
-    prompts = np.random.default_rng(0).integers(4, vocab, size=(a.rows, a.prompt_len)).tolist()
+    prompts = np.random.default_rng(0).integers(4, eng.spec.vocab_size, size=(a.rows, a.prompt_len)).tolist()
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=1.0, seed=0)
     eng.generate(prompts, params)  # warm-up (its runs are in the trace, dropped below)
-    t_mark = time.perf_counter()
     t0 = time.perf_counter()
     res = eng.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = int(res.response_mask.sum()) if hasattr(res, "response_mask") else None
     trace = Path(sess.end_profiling())
-    del t_mark
-    events = json.loads(trace.read_text())
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
-    n_call = len(runs) // 2  # two generate calls of the same length
-    runs = runs[-n_call:]
-    decode = runs[1:]  # the first run of the call is the prefill
+    return json.loads(trace.read_text()), wall, tokens, trace
+
+
+def node_times(events: list[dict], decode: list[dict]) -> tuple[dict, dict, dict, list[float]]:
+    """ORT's node events inside the ``decode`` runs: (us by op type, us by node, each node's op type, the summed
+    node time of each run)."""
     nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
                    key=lambda e: e["ts"])
     by_type, by_node = defaultdict(float), defaultdict(float)
@@ -98,6 +86,29 @@ def main() -> int:
             k += 1
         step_nodes.append(s)
         j = k
+    return by_type, by_node, node_type, step_nodes
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", default="runs/engine/small-gpt2-engine")
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--label", default="run")
+    p.add_argument("--out", default="")
+    p.add_argument("--top", type=int, default=25, help="nodes listed")
+    a = p.parse_args()
+
+    out = Path(a.out or f"runs/engine/profile-{a.label}")
+    out.mkdir(parents=True, exist_ok=True)
+    events, wall, tokens, trace = profile_generate(a, out)
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
+    n_call = len(runs) // 2  # two generate calls of the same length
+    runs = runs[-n_call:]
+    decode = runs[1:]  # the first run of the call is the prefill
+    by_type, by_node, node_type, step_nodes = node_times(events, decode)
     steps = len(decode)
     run_us = [r["dur"] for r in decode]
     node_total = sum(by_type.values())

@@ -12,6 +12,7 @@ reader or test could follow.
 from __future__ import annotations
 
 import ast
+import runpy
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,20 +90,17 @@ def test_no_import_points_up_a_floor():
         assert graph[shim] == {target}, (shim, graph[shim])
 
 
-# The learner talks to engines through the rollout protocol and shares the contract through refit.core: the one
-# module still reaching into export/ is the int8 reference (export/quantize.py's reference_model and rounding_floor,
-# the learner-side twin of an int8 engine), not yet moved beside the contract.
-LEARNER_TO_EXPORT = {"refit.learner.run.sync -> refit.export.quantize"}
-
 # internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers
-INSIDE_FUNCTIONS_AT_MOST = 202
+INSIDE_FUNCTIONS_AT_MOST = 42
 
 
 def test_the_learner_imports_nothing_from_export():
+    """The learner talks to engines through the rollout protocol and shares the engine/learner contract through
+    refit.core (core/contract.py; the int8 arithmetic an int8 engine's probe compares with, core/int8.py)."""
     graph = _graph()
-    arrows = {f"{a} -> {b}" for a, deps in graph.items() if a.startswith("refit.learner.")
-              for b in deps if b.startswith("refit.export")}
-    assert arrows == LEARNER_TO_EXPORT, f"the learner reaches into export/: {sorted(arrows - LEARNER_TO_EXPORT)}"
+    arrows = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("refit.learner.")
+                    for b in deps if b.startswith("refit.export"))
+    assert not arrows, f"the learner reaches into export/: {arrows}"
 
 
 def test_imports_inside_functions_are_counted():
@@ -207,3 +205,16 @@ def test_records_are_built_with_keywords():
                 bad.append(f"{path.relative_to(ROOT)}:{n.lineno} {name}({len(n.args)} positional)")
     assert defined == RECORDS, f"records renamed or gone: {sorted(RECORDS - defined)}"
     assert not bad, bad
+
+
+# over STYLE.md's limits (modules 500 lines, functions 80) while they are being reworked, by the PPO work of issue 34
+OVER_LIMITS_KNOWN = {"learner/ppo/cycle.py", "learner/ppo/cycle.py:setup"}
+
+
+def test_modules_and_functions_stay_under_the_size_limits():
+    """Every module under 500 lines and every function under 80, benchmarks and scripts included
+    (``python scripts/sizes.py`` lists them)."""
+    found = runpy.run_path(str(ROOT / "scripts" / "sizes.py"))["over_limits"]()
+    print(f"over the size limits: {found or 'nothing'}")
+    new = sorted(set(found) - OVER_LIMITS_KNOWN)
+    assert not new, f"over the size limits (python scripts/sizes.py): {[f'{w}: {found[w]} lines' for w in new]}"

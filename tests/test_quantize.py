@@ -12,7 +12,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.quantize import int8_linear, quantize_rows, quantize_weight
+from refit.core.int8 import int8_linear, quantize_rows, quantize_weight
 from refit.rollout.ort_backend import OrtEngine
 from refit.rollout.torch_backend import TorchEngine
 from refit.rollout.types import SamplingParams
@@ -56,7 +56,7 @@ def test_int8_linear_weight_read_once_and_follows_its_buffers():
     """HF's T5 reads ``wo.weight`` twice per feed-forward per forward: the dequantized weight is made once and
     the same tensor returned, until the int8 weight or its scale changes (in place, by load_state_dict, or
     replaced): then the new value, checked against ``q * scale`` by hand."""
-    from refit.export.quantize import Int8Linear
+    from refit.core.int8 import Int8Linear
 
     def by_hand(q, scale):  # (K, N) int8 and (N,) -> the (N, K) weight a Linear holds
         return torch.tensor([[q[k][n] * scale[n] for k in range(len(q))] for n in range(len(scale))])
@@ -227,7 +227,7 @@ def test_qdq_graph_structure(qdq_engine_dirs, arch):
     scale -> the B input of a MatMul / Gemm (transB=0); nothing of ONNX Runtime's int8 scheme; the gate's record."""
     import onnx
 
-    from refit.export.quantize import QDQ
+    from refit.core.int8 import QDQ
     from refit.rollout.tensorrt.check import check_engine_folder, check_qdq
 
     d = qdq_engine_dirs[arch]

@@ -25,7 +25,7 @@ def test_the_map_lists_every_module_as_the_code_describes_it():
     assert WHAT_IS_WHERE["render"](page) == page, "docs/what-is-where.md's layout differs: python scripts/what_is_where.py"
 
 
-def test_a_missing_module_is_named(tmp_path):
+def test_a_missing_module_is_named():
     page = WHAT_IS_WHERE["PAGE"].read_text()
     cut = "\n".join(ln for ln in page.splitlines() if not ln.startswith("| `learner/run/sync.py`"))
-    assert WHAT_IS_WHERE["stale"](cut) == ["missing from the map: learner/run/sync.py"]
+    assert "missing from the map: learner/run/sync.py" in WHAT_IS_WHERE["stale"](cut)

@@ -13,6 +13,8 @@ from refit.core.checkpoint import load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.padding import check_left_padded, check_right_padded
 from refit.learner.distill.config import DistillConfig
+from refit.learner.examples.tasks import TASKS
+from refit.learner.run.dataset import check_jsonl, load_prompt_dataset
 
 
 @dataclass
@@ -58,8 +60,6 @@ def _completion_text(c) -> str:
 
 def dataset_examples(cfg: DistillConfig) -> tuple[list[tuple], list[tuple]]:
     """(train, held-out) (prompt, completion text) pairs of ``data.dataset`` (refit.learner.run.dataset)."""
-    from refit.learner.run.dataset import load_prompt_dataset
-
     d = cfg.data
     train, held = load_prompt_dataset(d.dataset, d.dataset_split, d.dataset_text_field or d.prompt_column,
                                       d.eval_split, d.eval_fraction, cfg.run.seed)
@@ -85,7 +85,6 @@ def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple
         p = Path(cfg.dataset_file)
         if not p.exists():
             raise RefitError(f"dataset file {p} does not exist")
-        from refit.learner.run.dataset import check_jsonl
 
         rows = check_jsonl(p, "dataset file")
         if any("prompt" not in r or "completion" not in r for r in rows):
@@ -93,8 +92,6 @@ def load_examples(cfg: DistillConfig) -> tuple[list[tuple[str, str]], list[tuple
         pairs = [(r["prompt"], r["completion"]) for r in rows]
         held = pairs[-cfg.eval_size:]
     else:
-        from refit.learner.examples.tasks import TASKS
-
         kw = {"max_operand": cfg.data.max_operand} if cfg.data.task == "addition" else {}
         examples = TASKS[cfg.data.task](cfg.data.num_prompts, seed=cfg.run.seed, **kw)
         pairs = list({e.prompt: (e.prompt, e.answer) for e in examples}.values())  # distinct, in draw order

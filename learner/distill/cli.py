@@ -24,8 +24,12 @@ from pathlib import Path
 
 import torch
 
+from refit.core.errors import RefitError
 from refit.core.parsing import with_values
 from refit.learner.distill.config import DistillConfig
+from refit.learner.distill.cycle import run_distill
+from refit.learner.distill.evaluate import summary
+from refit.learner.examples.distill_pair import build_all, build_models
 from refit.learner.run.config import _f, flat_names, parse_job
 
 BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "
@@ -40,10 +44,6 @@ def report(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.learner.distill.cycle import run_distill
-    from refit.learner.distill.evaluate import summary
-    from refit.learner.examples.distill_pair import build_all, build_models
-
     cfg, opts = parse_job(DistillConfig, argv, "refit distill", options=(BUILD_MODELS,))
     torch.manual_seed(cfg.run.seed)
     t0 = time.perf_counter()
@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # [dist] under torchrun only rank 0 prints
     if not cfg.teacher.model_dir and not cfg.student.model_dir:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from refit.core.errors import RefitError
-
             raise RefitError("under torchrun pass --teacher.model_dir and --student.model_dir (build the embedded "
                              "pair once first: refit distill --build_models DIR)")
         models = Path(cfg.run.output_dir) / "models"  # the --build-models layout, so a batch can reuse it

@@ -21,9 +21,15 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
+from refit.core.checkpoint import load_model
 from refit.core.parsing import opt, parse
+from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
+from refit.learner.examples.sft import sft
+from refit.learner.examples.tasks import addition
+from refit.learner.ppo.cli import summary
 from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import run_ppo
+from refit.learner.run.chat import render
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
                                       OptimSection, RolloutSection, RunSection)
 from refit.rollout.config import Sampling
@@ -35,11 +41,6 @@ def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=pri
     """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder. ``chat``: the tokenizer has a
     chat template and the warm-up sees each "a+b=" as a user message rendered by it (the answer follows the
     generation prompt, then EOS)."""
-    from refit.core.checkpoint import load_model
-    from refit.learner.examples.sft import sft
-    from refit.learner.examples.tasks import addition
-    from refit.learner.run.chat import render
-
     tok = build_chat_tokenizer() if chat else build_tokenizer()
     raw = build_model(DEMO_POLICY, out / "init", seed=seed, tokenizer=tok)
     model = load_model(raw)
@@ -95,9 +96,6 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.learner.ppo.cycle import run_ppo
-    from refit.learner.ppo.cli import summary
-
     a, _ = parse(DemoConfig, argv, "refit demo")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)

@@ -13,8 +13,12 @@ import shutil
 import time
 from pathlib import Path
 
-from refit.learner.examples.models import Geometry
+from refit.core.checkpoint import load_model
 from refit.learner.distill.config import DistillConfig
+from refit.learner.examples.models import Geometry, build_model, build_tokenizer
+from refit.learner.examples.sft import sft
+from refit.learner.examples.tasks import TASKS
+from refit.rollout.build import ensure_engine
 
 TEACHER = Geometry("gpt2", n_layer=4, d_model=128, n_head=4, d_ff=512, max_positions=64)
 STUDENT = Geometry("gpt2", n_layer=2, d_model=64, n_head=4, d_ff=256, max_positions=64)
@@ -22,11 +26,6 @@ STUDENT = Geometry("gpt2", n_layer=2, d_model=64, n_head=4, d_ff=256, max_positi
 
 def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     """The embedded teacher (SFT on the task) and student in ``out``; reused if built with the same settings."""
-    from refit.core.checkpoint import load_model
-    from refit.learner.examples.models import build_model, build_tokenizer
-    from refit.learner.examples.sft import sft
-    from refit.learner.examples.tasks import TASKS
-
     key = {"teacher": dataclasses.asdict(TEACHER), "student": dataclasses.asdict(STUDENT), "task": cfg.data.task,
            "max_operand": cfg.data.max_operand, "teacher_sft_steps": cfg.teacher_sft_steps, "seed": cfg.run.seed}
     paths = {"teacher_model_dir": str(out / "teacher"), "student_model_dir": str(out / "student")}
@@ -54,8 +53,6 @@ def build_models(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
 
 def build_all(out: Path, cfg: DistillConfig, log=print) -> dict[str, str]:
     """:func:`build_models` plus both engines (``--build-models``)."""
-    from refit.rollout.build import ensure_engine
-
     paths = build_models(out, cfg, log)
     rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     for name in ("teacher", "student"):

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
+from refit.core.errors import RefitError
+from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID, _randomise_buffers, build_tokenizer
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,6 @@ def published_config(name: str, n_layers: int | None = 2):
     the local tokenizer's pad/eos/bos ids (and decoder start id for encoder-decoders)."""
     from transformers import AutoConfig
 
-    from refit.core.errors import RefitError
-
     if name not in PUBLISHED:
         raise RefitError(f"unknown published geometry {name!r}; known: {', '.join(PUBLISHED)}")
     p = PUBLISHED[name]
@@ -182,8 +181,6 @@ def build_published(name: str, out_dir: str | Path, n_layers: int | None = 2, se
     ``vocab_size``: the vocabulary cut to that many rows (None: the published one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    from refit.learner.examples.models import _randomise_buffers, build_tokenizer
 
     cfg = published_config(name, n_layers)
     if vocab_size is not None:

@@ -6,7 +6,9 @@ import json
 import os
 from pathlib import Path
 
+from refit.core.errors import RefitError
 from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.cycle import run_ppo
 from refit.learner.run.config import parse_job
 from refit.learner.run.metrics import read_metrics
 
@@ -22,7 +24,7 @@ def summary(run_dir) -> dict:
            "reward_end": last["reward/mean"],
            f"reward_first{k}_mean": sum(r["reward/mean"] for r in rows[:k]) / k,
            f"reward_last{k}_mean": sum(r["reward/mean"] for r in rows[-k:]) / k,
-           "min_exact_kl": min(r["kl/exact"] for r in rows),
+           "min_exact_kl": min((r["kl/exact"] for r in rows if "kl/exact" in r), default=None),  # None: no reference
            "max_probe_diff": max((r.get("probe/max_abs_logprob_diff") or 0.0) for r in rows)}
     evals = [r for r in every if r.get("eval/reward/mean") is not None]
     if evals:
@@ -35,12 +37,8 @@ def summary(run_dir) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.learner.ppo.cycle import run_ppo
-
     cfg, opts = parse_job(PPOConfig, argv, "refit ppo")
     if not cfg.model.model_dir:
-        from refit.core.errors import RefitError
-
         raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
     run_dir = run_ppo(cfg, resume=opts.resume, overwrite=opts.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # [dist] under torchrun one summary line, from rank 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from refit.learner.examples.tasks import TASKS
 from refit.learner.run.chat import completion_for
 from refit.learner.run.data import decode_responses
 from refit.learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts
@@ -27,7 +28,6 @@ def load_prompt_sets(cfg) -> tuple[PromptSet, PromptSet | None]:
         return train, cap(held, cfg.eval_max_prompts, cfg.run.seed)
     if cfg.prompts_file:
         return text_file_prompts(cfg.prompts_file), None
-    from refit.learner.examples.tasks import TASKS
 
     kw = {"max_operand": d.max_operand} if d.task == "addition" else {}
     return PromptSet(prompts=[e.prompt for e in TASKS[d.task](d.num_prompts, seed=cfg.run.seed, **kw)],

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from refit.core.errors import RefitError
+from refit.learner.examples.tasks import exact_match_reward
 
 RewardFn = Callable[..., list]
 
@@ -138,8 +139,6 @@ def _import_function(spec: str) -> RewardFn:
 
 def load_reward(spec: str) -> RewardFn:
     if spec == "exact_match":
-        from refit.learner.examples.tasks import exact_match_reward
-
         return exact_match_reward
     if Path(spec).is_dir():
         return ClassifierReward(spec)

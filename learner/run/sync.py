@@ -31,8 +31,8 @@ import torch
 
 from refit.core.contract import DTYPES, PARITY_TOL, canonical_params
 from refit.core.errors import RefitError
+from refit.core.int8 import reference_model, rounding_floor
 from refit.core.manifest import MANIFEST, Manifest
-from refit.export.quantize import reference_model, rounding_floor
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.lora import adapter_tensors, is_lora, merged_tensors
 from refit.learner.run.policy import learner_view
@@ -274,7 +274,7 @@ def push_tensors(model: torch.nn.Module, engine: Engine | None = None) -> dict[s
 
 
 def int8_reference(model: torch.nn.Module, manifest: Manifest) -> torch.nn.Module:
-    """``model`` as an int8 engine computes it (export/quantize.py ``reference_model``). For a LoRA policy the
+    """``model`` as an int8 engine computes it (core/int8.py ``reference_model``). For a LoRA policy the
     reference is made once and kept on the model: it shares every parameter of the policy (the adapter as it
     trains, the frozen base) and holds only the int8 twins of the base's linear layers, so it follows each step
     without being made again and costs no fp32 copy of the base."""

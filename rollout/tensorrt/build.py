@@ -39,6 +39,7 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
+from refit.export.quantize import QDQ
 
 INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
 
@@ -194,8 +195,6 @@ def inspect_plan(trt, logger, plan, manifest: Manifest, graph: str) -> tuple[tup
 
 def _check_quantized(manifest: Manifest) -> None:
     """One line for a quantized folder TensorRT cannot build: only the weight-only Q/DQ scheme is TensorRT's."""
-    from refit.export.quantize import QDQ
-
     q = manifest.quantization
     if q is not None and q.scheme != QDQ:
         raise RefitError(f"this engine folder is quantized for ONNX Runtime ({q.scheme}: MatMulInteger, which "

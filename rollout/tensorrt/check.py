@@ -29,6 +29,7 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, ShapeRange
+from refit.export.quantize import QDQ
 
 # Ops TensorRT's ONNX parser converts ("Y" rows of the support matrix), TensorRT 10.0/10.1:
 # https://github.com/onnx/onnx-tensorrt/blob/10.1-GA/docs/operators.md (commit 96e7811).
@@ -363,8 +364,6 @@ def check_qdq(manifest: Manifest, onnx_path: str | Path, graph: str | None = Non
     scale initializer of ``dims[axis]`` values on ``axis=1`` (per output column of the (K, N) twin) and no zero
     point; its output must be the weight input (B) of MatMul / Gemm nodes only (Gemm ``transB=0``: the twin is
     (K, N)); and every twin of the record must have exactly one such node."""
-    from refit.export.quantize import QDQ
-
     q = manifest.quantization
     if q is None:
         return []
