@@ -515,7 +515,7 @@ def ppo_job(log=print, rewards: list[NamedReward] | None = None) -> Job:
     """The PPO job for :func:`refit.learner.run.loop.run_job`; ``rewards``: loaded already (Python callables)."""
     return Job("ppo", setup=partial(setup, rewards=rewards), step=partial(step_and_evaluate, log=log), save=save,
                engines=lambda run: [run.ahead, run.engine, run.ref_engine],  # the thread first: it uses the engine
-               postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m['kl/exact']:.4f}"},
+               postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m.get('kl/exact', 0.0):.4f}"},
                plot_panels=PLOT_PANELS, initial=evaluate, final=partial(final, log=log),
                finish=partial(finish, log=log))
 
