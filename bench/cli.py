@@ -89,8 +89,8 @@ class BenchPPO(OnModel):
                                 "(rollout.max_staleness k), side by side with the synchronous loop and HF")
     num_generations: int = opt(1, "samples per prompt; > 1 runs GRPO (group advantages, no critic): batch_size "
                                   "prompts x num_generations rows")
-    engine_shards: int = opt(1, "the synchronous engine run's rollout.engine_shards (its rows decoded in that many "
-                                "shards, one thread each; --threads shared out)")
+    engine_shards: int = opt(0, "the synchronous engine run's rollout.engine_shards (0: auto, as refit ppo; its "
+                                "rows decoded in that many shards, one thread each; --threads shared out)")
 
 
 @dataclass(frozen=True)

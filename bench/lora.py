@@ -144,6 +144,7 @@ def _ppo_args(a, lora: bool) -> list[str]:
             "-o", str(out), "--overwrite", "--run.steps", str(a.steps), "--run.batch_size", str(a.prompts),
             "--num_generations", str(a.generations), "--advantage_estimator", "grpo", "--response_length",
             str(a.response_length), "--num_ppo_epochs", "1", "--num_mini_batches", "1", "--kl_coef", "0.05",
+            "--kl_penalty", "loss", "--kl_estimator", "k3",  # GRPO's KL term (TRL's beta): the one-pass update
             "--rollout.engine_threads", str(a.threads), "--rollout.quantize", a.quantize, "--log.no_progress",
             "--log.no_plots", "--log.no_tensorboard", "--no_export_final", "--ckpt.save_steps", str(a.steps),
             "--optim.learning_rate", "1e-4" if lora else "1e-5",
@@ -252,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed pushes (median)")
     p.add_argument("--max_len", type=int, default=128)
-    p.add_argument("--grad_accum", type=int, default=8, help="micro-batches per update (optim.gradient_accumulation_"
-                   "steps): the update's activations and logits for rows/N rows at a time; 1 held all 64 rows' "
-                   "activations at once and passed 22 GB at Qwen2.5-0.5B")
+    p.add_argument("--grad_accum", type=int, default=1, help="optim.gradient_accumulation_steps: a floor on the "
+                   "update's micro-batches (the one-pass update picks its rows per forward by memory: "
+                   "optim.micro_batch_rows auto)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rss_cap_gb", type=float, default=20.0, help="the full fine-tuning row's anonymous-memory cap")
     p.add_argument("--work_dir", default="runs/bench-lora")

@@ -81,7 +81,7 @@ def _overlap_summary(phases: dict, rows: dict, run, backend: str, overlapped: st
 
 def bench_ppo(model: Path, engine: Path, backend: str, batch_size: int, response_length: int, threads: int,
               work: Path, repeats: int = 2, log=print, max_staleness: int = 0, num_generations: int = 1,
-              engine_shards: int = 1) -> dict:
+              engine_shards: int = 0) -> dict:
     """The runs are set up side by side and their iterations interleaved (engine, HF, engine, HF, ...), so
     a change in the machine's load during the benchmark falls on all alike; one warm-up iteration each.
     ``max_staleness`` >= 1: a third run, the engine loop overlapped (``<backend>-overlap``), two consecutive steps
