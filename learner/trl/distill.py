@@ -31,8 +31,9 @@ size                       a Refit step is one optimizer step, so max_steps is r
 ``model="refit/demo-student", teacher_model="refit/demo-teacher"`` is Refit's embedded pair (built locally under
 OUTPUT_DIR/models, as ``refit distill``); without ``train_dataset`` it trains on the embedded task. The held-out
 rows are ``eval_dataset``, else the last ``eval_size`` of the dataset (``refit={"eval_size": N}``); their KL to the
-teacher is logged every ``eval_steps`` with ``eval_strategy='steps'`` (else Refit's ``eval_every``), and at the
-last step (``eval_kl_to_teacher``, ``eval_accuracy``; on_evaluate; ``evaluate()`` returns the last). TRL's
+teacher is logged every ``eval_steps`` with ``eval_strategy='steps'`` (or ``refit={"eval_every": N}``), and at the
+last step (``eval_kl_to_teacher``, ``eval_accuracy``; on_evaluate). Refit's job evaluates its held-out rows in any
+case (at step 0, every ``eval_every``, the last step: metrics.jsonl); ``evaluate()`` returns the last. TRL's
 evaluation logs ``eval_loss`` instead, the training loss on held-out prompts.
 """
 
@@ -164,7 +165,9 @@ class DistillationTrainer(TrainerFace):
         n = len(self.train_dataset) if self.train_dataset is not None else None
         self.config = to_distill_config(args, student_dir, teacher_dir, n, peft_config,
                                         None if eval_dataset is None else len(self.eval_dataset))
-        self.events.eval_in_train = self.eval_dataset is None or args.eval_strategy == "steps"
+        # logged and on_evaluate as TRL: with eval_strategy='steps' (or Refit's own eval_every asked for); Refit's
+        # default held-out evaluation is still run, and evaluate() returns it
+        self.events.eval_in_train = args.eval_strategy == "steps" or "eval_every" in args.refit
         self.num_prompts = n or self.config.data.num_prompts
 
     def _hooks(self):
