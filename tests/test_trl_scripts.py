@@ -102,6 +102,7 @@ def check_grpo_callback_model(d: dict, out: Path) -> None:
                            ["step_end", 3], ["log", 3], ["log", 3], ["train_end", 3]]
     assert len(d["seconds"]) == 3 and all(t > 0 for t in d["seconds"]) and d["max_steps"] == 3
     assert d["weights_changed"]  # the model object given in holds the trained weights
+    assert not any("kl" in r for r in steps(d))  # beta 0 (TRL's default): no reference, no KL logged
 
 
 def check_grpo_peft(d: dict, out: Path) -> None:

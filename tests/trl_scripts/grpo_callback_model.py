@@ -50,7 +50,7 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 before = {k: v.clone() for k, v in model.state_dict().items()}
 clock = Clock()
 args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                  max_steps=3, learning_rate=1e-3, beta=0.02, logging_steps=1, save_strategy="no", report_to="none",
+                  max_steps=3, learning_rate=1e-3, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
                   use_cpu=True, disable_tqdm=True, seed=0)
 trainer = GRPOTrainer(model=model, reward_funcs=brief, args=args, train_dataset=dataset, callbacks=[clock])
 trainer.train()
