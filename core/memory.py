@@ -13,10 +13,13 @@ running for minutes and dying of memory. The estimate is of the largest call of 
   values kept for the backward pass (the residual stream, q, k, v, the attention output and the MLP's inputs
   and outputs, the attention scores and probabilities of eager attention);
 - **weights**: the parameters (the checkpoint's size) in fp32, times ``weight_copies`` (the policy, a frozen
-  copy, its gradient and Adam's two moments).
+  copy, its gradient and Adam's two moments);
+- **batch tensors**: what the step holds for the whole batch, ``BATCH_BYTES`` a position (the rollout's ids and
+  masks, its log-probs, the old and reference log-probs, values, advantages, returns, rewards, KL, entropy).
 
 It is an estimate, not a bound: allocator slack, ONNX Runtime's arenas and Python's own memory come on top, and a
-fused kernel may keep less. What matters is its order: ``--run.batch_size 100000`` needs terabytes, and says so.
+fused kernel may keep less. What matters is its order: a batch whose engine calls or whole-batch tensors need
+tens of GiB says so before it starts, not after minutes of generation.
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, w
     return {"learner logits": F32 * learner_rows * response * g.vocab * 2,
             "learner activations": F32 * learner_rows * max_len * per_pos,
             "weights": F32 * g.params * weight_copies}
+
+
+BATCH_BYTES = 96  # a position of the whole batch: 4 int64 (ids, indices) and 16 fp32 (masks, log-probs, ...)
+
+
+def batch_terms(rows: int, max_len: int) -> dict[str, int]:
+    """Bytes of the tensors the step holds for the whole batch (rollout and experience)."""
+    return {"batch tensors": BATCH_BYTES * rows * max_len}
 
 
 LEARNER_BUDGET = 4 * GiB  # auto micro-batches: at most this many bytes of one micro-batch's logits and activations

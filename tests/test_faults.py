@@ -598,38 +598,36 @@ def test_a_batch_over_the_users_engine_runs_within_it_and_a_short_engine_is_refu
 
 def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, model_dirs, default_engine_dirs,
                                                              monkeypatch):
-    """#4: --run.batch_size 100000 is refused before the run folder, any export or any generation, with the
-    estimate (KV cache, logits, the learner's activations: refit.core.memory); a normal batch passes the same
-    check, before and after the prompts' length is known; an engine call alone is checked too."""
+    """#4: --run.batch_size 100000 (the run's own engine: its calls take the whole batch) is refused before the run
+    folder, any export or any generation, with the estimate (KV cache, logits, the learner's micro-batch, the
+    batch's tensors: refit.core.memory); a normal batch passes the same check, before and after the prompts'
+    length is known; an engine call alone is checked too."""
+    import refit.core.memory as mem
     import refit.learner.run.engines as re
     import refit.rollout.build as rb
 
     four = 4 * 2 ** 30
-    monkeypatch.setattr(re, "available", lambda: four)
-    monkeypatch.setattr(rb, "available", lambda: four)
-    e = tmp_path / "e"
-    shutil.copytree(default_engine_dirs[GPT2], e)
-    before = (e / "manifest.json").read_bytes()
+    for module in (mem, re, rb):
+        monkeypatch.setattr(module, "available", lambda: four)
     run = tmp_path / "run"
-    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", e, "-o", run,
-                     "--run.batch_size", "100000", "--optim.micro_batch_rows", "50000", "--log.no_progress")
-    one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, "
-             "50000 rows a micro-batch in the update, needs about ", "learner activations ",
+    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "-o", run, "--run.batch_size", "100000",
+                     "--log.no_progress")
+    one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, ",
+             "rows a micro-batch in the update, needs about ", "(KV cache ", "engine logits ", "batch tensors ",
              "more than the 4.0 GiB of memory available; lower run.batch_size")
-    assert not run.exists() and (e / "manifest.json").read_bytes() == before
-    # micro_batch_rows explicit: the update's forwards as large as the batch (auto splits them to fit: below)
-    big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1, micro_batch_rows=b)
-                   for b in (20000, 2))
+    assert not run.exists()  # no run folder, no engine exported into it, nothing generated
+    big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1) for b in (20000, 2))
     re.check_batch_memory(big)  # one-token prompts: fits; the prompts' real length: does not
     with pytest.raises(RefitError, match=r"a batch of 20000 rows .* of up to 140 tokens .* needs about [\d.]+ GiB "
-                                         r"\(KV cache [\d.]+ MiB, .*learner activations [\d.]+ GiB, weights "
-                                         r"[\d.]+ MiB\), more than the 4.0 GiB"):
+                                         r"\(KV cache [\d.]+ GiB, engine logits [\d.]+ GiB, learner logits .*, "
+                                         r"learner activations .*, weights [\d.]+ MiB, batch tensors [\d.]+ MiB\), "
+                                         r"more than the 4.0 GiB"):
         re.check_batch_memory(big, max_len=140)
     re.check_batch_memory(normal)
     re.check_batch_memory(normal, max_len=140)
-    auto = _ppo(tmp_path, model_dirs[GPT2], batch_size=20000, num_mini_batches=1)  # micro_batch_rows 0 (auto)
-    assert re.learner_micro_rows(re.geometry(model_dirs[GPT2]), 20000, 140, 8, free=four) < 20000
-    re.check_batch_memory(auto, max_len=140)  # the update's forwards split to fit: the learner's part fits
+    e = tmp_path / "e"  # the user's engine of max_batch 16: the engine's calls take 16 rows; the batch fits
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    re.check_batch_memory(big, max_len=140)
     with pytest.raises(RefitError, match=r"an engine call of 100000000 rows x 140 tokens of .* needs about [\d.]+ TiB "
                                          r"\(KV cache [\d.]+ TiB, engine logits [\d.]+ TiB, "
                                          r"weights [\d.]+ MiB\), more than the 4.0 GiB"):

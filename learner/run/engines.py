@@ -12,7 +12,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Manifest
-from refit.core.memory import (auto_learner_rows, available, engine_terms, geometry, learner_terms,
+from refit.core.memory import (auto_learner_rows, available, batch_terms, engine_terms, geometry, learner_terms,
                                refuse_if_over)
 from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.learner.run.checkpoint import latest_checkpoint
@@ -60,7 +60,8 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
                                cfg.optim.micro_batch_rows)
     lora = getattr(getattr(cfg, "lora", None), "enabled", False)
     engine = engine_terms(g, _engine_rows(cfg, rows), length)
-    learner = learner_terms(g, micro, length, response, weight_copies=2 if lora else 5)
+    learner = {**learner_terms(g, micro, length, response, weight_copies=2 if lora else 5),
+               **batch_terms(rows, length)}
     per = f" x num_generations {gens}" if gens > 1 else ""
     what = (f"a batch of {rows} rows (run.batch_size {cfg.run.batch_size}{per}) of up to {length} tokens of "
             f"{sec.model_dir}, {micro} rows a micro-batch in the update,")
