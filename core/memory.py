@@ -7,6 +7,10 @@ running for minutes and dying of memory. The estimate is of the largest call of 
   refit.rollout.engine.LoopEngine) x ``max_len`` positions x 2 (K, V) x layers x kv heads x head dim;
 - **engine logits**: the larger of a decode step (rows x V, three copies: logits, processed and plain log-probs)
   and a scoring chunk (rows x 64 positions x V, the logits and their log-softmax);
+- **engine activations**: the engine call's prefill, rows x ``max_len`` x (2 hidden + 2 intermediate): one layer's
+  residual stream and MLP width live at once (measured on tiny GPT-2, fused ONNX Runtime engine, 2000 and 8000
+  rows of 14 + 8 tokens, generate then a whole-vocabulary score: 0.154 MB a row over the engine at rest; the
+  three engine terms: 0.14 MB);
 - **learner logits**: the learner's micro-batch (``learner_rows``) x response positions x V, twice (the logits
   and their gradient: refit.learner.losses.chunked keeps no other full-size tensor);
 - **learner activations**: micro-batch x ``max_len`` x layers x (6 hidden + 4 intermediate + 2 heads x max_len)
@@ -79,10 +83,11 @@ def geometry(model_dir: str | Path) -> Geometry | None:
 
 
 def engine_terms(g: Geometry, engine_rows: int, max_len: int) -> dict[str, int]:
-    """Bytes of an engine's largest call: its KV cache and logits."""
+    """Bytes of an engine's largest call: its KV cache, logits and prefill activations."""
     step = engine_rows * g.vocab * 3
     score = engine_rows * min(SCORE_CHUNK, max_len) * g.vocab * 2
-    return {"KV cache": F32 * engine_rows * max_len * 2 * g.layers * g.kv_dim, "engine logits": F32 * max(step, score)}
+    return {"KV cache": F32 * engine_rows * max_len * 2 * g.layers * g.kv_dim, "engine logits": F32 * max(step, score),
+            "engine activations": F32 * engine_rows * max_len * (2 * g.hidden + 2 * g.intermediate)}
 
 
 def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, weight_copies: int) -> dict[str, int]:

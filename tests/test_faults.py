@@ -613,13 +613,15 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "-o", run, "--run.batch_size", "100000",
                      "--log.no_progress")
     one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, ",
-             "rows a micro-batch in the update, needs about ", "(KV cache ", "engine logits ", "batch tensors ",
+             "rows a micro-batch in the update, needs about ", "(KV cache ", "engine logits ", "engine activations ",
+             "batch tensors ",
              "more than the 4.0 GiB of memory available; lower run.batch_size")
     assert not run.exists()  # no run folder, no engine exported into it, nothing generated
     big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1) for b in (20000, 2))
     re.check_batch_memory(big)  # one-token prompts: fits; the prompts' real length: does not
     with pytest.raises(RefitError, match=r"a batch of 20000 rows .* of up to 140 tokens .* needs about [\d.]+ GiB "
-                                         r"\(KV cache [\d.]+ GiB, engine logits [\d.]+ GiB, learner logits .*, "
+                                         r"\(KV cache [\d.]+ GiB, engine logits [\d.]+ GiB, engine activations "
+                                         r"[\d.]+ GiB, learner logits .*, "
                                          r"learner activations .*, weights [\d.]+ MiB, batch tensors [\d.]+ MiB\), "
                                          r"more than the 4.0 GiB"):
         re.check_batch_memory(big, max_len=140)
@@ -629,8 +631,8 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     shutil.copytree(default_engine_dirs[GPT2], e)
     re.check_batch_memory(big, max_len=140)
     with pytest.raises(RefitError, match=r"an engine call of 100000000 rows x 140 tokens of .* needs about [\d.]+ TiB "
-                                         r"\(KV cache [\d.]+ TiB, engine logits [\d.]+ TiB, "
-                                         r"weights [\d.]+ MiB\), more than the 4.0 GiB"):
+                                         r"\(KV cache [\d.]+ TiB, engine logits [\d.]+ TiB, engine activations "
+                                         r"[\d.]+ TiB, weights [\d.]+ MiB\), more than the 4.0 GiB"):
         rb.ensure_engine(model_dirs[GPT2], tmp_path / "e_huge", 100_000_000, 140)
     assert not (tmp_path / "e_huge").exists()
 
