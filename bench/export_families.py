@@ -22,7 +22,7 @@ from refit.learner.examples.models import build_model
 from refit.rollout.build import build, plain_twin
 from refit.rollout.tensorrt.check import check_engine_folder
 
-# README family name -> geometry in refit.learner.examples.models.GEOMETRIES (2 layers, d_model 32-64)
+# family table name (docs/families.md) -> geometry in refit.learner.examples.models.GEOMETRIES (2 layers, d_model 32-64)
 FAMILIES: dict[str, str] = {
     "GPT-2": "tiny-gpt2",
     "Llama": "tiny-llama",
