@@ -157,7 +157,7 @@ def _usage() -> str:
 
 
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256,
-                      quantize: str = "none") -> tuple[Path, Path]:
+                      quantize: str = "none", rows: int = 64) -> tuple[Path, Path]:
     """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
     work = Path(m.work_dir)
     model = Path(s.model) if s.model else work / s.geometry
@@ -167,7 +167,8 @@ def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_
     suffix = "" if quantize == "none" else f"-{quantize}"
     engine = Path(s.engine) if s.engine else work / f"{model.name}-engine{suffix}"
     backend = "tensorrt" if "tensorrt" in backends.split(",") else "onnxruntime"
-    build(model, engine, backend, ExportOptions(max_batch=64, max_len=max_len, quantize=quantize), log=log)
+    # rows: the bench's largest call, so that it runs as one call (an engine runs a larger one in calls of max_batch)
+    build(model, engine, backend, ExportOptions(max_batch=max(64, rows), max_len=max_len, quantize=quantize), log=log)
     return model, engine
 
 
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_quantized(model, fp32, int8, [int(x) for x in a.batch_sizes.split(",")], a.prompt_len,
                               a.new_tokens, a.source.repeats, m.threads, a.ct2_python, Path(m.work_dir))
     elif which == "generate":
-        model, engine = _model_and_engine(m, a.source, a.backends)
+        rows = max(int(x) for x in a.batch_sizes.split(",")) * a.n
+        model, engine = _model_and_engine(m, a.source, a.backends, rows=rows)
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
     elif which == "refit":
