@@ -140,7 +140,8 @@ class BenchGRPO(OnMachine):
     lora_r: int = opt(0, "LoRA rank on both sides (0: full fine-tuning)")
     lora_alpha: float = opt(16.0, "LoRA alpha on both sides")
     lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
-    refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. '--rollout.max_staleness 1'")
+    refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
+                                "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
     trl_venv: str = opt(".venv-trl", "the TRL side's virtual environment (made on first use)")
 

@@ -1,7 +1,7 @@
 """``refit bench grpo``: the GRPO workload side by side, Refit's ``refit ppo`` (GRPO) against a baseline.
 
     refit bench grpo --vs trl                          # small-gpt2 chat model, 16 prompts x 8, 128 tokens, 10 steps
-    refit bench grpo --vs trl --refit_args '--rollout.max_staleness 1' --steps 40 --rounds 1   # overlapped Refit
+    refit bench grpo --vs trl --refit_args='--rollout.max_staleness 1' --steps 40 --rounds 1   # overlapped Refit
     refit bench grpo --vs trl --geometry qwen2.5-0.5b --lora_r 16 --lora_alpha 32 --steps 3 --rounds 1
         --prompts_per_step 16 --num_generations 4 --max_completion_length 64   # (one command) full depth, LoRA
     refit bench grpo                                   # Refit's engine against its own HF generate() rollouts
@@ -48,7 +48,8 @@ Departures kept visible: the two sides draw their prompts in their own orders fr
 stops at EOS and at the chat template's end-of-turn on Refit's side, and at the tokenizer's EOS plus the model's
 ``generation_config.eos_token_id`` on TRL's: the bench writes the end-of-turn into the generation config of the
 models it builds, and records both stop sets (``stops``) for any model. ``--refit_args`` and ``--trl_args`` pass
-further settings to one side (e.g. ``--refit_args '--rollout.max_staleness 1'``).
+further settings to one side (e.g. ``--refit_args='--rollout.max_staleness 1'``, with ``=``: a value that starts
+with ``--`` is otherwise read as a flag).
 
 Run it on a quiet machine: the JSON records the load average after each run (``machine``, ``loadavg_1m_by_round``)
 and the bench warns when it passed the CPU count: with more runnable threads than cores, multi-threaded PyTorch
