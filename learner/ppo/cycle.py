@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from refit.core.checkpoint import load_model, load_tokenizer, model_info, text_config
+from refit.core.checkpoint import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.core.memory import Geometry, geometry
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.mismatch import describe, explain_negative_kl, name_mismatch
-from refit.learner.ppo.overlap import (PENDING_FILE, RolloutAhead, check_staleness, split_threads,
-                                       torch_threads)
+from refit.learner.ppo.overlap import PENDING_FILE, RolloutAhead, check_staleness, torch_threads
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
+from refit.learner.ppo.models import make_optimizer, overlap_threads, reference_engine, resolve_shards, torch_reference
 from refit.learner.ppo.onepass import onepass_update, streamable
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
                                       needs_reference, policy_forward, single_pass)
@@ -46,11 +46,10 @@ from refit.learner.run.dataset import PromptSet
 from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_for_model, learner_micro_rows, pick_device
-from refit.learner.run.lora import AdapterOff, adapter_dropout, apply_lora
+from refit.learner.run.lora import adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
-from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_shards, layer_weights
 from refit.rollout.engine import Engine
 from refit.rollout.types import RolloutBatch, SamplingParams
 
@@ -94,8 +93,6 @@ class Run:
 def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None,
           rewards: list[NamedReward] | None = None) -> Run:
     """Everything the cycle holds; ``rewards``: already loaded (callables from Python), else ``cfg``'s specs."""
-    from transformers import get_scheduler
-
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     info = model_info(cfg.model.model_dir)
@@ -111,42 +108,17 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     cfg = resolve_shards(cfg, log)
     engine = None  # [dist] ranks > 0 hold no engine
     overlap = cfg.rollout.max_staleness > 0 and dist.is_main
-    engine_cfg, learner_threads = cfg, None
-    if overlap:  # the engine's intra-op threads and the learner's torch threads share the machine
-        total = torch.get_num_threads()
-        # the engine's share covers its shards, one thread each (they decode at once beside the learner)
-        engine_threads, learner_threads = split_threads(cfg.rollout.engine_threads, total,
-                                                        shards=cfg.rollout.engine_shards)
-        engine_cfg = replace(cfg, rollout=replace(cfg.rollout, engine_threads=engine_threads))
-        log(f"refit ppo: rollout.max_staleness {cfg.rollout.max_staleness}: generation overlapped with the update; "
-            f"engine {engine_threads} intra-op thread(s), learner {learner_threads} torch thread(s) (of {total})")
+    engine_cfg, learner_threads = overlap_threads(cfg, log) if overlap else (cfg, None)
     if dist.is_main:
         engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log, lora=cfg.lora)
     policy = load_model(cfg.model.model_dir, info).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
-    # the PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (one model fewer);
-    # a LoRA policy's is itself with the adapter off (the base, held once)
-    # none at all when no step scores one (kl_coef 0 under reference auto: TRL's GRPO at beta 0 loads none either)
-    scored = needs_reference(cfg, cfg.kl_coef)
-    torch_ref = scored and ((cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact")
-                            or (dist.is_main and not ref_on_engine(cfg)))
-    ref = None
-    if torch_ref:
-        ref = AdapterOff(policy) if cfg.lora.enabled else load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+    ref = torch_reference(cfg, policy, info, device, dist.is_main)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter only
-    # LoRA: the adapter at lora.learning_rate (when set), the value head at optim.learning_rate
-    groups = [{"params": trainable, "lr": (cfg.lora.learning_rate or cfg.optim.learning_rate) if cfg.lora.enabled
-               else cfg.optim.learning_rate}]
-    if critic:
-        groups.append({"params": list(value_head.parameters()), "lr": cfg.optim.learning_rate})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
-    total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
-    scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
-                              num_training_steps=total)
+    optimizer, scheduler = make_optimizer(cfg, policy, value_head if critic else None)
     rewards = rewards or load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
     if not resume:
         (run_dir / "completions.jsonl").unlink(missing_ok=True)  # log_extra rows of an earlier run here
@@ -174,7 +146,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
                         check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None)
-    if scored:
+    if needs_reference(cfg, cfg.kl_coef):
         run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
                                           max_len=max_len, threads=learner_threads, policy_engine=engine)
     probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids)
@@ -188,56 +160,6 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
                 pending = torch.load(ck / PENDING_FILE, weights_only=False)
                 run.ahead.restore(pending["step"], pending["batch"], pending.get("pushed", []))
     return run
-
-
-def resolve_shards(cfg: PPOConfig, log=print) -> PPOConfig:
-    """``rollout.engine_shards`` 0 (auto) made a number by :func:`refit.rollout.decode.auto_shards` from the
-    rollout's rows, the model's layer weights and the engine's threads; an explicit value is kept."""
-    if cfg.rollout.engine_shards:
-        return cfg
-    rows = cfg.run.batch_size * cfg.num_generations
-    threads = cfg.rollout.engine_threads or torch.get_num_threads()
-    text = text_config(cfg.model.model_dir)
-    weights = layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1
-    shards = auto_shards(rows, weights, threads) if cfg.rollout.backend == "onnxruntime" else 1
-    if shards > 1:
-        log(f"refit ppo: rollout.engine_shards auto: {shards} ({rows} rows, {weights / 1e6:.2f}M layer weights a "
-            f"token, {threads} engine threads)")
-    return replace(cfg, rollout=replace(cfg.rollout, engine_shards=shards))
-
-
-def ref_on_engine(cfg: PPOConfig) -> bool:
-    """Whether the frozen reference scores on ONNX Runtime (:func:`reference_engine`) rather than in PyTorch."""
-    engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
-    quantized = cfg.rollout.quantize != "none"
-    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)))
-
-
-def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
-                     threads: int | None = None, policy_engine: Engine | None = None) -> Engine | None:
-    """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
-    policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
-    ``threads``: its intra-op threads (default ``rollout.engine_threads``, shared by ``rollout.engine_shards``
-    row ranges scored at once; an overlapped run: the learner's threads, one range).
-
-    A quantized policy engine (rollout.quantize) keeps the reference at full precision: PyTorch under ``auto``,
-    an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
-    from refit.rollout.engine import create_engine
-
-    if not ref_on_engine(cfg):
-        return None
-    if cfg.lora.enabled and cfg.rollout.quantize == "none" and hasattr(policy_engine, "adapter_off"):
-        return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
-    folder = Path(cfg.model.engine_dir or run_dir / "engine")
-    if cfg.rollout.quantize != "none":
-        from refit.rollout.build import ensure_engine
-
-        folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
-    # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine);
-    # it scores in rollout.engine_shards row ranges at once, except beside an overlapped generation (its threads
-    # are then the learner's)
-    return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None,
-                         hold_weights=False, prepack=False, shards=cfg.rollout.engine_shards if threads is None else 1)
 
 
 def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor,
@@ -262,7 +184,7 @@ def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], samplin
            else "the engine and the learner disagree")
     log(f"step {step}: warning: mean truncated importance weight {scale:.3g} < tis_warn_below "
         f"{run.cfg.tis_warn_below:g}: the policy gradient is scaled by ~{scale:.3g} ({why}); widen or drop the "
-        "truncation, or use mismatch_correction none/seq_mask (README: log-prob contract); logged as "
+        "truncation, or use mismatch_correction none/seq_mask (docs/design.md: truncated importance sampling); logged as "
         "mismatch/tis_grad_scale, warned once")
 
 

@@ -1,0 +1,104 @@
+"""The PPO run's models and engines besides the policy: the engine's shards and threads, the frozen reference (an
+engine, the policy engine with its adapter off, or a PyTorch model; none when no step scores one) and the optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from refit.core.checkpoint import ModelInfo, load_model, text_config
+from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.overlap import split_threads
+from refit.learner.ppo.update import needs_reference
+from refit.learner.run.lora import AdapterOff
+from refit.rollout.build import ensure_engine
+from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_shards, layer_weights
+from refit.rollout.engine import Engine, create_engine
+
+
+def overlap_threads(cfg: PPOConfig, log=print) -> tuple[PPOConfig, int]:
+    """Overlapped generation (rollout.max_staleness >= 1): the engine's intra-op threads and the learner's torch
+    threads share the machine; (the engine's config with its share, the learner's threads). The engine's share
+    covers its shards, one thread each (they decode at once beside the learner)."""
+    total = torch.get_num_threads()
+    engine_threads, learner_threads = split_threads(cfg.rollout.engine_threads, total, shards=cfg.rollout.engine_shards)
+    log(f"refit ppo: rollout.max_staleness {cfg.rollout.max_staleness}: generation overlapped with the update; "
+        f"engine {engine_threads} intra-op thread(s), learner {learner_threads} torch thread(s) (of {total})")
+    return replace(cfg, rollout=replace(cfg.rollout, engine_threads=engine_threads)), learner_threads
+
+
+def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, device, main: bool):
+    """The PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (``main``: the
+    process that scores); a LoRA policy's is itself with the adapter off (the base, held once). None when no step
+    scores a reference (kl_coef 0 under reference auto: TRL's GRPO at beta 0 loads none either) or an engine does."""
+    wanted = needs_reference(cfg, cfg.kl_coef) and ((cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact")
+                                                    or (main and not ref_on_engine(cfg)))
+    if not wanted:
+        return None
+    if cfg.lora.enabled:
+        return AdapterOff(policy)
+    return load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+
+
+def make_optimizer(cfg: PPOConfig, policy: torch.nn.Module, value_head: torch.nn.Module | None):
+    """AdamW over the trainable parameters (LoRA: the adapter only, at lora.learning_rate when set) and the value head
+    (at optim.learning_rate; None: no critic), and its schedule over the run's optimizer steps."""
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    groups = [{"params": trainable, "lr": (cfg.lora.learning_rate or cfg.optim.learning_rate) if cfg.lora.enabled
+               else cfg.optim.learning_rate}]
+    if value_head is not None:
+        groups.append({"params": list(value_head.parameters()), "lr": cfg.optim.learning_rate})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
+    scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
+                              num_training_steps=total)
+    return optimizer, scheduler
+
+
+def resolve_shards(cfg: PPOConfig, log=print) -> PPOConfig:
+    """``rollout.engine_shards`` 0 (auto) made a number by :func:`refit.rollout.decode.auto_shards` from the
+    rollout's rows, the model's layer weights and the engine's threads; an explicit value is kept."""
+    if cfg.rollout.engine_shards:
+        return cfg
+    rows = cfg.run.batch_size * cfg.num_generations
+    threads = cfg.rollout.engine_threads or torch.get_num_threads()
+    text = text_config(cfg.model.model_dir)
+    weights = layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1
+    shards = auto_shards(rows, weights, threads) if cfg.rollout.backend == "onnxruntime" else 1
+    if shards > 1:
+        log(f"refit ppo: rollout.engine_shards auto: {shards} ({rows} rows, {weights / 1e6:.2f}M layer weights a "
+            f"token, {threads} engine threads)")
+    return replace(cfg, rollout=replace(cfg.rollout, engine_shards=shards))
+
+
+def ref_on_engine(cfg: PPOConfig) -> bool:
+    """Whether the frozen reference scores on ONNX Runtime (:func:`reference_engine`) rather than in PyTorch."""
+    engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
+    quantized = cfg.rollout.quantize != "none"
+    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)))
+
+
+def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
+                     threads: int | None = None, policy_engine: Engine | None = None) -> Engine | None:
+    """The frozen reference on ONNX Runtime over the policy's engine folder, whose weights are the step-0
+    policy (pushes go into live sessions, never into the folder); None for ``ref_backend: torch``.
+    ``threads``: its intra-op threads (default ``rollout.engine_threads``, shared by ``rollout.engine_shards``
+    row ranges scored at once; an overlapped run: the learner's threads, one range).
+
+    A quantized policy engine (rollout.quantize) keeps the reference at full precision: PyTorch under ``auto``,
+    an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
+    if not ref_on_engine(cfg):
+        return None
+    if cfg.lora.enabled and cfg.rollout.quantize == "none" and hasattr(policy_engine, "adapter_off"):
+        return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
+    folder = Path(cfg.model.engine_dir or run_dir / "engine")
+    if cfg.rollout.quantize != "none":
+        folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
+    # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine);
+    # it scores in rollout.engine_shards row ranges at once, except beside an overlapped generation (its threads
+    # are then the learner's)
+    return create_engine("onnxruntime", folder, threads=threads or cfg.rollout.engine_threads or None,
+                         hold_weights=False, prepack=False, shards=cfg.rollout.engine_shards if threads is None else 1)
