@@ -37,8 +37,8 @@ def _step(run):
 
 CASES = {
     "no-reference": {},
-    "k3-loss-ahead": dict(kl_coef=0.1, kl_estimator="k3"),
-    "k3-loss-inline": dict(kl_coef=0.1, kl_estimator="k3", reference_ahead=False),
+    "k3-loss-ahead": dict(kl_coef=0.1, kl_estimator="k3", reference_ahead=True),
+    "k3-loss-inline": dict(kl_coef=0.1, kl_estimator="k3"),
     "exact-loss": dict(kl_coef=0.1, kl_estimator="exact"),
     "tis-rloo": dict(advantage_estimator="rloo", mismatch_correction="tis"),
     "torch-reference": dict(kl_coef=0.1, kl_estimator="k2", ref_backend="torch"),

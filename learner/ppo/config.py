@@ -152,8 +152,9 @@ class PPOConfig:
         "auto", "when the frozen reference is scored: auto, only when the KL is in the objective (kl_coef > 0; "
                 "TRL's GRPO at beta 0 loads no reference either, and the step then logs no kl/* figures); "
                 "always, every step (the kl/* metrics at kl_coef 0)")
-    reference_ahead: bool = _f(True, "one-pass update with an engine reference: score the next micro-batch's "
-                                     "reference on the engine's threads while the learner computes this one")
+    reference_ahead: bool = _f(False, "one-pass update with an engine reference: score the next micro-batch's "
+                                      "reference on a thread of its own while the learner computes this one (off: "
+                                      "on 2 cores it was slower than scoring in turn, docs/fast-by-default.md)")
 
     from_flat = classmethod(from_flat)
 
