@@ -1,5 +1,5 @@
 """The on-policy update in one learner pass: the old log-probs come from the update's own forward, micro-batch by
-micro-batch, and the reference is scored on the engine's threads one micro-batch ahead of the learner.
+micro-batch, and the reference is scored per micro-batch (on a thread one micro-batch ahead with ``reference_ahead``).
 
 With one epoch and one minibatch the update's forward of a row runs before the only optimizer step, so its
 log-probs ARE the pre-update ("old") ones: TRL's GRPO takes them the same way (``old_per_token_logps =
@@ -78,8 +78,9 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
                    ) -> tuple[Experience, dict[str, float], dict[str, float]]:
     """The step's one optimizer step over micro-batches of at most ``s.micro_rows`` rows (and at least
-    ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the old log-probs, the truncated importance weights and the
-    reference's KL term are made from them, then its loss is backpropagated. ``before_step(stats)`` (the probe
+    ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the
+    old log-probs, the truncated importance weights and the reference's KL term are made from them, then its loss is
+    backpropagated. ``before_step(stats)`` (the probe
     check of an unchecked push) runs once every row has been forwarded, before the optimizer step.
 
     Returns (experience, the experience stats as :func:`make_experience` gives them, the update stats as
