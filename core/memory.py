@@ -91,8 +91,12 @@ def engine_terms(g: Geometry, engine_rows: int, max_len: int) -> dict[str, int]:
 
 
 def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, weight_copies: int) -> dict[str, int]:
-    """Bytes of the learner's largest call (one micro-batch with autograd) and of its weights."""
-    per_pos = g.layers * (6 * g.hidden + 4 * g.intermediate + 2 * g.heads * max_len)
+    """Bytes of the learner's largest call (one micro-batch with autograd) and of its weights. The activations'
+    factors (4 hidden and 11 MLP widths a layer and position, and the attention's scores) are fitted to the peaks
+    that a forward and backward of PEFT's LoRA model reached at Qwen2.5-0.5B's and Qwen2.5-1.5B's full-depth
+    geometries (docs/fast-by-default.md, "Micro-batches"): a SwiGLU block keeps its gate, up, activation and
+    product, each MLP-wide, for backward, and the backward's temporaries are as wide again."""
+    per_pos = g.layers * (4 * g.hidden + 11 * g.intermediate + 2 * g.heads * max_len)
     return {"learner logits": F32 * learner_rows * response * g.vocab * 2,
             "learner activations": F32 * learner_rows * max_len * per_pos,
             "weights": F32 * g.params * weight_copies}
@@ -106,19 +110,22 @@ def batch_terms(rows: int, max_len: int) -> dict[str, int]:
     return {"batch tensors": BATCH_BYTES * rows * max_len}
 
 
-LEARNER_BUDGET = 4 * GiB  # auto micro-batches: at most this many bytes of one micro-batch's logits and activations
+LEARNER_BUDGET = 5 * GiB // 2  # auto micro-batches: at most this many bytes of one micro-batch's logits and activations
+LEARNER_TOKENS = 4096  # ... and at most this many positions
 
 
 def auto_learner_rows(g: Geometry, max_len: int, response: int, free: int | None = None) -> int:
     """Rows per learner forward with autograd (``optim.micro_batch_rows`` 0, auto): the most whose logits and
     activations (:func:`learner_terms`) fit min(``LEARNER_BUDGET``, a quarter of the ``free`` memory, by default
-    :func:`available`); at least 1. The update splits its micro-batches to this size (the loss is normalised by
-    the minibatch's tokens, so the split changes nothing but memory)."""
+    :func:`available`) and whose positions are at most ``LEARNER_TOKENS``; at least 1. The update splits its
+    micro-batches to this size (the loss is normalised by the minibatch's tokens, so the split changes nothing but
+    memory and speed). Both caps come from measurements on a CPU, where more rows a forward took as long a row or
+    longer and left glibc's kept heap larger (docs/fast-by-default.md, "Micro-batches")."""
     one = learner_terms(g, 1, max_len, response, 0)
     per_row = one["learner logits"] + one["learner activations"]
     free = available() if free is None else free
     budget = min(LEARNER_BUDGET, free // 4) if free else LEARNER_BUDGET
-    return max(1, budget // max(per_row, 1))
+    return max(1, min(budget // max(per_row, 1), LEARNER_TOKENS // max(max_len, 1)))
 
 
 def available() -> int | None:

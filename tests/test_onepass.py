@@ -116,13 +116,29 @@ def test_micro_rows_at_qwen25_05b_full_depth(tmp_path):
     published_config("Qwen2.5 0.5B", None).save_pretrained(tmp_path)  # the config, and an empty weights file
     (tmp_path / "model.safetensors").write_bytes(b"")
     g = geometry(tmp_path)
-    per_row = 4 * 64 * 151936 * 2 + 4 * 104 * 24 * (6 * 896 + 4 * 4864 + 2 * 14 * 104)  # logits x2, activations
-    assert per_row == 354_787_328
-    assert auto_learner_rows(g, 104, 64, free=64 << 30) == (4 << 30) // per_row == 12  # the 4 GiB cap
-    assert auto_learner_rows(g, 104, 64, free=8 << 30) == (2 << 30) // per_row == 6  # a quarter of the free memory
-    assert learner_micro_rows(g, 4, 104, 64, free=64 << 30) == 4  # gradient_accumulation_steps' rows are fewer
+    per_row = 4 * 64 * 151936 * 2 + 4 * 104 * 24 * (4 * 896 + 11 * 4864 + 2 * 14 * 104)  # logits x2, activations
+    assert per_row == 676_831_232
+    assert auto_learner_rows(g, 104, 64, free=64 << 30) == (5 << 30) // 2 // per_row == 3  # the 2.5 GiB cap
+    assert auto_learner_rows(g, 104, 64, free=4 << 30) == (1 << 30) // per_row == 1  # a quarter of the free memory
+    assert learner_micro_rows(g, 2, 104, 64, free=64 << 30) == 2  # gradient_accumulation_steps' rows are fewer
     assert learner_micro_rows(g, 64, 104, 64, explicit=20, free=1) == 20  # an explicit value wins
+    assert learner_micro_rows(g, 64, 104, 64, explicit=30, free=1) == 30  # ... as given, not evened out
     assert learner_micro_rows(g, 64, 104, 64, free=1) == 1
+    assert learner_micro_rows(g, 64, 104, 64, free=64 << 30) == 3  # 21 micro-batches of 3 and one of 1
+
+
+def test_micro_rows_token_cap_and_even_split():
+    """A small model's rows are capped by positions (LEARNER_TOKENS), not bytes, and split evenly: 128 rows of 160
+    positions at a cap of 4096 // 160 = 25 rows a forward run as 6 micro-batches of 22 (the last 18)."""
+    from refit.core.memory import LEARNER_TOKENS, Geometry, auto_learner_rows
+    from refit.learner.run.engines import learner_micro_rows
+
+    g = Geometry(layers=2, hidden=128, intermediate=512, heads=4, kv_dim=128, vocab=4096, params=900_000)
+    assert LEARNER_TOKENS == 4096
+    assert auto_learner_rows(g, 160, 128, free=64 << 30) == 25
+    assert learner_micro_rows(g, 128, 160, 128, free=64 << 30) == 22
+    assert learner_micro_rows(g, 100, 160, 128, free=64 << 30) == 25  # 4 x 25: already even
+    assert learner_micro_rows(g, 8, 160, 128, free=64 << 30) == 8  # fewer rows than the cap: one forward
 
 
 def test_uneven_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path):

@@ -79,9 +79,12 @@ def learner_micro_rows(g, rows: int, max_len: int, response: int, explicit: int 
                        free: int | None = None) -> int:
     """Rows per learner forward with autograd: at most ``rows`` (a minibatch's micro-batch, num_mini_batches and
     gradient_accumulation_steps given), and at most ``explicit`` (optim.micro_batch_rows) or, when 0, what fits
-    the memory (refit.core.memory.auto_learner_rows)."""
-    cap = explicit if explicit > 0 else auto_learner_rows(g, max_len, response, free)
-    return max(1, min(rows, cap))
+    the memory (refit.core.memory.auto_learner_rows), then evened out so that the micro-batches are of one size
+    but for the last (128 rows at a cap of 25: five of 22 and one of 18, not five of 25 and one of 3)."""
+    cap = max(1, min(rows, explicit if explicit > 0 else auto_learner_rows(g, max_len, response, free)))
+    if explicit > 0 or rows <= 0:
+        return cap
+    return -(-rows // -(-rows // cap))
 
 
 def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:
