@@ -130,7 +130,7 @@ def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=pri
     seqs = [tokenizer(p, add_special_tokens=False).input_ids or [manifest.special_ids.eos] for p in PARITY_PROMPTS]
     ids, mask = pad_batch(seqs, manifest.special_ids.pad, manifest.padding.prompt_side)
     eng, fed = engine_greedy_logits(folder, ids, mask, 4)
-    qmodel = reference_model(model, manifest)
+    qmodel = reference_model(model, manifest, share_parameters=True)  # no fp32 copy of the model: 12 GB at 3B
     ref = torch_reference_logits(qmodel, manifest, ids, mask, fed)
     fp32 = torch_reference_logits(model, manifest, ids, mask, fed)
     le, lr, lf = log_softmax(eng), log_softmax(ref), log_softmax(fp32)

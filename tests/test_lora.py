@@ -152,6 +152,10 @@ def test_int8_base_with_fp32_adapter(model_dirs, lora_engines, tmp_path):
     assert int8_reference(model, m) is ref  # made once, shares the policy's parameters
     assert {id(p) for p in ref.parameters()} <= {id(p) for p in model.parameters()} | {
         id(p) for p in ref.parameters() if p.dtype == torch.int8 or not p.requires_grad}
+    from refit.core.int8 import Int8Linear
+
+    held = [n for n, mod in ref.named_modules() if isinstance(mod, Int8Linear) and mod._weight is not None]
+    assert held == []  # no dequantized fp32 copy of a base layer is kept (a full fp32 base, at 1.5B 6 GB)
 
 
 def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
