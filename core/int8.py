@@ -62,16 +62,25 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 
 
 class Int8Linear(torch.nn.Module):
-    """A Linear / GPT-2 Conv1D replaced by :func:`int8_linear` over its quantized weight (the gate's reference)."""
+    """A Linear / GPT-2 Conv1D replaced by :func:`int8_linear` over its quantized weight (the gate's reference).
 
-    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None):
+    ``lazy``: hold no int8 twin; quantize ``w_kn`` (the model's own weight, shared) at each forward instead, so
+    the reference costs no memory beyond its modules and follows the weight if it changes (the parity gate's and
+    a LoRA probe's reference over a base of billions of weights: 3 GB of twins at 3B). The numbers are the same."""
+
+    def __init__(self, w_kn: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
         super().__init__()
-        q, s = quantize_weight(w_kn)
+        self._source = w_kn if lazy else None
+        q, s = (None, None) if lazy else quantize_weight(w_kn)
         self.register_buffer("q", q)
         self.register_buffer("scale", s)
         self.bias = None if bias is None else bias.detach().float()
         self.jitter: torch.Generator | None = None  # set by rounding_floor only
         self._weight: tuple | None = None  # (q, q._version, scale, scale._version, weight) of the last read
+
+    def twins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scale): the held twins, or (``lazy``) the shared weight's, quantized now."""
+        return quantize_weight(self._source) if self._source is not None else (self.q, self.scale)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -79,7 +88,9 @@ class Int8Linear(torch.nn.Module):
         per feed-forward per forward, for its dtype); the forward never does. Made once and kept while ``q`` and
         ``scale`` are the same tensors, unchanged: a tensor's ``_version`` counts its in-place changes
         (``load_state_dict`` copies in place; ``.to()`` or an assignment gives a new tensor). Inference tensors
-        (made under ``torch.inference_mode``) count nothing: made on each read."""
+        (made under ``torch.inference_mode``) count nothing: made on each read; ``lazy``: made on each read."""
+        if self._source is not None:
+            return dequantize(*self.twins()).t()
         q, s, held = self.q, self.scale, self._weight
         if q.is_inference() or s.is_inference():
             return dequantize(q, s).t()
@@ -88,7 +99,8 @@ class Int8Linear(torch.nn.Module):
         return held[4]
 
     def forward(self, x):
-        return int8_linear(x, self.q, self.scale, self.bias, self.jitter).to(x.dtype)
+        q, s = self.twins()
+        return int8_linear(x, q, s, self.bias, self.jitter).to(x.dtype)
 
 
 class QDQLinear(torch.nn.Module):
@@ -156,7 +168,8 @@ def reference_model(model, manifest: Manifest, share_parameters: bool = False):
     """A copy of ``model`` whose quantized matmuls run :func:`int8_linear` on the same int8 weights as the engine
     (:class:`QDQLinear`, the dequantized weights in fp32, for the TensorRT scheme). ``share_parameters``: the copy
     shares every parameter and buffer with ``model`` (only the modules are new), so it holds no fp32 copy and sees
-    ``model``'s later updates (its int8 twins are made now: right for a frozen base, as under LoRA)."""
+    ``model``'s later updates; its :class:`Int8Linear` layers are then ``lazy``: no int8 twin held, the shared
+    weights quantized at each forward (the same numbers)."""
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()]} if share_parameters else None
     ref = copy.deepcopy(model, memo)
     quant = manifest.quantization
@@ -167,7 +180,9 @@ def reference_model(model, manifest: Manifest, share_parameters: bool = False):
             for owner in mods[g][name]:
                 parent, _, leaf = owner.rpartition(".")
                 m = ref.get_submodule(owner)
-                setattr(ref.get_submodule(parent) if parent else ref, leaf, layer(_module_kn(m), m.bias))
+                new = (Int8Linear(_module_kn(m), m.bias, lazy=True) if share_parameters and layer is Int8Linear
+                       else layer(_module_kn(m), m.bias))
+                setattr(ref.get_submodule(parent) if parent else ref, leaf, new)
     return ref
 
 

@@ -83,6 +83,20 @@ def test_int8_linear_weight_read_once_and_follows_its_buffers():
         torch.testing.assert_close(inf.weight, by_hand(inf.q.tolist(), inf.scale.tolist()), rtol=0, atol=0)
 
 
+def test_lazy_int8_linear_holds_no_twin_and_computes_the_same():
+    """``lazy`` (a reference sharing the model's weights): no int8 buffer held, the weight quantized at each forward,
+    the same output and the same dequantized weight as the held twin's, and it follows the weight in place."""
+    from refit.core.int8 import Int8Linear
+
+    w = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))  # (K, N)
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(1))
+    held, lazy = Int8Linear(w.clone(), None), Int8Linear(w, None, lazy=True)
+    assert lazy.q is None and lazy.scale is None and list(lazy.buffers()) == []
+    assert torch.equal(lazy(x), held(x)) and torch.equal(lazy.weight, held.weight)
+    w.mul_(3)  # the shared weight changes: the lazy layer follows, the held twin does not
+    assert torch.equal(lazy(x), Int8Linear(w.clone(), None)(x)) and not torch.equal(lazy(x), held(x))
+
+
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
 def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs, prompts, arch):
     """GPT-2: Conv1D weights, the tied lm_head (its fp32 twin kept for the embedding); Llama: transposed
