@@ -63,9 +63,10 @@ def engine_greedy_logits(engine_dir: Path, ids: np.ndarray, mask: np.ndarray, n_
     ``ids``/``mask`` are prompts padded by the model's rule; the decode loop is the engines' own. ``files``:
     {graph: file} run instead of the manifest's (a bf16 graph's CPU twin, refit.export.precision.cpu_twin).
     """
-    # the gate pushes nothing: the sessions read the weights from the files, no copy of them held in Python
+    # the gate pushes nothing and decodes a few steps: the sessions read the weights mapped from the files, with no
+    # copy held in Python and none pre-packed (a second copy of the model beside the reference: 12 GB at 3B)
     eng = engine if engine is not None else create_engine("onnxruntime", engine_dir, graph_files=files,
-                                                          hold_weights=False, keep_heap=False)
+                                                          hold_weights=False, keep_heap=False, prepack=False)
     try:
         state = _Recorded(eng._new_state(ids.shape[1] + n_decode + 1))
         spec = replace(eng.spec, eos_id=-1)  # no stop: every row decodes 1 + n_decode positions
