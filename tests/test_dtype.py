@@ -55,7 +55,7 @@ def build_config_model(name: str, out, tokenizer):
     where ``1 + w`` and a push that drops it would agree)."""
     import transformers
 
-    from refit.learner.examples.models import _IDS
+    from refit.learner.builtin.models import _IDS
 
     cls, kw = REAL[name]
     kw = {**kw, "vocab_size": kw["vocab_size"] or len(tokenizer)}
@@ -152,7 +152,7 @@ def check_push(d, dtype: str, names: list[str], scale: float, tmp_path) -> tuple
     with PyTorch in ``dtype`` holding the same weights. Returns (max |logprob diff| to PyTorch, max |logprob
     change| of the first step)."""
     from refit.core.checkpoint import load_model
-    from refit.learner.examples.models import build_tokenizer
+    from refit.learner.builtin.models import build_tokenizer
     from refit.export.weight_map import canonical_params
     from refit.rollout.engine import create_engine
 

@@ -80,7 +80,7 @@ def _is_package(module: str, graph) -> bool:
 def test_no_import_points_up_a_floor():
     graph = _graph()
     commands = {"refit.learner.build_model", "refit.rollout.build", "refit.rollout.cli", "refit.bench.cli",
-                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.examples.demo"}
+                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.builtin.demo"}
     assert commands <= graph["refit.cli"], \
         "the front door's table must reach each command by a plain import"
     up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a)

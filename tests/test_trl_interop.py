@@ -132,7 +132,7 @@ def test_two_reward_functions_with_weights_a_column_and_none(rewards_file):
 
 
 def test_module_function_and_legacy_signature(rewards_file):
-    legacy = load_rewards(["refit.learner.examples.tasks:exact_match_reward"], [])
+    legacy = load_rewards(["refit.learner.builtin.tasks:exact_match_reward"], [])
     total, stats = score_rewards(legacy, ["1+2=", "2+2="], ["3", "5"], {"completion_ids": [[1], [1]]})
     assert total.tolist() == [1.0, 0.0] and stats == {"reward/exact_match_reward/mean": 0.5}
     with pytest.raises(RefitError, match="reward_weights has 1 values for 2 reward functions"):

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from refit.core.errors import RefitError
 from refit.learner.trl.fields import REFUSED, TrlField, check_values
 
-DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.examples.demo on first use
+DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.builtin.demo on first use
 REPORTS = ("none", "tensorboard", "all")  # report_to values that keep everything on this machine
 
 
@@ -192,7 +192,7 @@ def demo_chat_model() -> Path:
 
     root = Path(os.environ.get("REFIT_DEMO_MODELS", "runs/chat-model"))
     if not (root / "policy" / "config.json").is_file():
-        from refit.learner.examples.demo import build_policy
+        from refit.learner.builtin.demo import build_policy
 
         print(f"refit: building the embedded chat model under {root} (once)")
         build_policy(root, sft_steps=150, max_operand=9, seed=0, chat=True)

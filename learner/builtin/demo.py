@@ -23,9 +23,9 @@ import tyro
 
 from refit.core.checkpoint import load_model
 from refit.core.parsing import opt, parse
-from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
-from refit.learner.examples.sft import sft
-from refit.learner.examples.tasks import addition
+from refit.learner.builtin.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
+from refit.learner.builtin.sft import sft
+from refit.learner.builtin.tasks import addition
 from refit.learner.ppo.cli import summary
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import run_ppo
