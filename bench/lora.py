@@ -90,7 +90,7 @@ def stage_export(a) -> dict:
 def stage_push(a) -> dict:
     import torch
 
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
     from refit.core.manifest import Manifest
     from refit.export.weight_map import canonical_params
     from refit.learner.run.config import LoraSection

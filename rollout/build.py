@@ -239,7 +239,7 @@ class ExportConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.core.checkpoint import model_info
+    from refit.core.hf_folder import model_info
 
     a, _ = parse(ExportConfig, argv, "refit export")
     if not a.out:

@@ -226,7 +226,7 @@ def quantized_reference(model_dir, manifest, pushed=None):
     """TorchEngine over the model of ``model_dir`` with its quantized layers as the engine computes them
     (core/int8.reference_model: int8 rows x int8 weights, or matmuls by dequantized weights for Q/DQ),
     ``pushed`` (HF name -> tensor) loaded first. Returns (engine, the fp32 model)."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.core.int8 import reference_model
     from refit.rollout.torch_backend import TorchEngine
 

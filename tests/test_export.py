@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.bench.export_families import FAMILIES, SEQ2SEQ
 from refit.core.manifest import Manifest

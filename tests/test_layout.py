@@ -1,6 +1,6 @@
 """The package's shape, checked: one installed namespace, rooms on floors, no import circle.
 
-Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, checkpoint
+Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, HF folder
 loading) <- ``refit.export`` (HF -> graphs + manifest) <- ``refit.rollout`` (engines and the one decode loop)
 <- ``refit.learner`` (losses, jobs) <- ``refit.bench`` <- the face ``refit`` (``refit/__init__.py``, the public
 names, and ``refit/cli.py``, the front door's command table). An import may only point down or sideways within

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.parsing import opt, parse
 from refit.learner.builtin.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
 from refit.learner.builtin.sft import sft

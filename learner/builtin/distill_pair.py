@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.learner.distill.config import DistillConfig
 from refit.learner.builtin.models import Geometry, build_model, build_tokenizer
 from refit.learner.builtin.sft import sft

@@ -6,7 +6,7 @@ soft-capping, windows. :func:`published_config` turns one into an HF config with
 layers by default; ``n_layers=None`` keeps the published depth) and the special token ids of the
 local tokenizer (:mod:`refit.learner.builtin.models`); :func:`build_published` saves a random-weight checkpoint with
 that tokenizer. The tokenizer has a few hundred ids, the model its published vocabulary: a model may
-have a larger embedding than its tokenizer (``refit.core.checkpoint`` refuses only the reverse).
+have a larger embedding than its tokenizer (``refit.core.hf_folder`` refuses only the reverse).
 
 Values checked against the transformers 5 config classes' fields and defaults; where a value is from
 memory of the released file and not otherwise checked, the entry's ``unsure`` says which.

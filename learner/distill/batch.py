@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from refit.core.checkpoint import load_tokenizer, model_info
+from refit.core.hf_folder import load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.padding import check_left_padded, check_right_padded
 from refit.learner.distill.config import DistillConfig
