@@ -31,8 +31,8 @@ from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import run_ppo
 from refit.learner.run.chat import render
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection, RolloutSection, RunSection)
-from refit.rollout.config import Sampling
+                                      OptimSection, RunSection)
+from refit.rollout.config import RolloutSection, Sampling
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
