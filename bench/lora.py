@@ -76,6 +76,8 @@ def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[
 
 
 # ----------------------------------------------------------------------------- stages (run in the child)
+# Each stage imports Refit inside itself (and this module only the standard library at its top): a child's peak RSS
+# is then its own stage's, with nothing loaded that only another stage needs.
 
 def stage_export(a) -> dict:
     from refit.export.onnx_export import ExportOptions
