@@ -17,7 +17,7 @@ from refit.bench.workers import bench_workers
 from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
 from refit.export.onnx_export import ExportOptions
-from refit.learner.examples.models import build_model
+from refit.learner.builtin.models import build_model
 from refit.rollout.build import build
 
 

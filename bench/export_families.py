@@ -18,11 +18,11 @@ from pathlib import Path
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.export.onnx_export import ExportOptions
-from refit.learner.examples.models import build_model
+from refit.learner.builtin.models import build_model
 from refit.rollout.build import build, plain_twin
 from refit.rollout.tensorrt.check import check_engine_folder
 
-# family table name (docs/families.md) -> geometry in refit.learner.examples.models.GEOMETRIES (2 layers, d_model 32-64)
+# family table name (docs/families.md) -> geometry in refit.learner.builtin.models.GEOMETRIES (2 layers, d_model 32-64)
 FAMILIES: dict[str, str] = {
     "GPT-2": "tiny-gpt2",
     "Llama": "tiny-llama",

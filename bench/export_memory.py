@@ -1,6 +1,6 @@
 """What real sizes cost to export: ``python -m refit.bench.export_memory --work-dir DIR --old OLD_CHECKOUT``.
 
-Builds full-depth random-weight checkpoints of published geometries (:mod:`refit.learner.examples.published`,
+Builds full-depth random-weight checkpoints of published geometries (:mod:`refit.learner.builtin.published`,
 ``n_layers=None``; default SmolLM2-135M and Qwen2.5-0.5B, the local tokenizer) and exports each one, in a fresh
 process per export and one export at a time, with the code of each checkout given (``--old``: e.g. a checkout of
 main; ``--new``: default this one), side by side: the process's peak RSS (KB, ``wait4``'s ``ru_maxrss``, as
@@ -19,13 +19,13 @@ from pathlib import Path
 
 from refit.bench.real import EXPORT_ARGS, measured
 from refit.core.manifest import Manifest
-from refit.learner.examples.published import build_published
+from refit.learner.builtin.published import build_published
 
 MODELS = {"SmolLM2 135M": "smollm2-135m", "Qwen2.5 0.5B": "qwen25-05b"}
 # the child runs in the checkout (``python -c`` puts its working folder first on sys.path) and says whose code it ran
 _EXPORT = ("import sys, refit.export.onnx_export as e; print('code:', e.__file__, flush=True); "
            "from refit.rollout.build import main; sys.exit(main(sys.argv[1:]))")
-_PUSH = ("import json, sys; from refit.bench.real import push_check; from refit.learner.examples.models import "
+_PUSH = ("import json, sys; from refit.bench.real import push_check; from refit.learner.builtin.models import "
          "build_tokenizer; tok = build_tokenizer(); p = [tok(t).input_ids for t in ('12+34=', 'sort 9172 = ', "
          "'Refit trains language models with', '7')]; print(json.dumps(push_check(sys.argv[1], sys.argv[2], p)))")
 

@@ -9,7 +9,7 @@ first batch, taken before any update: 0 when engine and learner agree. Prints th
 (and, with ``--readme docs/families.md``, replaces the table between that page's ``families`` markers); the
 last stdout line is one JSON document with every record, as the benchmarks do.
 
-``--set real`` runs the published geometries of :mod:`refit.learner.examples.published` instead (real widths, head dims,
+``--set real`` runs the published geometries of :mod:`refit.learner.builtin.published` instead (real widths, head dims,
 vocabularies; 2 layers), one process each (:mod:`refit.bench.real`), and adds a weight-push check and the
 export's seconds and peak RSS; its table goes between docs/families.md's ``real-geometry`` markers.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from refit.bench.export_families import FAMILIES, export_family
 from refit.bench.real import run_real
 from refit.bench.smokes import _quiet, _run, distill_smoke, ppo_smoke
-from refit.learner.examples.models import build_tokenizer
-from refit.learner.examples.published import PUBLISHED
+from refit.learner.builtin.models import build_tokenizer
+from refit.learner.builtin.published import PUBLISHED
 
 MARK_START, MARK_END = "<!-- families:start -->", "<!-- families:end -->"
 REAL_MARKS = ("<!-- real-geometry:start -->", "<!-- real-geometry:end -->")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", default="", help="replace the table between the family markers of this file")
     p.add_argument("--set", choices=("tiny", "real"), default="tiny",
                    help="tiny: one 2-layer, 32-64-wide checkpoint per family; real: the published geometries of "
-                        "refit.learner.examples.published (real widths and vocabularies, 2 layers), one process each")
+                        "refit.learner.builtin.published (real widths and vocabularies, 2 layers), one process each")
     p.add_argument("--push-via", choices=("memory", "file"), default="memory",
                    help="--set real: the jobs' weight-push route (rollout.push_via; file: what a 7B-wide row needs)")
     p.add_argument("--vocab", type=int, default=None,

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from refit.core.checkpoint import load_model, model_info
+from refit.core.hf_folder import load_model, model_info
 from refit.core.manifest import Manifest
 from refit.core.padding import native_padding_side, pad_batch
 from refit.export.onnx_export import ExportOptions

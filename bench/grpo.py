@@ -77,8 +77,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.learner.examples.models import GEOMETRIES, build_chat_tokenizer, build_model
-from refit.learner.examples.published import PUBLISHED, build_published
+from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build_model
+from refit.learner.builtin.published import PUBLISHED, build_published
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 
 HERE = Path(__file__).resolve().parent
@@ -131,7 +131,7 @@ def _recipe(work: Path, geometry: str, layers: int):
 
 def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
     """A decoder-only model with the chat tokenizer, built locally (random weights) unless already there: a local
-    geometry (refit.learner.examples.models) or a published one by :func:`slug` (depth ``layers``, 0: published).
+    geometry (refit.learner.builtin.models) or a published one by :func:`slug` (depth ``layers``, 0: published).
     Built in a child process, so that the bench's own process does not keep the model's memory during the runs."""
     folder, _ = _recipe(work, geometry, layers)
     if not (folder / "config.json").exists():

@@ -1,6 +1,6 @@
 """``refit bench lora``: LoRA at published geometries, full depth by default, on this machine; one JSON line.
 
-Per geometry (random weights, built locally from learner/examples/published.py), each stage in a process of its own
+Per geometry (random weights, built locally from learner/builtin/published.py), each stage in a process of its own
 so that its peak RSS (``wait4``'s ``ru_maxrss``: the child's high-water mark) is its own:
 
 1. ``export``: the LoRA-ready engine (export/lora.py; ``--quantize int8``: an int8 base) - seconds, peak RSS.
@@ -76,6 +76,8 @@ def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[
 
 
 # ----------------------------------------------------------------------------- stages (run in the child)
+# Each stage imports Refit inside itself (and this module only the standard library at its top): a child's peak RSS
+# is then its own stage's, with nothing loaded that only another stage needs.
 
 def stage_export(a) -> dict:
     from refit.export.onnx_export import ExportOptions
@@ -90,7 +92,7 @@ def stage_export(a) -> dict:
 def stage_push(a) -> dict:
     import torch
 
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
     from refit.core.manifest import Manifest
     from refit.export.weight_map import canonical_params
     from refit.learner.run.config import LoraSection
@@ -171,7 +173,7 @@ def stage_grpo(a, lora: bool = True) -> dict:
 # ----------------------------------------------------------------------------- the driver
 
 def geometry_row(a, log=print) -> dict:
-    from refit.learner.examples.published import build_published, n_params
+    from refit.learner.builtin.published import build_published, n_params
 
     work = Path(a.work_dir)
     model_dir = work / f"{_slug(a.geometry)}-model"
@@ -243,7 +245,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="refit bench lora", description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="Qwen2.5 0.5B", help="published geometries, comma list "
-                   "(learner/examples/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', 'Qwen2.5 3B', ...)")
+                   "(learner/builtin/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', 'Qwen2.5 3B', ...)")
     p.add_argument("--stages", default="export,push,grpo", help=f"comma list of {', '.join(STAGES)}")
     p.add_argument("--quantize", default="none", choices=("none", "int8"), help="the engine's base")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha 2r, all-linear)")

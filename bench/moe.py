@@ -1,6 +1,6 @@
 """Mixture-of-experts at published widths: ``python -m refit.bench.moe [--only NAME ...] [--compare]``.
 
-For Mixtral-8x7B's and Qwen3-30B-A3B's geometry (learner/examples/moe_models.py), cut as :data:`RUNS` says
+For Mixtral-8x7B's and Qwen3-30B-A3B's geometry (learner/builtin/moe_models.py), cut as :data:`RUNS` says
 (published widths and vocabulary, fewer experts, 1 layer) to fit the shared 24 GB box, each stage in a fresh process (its
 peak RSS is its own): build the checkpoint, export it through the parity gate (seconds, peak RSS,
 parity, attention), push perturbed expert weights into the ONNX Runtime engine (the output moves,
@@ -27,8 +27,8 @@ from refit.bench.smokes import distill_smoke, ppo_smoke
 from refit.core.manifest import Manifest
 from refit.export.moe import translation_table, use_grouped_experts
 from refit.export.onnx_export import ExportOptions
-from refit.learner.examples.models import build_tokenizer
-from refit.learner.examples.moe_models import build_moe_model
+from refit.learner.builtin.models import build_tokenizer
+from refit.learner.builtin.moe_models import build_moe_model
 from refit.rollout.build import build
 from refit.rollout.ort_backend import OrtEngine
 from refit.rollout.torch_backend import TorchEngine

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from refit.export.onnx_export import ExportOptions
-from refit.learner.examples.models import _IDS, build_tokenizer
+from refit.learner.builtin.models import _IDS, build_tokenizer
 from refit.rollout.build import build as build_engine
 
 _CHILD = """

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from refit.bench.generate import _load, run_engine, run_hf_generate
-from refit.core.checkpoint import load_model, model_info
+from refit.core.hf_folder import load_model, model_info
 from refit.core.manifest import Manifest
 from refit.core.padding import native_padding_side
 from refit.export.weight_map import canonical_params

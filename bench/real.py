@@ -1,6 +1,6 @@
 """The family table at real geometry: ``python -m refit.bench.families --set real``.
 
-Each geometry of :data:`refit.learner.examples.published.PUBLISHED` (published widths, head dims, vocabulary, rope
+Each geometry of :data:`refit.learner.builtin.published.PUBLISHED` (published widths, head dims, vocabulary, rope
 settings; depth cut to 2 layers) runs in its own process (:func:`measured`, peak RSS from ``wait4`` and
 a cap that stops it before it takes the machine): build the random-weight checkpoint, export it in a
 further process (its seconds and peak RSS are the export's own), read the parity figure and the graph
@@ -24,8 +24,8 @@ from pathlib import Path
 from refit.bench.smokes import _run, distill_smoke, ppo_smoke
 from refit.core.manifest import Manifest
 from refit.export.weight_map import canonical_params
-from refit.learner.examples.models import build_tokenizer
-from refit.learner.examples.published import PUBLISHED, build_published, n_params
+from refit.learner.builtin.models import build_tokenizer
+from refit.learner.builtin.published import PUBLISHED, build_published, n_params
 from refit.rollout.ort_backend import OrtEngine
 from refit.rollout.torch_backend import TorchEngine
 from refit.rollout.types import SamplingParams
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m refit.bench.real", description=geometry_record.__doc__.split("\n")[0])
-    p.add_argument("name", help="a geometry of refit.learner.examples.published.PUBLISHED")
+    p.add_argument("name", help="a geometry of refit.learner.builtin.published.PUBLISHED")
     p.add_argument("--work-dir", required=True, help="where the checkpoint, engine and runs go")
     p.add_argument("--rss-cap-gb", type=float, default=None, help="stop the export or a stage whose anonymous memory passes this (GB)")
     p.add_argument("--vocab", type=int, default=None, help="cut the vocabulary to this many rows (recorded)")

@@ -26,7 +26,7 @@ def ppo_smoke(rec: dict, root: Path, **overrides) -> dict:
         model_dir=rec["model_dir"], engine_dir=rec["engine_dir"], output_dir=str(root / "ppo"), batch_size=4,
         num_generations=2, advantage_estimator="gae", num_mini_batches=2, response_length=4, top_k=20, top_p=0.9,
         kl_estimator="exact",
-        reward="refit.learner.examples.tasks:length_reward", max_operand=9, num_prompts=32, **{**SMOKE, **overrides})
+        reward="refit.learner.builtin.tasks:length_reward", max_operand=9, num_prompts=32, **{**SMOKE, **overrides})
     rows = read_metrics(run_ppo(cfg, log=_quiet, overwrite=True))  # the bench's own folder, rerun
     return {"kl0": rows[0]["kl/exact"], "min_exact_kl": min(r["kl/exact"] for r in rows),
             "last_exact_kl": rows[-1]["kl/exact"],

@@ -1,2 +1,2 @@
 """The bottom room: what every layer shares (errors, the engine manifest record, the padding rule, the CLI
-parser, checkpoint loading). Imports nothing above it."""
+parser, HF folder loading). Imports nothing above it."""

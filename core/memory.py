@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from refit.core.checkpoint import text_config
+from refit.core.hf_folder import text_config
 from refit.core.errors import RefitError
 
 F32 = 4  # bytes per value: the learner and the engines' logits are fp32

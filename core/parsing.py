@@ -1,8 +1,8 @@
 """One parser for every ``refit`` subcommand: frozen dataclasses -> tyro, with a YAML file as the defaults.
 
 ``parse(Config, argv, prog)`` turns ``[--config FILE.yaml] [--section.field value ...]`` into a frozen
-``Config`` (why tyro and not HfArgumentParser: see ``learner/run/config.py``). It lives in ``export/``,
-the bottom package, because ``refit export`` uses it and nothing below ``learner`` may import ``learner``.
+``Config`` (why tyro and not HfArgumentParser: see ``learner/run/config.py``). It lives in ``core/``,
+the bottom room, because ``refit export`` uses it and nothing below ``learner`` may import ``learner``.
 
 - Precedence: field defaults < YAML file (``--config``) < flags. YAML sections are native
   (``rollout: {backend: torch}`` is ``--rollout.backend torch``); an unknown key is one line naming it.
@@ -226,6 +226,13 @@ def save_yaml(cfg, path: Path) -> str:
     text = yaml.safe_dump(layout, sort_keys=False)
     path.write_text(text)
     return text
+
+
+def check(checks: list[tuple[bool, str]]) -> None:
+    """Raise the first failing ``(bad, message)`` of a config's ``__post_init__`` as one ``config:`` line."""
+    for bad, msg in checks:
+        if bad:
+            raise RefitError(f"config: {msg}")
 
 
 def with_values(cfg, legacy: dict[str, str] | None = None, **values):

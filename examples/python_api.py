@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import refit
-from refit.learner.examples.models import build_model
+from refit.learner.builtin.models import build_model
 from refit.learner.run.config import LogSection, ModelSection, OptimSection, RunSection
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/python-api")

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from refit.core.checkpoint import ModelInfo, load_model, load_tokenizer, model_info
+from refit.core.hf_folder import ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.contract import PARITY_TOL, weights_hash
 from refit.core.errors import RefitError
 from refit.core.integrity import folder_hashes, sha256_files as _sha256_files

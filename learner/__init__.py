@@ -1,1 +1,1 @@
-"""The PyTorch side: pure losses, the PPO and distillation jobs, what they share, the embedded examples."""
+"""The PyTorch side: pure losses, the PPO and distillation jobs, what they share, the builtin tasks and models."""

@@ -1,6 +1,6 @@
 """``refit build-model``: a small random-weight HF checkpoint folder (a named geometry), written safely.
 
-The geometries, the tokenizer and the builder itself live in :mod:`refit.learner.examples.models`; this is
+The geometries, the tokenizer and the builder itself live in :mod:`refit.learner.builtin.models`; this is
 the command: it writes only into a folder that is missing, empty, or (with ``--overwrite``) an HF model, and
 through ``.OUT.tmp-PID`` renamed into place, so a failure (a full disk) leaves no half-written folder.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.integrity import HOLDS, clean_stale_temps, folder_holds
-from refit.learner.examples.models import GEOMETRIES, build_chat_tokenizer, build_model
+from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build_model
 
 
 def main(argv: list[str] | None = None) -> int:

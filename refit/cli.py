@@ -49,7 +49,7 @@ def _distill(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from refit.learner.examples.demo import main
+    from refit.learner.builtin.demo import main
     return main(argv)
 
 

@@ -23,12 +23,16 @@ from typing import Annotated, Literal
 import tyro
 
 from refit.core.errors import RefitError
+from refit.core.hf_folder import model_info
 from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_folder
+from refit.core.manifest import MANIFEST, Manifest
 from refit.core.memory import F32, available, engine_terms, geometry, refuse_if_over
 from refit.core.parsing import opt, parse
 from refit.export.guard import guard_engine, require_tokenizer
 from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
+from refit.export.quantize import scheme_for
 from refit.rollout.parity import int8_parity_gate, parity_gate
+from refit.rollout.tensorrt import build as trt_build  # its functions through the module: a test patches in a stand-in
 
 ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
@@ -38,8 +42,6 @@ def _scheme(quantize: str, backend: str) -> str:
     """The manifest's quantization scheme an engine for ``backend`` quantized as ``quantize`` has."""
     if quantize == "none":
         return "none"
-    from refit.export.quantize import scheme_for
-
     return scheme_for("tensorrt" if backend == "tensorrt" else "onnx")
 
 
@@ -62,9 +64,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
 
         opts = replace(opts, backend="tensorrt")  # the Q/DQ graph (export/quantize.py), not ONNX Runtime's int8
     if backend == "tensorrt":
-        from refit.rollout.tensorrt.build import require_tensorrt
-
-        require_tensorrt()  # one line, before anything is written
+        trt_build.require_tensorrt()  # one line, before anything is written
     old = _same_weights(engine_dir, model_dir) if reuse_if_fits else None
     reuse = old is not None and _unfit(old, reuse_if_fits, backend, opts.quantize, tuple(opts.lora)) is None
     write = backend == "tensorrt" or not (reuse or _up_to_date(engine_dir, model_dir, opts))
@@ -80,17 +80,13 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     else:
         export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate, int8_gate=int8_parity_gate)
     if backend == "tensorrt":
-        from refit.rollout.tensorrt.build import build_engines
-
-        build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
+        trt_build.build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
     share_folder(lock)  # written and complete: from here on only read
     return engine_dir
 
 
 def _manifest_of(engine_dir: Path):
     """``engine_dir``'s manifest, or None (no folder, no manifest, an unusable one)."""
-    from refit.core.manifest import MANIFEST, Manifest
-
     if not (engine_dir / MANIFEST).is_file():
         return None
     try:
@@ -190,8 +186,6 @@ def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | 
     """The standard-op (plain attention) graphs of ``engine_dir``'s model, the ones TensorRT builds from:
     ``engine_dir`` itself when it already holds them, else exported (or reused: the exporter's cache key)
     into ``out`` (default: beside it, ``<engine_dir>-plain``) with the same batch and length limits."""
-    from refit.core.manifest import Manifest
-
     engine_dir = Path(engine_dir)
     m = Manifest.read(engine_dir)
     if m.attention != "fused":
@@ -239,8 +233,6 @@ class ExportConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refit.core.checkpoint import model_info
-
     a, _ = parse(ExportConfig, argv, "refit export")
     if not a.out:
         raise RefitError("give the engine folder to write: -o OUT_DIR")

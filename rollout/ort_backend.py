@@ -41,12 +41,14 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.export.graph import open_session
 from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
+from refit.export.graph import default_providers, keep_freed_memory, open_session, write_graph
 from refit.export.quantize import QDQ, quantize_push
-from refit.export.weight_map import engine_weights
+from refit.export.weight_map import engine_weight_views, engine_weights
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
+from refit.rollout.ort_adapter import AdapterSessions, AdapterSlots
+from refit.rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState, KVPool
 from refit.rollout.ort_run import run_bound
 from refit.rollout.sampling import one_thread
 
@@ -217,8 +219,6 @@ class OrtEngine(LoopEngine):
                  keep_heap: bool = True, slots: int | None = None, inflight: bool = True,
                  graph_files: dict[str, str] | None = None, hold_weights: bool = True, prepack: bool = True,
                  push_via: str = "memory", shards: int = 1):
-        from refit.export.graph import default_providers, keep_freed_memory
-
         self.engine_dir = Path(engine_dir)
         self.manifest = Manifest.read(self.engine_dir)
         self.spec = ModelSpec.from_manifest(self.manifest)
@@ -265,8 +265,6 @@ class OrtEngine(LoopEngine):
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
         self.adapter = None  # a LoRA-ready engine's adapter (rollout/ort_adapter.py), bound into every run
         if self.manifest.lora is not None:
-            from refit.rollout.ort_adapter import AdapterSessions, AdapterSlots
-
             self.adapter = AdapterSlots(self.manifest.lora, np.float16 if self._dtype == torch.float16 else np.float32)
             self.sessions = AdapterSessions(self.sessions, self.adapter)
         self._version = 0
@@ -280,8 +278,6 @@ class OrtEngine(LoopEngine):
         """A fused engine's KV buffer pools, one per shard (rollout/ort_fused.py); [] for the plain graph."""
         if self.manifest.attention != "fused":
             return []
-        from refit.rollout.ort_fused import KVPool
-
         d = self.manifest.dims
         names = [n for n in self.manifest.graphs["decoder"].inputs if n.startswith("past.")]
         np_dtype = np.float16 if self._dtype == torch.float16 else np.float32
@@ -330,8 +326,6 @@ class OrtEngine(LoopEngine):
         """A fresh StepState; ``capacity`` (tokens per row the call may hold) sizes a fused engine's KV buffer,
         taken from shard ``shard``'s pool."""
         if self._kv_pools:
-            from refit.rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState
-
             pool = self._kv_pools[shard]
             if self.spec.kind == "seq2seq":
                 return FusedSeq2SeqState(self, pool, capacity)
@@ -428,9 +422,6 @@ class OrtEngine(LoopEngine):
         import tempfile
 
         import onnx
-
-        from refit.export.graph import write_graph
-        from refit.export.weight_map import engine_weight_views
 
         views = engine_weight_views(named, self.manifest.weight_map, self._weight_dtype)
         for g, view in views.items():

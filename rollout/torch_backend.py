@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.core.hf_compat import cache_kw
 from refit.core.manifest import MANIFEST, Manifest

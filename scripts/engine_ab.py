@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from refit.bench.generate import engine_call, hf_call
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
     from refit.rollout.engine import create_engine
 
     torch.set_num_threads(a.threads)

@@ -4,7 +4,7 @@
 # export it (parity gate), run refit.rollout.tensorrt.check, 2 PPO steps and 2 distillation steps; print the table.
 #
 # --set real: the published geometries instead (Llama 3.2 1B ... opus-mt-en-de at real widths and vocab,
-# 2 layers; refit.learner.examples.published), one process each, with a weight-push check, export seconds and peak RSS.
+# 2 layers; refit.learner.builtin.published), one process each, with a weight-push check, export seconds and peak RSS.
 #
 # usage: scripts/family_table.sh [--set tiny|real] [--only NAME ...] [--readme FILE] [--work-dir DIR]
 #   --only NAME ...  families (table names or tiny-* geometries) to run (default: all, ~5 min on 2 cores)

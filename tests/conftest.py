@@ -51,15 +51,15 @@ class BuiltOnce(dict):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from refit.learner.examples.models import build_tokenizer
+    from refit.learner.builtin.models import build_tokenizer
 
     return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory, tokenizer):
-    """{geometry: checkpoint folder} for any geometry of refit.learner.examples.models.GEOMETRIES (tiny GPT-2, ..., Marian)."""
-    from refit.learner.examples.models import build_model
+    """{geometry: checkpoint folder} for any geometry of refit.learner.builtin.models.GEOMETRIES (tiny GPT-2, ..., Marian)."""
+    from refit.learner.builtin.models import build_model
 
     root = tmp_path_factory.mktemp("models")
     return BuiltOnce(lambda g: build_model(g, root / g, seed=0, tokenizer=tokenizer))
@@ -161,8 +161,8 @@ def corrupting(push):
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory):
-    """A tiny GPT-2 whose tokenizer has a chat template (refit.learner.examples.models.build_chat_tokenizer)."""
-    from refit.learner.examples.models import build_chat_tokenizer, build_model
+    """A tiny GPT-2 whose tokenizer has a chat template (refit.learner.builtin.models.build_chat_tokenizer)."""
+    from refit.learner.builtin.models import build_chat_tokenizer, build_model
 
     return build_model("tiny-gpt2", tmp_path_factory.mktemp("chat") / "tiny-gpt2-chat", seed=0,
                        tokenizer=build_chat_tokenizer())
@@ -226,7 +226,7 @@ def quantized_reference(model_dir, manifest, pushed=None):
     """TorchEngine over the model of ``model_dir`` with its quantized layers as the engine computes them
     (core/int8.reference_model: int8 rows x int8 weights, or matmuls by dequantized weights for Q/DQ),
     ``pushed`` (HF name -> tensor) loaded first. Returns (engine, the fp32 model)."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.core.int8 import reference_model
     from refit.rollout.torch_backend import TorchEngine
 

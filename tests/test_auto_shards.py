@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config
 
-from refit.learner.examples.published import published_config
+from refit.learner.builtin.published import published_config
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import resolve_shards
 from refit.rollout.decode import auto_shards, layer_weights

@@ -1,5 +1,5 @@
 """Token-chunked log-prob / entropy / exact KL (learner/losses/chunked.py) against the plain formulas of
-learner/losses/core.py and a float64 hand computation: values and gradients, chunks that do not divide T."""
+learner/losses/common.py and a float64 hand computation: values and gradients, chunks that do not divide T."""
 
 import math
 
@@ -18,7 +18,7 @@ def _inputs(b=3, t=7, v=11, seed=0, dtype=torch.float64):
 
 
 def _reference(logits, ref, labels, temperature):
-    """The unchunked formulas of refit.learner.losses.core."""
+    """The unchunked formulas of refit.learner.losses.common."""
     return (L.logprobs_from_logits(logits, labels, temperature), L.entropy_from_logits(logits, temperature),
             L.exact_kl_from_logits(logits, ref, temperature=temperature))
 

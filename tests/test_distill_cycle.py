@@ -122,7 +122,7 @@ def test_seq_kd_loss_is_cross_entropy_on_teacher_tokens(model_dirs, engine_dirs,
 def test_vocab_mismatch_is_refused_with_one_line(model_dirs, tmp_path, tokenizer, capsys):
     import dataclasses
 
-    from refit.learner.examples.models import GEOMETRIES, build_model
+    from refit.learner.builtin.models import GEOMETRIES, build_model
     from refit.cli import main
 
     geom = dataclasses.replace(GEOMETRIES["tiny-gpt2"], vocab_size=400)

@@ -55,7 +55,7 @@ def build_config_model(name: str, out, tokenizer):
     where ``1 + w`` and a push that drops it would agree)."""
     import transformers
 
-    from refit.learner.examples.models import _IDS
+    from refit.learner.builtin.models import _IDS
 
     cls, kw = REAL[name]
     kw = {**kw, "vocab_size": kw["vocab_size"] or len(tokenizer)}
@@ -117,7 +117,7 @@ def check_graph_side(d, dtype: str) -> int:
     """The graph-side checks, none needing a runtime: checker and dtypes (refit.export.precision), then every mapped
     weight's bytes equal the checkpoint's fp32 tensor rounded to the dtype (and transformed as the map says),
     computed here with torch alone. Returns the number of weights compared."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.rollout.tensorrt.check import check_weight_map
     from refit.export.weight_map import canonical_params
 
@@ -151,8 +151,8 @@ def check_push(d, dtype: str, names: list[str], scale: float, tmp_path) -> tuple
     does (external initializers replaced), run the gate's greedy steps (a bf16 graph: its CPU twin), and compare
     with PyTorch in ``dtype`` holding the same weights. Returns (max |logprob diff| to PyTorch, max |logprob
     change| of the first step)."""
-    from refit.core.checkpoint import load_model
-    from refit.learner.examples.models import build_tokenizer
+    from refit.core.hf_folder import load_model
+    from refit.learner.builtin.models import build_tokenizer
     from refit.export.weight_map import canonical_params
     from refit.rollout.engine import create_engine
 
@@ -235,7 +235,7 @@ def test_fused_bf16_refused_and_ort_backend_refuses_bf16_in_one_line(exports, mo
 def test_learner_probe_after_push_into_fp16_engine(exports, model_dirs, prompts, tmp_path):
     """The learner's probe with an fp16 engine: compared with its fp32 model's weights rounded to fp16, at
     least the fp16 gate's tolerance; a push that took passes, an engine left stale fails in one line."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.run.sync import engine_dtype, probe_check, push_weights
     from refit.rollout.ort_backend import OrtEngine
     from refit.rollout.torch_backend import TorchEngine

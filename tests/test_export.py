@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.bench.export_families import FAMILIES, SEQ2SEQ
 from refit.core.manifest import Manifest
@@ -188,7 +188,7 @@ def _tiny_mamba(out, tokenizer):
     """A real AutoModelForCausalLM whose cache holds SSM states, no attention keys/values."""
     from transformers import AutoModelForCausalLM, MambaConfig
 
-    from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
+    from refit.learner.builtin.models import BOS_ID, EOS_ID, PAD_ID
 
     cfg = MambaConfig(vocab_size=len(tokenizer), hidden_size=32, state_size=4, num_hidden_layers=2,
                       pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID)

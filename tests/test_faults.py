@@ -823,7 +823,7 @@ def test_a_manifest_without_attention_or_with_a_damaged_tokenizer_is_refused(cap
 
 
 def test_non_finite_weights_are_named(capsys, tmp_path, model_dirs):
-    """#9: export (and every job: core.checkpoint.load_model) names the tensor and the count, not padding."""
+    """#9: export (and every job: core.hf_folder.load_model) names the tensor and the count, not padding."""
     import torch
     from safetensors.torch import load_file, save_file
 

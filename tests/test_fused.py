@@ -86,7 +86,7 @@ def test_fused_plain_torch_parity(engine_dirs, plain_dirs, prompts, arch, params
 def test_gqa_reference_op_matches_hf(model_dirs, arch):
     """The wrapper run eagerly (the custom op's PyTorch reference) equals HF's own forward on compact rows
     (Mistral: rows of 5 and 7 tokens against its 4-token sliding window)."""
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
     from refit.export.fused import FusedDecoder
     from refit.core.padding import position_ids_from_mask
 

@@ -79,7 +79,7 @@ def test_t5_reference_op_matches_hf(model_dirs):
     """The wrapper run eagerly (refit::gqa with the bias as attention_bias, cross-attention over given K/V)
     equals HF's own forward of each row alone: a prefill of rows of 3, 2 and 1 tokens, then cached steps
     where the shorter rows finish and idle (query length 0)."""
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
     from refit.export.fused_seq2seq import FusedSeq2SeqDecoder
 
     info = model_info(model_dirs[ARCH])

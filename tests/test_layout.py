@@ -1,6 +1,6 @@
 """The package's shape, checked: one installed namespace, rooms on floors, no import circle.
 
-Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, checkpoint
+Floors, bottom to top: ``refit.core`` (errors, the manifest record, the padding rule, the parser, HF folder
 loading) <- ``refit.export`` (HF -> graphs + manifest) <- ``refit.rollout`` (engines and the one decode loop)
 <- ``refit.learner`` (losses, jobs) <- ``refit.bench`` <- the face ``refit`` (``refit/__init__.py``, the public
 names, and ``refit/cli.py``, the front door's command table). An import may only point down or sideways within
@@ -80,7 +80,7 @@ def _is_package(module: str, graph) -> bool:
 def test_no_import_points_up_a_floor():
     graph = _graph()
     commands = {"refit.learner.build_model", "refit.rollout.build", "refit.rollout.cli", "refit.bench.cli",
-                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.examples.demo"}
+                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.builtin.demo"}
     assert commands <= graph["refit.cli"], \
         "the front door's table must reach each command by a plain import"
     up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a)
@@ -90,8 +90,10 @@ def test_no_import_points_up_a_floor():
         assert graph[shim] == {target}, (shim, graph[shim])
 
 
-# internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers
-INSIDE_FUNCTIONS_AT_MOST = 42
+# internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers. Left: the
+# stages of bench/lora.py (each runs in a child whose peak RSS is measured: it loads only what it needs) and
+# learner/run/sync.py's typing-only RolloutAhead (the PPO room's, under TYPE_CHECKING)
+INSIDE_FUNCTIONS_AT_MOST = 14
 
 
 def test_the_learner_imports_nothing_from_export():

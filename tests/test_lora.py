@@ -44,7 +44,7 @@ def lora_engines(tmp_path_factory, model_dirs):
 
 
 def _peft(model_dir, r=4, alpha=8.0, seed=0, targets=("all-linear",)):
-    from refit.core.checkpoint import load_model, model_info
+    from refit.core.hf_folder import load_model, model_info
 
     torch.manual_seed(seed)
     return apply_lora(load_model(model_dir, model_info(model_dir)), LoraSection(r=r, alpha=alpha,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from refit.core.errors import RefitError
-from refit.learner.examples.moe_models import build_moe_model
+from refit.learner.builtin.moe_models import build_moe_model
 from refit.export.onnx_export import ExportOptions
 from refit.rollout.build import build
 

@@ -19,7 +19,7 @@ def _run(model_dirs, engine_dirs, tmp_path, name: str, **over):
                 advantage_estimator="grpo", num_mini_batches=1, num_ppo_epochs=1, response_length=6, probe_size=2,
                 progress=False, tensorboard=False, plots=False, num_prompts=16, max_operand=9, learning_rate=1e-3,
                 kl_coef=0.0, kl_penalty="loss", gradient_accumulation_steps=4,
-                reward="refit.learner.examples.tasks:length_reward")  # varied rewards: a non-zero step
+                reward="refit.learner.builtin.tasks:length_reward")  # varied rewards: a non-zero step
     return setup(PPOConfig.from_flat(**(base | over)), resume=False, log=lambda *_: None)
 
 
@@ -110,7 +110,7 @@ def test_micro_rows_at_qwen25_05b_full_depth(tmp_path):
     """Auto micro-batches at Qwen2.5-0.5B's published geometry (24 layers, hidden 896, MLP 4864, 14 heads, vocab
     151936), rows of 40 prompt + 64 response tokens, against the hand count of refit.core.memory's bytes per row."""
     from refit.core.memory import auto_learner_rows, geometry
-    from refit.learner.examples.published import published_config
+    from refit.learner.builtin.published import published_config
     from refit.learner.run.engines import learner_micro_rows
 
     published_config("Qwen2.5 0.5B", None).save_pretrained(tmp_path)  # the config, and an empty weights file

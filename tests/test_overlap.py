@@ -34,7 +34,7 @@ def _cfg(model_dirs, engine_dirs, out, **kw):
                 steps=4, batch_size=4, num_generations=2, advantage_estimator="grpo", num_mini_batches=1,
                 num_ppo_epochs=1, response_length=4, save_steps=2, probe_size=4, progress=False, tensorboard=False,
                 plots=False, max_operand=9, num_prompts=32, learning_rate=1e-3, export_final=False,
-                reward="refit.learner.examples.tasks:length_reward", engine_threads=1)
+                reward="refit.learner.builtin.tasks:length_reward", engine_threads=1)
     base.update(kw)
     return PPOConfig.from_flat(**base)
 

@@ -243,7 +243,7 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
 def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path, arch):
     """A dense reward moves the policy off the reference, so the exact KL after step 1 is > 0, never < 0."""
     out = run_ppo(_cfg(model_dirs, engine_dirs, arch, tmp_path, steps=3, kl_estimator="exact",
-                       reward="refit.learner.examples.tasks:length_reward", top_k=20, top_p=0.9, save_steps=1,
+                       reward="refit.learner.builtin.tasks:length_reward", top_k=20, top_p=0.9, save_steps=1,
                        export_final=True),
                   log=lambda *_: None)
     rows = read_metrics(out)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.learner.ppo.update import Experience, UpdateSettings, _micro_loss, ppo_update
 from refit.learner.run.policy import ValueHead, hidden_size

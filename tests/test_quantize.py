@@ -210,7 +210,7 @@ def test_int8_ppo_run_pushes_and_probes_against_the_quantized_learner(int8_dirs,
 def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, prompts, tmp_path):
     """The learner moved every weight by 1e-3 (AdamW's first step at lr 1e-3): an int8 engine that did not take
     the push fails the probe; once pushed, it passes (against the learner quantized as the engine is)."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
     from refit.learner.run.sync import probe_check
 

@@ -1,4 +1,4 @@
-"""Published model geometries (learner/examples/published.py): real widths, head dims, vocabularies, rope settings,
+"""Published model geometries (learner/builtin/published.py): real widths, head dims, vocabularies, rope settings,
 soft-capping and windows, with depth cut to 2 layers and random weights.
 
 Per geometry: the export passes its parity gate (PyTorch's uncached forward vs the engine, 1e-4 on
@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from refit.learner.examples.published import PUBLISHED, build_published, n_params, published_config
+from refit.learner.builtin.published import PUBLISHED, build_published, n_params, published_config
 
 TOL = 1e-4  # the export gate's fp32 tolerance on log-probs (conftest.ATOL["onnxruntime"]["fp32"])
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7"]
@@ -299,7 +299,7 @@ def test_full_depth_smollm2_export_ppo_push_resume(tmp_path, tokenizer):
                batch_size=4, num_generations=2, advantage_estimator="gae", num_mini_batches=2, num_ppo_epochs=1,
                response_length=4, save_steps=2, probe_size=4, progress=False, tensorboard=False, plots=False, max_operand=9,
                num_prompts=32, learning_rate=1e-4, kl_estimator="exact", top_k=20, top_p=0.9,
-               reward="refit.learner.examples.tasks:length_reward", export_final=False)
+               reward="refit.learner.builtin.tasks:length_reward", export_final=False)
     run_ppo(PPOConfig.from_flat(**cfg, max_steps_this_run=2), log=lambda *_: None)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     run_dir = run_ppo(PPOConfig.from_flat(**cfg), resume=True, log=lambda *_: None)

@@ -14,7 +14,7 @@ def classifier_dir(tmp_path_factory, tokenizer):
     """A tiny GPT-2 sequence classifier (1 label, random weights) with the local tokenizer, as an HF folder."""
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
+    from refit.learner.builtin.models import BOS_ID, EOS_ID, PAD_ID
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tokenizer), num_labels=1,

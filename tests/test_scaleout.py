@@ -60,7 +60,7 @@ def local_engine(engine_dirs):
 @pytest.fixture(scope="module")
 def weights(model_dirs):
     """(original, perturbed) HF-named weights of tiny-gpt2."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
 
     named = {k: v.detach().clone() for k, v in canonical_params(load_model(model_dirs["tiny-gpt2"]))[0].items()}
@@ -230,7 +230,7 @@ DDP_SETTINGS = dict(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_
 
 
 def _learner(model_dir):
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.run.policy import ValueHead, hidden_size
 
     torch.manual_seed(0)
@@ -417,7 +417,7 @@ def test_pool_that_cannot_fit_fails_in_one_line(ray_cluster, engine_dirs):
 
 def _distill_batch(model_dir):
     """:func:`_fixed_rows` with random full-vocabulary teacher logits."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.distill.batch import DistillBatch
 
     g = torch.Generator().manual_seed(2)
@@ -430,7 +430,7 @@ def _distill_batch(model_dir):
 
 
 def _distill_learner(model_dir, out, dist):
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.distill.cycle import Run
 
     cfg = _distill_cfg({"tiny-llama": model_dir, "tiny-gpt2": model_dir}, {"tiny-llama": "", "tiny-gpt2": ""}, out,

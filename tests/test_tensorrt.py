@@ -300,7 +300,7 @@ def test_prefill_and_decode_steps_use_their_profiles(engine_dirs, trt_folders, a
 def test_fp16_engine_refits_from_fp32_tensors(kind, fp16_engine_dir, model_dirs, trt_folders):
     """An fp16 export: FP16 builder flag, fp16 K/V buffers, fp32 HF tensors refitted as fp16; after the
     push the engine scores like the PyTorch reference holding the same tensors."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
 
     folders = trt_folders(kind)
@@ -329,7 +329,7 @@ def test_fp16_engine_refits_from_fp32_tensors(kind, fp16_engine_dir, model_dirs,
 @pytest.mark.parametrize("arch", ARCHS)
 def test_refit_changes_output_and_restores_it(trt_env, model_dirs, arch):
     """The TensorRT refit sample's check: fake weights change the answer, the real ones bring it back."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
 
     trt_eng, ref = trt_env.folders.open(trt_env.dirs[arch]), create_engine("torch", model_dirs[arch])
@@ -357,7 +357,7 @@ def test_lora_policy_refits_its_merged_layers(trt_env, model_dirs, arch, tmp_pat
     """A LoRA run on TensorRT pushes ``W + s B A`` of the targeted layers (a partial refit, the rest of the plans
     untouched; refit.learner.run.sync.push_tensors): the engine then scores as PEFT's model does, the probe
     passes, and it caught the stale engine before the push."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.run.config import LoraSection
     from refit.learner.run.sync import probe_check, push_tensors
     from refit.learner.run.lora import apply_lora
@@ -379,7 +379,7 @@ def test_lora_policy_refits_its_merged_layers(trt_env, model_dirs, arch, tmp_pat
 
 
 def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
 
     trt_eng = trt_env.folders.open(trt_env.dirs["tiny-gpt2"])
@@ -396,7 +396,7 @@ def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
 
 def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_copy, model_dirs, monkeypatch):
     """Weights TensorRT fused with a pushed one come from the held set; none held -> a loud error."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
     from refit.rollout.tensorrt.engine import TrtEngine
 

@@ -102,7 +102,7 @@ def test_grpo_loss_with_beta_is_trls_dapo_loss(model_dirs):
     tokens / their count (loss_type 'dapo')."""
     import copy
 
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.learner.ppo.cycle import update_settings
     from refit.learner.ppo.update import Experience, _micro_loss
 

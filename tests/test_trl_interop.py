@@ -4,6 +4,8 @@ functions with weights and columns, RLOO/GRPO in the cycle, held-out evaluation,
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,13 +134,29 @@ def test_two_reward_functions_with_weights_a_column_and_none(rewards_file):
 
 
 def test_module_function_and_legacy_signature(rewards_file):
-    legacy = load_rewards(["refit.learner.examples.tasks:exact_match_reward"], [])
+    legacy = load_rewards(["refit.learner.builtin.tasks:exact_match_reward"], [])
     total, stats = score_rewards(legacy, ["1+2=", "2+2="], ["3", "5"], {"completion_ids": [[1], [1]]})
     assert total.tolist() == [1.0, 0.0] and stats == {"reward/exact_match_reward/mean": 0.5}
     with pytest.raises(RefitError, match="reward_weights has 1 values for 2 reward functions"):
         load_rewards([f"{rewards_file}:correct", f"{rewards_file}:chars"], [1.0])
     with pytest.raises(RefitError, match="has no function 'nope'"):
         load_rewards([f"{rewards_file}:nope"], [])
+
+
+def test_the_old_examples_path_still_loads_with_a_deprecation_warning():
+    """``refit.learner.examples`` (renamed ``refit.learner.builtin``): a reward spec or an import that names it
+    reaches the same module, and says once that the name is deprecated."""
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import refit.learner.examples\nexcept DeprecationWarning as e:\n    print(e)\n"
+            "warnings.simplefilter('ignore', DeprecationWarning)\n"
+            "from refit.learner.ppo.rewards import load_rewards\n"
+            "from refit.learner.builtin.tasks import length_reward\n"
+            "from refit.learner.examples.models import build_model\n"
+            "print(load_rewards(['refit.learner.examples.tasks:length_reward'], [])[0].fn is length_reward)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["refit.learner.examples is now refit.learner.builtin; the old name is deprecated",
+                                     "True"]
 
 
 @pytest.mark.parametrize("body, msg", [

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from refit.learner.examples.models import build_chat_tokenizer, build_model
+from refit.learner.builtin.models import build_chat_tokenizer, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "trl_scripts"

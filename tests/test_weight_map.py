@@ -51,7 +51,7 @@ def test_a_weight_the_graph_uses_only_through_exp_is_refused_in_one_line(model_d
 def test_lazy_engine_weight_views_are_the_engine_weights(engine_dirs, model_dirs):
     """What the exporter writes through (engine_weight_views: one tensor made when read) is exactly what a push maps
     (engine_weights), transposed and tied weights included; looking a name up makes nothing."""
-    from refit.core.checkpoint import load_model
+    from refit.core.hf_folder import load_model
     from refit.export.weight_map import DTYPES, canonical_params, engine_weight_views, engine_weights
 
     for arch in ("tiny-llama", "tiny-gpt2"):

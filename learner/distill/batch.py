@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from refit.core.checkpoint import load_tokenizer, model_info
+from refit.core.hf_folder import load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.padding import check_left_padded, check_right_padded
 from refit.learner.distill.config import DistillConfig
-from refit.learner.examples.tasks import TASKS
+from refit.learner.builtin.tasks import TASKS
 from refit.learner.run.dataset import check_jsonl, load_prompt_dataset
 
 

@@ -29,7 +29,7 @@ from refit.core.parsing import with_values
 from refit.learner.distill.config import DistillConfig
 from refit.learner.distill.cycle import run_distill
 from refit.learner.distill.evaluate import summary
-from refit.learner.examples.distill_pair import build_all, build_models
+from refit.learner.builtin.distill_pair import build_all, build_models
 from refit.learner.run.config import _f, flat_names, parse_job
 
 BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "

@@ -7,11 +7,9 @@ from typing import Annotated, Literal
 
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
-
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection,
-                                RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
-from refit.rollout.config import Sampling
+                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat)
+from refit.rollout.config import RolloutSection, Sampling
 
 DISTILL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "ce", "topk_kl")
 FULL_VOCAB_LOSSES = ("jsd", "forward_kl", "reverse_kl")  # need full teacher logits: PyTorch teacher

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.core.padding import pad_batch
 from refit.learner import losses as D

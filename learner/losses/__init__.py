@@ -1,6 +1,6 @@
 """Pure tensor losses and estimators (torch only): shapes in the docstrings, papers cited, ``(loss, stats)``.
 
-- :mod:`refit.learner.losses.core`: masked reductions, log-probs, entropy, KL estimators k1/k2/k3, exact KL
+- :mod:`refit.learner.losses.common`: masked reductions, log-probs, entropy, KL estimators k1/k2/k3, exact KL
 - :mod:`refit.learner.losses.ppo`: GAE, clipped PPO policy/value losses, mismatch corrections, adaptive KL
 - :mod:`refit.learner.losses.distill`: generalized JSD (GKD), forward/reverse KL, top-k KL, sequence-level KD CE
 - :mod:`refit.learner.losses.advantages`: group baselines without a critic (RLOO leave-one-out, GRPO group mean/std)
@@ -9,7 +9,7 @@
 Everything is re-exported here, so ``from learner import losses as L`` reads ``L.kl_k3``, ``L.compute_gae``.
 """
 
-from refit.learner.losses.core import *  # noqa: F401,F403
+from refit.learner.losses.common import *  # noqa: F401,F403
 from refit.learner.losses.distill import *  # noqa: F401,F403
 from refit.learner.losses.ppo import *  # noqa: F401,F403
 from refit.learner.losses.advantages import *  # noqa: F401,F403

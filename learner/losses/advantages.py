@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from refit.learner.losses.core import Stats
+from refit.learner.losses.common import Stats
 
 GRPO_EPS = 1e-4  # TRL GRPOTrainer: advantages / (std_rewards + 1e-4)
 SCALE_REWARDS = ("group", "batch", "none")

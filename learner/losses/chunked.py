@@ -1,7 +1,7 @@
 """Per-token log-prob, entropy and exact KL over a large vocabulary, token chunk by token chunk.
 
 With a 128k-256k vocabulary one (B, T, V) fp32 tensor is hundreds of MB (8 x 64 x 151936: 311 MB), and the
-plain formulas of :mod:`refit.learner.losses.core` make several: ``logsumexp``'s exponentials, the entropy's
+plain formulas of :mod:`refit.learner.losses.common` make several: ``logsumexp``'s exponentials, the entropy's
 softmax and product (kept for backward), the exact KL's two log-softmaxes, their difference and product.
 :func:`token_stats` computes all three from ONE log-softmax per chunk of ``chunk_size`` positions, so
 only (B, chunk, V) temporaries exist, and its backward (a :class:`torch.autograd.Function`) writes the
@@ -16,7 +16,7 @@ Closed forms, with ``z = logits / temperature``, ``p = softmax(z)``, ``q = softm
 - ``KL = sum p (log p - log q)``;         d KL / d z_j = p_j (log p_j - log q_j - KL)
 
 and d / d logits = (d / d z) / temperature. The KL is clamped at 0 as in
-:func:`refit.learner.losses.core.exact_kl_from_logits` (rounding of identical inputs), its gradient 0 where
+:func:`refit.learner.losses.common.exact_kl_from_logits` (rounding of identical inputs), its gradient 0 where
 the clamp bites. The reference is a constant (the frozen model, or an engine's log-probs). fp16/bf16 logits
 (a bf16 learner's head) are upcast to fp32 one chunk at a time: the values are fp32, the gradient has the
 logits' dtype.
@@ -115,9 +115,9 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, ref_logits: Optional
         temperature: both distributions are softmax(x / temperature).
         chunk_size: positions per chunk; None: :func:`default_chunk` (about 64 MB per temporary).
     Returns:
-        :class:`TokenStats` of (B, T) tensors; equal to :func:`refit.learner.losses.core.logprobs_from_logits`,
-        :func:`~refit.learner.losses.core.entropy_from_logits` and :func:`~refit.learner.losses.core.exact_kl_from_logits`
-        up to rounding, gradients included.
+        :class:`TokenStats` of (B, T) tensors; equal to :func:`refit.learner.losses.common.logprobs_from_logits`,
+        :func:`~refit.learner.losses.common.entropy_from_logits` and
+        :func:`~refit.learner.losses.common.exact_kl_from_logits` up to rounding, gradients included.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"token_stats: logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from refit.learner.losses.core import chunked_apply, logprobs_from_logits, masked_mean, token_mean
+from refit.learner.losses.common import chunked_apply, logprobs_from_logits, masked_mean, token_mean
 
 Stats = Dict[str, torch.Tensor]
 Number = Union[float, int, torch.Tensor]

@@ -1,7 +1,7 @@
 """PPO / RLHF losses: GAE, the clipped policy and value losses, mismatch corrections, adaptive KL.
 
 Pure functions on tensors (torch only, no config objects, no state); shapes and the token
-normalisation rule (``num_tokens``) as in :mod:`refit.learner.losses.core`.
+normalisation rule (``num_tokens``) as in :mod:`refit.learner.losses.common`.
 """
 
 import math
@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from refit.learner.losses.core import Number, Stats, _float_mask, masked_mean, masked_var, token_mean
+from refit.learner.losses.common import Number, Stats, _float_mask, masked_mean, masked_var, token_mean
 
 # --------------------------------------------------------------------------
 # GAE and PPO losses

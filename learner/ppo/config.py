@@ -1,7 +1,8 @@
 """``PPOConfig``: the PPO-KL job's fields on top of the shared sections (names as in TRL's ``PPOConfig``).
 
 In Python a config is built with its sections as keywords, each a frozen dataclass of
-:mod:`refit.learner.run.config`; fields not given keep their defaults (run it with :func:`refit.learner.api.run_ppo`)::
+:mod:`refit.learner.run.config` (``rollout`` and ``sampling``: :mod:`refit.rollout.config`); fields not given keep
+their defaults (run it with :func:`refit.learner.api.run_ppo`)::
 
     PPOConfig(run=RunSection(output_dir="runs/x", steps=50, batch_size=8),
               model=ModelSection(model_dir="models/policy"),
@@ -22,9 +23,8 @@ from typing import Annotated, ClassVar, Literal
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection,
-                                RolloutSection, RunSection, ScaleSection, _f, check, from_flat)
-from refit.rollout.config import Sampling
+                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat)
+from refit.rollout.config import RolloutSection, Sampling
 
 
 TRL_HINTS = {

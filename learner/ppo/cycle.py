@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from refit.core.checkpoint import load_model, load_tokenizer, model_info
+from refit.core.hf_folder import load_model, load_tokenizer, model_info
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.core.memory import Geometry, geometry

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit.learner.examples.tasks import TASKS
+from refit.learner.builtin.tasks import TASKS
 from refit.learner.run.chat import completion_for
 from refit.learner.run.data import decode_responses
 from refit.learner.run.dataset import PromptSet, cap, load_prompt_dataset, text_file_prompts

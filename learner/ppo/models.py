@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from refit.core.checkpoint import ModelInfo, load_model, text_config
+from refit.core.hf_folder import ModelInfo, load_model, text_config
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.update import needs_reference

@@ -12,7 +12,7 @@ positionally. ``None`` means "not applicable to this row": it is left out of the
 ``nansum``) and of that function's logged mean (``nanmean``).
 
 Specs (``reward`` / ``reward_funcs``):
-- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`refit.learner.examples.tasks`);
+- ``"exact_match"``: the embedded tasks' exact-match reward (:mod:`refit.learner.builtin.tasks`);
 - ``"package.module:function"``, or a file ``"path/to/rewards.py:function"``;
 - a folder path: an HF sequence-classification checkpoint; the reward is the logit of ``label_index``;
 - in Python (``refit.learner.api.run_ppo(cfg, reward_funcs=[...])``, ``GRPOTrainer``): the callable itself.
@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from refit.core.errors import RefitError
-from refit.learner.examples.tasks import exact_match_reward
+from refit.learner.builtin.tasks import exact_match_reward
 
 RewardFn = Callable[..., list]
 

@@ -1,7 +1,8 @@
 """Job configs: frozen dataclasses composed of shared sections, parsed from YAML and flags by tyro.
 
 Every job config (``PPOConfig``, ``DistillConfig``) is the job's own fields on top of sections
-defined once here and shared, each with per-job defaults where they legitimately differ:
+defined once and shared (here; the rollout's two, ``rollout`` and ``sampling``, in :mod:`refit.rollout.config`),
+each with per-job defaults where they legitimately differ:
 
 ==========  ========================  ======================================================================
 section     class                     fields
@@ -11,8 +12,8 @@ section     class                     fields
 ``model``   :class:`ModelSection`     model_dir, engine_dir (distill has two: ``student`` and ``teacher``)
 ``data``    :class:`DataSection`      dataset, dataset_split, prompt_column, dataset_text_field, eval_split,
                                       eval_fraction (a local dataset); task, num_prompts, max_operand
-``rollout`` :class:`RolloutSection`   backend, engine_threads, sync_every, probe_tol, probe_size,
-                                      probe_tokens, quantize, max_staleness
+``rollout`` :class:`~refit.rollout.config.RolloutSection`  backend, engine_threads, sync_every, probe_tol,
+                                      probe_size, probe_tokens, quantize, max_staleness (beside ``Sampling``)
 ``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
                                       ``--temperature``, ``top_k:``; the one section generate shares too)
 ``lora``    :class:`LoraSection`      r (0: full fine-tuning), alpha, dropout, target_modules, init
@@ -48,14 +49,12 @@ from typing import Annotated, Literal
 
 import tyro
 
-from refit.core.errors import RefitError
-from refit.core.parsing import build, flat_leaves, leaves, opt, parse, resolve, save_yaml
+from refit.core.parsing import build, check, flat_leaves, leaves, opt, parse, resolve, save_yaml
 
 _f = opt
-Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]
 Task = Literal["addition", "sort"]
 
-__all__ = ["RunSection", "ModelSection", "DataSection", "RolloutSection", "LoraSection", "OptimSection", "CheckpointSection",
+__all__ = ["RunSection", "ModelSection", "DataSection", "LoraSection", "OptimSection", "CheckpointSection",
            "LogSection", "ScaleSection", "flat_names", "from_flat", "parse_job", "save_config", "check"]
 
 
@@ -101,49 +100,6 @@ class DataSection:
     task: Task = _f("addition", "embedded task when no prompts or dataset file is given")
     num_prompts: int = _f(512, "embedded task: examples drawn (distill: distinct prompts kept, eval_size held out)")
     max_operand: int = _f(30, "embedded addition task: operands are in [0, max_operand]")
-
-
-@dataclass(frozen=True)
-class RolloutSection:
-    """The rollout engines: backend, threads, weight pushes and the probe after each (sampling: :class:`Sampling`)."""
-
-    backend: Backend = _f("onnxruntime", "engine backend ('hf': transformers generate(), the PPO baseline)")
-    engine_threads: int = _f(0, "engine intra-op threads (0 = runtime default)")
-    engine_shards: int = _f(0, "onnxruntime: a generate call's rows cut at prompt boundaries into this many shards, "
-                               "each decoded on a thread of its own over the same sessions (engine_threads shared "
-                               "out among them, at least one each; rows unchanged); the reference engine scores "
-                               "in as many row ranges. 0 = auto: one per engine thread for a small model at 16+ "
-                               "rows a shard, else 1 (refit.rollout.decode.auto_shards; its data: "
-                               "docs/engine-step.md)")
-    sync_every: int = _f(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
-                            "updates)")
-    probe_tol: float = _f(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
-    quantize: Literal["none", "int8"] = _f(
-        "none", "rollout engine precision: int8 runs the engine's linear layers in int8 (export --quantize int8; "
-                "onnxruntime: int8 matmuls; tensorrt: int8 weights through Q/DQ, fp32 matmuls), pushes re-quantized; the probe then compares the engine with the learner's "
-                "weights quantized the same way, the reference and KL stay fp32, and PPO's mismatch_correction "
-                "'auto' becomes tis")
-    push_via: Literal["memory", "file"] = _f(
-        "memory", "onnxruntime: how a weight push reaches the engine. memory: the mapped weights handed to ONNX "
-                  "Runtime, which copies them (fastest; the push briefly holds ~2x the model more); file: written "
-                  "one tensor at a time to a scratch graph beside the engine folder, which ONNX Runtime maps (a "
-                  "write of the model per push, and far less memory: docs/families.md)")
-    probe_size: int = _f(4, "rows in the fixed probe batch")
-    probe_tokens: int = _f(16, "response tokens per probe row (0: the full response length). The probe's learner "
-                               "forward is most of a push's cost; a short probe still runs every weight and checks "
-                               "every push")
-    max_staleness: int = _f(
-        0, "PPO: 0 = generate, then update (synchronous); k >= 1 = generate the next batch on a background thread "
-           "while the learner updates on this one (one batch in flight, so a batch is one weight push behind the "
-           "learner); a batch more than k pushes older than the learner's weights is refused in one line. The "
-           "engine gets rollout.engine_threads intra-op threads (0: half of torch's), the learner the rest; every "
-           "push waits for the generation in flight and is checked on the probe batch; mismatch_correction 'auto' "
-           "becomes tis (the engine's log-probs are the behaviour policy)")
-
-    def __post_init__(self):
-        check([(self.engine_shards > 1 and self.backend != "onnxruntime",  # (0, auto: 1 on other backends)
-                f"rollout.engine_shards = {self.engine_shards} needs rollout.backend onnxruntime (the {self.backend} "
-                "backend decodes a call's rows in one loop)")])
 
 
 LORA_INITS = ("default", "gaussian")  # PEFT's init_lora_weights values that leave the base and B = 0 (step 0 = base)
@@ -269,9 +225,3 @@ def parse_job(cls, argv: list[str] | None, prog: str, options: tuple = ()):
 def save_config(cfg, path) -> str:
     return save_yaml(cfg, path)
 
-
-def check(checks: list[tuple[bool, str]]) -> None:
-    """Raise the first failing ``(bad, message)`` as one ``config:`` line."""
-    for bad, msg in checks:
-        if bad:
-            raise RefitError(f"config: {msg}")

@@ -14,8 +14,9 @@ from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Manifest
 from refit.core.memory import (auto_learner_rows, available, batch_terms, engine_terms, geometry, learner_terms,
                                refuse_if_over)
-from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.learner.run.checkpoint import latest_checkpoint
+from refit.rollout import ray_pool  # RayEnginePool looked up when a pool is made (a test patches it), Ray only then
+from refit.rollout.build import TORCH_BACKENDS, engine_source
 from refit.rollout.engine import Engine, create_engine
 
 
@@ -96,15 +97,13 @@ def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engin
     (its engine needs one), none otherwise (Ray hides the GPUs from an actor that reserved none).
     """
     if cfg.scale.workers > 1:  # [scale-out]
-        from refit.rollout.ray_pool import RayEnginePool
-
         gpus = cfg.scale.worker_gpus
         if gpus < 0:
             gpus = gpu_share if cfg.rollout.backend == "tensorrt" else 0.0
         scale = cfg.scale
-        return RayEnginePool(cfg.rollout.backend, path, workers=scale.workers, ray_address=scale.ray_address,
-                             cpus_per_worker=scale.worker_cpus, gpus_per_worker=gpus,
-                             last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
+        return ray_pool.RayEnginePool(cfg.rollout.backend, path, workers=scale.workers, ray_address=scale.ray_address,
+                                      cpus_per_worker=scale.worker_cpus, gpus_per_worker=gpus,
+                                      last_checkpoint=lambda: latest_checkpoint(run_dir), **kw)
     return create_engine(cfg.rollout.backend, path, **kw)
 
 

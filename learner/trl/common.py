@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
+from refit.learner.builtin.demo import build_policy
+from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.trl.fields import REFUSED, TrlField, check_values
 
-DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.examples.demo on first use
+DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.builtin.demo on first use
 REPORTS = ("none", "tensorboard", "all")  # report_to values that keep everything on this machine
 
 
@@ -192,8 +194,6 @@ def demo_chat_model() -> Path:
 
     root = Path(os.environ.get("REFIT_DEMO_MODELS", "runs/chat-model"))
     if not (root / "policy" / "config.json").is_file():
-        from refit.learner.examples.demo import build_policy
-
         print(f"refit: building the embedded chat model under {root} (once)")
         build_policy(root, sft_steps=150, max_operand=9, seed=0, chat=True)
     return root / "policy"
@@ -203,8 +203,6 @@ def trained_model(run_dir: Path, final_dir: Path | None, given: Any):
     """The trained policy after ``train()``: OUTPUT_DIR/final (else the last checkpoint) loaded; a model object the
     script passed in gets those weights, in place, as TRL trains it."""
     from transformers import AutoModelForCausalLM
-
-    from refit.learner.run.checkpoint import latest_checkpoint
 
     folder = final_dir
     if folder is None:

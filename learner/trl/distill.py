@@ -44,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
+from refit.core.parsing import build, resolve
+from refit.learner.api import run_distill
+from refit.learner.distill.config import DistillConfig
 from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
                                      staged_dataset, steps_of)
 from refit.learner.trl.events import distill_row
@@ -71,9 +74,6 @@ def to_distill_config(a: TrlConfig, student_dir: str, teacher_dir: str, num_prom
     table); empty model folders: the embedded pair. ``num_eval``: the rows of an eval_dataset (the split 'eval',
     :func:`refit.learner.trl.common.staged_dataset`), evaluated every ``eval_steps`` (``eval_strategy='steps'``)
     and at the last step."""
-    from refit.core.parsing import build, resolve
-    from refit.learner.distill.config import DistillConfig
-
     gkd = isinstance(a, GKDConfig)
     batch = a.per_device_train_batch_size * a.gradient_accumulation_steps
     if a.max_steps and a.max_steps > 0:
@@ -177,8 +177,6 @@ class DistillationTrainer(TrainerFace):
                                  lr_at=lr_schedule(cfg.optim, cfg.run.steps))
 
     def _run(self, hooks, resume: bool):
-        from refit.learner.api import run_distill
-
         data = self.train_dataset if self.eval_dataset is None else staged_dataset(
             self.train_dataset, self.eval_dataset, Path(self.config.run.output_dir))
         return run_distill(self.config, train_dataset=data, resume=resume, hooks=hooks)

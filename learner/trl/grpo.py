@@ -45,7 +45,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
-from refit.learner.ppo.config import TRL_HINTS
+from refit.core.parsing import build, resolve
+from refit.learner.api import run_ppo
+from refit.learner.ppo.config import PPOConfig, TRL_HINTS
+from refit.learner.ppo.rewards import spec_of
 from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
                                      staged_dataset, steps_of)
 from refit.learner.trl.events import grpo_row
@@ -127,9 +130,6 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
     ``num_prompts``: training prompts, for ``num_train_epochs`` when ``max_steps`` is not set; ``reward_specs``:
     the reward functions as the saved config names them (``refit.learner.ppo.rewards.spec_of``); ``has_eval``: an
     eval_dataset comes as the split 'eval' (:func:`refit.learner.trl.common.staged_dataset`)."""
-    from refit.core.parsing import build, resolve
-    from refit.learner.ppo.config import PPOConfig
-
     shape = batch_shape(a)
     per = shape["per_rollout"]
     if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
@@ -188,8 +188,6 @@ class GRPOTrainer(TrainerFace):
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         model_dir = resolve_model(model, self.processing_class, Path(args.output_dir) / "model")
         n = len(train_dataset) if hasattr(train_dataset, "__len__") and not isinstance(train_dataset, str) else None
-        from refit.learner.ppo.rewards import spec_of
-
         # the PPOConfig that runs (saved as OUTPUT_DIR/config.yaml)
         self.config = to_ppo_config(args, model_dir, n, tuple(spec_of(f) for f in self.reward_funcs), peft_config,
                                     has_eval=eval_dataset is not None)
@@ -209,8 +207,6 @@ class GRPOTrainer(TrainerFace):
             1, self.config.num_ppo_epochs * self.config.num_mini_batches)
 
     def _run(self, hooks, resume: bool):
-        from refit.learner.api import run_ppo
-
         data = self.train_dataset if self.eval_dataset is None else staged_dataset(
             self.train_dataset, self.eval_dataset, Path(self.config.run.output_dir))
         return run_ppo(self.config, reward_funcs=self.reward_funcs, train_dataset=data, resume=resume, hooks=hooks)

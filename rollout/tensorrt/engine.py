@@ -36,8 +36,11 @@ import torch
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, ShapeRange
 from refit.core.padding import position_ids_from_mask
+from refit.export.quantize import kn, quantize_weight
 from refit.export.weight_map import apply_transform
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
+from refit.rollout.tensorrt import build as trt_build  # require_tensorrt via the module: tests patch in a stand-in
+from refit.rollout.tensorrt.build import mapped_trt_names, quantized_twins, refit_targets, trt_weight_name
 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -52,8 +55,6 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
     """{graph: {trt_name: CPU tensor}} for every mapped weight, from the ``.onnx.data`` bytes (bf16 too)."""
     import numpy as np
     import onnx
-
-    from refit.rollout.tensorrt.build import mapped_trt_names, trt_weight_name
 
     by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16),
                3: (np.int8, torch.int8)}  # int8: a quantized engine's weight twins (export/quantize.py)
@@ -245,9 +246,7 @@ class TrtEngine(LoopEngine):
 
     def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING"):
         """``threads`` is accepted for a constructor shared with the other backends and unused (GPU work)."""
-        from refit.rollout.tensorrt.build import require_tensorrt
-
-        trt = require_tensorrt()
+        trt = trt_build.require_tensorrt()
         self.device = torch.device(device)
         # Host buffers only for a TensorRT stand-in that declares it executes on the host (the CPU tests).
         if self.device.type != "cuda" and not getattr(trt, "HOST_EXECUTION", False):
@@ -301,9 +300,6 @@ class TrtEngine(LoopEngine):
         A quantized engine (export/quantize.py, ``int8-qdq``): each quantized weight is re-quantized from the
         pushed fp32 tensor, on the device, into its int8 twin and scale (both refitted); the fp32 name is staged
         only where the graph still reads it (``keep_float``)."""
-        from refit.export.quantize import kn, quantize_weight
-        from refit.rollout.tensorrt.build import quantized_twins, refit_targets, trt_weight_name
-
         staged: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.graphs:
             folded = set(self.manifest.tensorrt[g].not_refittable)

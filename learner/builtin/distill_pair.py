@@ -13,11 +13,11 @@ import shutil
 import time
 from pathlib import Path
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.learner.distill.config import DistillConfig
-from refit.learner.examples.models import Geometry, build_model, build_tokenizer
-from refit.learner.examples.sft import sft
-from refit.learner.examples.tasks import TASKS
+from refit.learner.builtin.models import Geometry, build_model, build_tokenizer
+from refit.learner.builtin.sft import sft
+from refit.learner.builtin.tasks import TASKS
 from refit.rollout.build import ensure_engine
 
 TEACHER = Geometry("gpt2", n_layer=4, d_model=128, n_head=4, d_ff=512, max_positions=64)

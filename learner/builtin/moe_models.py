@@ -1,4 +1,4 @@
-"""Mixture-of-experts checkpoints built locally (random weights, the local tokenizer), as :mod:`refit.learner.examples.models`.
+"""Mixture-of-experts checkpoints built locally (random weights, the local tokenizer), as :mod:`refit.learner.builtin.models`.
 
 Two families, each a tiny CI geometry and a published one:
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID
+from refit.learner.builtin.models import BOS_ID, EOS_ID, PAD_ID
 
 _IDS = dict(pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, tie_word_embeddings=False)
 

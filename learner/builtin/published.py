@@ -4,9 +4,9 @@ Each entry holds the values of a released model's own ``config.json`` (written h
 files, nothing downloaded): widths, head dims, grouped KV heads, vocabulary, rope settings, norms,
 soft-capping, windows. :func:`published_config` turns one into an HF config with the depth cut (2
 layers by default; ``n_layers=None`` keeps the published depth) and the special token ids of the
-local tokenizer (:mod:`refit.learner.examples.models`); :func:`build_published` saves a random-weight checkpoint with
+local tokenizer (:mod:`refit.learner.builtin.models`); :func:`build_published` saves a random-weight checkpoint with
 that tokenizer. The tokenizer has a few hundred ids, the model its published vocabulary: a model may
-have a larger embedding than its tokenizer (``refit.core.checkpoint`` refuses only the reverse).
+have a larger embedding than its tokenizer (``refit.core.hf_folder`` refuses only the reverse).
 
 Values checked against the transformers 5 config classes' fields and defaults; where a value is from
 memory of the released file and not otherwise checked, the entry's ``unsure`` says which.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.learner.examples.models import BOS_ID, EOS_ID, PAD_ID, _randomise_buffers, build_tokenizer
+from refit.learner.builtin.models import BOS_ID, EOS_ID, PAD_ID, _randomise_buffers, build_tokenizer
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def n_params(name: str, n_layers: int | None = 2) -> int:
 def build_published(name: str, out_dir: str | Path, n_layers: int | None = 2, seed: int = 0,
                     tokenizer=None, vocab_size: int | None = None) -> Path:
     """Save a random-weight checkpoint of ``PUBLISHED[name]`` (depth ``n_layers``) and the local tokenizer
-    (:func:`refit.learner.examples.models.build_tokenizer`) to ``out_dir``; fp32, as :func:`refit.learner.examples.models.build_model`.
+    (:func:`refit.learner.builtin.models.build_tokenizer`) to ``out_dir``; fp32, as :func:`refit.learner.builtin.models.build_model`.
     ``vocab_size``: the vocabulary cut to that many rows (None: the published one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM

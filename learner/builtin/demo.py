@@ -21,18 +21,18 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from refit.core.checkpoint import load_model
+from refit.core.hf_folder import load_model
 from refit.core.parsing import opt, parse
-from refit.learner.examples.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
-from refit.learner.examples.sft import sft
-from refit.learner.examples.tasks import addition
+from refit.learner.builtin.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
+from refit.learner.builtin.sft import sft
+from refit.learner.builtin.tasks import addition
 from refit.learner.ppo.cli import summary
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import run_ppo
 from refit.learner.run.chat import render
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection, RolloutSection, RunSection)
-from refit.rollout.config import Sampling
+                                      OptimSection, RunSection)
+from refit.rollout.config import RolloutSection, Sampling
 
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
