@@ -598,7 +598,7 @@ def test_a_batch_over_the_users_engine_runs_within_it_and_a_short_engine_is_refu
 
 def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, model_dirs, default_engine_dirs,
                                                              monkeypatch):
-    """#4: --run.batch_size 100000 (the run's own engine: its calls take the whole batch) is refused before the run
+    """#4: --run.batch_size 200000 (the run's own engine: its calls take the whole batch) is refused before the run
     folder, any export or any generation, with the estimate (KV cache, logits, the learner's micro-batch, the
     batch's tensors: refit.core.memory); a normal batch passes the same check, before and after the prompts'
     length is known; an engine call alone is checked too."""
@@ -610,9 +610,9 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     for module in (mem, re, rb):
         monkeypatch.setattr(module, "available", lambda: four)
     run = tmp_path / "run"
-    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "-o", run, "--run.batch_size", "100000",
+    rc, line = refit(capsys, "ppo", "--model.model_dir", model_dirs[GPT2], "-o", run, "--run.batch_size", "200000",
                      "--log.no_progress")
-    one_line(rc, line, f"a batch of 100000 rows (run.batch_size 100000) of up to 9 tokens of {model_dirs[GPT2]}, ",
+    one_line(rc, line, f"a batch of 200000 rows (run.batch_size 200000) of up to 9 tokens of {model_dirs[GPT2]}, ",
              "rows a micro-batch in the update, needs about ", "(KV cache ", "engine logits ", "engine activations ",
              "batch tensors ",
              "more than the 4.0 GiB of memory available; lower run.batch_size")
@@ -620,8 +620,8 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     big, normal = (_ppo(tmp_path, model_dirs[GPT2], batch_size=b, num_mini_batches=1) for b in (20000, 2))
     re.check_batch_memory(big)  # one-token prompts: fits; the prompts' real length: does not
     with pytest.raises(RefitError, match=r"a batch of 20000 rows .* of up to 140 tokens .* needs about [\d.]+ GiB "
-                                         r"\(KV cache [\d.]+ GiB, engine logits [\d.]+ GiB, engine activations "
-                                         r"[\d.]+ GiB, learner logits .*, "
+                                         r"\(KV cache [\d.]+ GiB, engine logits [\d.]+ MiB, engine activations "
+                                         r"[\d.]+ GiB, engine weights [\d.]+ MiB, learner logits .*, "
                                          r"learner activations .*, weights [\d.]+ MiB, batch tensors [\d.]+ MiB\), "
                                          r"more than the 4.0 GiB"):
         re.check_batch_memory(big, max_len=140)

@@ -12,8 +12,8 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Manifest
-from refit.core.memory import (auto_learner_rows, available, batch_terms, engine_terms, geometry, learner_terms,
-                               refuse_if_over)
+from refit.core.memory import (auto_learner_rows, available, batch_terms, engine_terms, engine_weight_bytes,
+                               geometry, learner_terms, refuse_if_over)
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.rollout import ray_pool  # RayEnginePool looked up when a pool is made (a test patches it), Ray only then
 from refit.rollout.build import TORCH_BACKENDS, engine_source
@@ -60,8 +60,11 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
     micro = learner_micro_rows(g, rows // minis // cfg.optim.gradient_accumulation_steps, length, response,
                                cfg.optim.micro_batch_rows)
     lora = getattr(getattr(cfg, "lora", None), "enabled", False)
-    engine = engine_terms(g, _engine_rows(cfg, rows), length)
-    learner = {**learner_terms(g, micro, length, response, weight_copies=2 if lora else 5),
+    engine = {**engine_terms(g, _engine_rows(cfg, rows), length, score_rows=micro),
+              "engine weights": engine_weight_bytes(g, getattr(getattr(cfg, "rollout", None), "quantize", "none"))}
+    # the learner's weights: a LoRA base (frozen, 4 bytes a parameter), or the policy with its gradient and Adam's
+    # two moments (16); a reference engine reads its weights mapped from its files (page cache), not counted
+    learner = {**learner_terms(g, micro, length, response, weight_copies=1 if lora else 4),
                **batch_terms(rows, length)}
     per = f" x num_generations {gens}" if gens > 1 else ""
     what = (f"a batch of {rows} rows (run.batch_size {cfg.run.batch_size}{per}) of up to {length} tokens of "
