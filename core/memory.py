@@ -36,6 +36,7 @@ from refit.core.errors import RefitError
 
 F32 = 4  # bytes per value: the learner and the engines' logits are fp32
 SCORE_CHUNK = 64  # positions per scoring forward (refit.rollout.engine.DEFAULT_SCORE_CHUNK)
+SCORE_ROWS = 16  # rows per scoring forward of PPO's two-pass step (refit.learner.ppo.update.score_batch)
 GiB = 2 ** 30
 
 
@@ -84,19 +85,19 @@ def geometry(model_dir: str | Path) -> Geometry | None:
 
 def engine_terms(g: Geometry, engine_rows: int, max_len: int, score_rows: int | None = None) -> dict[str, int]:
     """Bytes of an engine's largest call: its KV cache, logits and prefill activations. ``score_rows``: the rows
-    it scores at once (a job's reference scores one learner micro-batch at a time), by default ``engine_rows``."""
+    it scores at once (a job's reference engine scores part of the batch at a time), by default ``engine_rows``."""
     step = engine_rows * g.vocab * 3
     score = (engine_rows if score_rows is None else score_rows) * min(SCORE_CHUNK, max_len) * g.vocab * 2
     return {"KV cache": F32 * engine_rows * max_len * 2 * g.layers * g.kv_dim, "engine logits": F32 * max(step, score),
             "engine activations": F32 * engine_rows * max_len * (2 * g.hidden + 2 * g.intermediate)}
 
 
-def engine_weight_bytes(g: Geometry, quantize: str = "none", itemsize: int = F32) -> int:
-    """Bytes of an engine's weights in memory: ``itemsize`` a parameter, or with ``quantize`` int8 one byte a
-    parameter plus the embedding kept in fp32 for its lookup (export/quantize.py quantizes the matmuls only)."""
+def engine_weight_bytes(g: Geometry, quantize: str = "none") -> int:
+    """Bytes of an engine's weights in memory: fp32, or with ``quantize`` int8 one byte a parameter plus the
+    embedding kept in fp32 for its lookup (export/quantize.py quantizes the matmuls only)."""
     if quantize == "int8":
         return g.params + F32 * g.vocab * g.hidden
-    return itemsize * g.params
+    return F32 * g.params
 
 
 def learner_terms(g: Geometry, learner_rows: int, max_len: int, response: int, weight_copies: int) -> dict[str, int]:

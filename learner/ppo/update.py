@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.memory import SCORE_ROWS
 from refit.learner import losses as L
 from refit.learner.ppo.mismatch import mismatch_stats
 from refit.learner.run.distributed import reduce_stats
@@ -63,7 +64,7 @@ def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: 
 
 
 @torch.no_grad()
-def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = 16,
+def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = SCORE_ROWS,
                 policy_out: ForwardOut | None = None) -> Scored:
     """Everything the PPO step needs from the learner, from ONE policy and ONE reference forward per chunk.
 

@@ -12,8 +12,8 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import MANIFEST, Manifest
-from refit.core.memory import (auto_learner_rows, available, batch_terms, engine_terms, engine_weight_bytes,
-                               geometry, learner_terms, refuse_if_over)
+from refit.core.memory import (SCORE_ROWS, auto_learner_rows, available, batch_terms, engine_terms,
+                               engine_weight_bytes, geometry, learner_terms, refuse_if_over)
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.rollout import ray_pool  # RayEnginePool looked up when a pool is made (a test patches it), Ray only then
 from refit.rollout.build import TORCH_BACKENDS, engine_source
@@ -60,7 +60,8 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
     micro = learner_micro_rows(g, rows // minis // cfg.optim.gradient_accumulation_steps, length, response,
                                cfg.optim.micro_batch_rows)
     lora = getattr(getattr(cfg, "lora", None), "enabled", False)
-    engine = {**engine_terms(g, _engine_rows(cfg, rows), length, score_rows=micro),
+    # a reference engine scores a micro-batch at a time (one-pass step) or SCORE_ROWS rows (two-pass)
+    engine = {**engine_terms(g, _engine_rows(cfg, rows), length, score_rows=max(micro, SCORE_ROWS)),
               "engine weights": engine_weight_bytes(g, getattr(getattr(cfg, "rollout", None), "quantize", "none"))}
     # the learner's weights: a LoRA base (frozen, 4 bytes a parameter), or the policy with its gradient and Adam's
     # two moments (16); a reference engine reads its weights mapped from its files (page cache), not counted
@@ -88,7 +89,8 @@ def learner_micro_rows(g, rows: int, max_len: int, response: int, explicit: int 
     cap = max(1, min(rows, explicit if explicit > 0 else auto_learner_rows(g, max_len, response, free)))
     if explicit > 0 or rows <= 0:
         return cap
-    return -(-rows // -(-rows // cap))
+    forwards = -(-rows // cap)  # ceil: as many forwards as the cap needs ...
+    return -(-rows // forwards)  # ... with the rows shared out evenly
 
 
 def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engine:

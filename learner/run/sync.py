@@ -276,8 +276,8 @@ def push_tensors(model: torch.nn.Module, engine: Engine | None = None) -> dict[s
 def int8_reference(model: torch.nn.Module, manifest: Manifest) -> torch.nn.Module:
     """``model`` as an int8 engine computes it (core/int8.py ``reference_model``). For a LoRA policy the
     reference is made once and kept on the model: it shares every parameter of the policy (the adapter as it
-    trains, the frozen base) and holds only the int8 twins of the base's linear layers, so it follows each step
-    without being made again and costs no fp32 copy of the base."""
+    trains, the frozen base) and quantizes the base's linear layers at each forward (``Int8Linear(lazy=True)``),
+    so it follows each step without being made again and costs no copy of the base, fp32 or int8."""
     if not is_lora(model):
         return reference_model(model, manifest)
     peft_model = getattr(model, "module", model)
