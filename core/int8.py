@@ -19,6 +19,7 @@ from refit.core.manifest import Manifest
 QDQ = "int8-qdq"  # Quantization.scheme of a TensorRT export: weight-only int8, DequantizeLinear into fp32 matmuls
 FLOOR_JITTER = 1e-6  # relative perturbation of every quantized matmul input when measuring the rounding floor
 TINY = 1e-30  # floor of a row's max |x|: an all-zero row quantizes to 0, never divides by 0
+EXACT_K = 1024  # a K chunk whose int8 dot products fp32 sums exactly: 1024 * 127^2 < 2^24 in any summation order
 
 
 def quantize_weight(w_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,16 +50,27 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 jitter: torch.Generator | None = None) -> torch.Tensor:
     """The engine's int8 matmul in PyTorch: (..., K) x (K, N) int8 -> (..., N) float32, as the graph computes it.
 
-    The integer dot products are exact in float64 (|sum| <= K * 127^2 < 2^53); ``float()`` rounds them as
-    ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order, then the bias.
+    The integer dot products are exact: fp32 matmuls over chunks of :data:`EXACT_K` (every partial sum an integer
+    under 2^24, so exact whatever order the BLAS adds in), the chunks added in float64 (|sum| <= K * 127^2 < 2^53);
+    ``float()`` rounds the sum as ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order,
+    then the bias. (One float64 matmul gives the same numbers at a fraction of fp32's speed: 104 s of a 3B probe.)
     ``jitter``: perturb ``x`` by :data:`FLOOR_JITTER` relative noise first (:func:`rounding_floor`)."""
     x = x.float()
     if jitter is not None:
         x = x * (1 + FLOOR_JITTER * torch.randn(x.shape, generator=jitter))
     codes, t = quantize_rows(x)
-    acc = (codes.double() @ q.double()).float()
-    y = acc * t * scale
+    y = exact_int_matmul(codes, q).float() * t * scale
     return y + bias if bias is not None else y
+
+
+def exact_int_matmul(codes: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., K) integer-valued float codes x (K, N) int8 -> (..., N) float64 holding the exact integer products."""
+    k = codes.shape[-1]
+    acc = None
+    for k0 in range(0, k, EXACT_K):
+        part = (codes[..., k0:k0 + EXACT_K] @ q[k0:k0 + EXACT_K].float()).double()
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 class Int8Linear(torch.nn.Module):

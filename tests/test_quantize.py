@@ -52,6 +52,24 @@ def test_quantize_weight_by_hand():
     assert codes_x.tolist() == [[127.0, -64.0, 32.0]]
 
 
+@pytest.mark.parametrize("k", [7, 1024, 1500, 4864])
+def test_int8_products_are_exact_integers(k):
+    """The chunked fp32 product equals the integer product computed in int64 (the independent reference), at the
+    worst case (every code +-127, sums far past fp32's 2^24) and on random codes, for K under, at and past a chunk."""
+    from refit.core.int8 import exact_int_matmul
+
+    g = torch.Generator().manual_seed(k)
+    worst_x, worst_q = torch.full((2, k), 127.0), torch.full((k, 3), 127, dtype=torch.int8)
+    worst_q[:, 1] = -127
+    rand_x = torch.randint(-127, 128, (5, k), generator=g).float()
+    rand_q = torch.randint(-127, 128, (k, 4), generator=g).to(torch.int8)
+    for x, q in [(worst_x, worst_q), (rand_x, rand_q)]:
+        want = x.long() @ q.long()
+        got = exact_int_matmul(x, q)
+        assert got.dtype == torch.float64 and torch.equal(got, want.double())
+    assert exact_int_matmul(worst_x, worst_q)[0, 0] == k * 127 * 127
+
+
 def test_int8_linear_weight_read_once_and_follows_its_buffers():
     """HF's T5 reads ``wo.weight`` twice per feed-forward per forward: the dequantized weight is made once and
     the same tensor returned, until the int8 weight or its scale changes (in place, by load_state_dict, or
