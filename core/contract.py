@@ -74,12 +74,26 @@ def peft_lora_model(model, target_modules, r: int = 1, alpha: float = 1.0, dropo
     it cannot adapt) as one RefitError line. The export's target resolution and the learner's policy both use it."""
     from peft import get_peft_model
 
+    target_modules = _with_all_linear(model, target_modules)
     try:
         return get_peft_model(model, lora_config(target_modules, r, alpha, dropout, init))
     except ValueError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RefitError(f"lora: target_modules {list(target_modules)} cannot be used on this model: "
                          f"{first[:300]}") from None
+
+
+def _with_all_linear(model, target_modules) -> tuple[str, ...]:
+    """``target_modules`` with "all-linear" beside other names (``all-linear lm_head``: every linear layer and the
+    output head, which PEFT's all-linear leaves out) spelled out as PEFT's own all-linear names plus the others;
+    unchanged otherwise (PEFT takes "all-linear" only alone)."""
+    tm = tuple(target_modules)
+    if "all-linear" not in tm or len(tm) == 1:
+        return tm
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers  # PEFT's meaning of all-linear, not ours
+
+    names = _maybe_include_all_linear_layers(lora_config(("all-linear",)), model).target_modules
+    return tuple(sorted(set(names) | (set(tm) - {"all-linear"})))
 
 
 def lora_config(target_modules, r: int = 1, alpha: float = 1.0, dropout: float = 0.0, init: str = "default"):

@@ -252,7 +252,7 @@ Profiles = Mapping[str, Mapping[str, Mapping[str, ShapeRange]]]  # {graph: {prof
 class Manifest:
     """An engine folder's ``manifest.json``. Mappings are the record's own: read them, do not change them."""
 
-    backend: str  # exporter that wrote the graphs: "onnx"
+    backend: str  # the graphs' format: "onnx" in every engine folder (the engine that runs them: options.backend)
     model_type: str  # HF config.model_type ("gpt2", "llama", "t5", ...)
     architecture: str  # HF class, e.g. "GPT2LMHeadModel"
     kind: str  # "decoder" | "seq2seq"

@@ -236,7 +236,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     :func:`refit.export.fused_seq2seq.seq2seq_refusal`). Whether the graph computes what PyTorch computes is
     the parity gate's call: under ``attention=auto`` a fused export that fails it falls back to plain.
     """
-    if backend != "onnx":
+    if backend != "onnxruntime":
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
     if dtype == "bf16":  # the exporter gates bf16 through its CPU twin (export/precision.py), standard ops only
         return ("dtype bf16: ONNX Runtime's CPU GroupQueryAttention has no bf16 kernel, so a fused bf16 graph "

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,7 @@ from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params,
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 OPSET = 18
+EXPORT_BACKENDS = ("onnxruntime", "tensorrt")
 EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
@@ -56,7 +58,7 @@ EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines 
 class ExportOptions:
     """How to export. Every field is part of the cache key."""
 
-    backend: str = "onnx"  # "onnx" | "tensorrt" (TensorRT engines are built from the ONNX graphs)
+    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (built from the same ONNX graphs); "onnx": the old name
     dtype: str = "fp32"  # "fp32" | "fp16" | "bf16": weights and activations of the engine
     max_batch: int = 64  # largest batch the engine accepts (TensorRT profile max)
     max_len: int = 512  # largest prompt + response length the engine accepts
@@ -71,6 +73,9 @@ class ExportOptions:
     # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
     # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
     lora: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "backend", export_backend(self.backend))
 
 
 def _kv_names(prefix: str, n_layers: int) -> list[str]:
@@ -162,8 +167,22 @@ def _moe_check(model, model_dir: Path) -> bool:
     return True
 
 
+def export_backend(name: str) -> str:
+    """The engine backend an export is for, spelled as ``rollout.backend`` spells it: "onnxruntime" | "tensorrt".
+    "onnx", the name ``refit export --backend`` had before, is taken with a FutureWarning (shown to users)."""
+    if name == "onnx":
+        warnings.warn("export backend 'onnx' is now spelled 'onnxruntime', as rollout.backend spells it",
+                      FutureWarning, stacklevel=3)
+        return "onnxruntime"
+    if name not in EXPORT_BACKENDS:
+        raise RefitError(f"export backend {name!r}: one of {', '.join(EXPORT_BACKENDS)}")
+    return name
+
+
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:
     o = asdict(opts)
+    if o["backend"] == "onnxruntime":  # the key of an ONNX Runtime export is what it was under its old name
+        o["backend"] = "onnx"
     if o.get("quantize") == "none":  # the key of an unquantized export is what it was before the field existed
         del o["quantize"]
     if not o.get("lora"):  # likewise for an engine without adapter inputs

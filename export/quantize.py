@@ -100,7 +100,7 @@ def quantize_push(mapped: dict[str, dict[str, torch.Tensor]], quant: Quantizatio
 
 
 def scheme_for(backend: str) -> str:
-    """The Quantization.scheme ``--quantize int8`` makes for an export backend ("onnx" | "tensorrt")."""
+    """The Quantization.scheme ``--quantize int8`` makes for an export backend ("onnxruntime" | "tensorrt")."""
     return QDQ if backend == "tensorrt" else "int8"
 
 
@@ -255,7 +255,7 @@ def quantize_folder(folder: Path, manifest: Manifest, model, real: dict[str, dic
     written with."""
     import onnx
 
-    scheme = scheme_for((manifest.options or {}).get("backend", "onnx"))
+    scheme = scheme_for((manifest.options or {}).get("backend", "onnxruntime"))
     rewrite = rewrite_graph_qdq if scheme == QDQ else rewrite_graph
     mods = matmul_modules(model, manifest)
     twins, graphs, n_q, n_left = {}, dict(manifest.graphs), 0, 0

@@ -42,7 +42,7 @@ def _scheme(quantize: str, backend: str) -> str:
     """The manifest's quantization scheme an engine for ``backend`` quantized as ``quantize`` has."""
     if quantize == "none":
         return "none"
-    return scheme_for("tensorrt" if backend == "tensorrt" else "onnx")
+    return scheme_for("tensorrt" if backend == "tensorrt" else "onnxruntime")
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",
@@ -210,8 +210,9 @@ class ExportConfig:
         help_="HF checkpoint folder (config.json + model.safetensors + tokenizer)")
     out: Annotated[str, tyro.conf.arg(aliases=["-o"])] = opt(
         help_="engine folder to write (atomically: temp folder, then rename)")
-    backend: Literal["onnx", "tensorrt"] = opt("onnx", "onnx: ONNX graphs for ONNX Runtime; tensorrt: also build "
-                                                       "refittable TensorRT engines (needs TensorRT and an NVIDIA GPU)")
+    backend: Literal["onnxruntime", "tensorrt", "onnx"] = opt(
+        "onnxruntime", "onnxruntime: ONNX graphs for ONNX Runtime; tensorrt: also build refittable TensorRT engines "
+                       "(needs TensorRT and an NVIDIA GPU); onnx: the old name of onnxruntime (deprecated)")
     dtype: Literal["bf16", "fp16", "fp32"] = opt("fp32", "engine weight/activation precision")
     max_batch: int = opt(64, "largest batch (rows) the engine accepts")
     max_len: int = opt(512, "largest prompt + response length the engine accepts")
@@ -241,5 +242,5 @@ def main(argv: list[str] | None = None) -> int:
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
                          parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize, lora=tuple(a.lora))
-    print(build(a.model_dir, a.out, "tensorrt" if a.backend == "tensorrt" else "onnxruntime", opts))
+    print(build(a.model_dir, a.out, opts.backend, opts))
     return 0

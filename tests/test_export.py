@@ -257,3 +257,36 @@ def test_cli_help_lists_every_command():
         assert c in r.stdout
     r = _cli("export", "--help")
     assert r.returncode == 0 and "--max_batch" in r.stdout and "--dtype" in r.stdout  # --max-batch is accepted too
+
+
+def test_one_backend_spelling_and_the_old_name_still_taken(tmp_path):
+    """An export is for the engine backend rollout.backend names ("onnxruntime" | "tensorrt"); the old "onnx" is
+    taken with a warning users see, keeps the cache key an existing engine folder was written under, and anything
+    else is refused in one line."""
+    import warnings
+
+    from refit.export.onnx_export import ExportOptions, cache_key
+
+    assert ExportOptions().backend == "onnxruntime"
+    with pytest.warns(FutureWarning, match="now spelled 'onnxruntime'"):
+        old = ExportOptions(backend="onnx")
+    assert old == ExportOptions() and old.backend == "onnxruntime"
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns of nothing
+        key = cache_key(model, ExportOptions(backend="onnxruntime"))
+    assert key == cache_key(model, old) and key != cache_key(model, ExportOptions(backend="tensorrt"))
+    import hashlib
+    from dataclasses import asdict
+
+    from refit.core.contract import weights_hash
+    from refit.export.onnx_export import EXPORTER_VERSION
+
+    before = {k: v for k, v in asdict(ExportOptions()).items() if k not in ("quantize", "lora")}  # the key as written
+    before["backend"] = "onnx"  # by the exporter when --backend was spelled onnx
+    blob = json.dumps({"w": weights_hash(model), "o": before, "v": EXPORTER_VERSION}, sort_keys=True)
+    assert key == hashlib.sha256(blob.encode()).hexdigest()[:32]  # engine folders already written are reused
+    with pytest.raises(RefitError, match="export backend 'vllm': one of onnxruntime, tensorrt"):
+        ExportOptions(backend="vllm")

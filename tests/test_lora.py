@@ -247,3 +247,54 @@ def test_final_folders_merged_and_peft_adapter_agree(model_dirs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(model_dirs["tiny-gpt2"]).eval()
     assert float(((learner_view(base, None, b, 1.0)[0] - lp_peft).abs() * b.response_mask).max()) > 1e-5
     assert _diff(eng, merged, b) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_all_linear_and_the_tied_output_head(arch, model_dirs, lora_engines, tmp_path):
+    """``target_modules all-linear lm_head``: PEFT's all-linear layers plus the output head, which the embeddings
+    are tied to (GPT-2; tiny-llama untied). The engine with the adapter equals PEFT's forward; the adapter on the
+    head changes the function; OUTPUT_DIR/final (merged) loads with from_pretrained and equals PEFT's forward, its
+    head untied from the unchanged input embeddings where the base tied them."""
+    from transformers import AutoModelForCausalLM
+
+    from refit.learner.builtin.models import build_tokenizer
+    from refit.learner.run.final import save_final_model
+    from refit.learner.run.lora import adapts_tied_head
+
+    targets = ("all-linear", "lm_head")
+    model = _peft(model_dirs[arch], targets=targets)
+    every = _peft(model_dirs[arch])
+    names = lambda m: {n for n, x in m.base_model.model.named_modules() if hasattr(x, "lora_A")}  # noqa: E731
+    assert names(model) == names(every) | {"lm_head"}
+    tied = model.get_base_model().config.tie_word_embeddings
+    assert adapts_tied_head(model) == tied and not adapts_tied_head(every)
+    folder = lora_engines(arch, targets=targets)
+    assert "lm_head" in Manifest.read(folder).lora.targets
+    eng = create_engine("onnxruntime", folder, hold_weights=False)
+    batch = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0, top_k=20))
+    with torch.no_grad():  # only the head's adapter: it alone must move the output
+        model.base_model.model.lm_head.lora_B["default"].weight.normal_(0, 0.05)
+    eng.update_weights(adapter_tensors(model))
+    assert _diff(eng, model, batch) < 1e-4
+    assert _diff(eng.adapter_off(), AdapterOff(model), batch) < 1e-4
+    base_lp = learner_view(AdapterOff(model), None, batch, 1.0)[0]
+    mine = learner_view(model, None, batch, 1.0)[0]
+    assert float(((mine - base_lp).abs() * batch.response_mask).max()) > 1e-2
+    eng.close()
+    model.eval()
+    save_final_model(tmp_path, model, build_tokenizer())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    assert float(((learner_view(merged, None, batch, 1.0)[0] - mine).abs() * batch.response_mask).max()) < 1e-5
+    assert not merged.config.tie_word_embeddings
+    assert merged.get_output_embeddings().weight is not merged.get_input_embeddings().weight
+    assert model.get_base_model().config.tie_word_embeddings == tied  # the live model's config is as it was
+    embed = model.get_base_model().get_input_embeddings().weight
+    assert torch.equal(merged.get_input_embeddings().weight, embed)  # the input side untouched
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "final" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert all("lora_" in k for k in f.keys())  # the adapter only, not the frozen embedding matrices
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs[arch]),
+                                     tmp_path / "final" / "adapter").eval()
+    assert float(((learner_view(peft, None, batch, 1.0)[0] - mine).abs() * batch.response_mask).max()) < 1e-5

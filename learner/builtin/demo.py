@@ -73,11 +73,14 @@ class DemoConfig:
         "auto", "PPO's rollout/learner mismatch correction (auto: tis with --quantize int8, else none)")
     chat: bool = opt(False, "a chat policy: the tokenizer has a chat template and the warm-up sees templated user "
                             "turns (with --policy_only, e.g. for examples/trl_chat)")
-    lora: int = opt(0, "LoRA rank: train a LoRA adapter (all-linear, alpha 2r) over the frozen warmed-up policy "
-                       "instead of every weight; the engine takes only the adapter on each push; 0 = full fine-tuning")
+    lora: int = opt(0, "LoRA rank: train a LoRA adapter (alpha 2r) over the frozen warmed-up policy instead of "
+                       "every weight; the engine takes only the adapter on each push; 0 = full fine-tuning")
+    lora_targets: tuple[str, ...] = opt(("all-linear", "lm_head"), "with --lora, the adapter's target_modules: every "
+                                        "linear layer and the output head (PEFT's all-linear alone leaves the head "
+                                        "frozen, and learns this task slower: docs/lora.md)")
     learning_rate: float = opt(0.0, "with --lora, the adapter's learning rate (lora.learning_rate; 0: 1e-3, ~3x full "
-                                    "fine-tuning's 3e-4: on this task 2e-3 and 3e-3 plateau lower and 5e-3 diverges, "
-                                    "docs/lora.md); the value head keeps 3e-4")
+                                    "fine-tuning's 3e-4, the best of a sweep in docs/lora.md); the value head keeps "
+                                    "3e-4")
 
 
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
@@ -88,7 +91,8 @@ def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
         rollout=RolloutSection(backend=a.backend, engine_threads=a.threads, quantize=a.quantize),
         optim=OptimSection(learning_rate=3e-4),
         ckpt=CheckpointSection(save_steps=10),
-        lora=LoraSection(r=a.lora, alpha=2.0 * a.lora, learning_rate=a.learning_rate or 1e-3) if a.lora
+        lora=LoraSection(r=a.lora, alpha=2.0 * a.lora, target_modules=tuple(a.lora_targets),
+                         learning_rate=a.learning_rate or 1e-3) if a.lora
         else LoraSection(),
         log=LogSection(progress=a.progress), sampling=Sampling(temperature=1.0, top_k=0),
         num_generations=a.num_generations, advantage_estimator="gae", num_ppo_epochs=2, num_mini_batches=2,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.learner.run.lora import is_lora, load_trainable_state
+from refit.learner.run.lora import is_lora, load_trainable_state, save_adapter
 from refit.core.integrity import fault_point, sha256_files
 
 
@@ -49,7 +49,10 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
     tmp = ck_root / f".step_{step:06d}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp / "policy"))
+        if is_lora(model):
+            save_adapter(model, tmp / "policy")
+        else:
+            model.save_pretrained(str(tmp / "policy"))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "policy"))
         extra = {"value_head": value_head.state_dict() if value_head is not None else None,

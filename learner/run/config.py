@@ -116,8 +116,9 @@ class LoraSection:
     dropout: float = _f(0.0, "LoRA dropout on the adapter's input in the learner's training forward (PEFT's "
                              "lora_dropout); the engine samples and the learner scores without it")
     target_modules: tuple[str, ...] = _f(("all-linear",), "modules that get an adapter, as PEFT names them: "
-                                                          "'all-linear' (every linear layer but the output head) or "
-                                                          "module names / suffixes (q_proj v_proj)")
+                                                          "'all-linear' (every linear layer but the output head), "
+                                                          "module names / suffixes (q_proj v_proj), or all-linear "
+                                                          "with more names (all-linear lm_head: the head too)")
     learning_rate: float = _f(0.0, "the adapter's AdamW learning rate (0: optim.learning_rate); LoRA wants about 10x "
                                    "full fine-tuning's (Schulman et al., 'LoRA Without Regret', 2025), a value head "
                                    "keeps optim.learning_rate")

@@ -19,9 +19,10 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
-from refit.learner.run.lora import is_lora, merged_state
+from refit.learner.run.lora import adapts_tied_head, is_lora, merged_state, save_adapter, untied
 from refit.rollout.build import ENGINE_BACKENDS, ExportOptions, build  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
@@ -35,9 +36,10 @@ def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         if is_lora(model):  # final/adapter: the PEFT folder; final/: the base with the adapter merged in
-            model.save_pretrained(str(tmp / ADAPTER))
+            save_adapter(model, tmp / ADAPTER)
             tok.save_pretrained(str(tmp / ADAPTER))
-            model.get_base_model().save_pretrained(str(tmp), state_dict=merged_state(model))
+            with untied(model.get_base_model().config) if adapts_tied_head(model) else nullcontext():
+                model.get_base_model().save_pretrained(str(tmp), state_dict=merged_state(model))
             model = model.get_base_model()
         else:
             model.save_pretrained(str(tmp))

@@ -117,6 +117,42 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_adapter(model, folder) -> None:
+    """The adapter as a PEFT folder (``PeftModel.from_pretrained`` loads it over the base): its own tensors only. An
+    adapter on the output head (``all-linear lm_head``) would make PEFT write the frozen embedding matrices too
+    (``save_embedding_layers``: vocab x hidden, 545 MB at Qwen2.5-0.5B) although the base folder holds them."""
+    getattr(model, "module", model).save_pretrained(str(folder), save_embedding_layers=False)
+
+
+def adapts_tied_head(model) -> bool:
+    """True when an adapter sits on an output head tied to the input embeddings (``all-linear lm_head`` on GPT-2,
+    Qwen2.5-0.5B, Llama 3.2): merged, the head is no longer the embedding, so the merged model must be saved untied
+    (its config's ``tie_word_embeddings`` off, both matrices written) or loading it re-ties the head and loses the
+    adapter's part of it."""
+    from peft.tuners.lora import LoraLayer
+
+    base = getattr(model, "module", model).get_base_model()
+    head, embed = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or embed is None:
+        return False
+    head_w = head.get_base_layer().weight if isinstance(head, LoraLayer) else head.weight
+    return isinstance(head, LoraLayer) and head_w is embed.weight
+
+
+@contextmanager
+def untied(config):
+    """``config`` (and its text config) with ``tie_word_embeddings`` off inside the block, restored after."""
+    configs = {id(c): c for c in (config, config.get_text_config())}.values()
+    old = [(c, getattr(c, "tie_word_embeddings", None)) for c in configs]
+    try:
+        for c, _ in old:
+            c.tie_word_embeddings = False
+        yield
+    finally:
+        for c, v in old:
+            c.tie_word_embeddings = v
+
+
 @torch.no_grad()
 def merged_tensors(model) -> dict[str, torch.Tensor]:
     """``{<module>.weight: W + scaling * B A}`` of every adapted layer by its HF name: what an engine that takes no

@@ -41,7 +41,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
 from refit.export.quantize import QDQ
 
-INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnx"
+INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnxruntime"
 
 
 def tensorrt_unavailable_reason() -> str | None:
