@@ -68,12 +68,13 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         tp = prompt_ids.shape[1]
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
-        # logits of the last tr + 1 positions only (the prompt's would be (B, Tp, V) of nothing used)
-        keep = {"logits_to_keep": tr + 1} if _keeps_logits(model) else {}
+        # logits at the tr positions that predict the response only (the prompt's would be (B, Tp, V) of nothing
+        # used), kept by index: HF gathers those hidden states into a contiguous block, so the output layer and its
+        # backward are one matrix multiply each (a trailing slice of a longer sequence multiplies batch by batch)
+        kept = torch.arange(tp - 1, tp - 1 + tr, device=dev)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    output_hidden_states=want_hidden, **keep)
-        first = out.logits.shape[1] - (tr + 1)  # tp - 1 when every position's logits came back
-        logits = out.logits[:, first: first + tr]
+                    output_hidden_states=want_hidden, **({"logits_to_keep": kept} if _keeps_logits(model) else {}))
+        logits = out.logits if out.logits.shape[1] == tr else out.logits[:, tp - 1: tp - 1 + tr]
         hidden = out.hidden_states[-1][:, tp - 1: tp - 1 + tr] if want_hidden else None
     values = value_head(hidden) if (value_head is not None and hidden is not None) else None
     logits = logits.float()  # no copy for an fp32 model; a (B, Tr, V) copy only to divide by a temperature
