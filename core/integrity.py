@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from refit.core.errors import RefitError
@@ -231,3 +232,21 @@ def read_text(path: str | Path, what: str = "file") -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RefitError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+
+
+@contextmanager
+def atomic_folder(final: Path, tmp: Path | None = None, before_rename=lambda: None):
+    """Write a folder atomically: yield a temporary folder path (``.NAME.tmp-PID`` beside ``final`` unless ``tmp``
+    is given) to write into; when the block ends without an error, ``final`` (an older one removed) becomes it in
+    one rename. The temporary folder is removed whatever happens, so a failure leaves ``final`` as it was."""
+    final = Path(final)
+    tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        before_rename()
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -8,12 +8,10 @@ through ``.OUT.tmp-PID`` renamed into place, so a failure (a full disk) leaves n
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.integrity import HOLDS, clean_stale_temps, folder_holds
+from refit.core.integrity import HOLDS, atomic_folder, clean_stale_temps, folder_holds
 from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build_model
 
 
@@ -40,12 +38,6 @@ def build_model_cli(geometry: str, out: Path, seed: int, chat: bool, overwrite: 
         raise RefitError(f"{out} holds {HOLDS[holds]}; refusing to write a model into it (choose another -o{hint})")
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out.parent, prefix=out.name + ".")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_folder(out) as tmp:
         build_model(geometry, tmp, seed=seed, tokenizer=build_chat_tokenizer() if chat else None)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

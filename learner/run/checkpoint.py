@@ -21,7 +21,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.learner.run.lora import is_lora, load_trainable_state, save_adapter
-from refit.core.integrity import fault_point, sha256_files
+from refit.core.integrity import atomic_folder, fault_point, sha256_files
 
 
 def rng_state() -> dict:
@@ -46,9 +46,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
     ck_root = Path(run_dir) / "checkpoints"
     ck_root.mkdir(parents=True, exist_ok=True)
     final = ck_root / f"step_{step:06d}"
-    tmp = ck_root / f".step_{step:06d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_folder(final, ck_root / f".step_{step:06d}.tmp-{os.getpid()}",
+                       before_rename=lambda: fault_point("checkpoint.before_rename")) as tmp:
         if is_lora(model):
             save_adapter(model, tmp / "policy")
         else:
@@ -63,13 +62,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
             torch.save(obj, tmp / name)
         files = {p.relative_to(tmp).as_posix(): sha256_files([p]) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "state.json").write_text(json.dumps({"step": step, **state, "sha256": files}, indent=1))
-        fault_point("checkpoint.before_rename")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fault_point("checkpoint.after_rename")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    fault_point("checkpoint.after_rename")
     if keep > 0:  # 0 keeps every checkpoint (refit.core.validate: keep_checkpoints >= 0)
         for old in sorted(p for p in ck_root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

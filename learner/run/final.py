@@ -17,11 +17,10 @@ so ``model.generate`` stops where the engine stopped.
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
+from refit.core.integrity import atomic_folder
 from refit.learner.run.lora import adapts_tied_head, is_lora, merged_state, save_adapter, untied
 from refit.rollout.build import ENGINE_BACKENDS, ExportOptions, build  # engine folders' one entry point
 
@@ -32,9 +31,8 @@ ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (Pef
 def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) -> Path:
     """``model`` and ``tok`` as ``run_dir/final`` (atomic rename); the path."""
     run_dir = Path(run_dir)
-    final, tmp = run_dir / FINAL, run_dir / f".{FINAL}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    final = run_dir / FINAL
+    with atomic_folder(final) as tmp:
         if is_lora(model):  # final/adapter: the PEFT folder; final/: the base with the adapter merged in
             save_adapter(model, tmp / ADAPTER)
             tok.save_pretrained(str(tmp / ADAPTER))
@@ -50,11 +48,6 @@ def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) 
             eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
             gen.eos_token_id = [e for e in eos if e is not None] + [s for s in stop_ids if s not in eos]
             gen.save_pretrained(str(tmp))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
