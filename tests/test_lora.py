@@ -255,6 +255,8 @@ def test_all_linear_and_the_tied_output_head(arch, model_dirs, lora_engines, tmp
     are tied to (GPT-2; tiny-llama untied). The engine with the adapter equals PEFT's forward; the adapter on the
     head changes the function; OUTPUT_DIR/final (merged) loads with from_pretrained and equals PEFT's forward, its
     head untied from the unchanged input embeddings where the base tied them."""
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM
 
     from refit.learner.builtin.models import build_tokenizer
@@ -270,6 +272,11 @@ def test_all_linear_and_the_tied_output_head(arch, model_dirs, lora_engines, tmp
     assert adapts_tied_head(model) == tied and not adapts_tied_head(every)
     folder = lora_engines(arch, targets=targets)
     assert "lm_head" in Manifest.read(folder).lora.targets
+    if tied:  # an engine without adapter inputs (TensorRT) would refit the head's merge into the embeddings too
+        with pytest.raises(RefitError, match="output head tied to the input embeddings cannot be merged"):
+            push_tensors(model, SimpleNamespace(adapter=None))
+    else:
+        assert "lm_head.weight" in push_tensors(model, SimpleNamespace(adapter=None))
     eng = create_engine("onnxruntime", folder, hold_weights=False)
     batch = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0, top_k=20))
     with torch.no_grad():  # only the head's adapter: it alone must move the output

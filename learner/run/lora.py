@@ -133,10 +133,7 @@ def adapts_tied_head(model) -> bool:
 
     base = getattr(model, "module", model).get_base_model()
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
-    if head is None or embed is None:
-        return False
-    head_w = head.get_base_layer().weight if isinstance(head, LoraLayer) else head.weight
-    return isinstance(head, LoraLayer) and head_w is embed.weight
+    return isinstance(head, LoraLayer) and embed is not None and head.get_base_layer().weight is embed.weight
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from refit.core.errors import RefitError
 from refit.core.int8 import reference_model, rounding_floor
 from refit.core.manifest import MANIFEST, Manifest
 from refit.learner.run.checkpoint import latest_checkpoint
-from refit.learner.run.lora import adapter_tensors, is_lora, merged_tensors
+from refit.learner.run.lora import adapter_tensors, adapts_tied_head, is_lora, merged_tensors
 from refit.learner.run.policy import learner_view
 from refit.rollout.engine import Engine, check_version
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -269,8 +269,13 @@ def push_tensors(model: torch.nn.Module, engine: Engine | None = None) -> dict[s
     by canonical HF name."""
     if not is_lora(model):
         return canonical_params(model)[0]
-    return merged_tensors(model) if engine is not None and getattr(engine, "adapter", None) is None \
-        else adapter_tensors(model)
+    if engine is None or getattr(engine, "adapter", None) is not None:
+        return adapter_tensors(model)
+    if adapts_tied_head(model):  # merged, the head would be refit into the one weight it shares with the embeddings
+        raise RefitError("lora: an adapter on an output head tied to the input embeddings cannot be merged into an "
+                         "engine without adapter inputs (TensorRT refits one weight for both); leave lm_head out of "
+                         "lora.target_modules or use rollout.backend onnxruntime")
+    return merged_tensors(model)
 
 
 def int8_reference(model: torch.nn.Module, manifest: Manifest) -> torch.nn.Module:
