@@ -53,7 +53,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     The integer dot products are exact: fp32 matmuls over chunks of :data:`EXACT_K` (every partial sum an integer
     under 2^24, so exact whatever order the BLAS adds in), the chunks added in float64 (|sum| <= K * 127^2 < 2^53);
     ``float()`` rounds the sum as ONNX ``Cast(int32 -> float)`` does; then ``* t`` and ``* scale`` in that order,
-    then the bias. (One float64 matmul gives the same numbers at a fraction of fp32's speed: 104 s of a 3B probe.)
+    then the bias. (One float64 matmul gives the same numbers at a fraction of fp32's speed.)
     ``jitter``: perturb ``x`` by :data:`FLOOR_JITTER` relative noise first (:func:`rounding_floor`)."""
     x = x.float()
     if jitter is not None:
