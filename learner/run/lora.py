@@ -127,8 +127,8 @@ def save_adapter(model, folder) -> None:
 def adapts_tied_head(model) -> bool:
     """True when an adapter sits on an output head tied to the input embeddings (``all-linear lm_head`` on GPT-2,
     Qwen2.5-0.5B, Llama 3.2): merged, the head is no longer the embedding, so the merged model must be saved untied
-    (its config's ``tie_word_embeddings`` off, both matrices written) or loading it re-ties the head and loses the
-    adapter's part of it."""
+    (its config's ``tie_word_embeddings`` off, both matrices written); saved tied, its config would claim one matrix
+    over two, and a loader that honours the flag re-ties the head and loses the adapter's part of it."""
     from peft.tuners.lora import LoraLayer
 
     base = getattr(model, "module", model).get_base_model()
