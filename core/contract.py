@@ -26,6 +26,8 @@ from refit.core.integrity import sha256_files
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # manifest dtype -> torch
 
 # max |engine - PyTorch log-prob| the export's parity gate accepts, per engine dtype
+ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that run an exported engine folder
+
 PARITY_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 1e-1}
 
 

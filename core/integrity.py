@@ -235,12 +235,11 @@ def read_text(path: str | Path, what: str = "file") -> str:
 
 
 @contextmanager
-def atomic_folder(final: Path, tmp: Path | None = None, before_rename=lambda: None):
-    """Write a folder atomically: yield a temporary folder path (``.NAME.tmp-PID`` beside ``final`` unless ``tmp``
-    is given) to write into; when the block ends without an error, ``final`` (an older one removed) becomes it in
+def atomic_folder(final: Path, before_rename=lambda: None):
+    """Write a folder atomically: yield a temporary folder path (``.NAME.tmp-PID`` beside ``final``) to write into; when the block ends without an error, ``final`` (an older one removed) becomes it in
     one rename. The temporary folder is removed whatever happens, so a failure leaves ``final`` as it was."""
     final = Path(final)
-    tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         yield tmp

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from refit.core.hf_folder import ModelInfo, load_model, load_tokenizer, model_info
-from refit.core.contract import PARITY_TOL, weights_hash
+from refit.core.contract import ENGINE_BACKENDS, PARITY_TOL, weights_hash
 from refit.core.errors import RefitError
 from refit.core.integrity import folder_hashes, sha256_files as _sha256_files
 from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
@@ -50,7 +50,6 @@ from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params,
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 OPSET = 18
-EXPORT_BACKENDS = ("onnxruntime", "tensorrt")
 EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
 
 
@@ -174,8 +173,8 @@ def export_backend(name: str) -> str:
         warnings.warn("export backend 'onnx' is now spelled 'onnxruntime', as rollout.backend spells it",
                       FutureWarning, stacklevel=3)
         return "onnxruntime"
-    if name not in EXPORT_BACKENDS:
-        raise RefitError(f"export backend {name!r}: one of {', '.join(EXPORT_BACKENDS)}")
+    if name not in ENGINE_BACKENDS:
+        raise RefitError(f"export backend {name!r}: one of {', '.join(ENGINE_BACKENDS)}")
     return name
 
 

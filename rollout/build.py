@@ -34,7 +34,6 @@ from refit.export.quantize import scheme_for
 from refit.rollout.parity import int8_parity_gate, parity_gate
 from refit.rollout.tensorrt import build as trt_build  # its functions through the module: a test patches in a stand-in
 
-ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # backends that open an exported engine folder
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
 
@@ -42,7 +41,7 @@ def _scheme(quantize: str, backend: str) -> str:
     """The manifest's quantization scheme an engine for ``backend`` quantized as ``quantize`` has."""
     if quantize == "none":
         return "none"
-    return scheme_for("tensorrt" if backend == "tensorrt" else "onnxruntime")
+    return scheme_for(backend)
 
 
 def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxruntime",

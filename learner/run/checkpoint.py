@@ -11,7 +11,6 @@ falls back, in one line, to the newest intact checkpoint when the newest one is 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -46,8 +45,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, value_head, opti
     ck_root = Path(run_dir) / "checkpoints"
     ck_root.mkdir(parents=True, exist_ok=True)
     final = ck_root / f"step_{step:06d}"
-    with atomic_folder(final, ck_root / f".step_{step:06d}.tmp-{os.getpid()}",
-                       before_rename=lambda: fault_point("checkpoint.before_rename")) as tmp:
+    with atomic_folder(final, before_rename=lambda: fault_point("checkpoint.before_rename")) as tmp:
         if is_lora(model):
             save_adapter(model, tmp / "policy")
         else:

@@ -20,9 +20,10 @@ import copy
 from contextlib import nullcontext
 from pathlib import Path
 
+from refit.core.contract import ENGINE_BACKENDS
 from refit.core.integrity import atomic_folder
 from refit.learner.run.lora import adapts_tied_head, is_lora, merged_state, save_adapter, untied
-from refit.rollout.build import ENGINE_BACKENDS, ExportOptions, build  # engine folders' one entry point
+from refit.rollout.build import ExportOptions, build  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
 ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (PeftModel.from_pretrained)

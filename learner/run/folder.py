@@ -36,7 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
-from refit.core.contract import weights_hash
+from refit.core.contract import ENGINE_BACKENDS, weights_hash
 from refit.core.errors import RefitError
 from refit.core.integrity import (HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, fault_point, folder_holds,
                                   folder_names, hold_folder)
@@ -49,7 +49,6 @@ MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scal
 # what a run writes into its folder (deleted by --overwrite); engine and model folders are kept
 RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
              "final_engine", "final_value_head.safetensors")
-ENGINE_BACKENDS = ("onnxruntime", "tensorrt")
 PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
 # inputs a Python caller stages in the run folder before the job starts (refit.learner.api: a datasets.Dataset;
 # the TRL facade: a model object saved for the export); a folder holding only these is a fresh run's
