@@ -94,8 +94,13 @@ def _with_all_linear(model, target_modules) -> tuple[str, ...]:
         return tm
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers  # PEFT's meaning of all-linear, not ours
 
+    extra = set(tm) - {"all-linear"}
+    modules = [n for n, _ in model.named_modules()]
+    unknown = sorted(x for x in extra if not any(n == x or n.endswith("." + x) for n in modules))  # PEFT's match
+    if unknown:  # PEFT refuses only names that match nothing at all, and all-linear always matches
+        raise RefitError(f"lora: target_modules {list(tm)}: {', '.join(unknown)} names no module of this model")
     names = _maybe_include_all_linear_layers(lora_config(("all-linear",)), model).target_modules
-    return tuple(sorted(set(names) | (set(tm) - {"all-linear"})))
+    return tuple(sorted(set(names) | extra))
 
 
 def lora_config(target_modules, r: int = 1, alpha: float = 1.0, dropout: float = 0.0, init: str = "default"):

@@ -268,6 +268,8 @@ def test_all_linear_and_the_tied_output_head(arch, model_dirs, lora_engines, tmp
     every = _peft(model_dirs[arch])
     names = lambda m: {n for n, x in m.base_model.model.named_modules() if hasattr(x, "lora_A")}  # noqa: E731
     assert names(model) == names(every) | {"lm_head"}
+    with pytest.raises(RefitError, match=r"lm_hed names no module of this model"):  # a typo beside all-linear
+        _peft(model_dirs[arch], targets=("all-linear", "lm_hed"))
     tied = model.get_base_model().config.tie_word_embeddings
     assert adapts_tied_head(model) == tied and not adapts_tied_head(every)
     folder = lora_engines(arch, targets=targets)
