@@ -72,9 +72,15 @@ class ExportOptions:
     # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
     # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
     lora: tuple[str, ...] = ()
+    # "bf16": the checkpoint's weights rounded to bf16 values before the export (the graphs keep ``dtype``): the
+    # engine of a LoRA run whose learner holds the base in bf16 (lora.base_dtype), so both hold the same base;
+    # "none": as in the checkpoint
+    round_weights: str = "none"
 
     def __post_init__(self):
         object.__setattr__(self, "backend", export_backend(self.backend))
+        if self.round_weights not in ("none", "bf16"):
+            raise RefitError(f"round_weights {self.round_weights!r}: none or bf16")
 
 
 def _kv_names(prefix: str, n_layers: int) -> list[str]:
@@ -186,6 +192,8 @@ def cache_key(model_dir: Path, opts: ExportOptions) -> str:
         del o["quantize"]
     if not o.get("lora"):  # likewise for an engine without adapter inputs
         o.pop("lora", None)
+    if o.get("round_weights") == "none":  # and for the checkpoint's own weights
+        del o["round_weights"]
     blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -250,14 +258,15 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     t0 = time.perf_counter()
     peaks = StagePeaks()
     dtype = DTYPES[opts.dtype]
-    model = load_model(model_dir, info, dtype=dtype)
+    load = lambda: rounded(load_model(model_dir, info, dtype=dtype), opts.round_weights)  # noqa: E731
+    model = load()
     with torch.no_grad():  # refuses, in one line, a model without what the engines need; nothing written yet
         caps = detect(model, info.kind, info.padding_side, info.pad_id, model_dir)
     moe = _moe_check(model, model_dir)  # one line, before anything is written
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     attention, why = choose_attention(model, caps, opts)
-    models = _OneModel(lambda: load_model(model_dir, info, dtype=dtype), model)
+    models = _OneModel(load, model)
     del model  # held by ``models`` only: it is fingerprinted in place for the trace
     peaks.mark("load")
     while True:
@@ -282,6 +291,17 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
         f"attention {manifest.attention}; peak RSS {manifest.export_peak_rss_mb} MB)")
     return out_dir
+
+
+@torch.no_grad()
+def rounded(model, to: str = "none"):
+    """``model`` with its floating parameters rounded to ``to``'s values in place (kept in their own dtype); buffers
+    (rotary frequencies) as they are. "none": unchanged."""
+    if to != "none":
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(DTYPES[to]))
+    return model
 
 
 class _OneModel:
@@ -486,7 +506,8 @@ def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str
                       graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                       engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()}),
         cache_key=key,
-        options={k: v for k, v in asdict(opts).items() if k != "lora" or v},  # no lora key: the old layout
+        # no lora / round_weights key where unused: the old layout
+        options={k: v for k, v in asdict(opts).items() if (k != "lora" or v) and (k != "round_weights" or v != "none")},
         versions=_versions(),
         trace_seconds=round(export_s, 3),
         capabilities=caps,

@@ -110,18 +110,22 @@ def check_memory(model_dir: str | Path, rows: int, max_len: int) -> None:
                        "of memory", "lower the batch (--run.batch_size) or the response length")
 
 
-def _unfit(m, max_len: int, backend: str, quantize: str, lora: tuple[str, ...]) -> str | None:
+def _unfit(m, max_len: int, backend: str, quantize: str, lora: tuple[str, ...],
+           round_weights: str = "none") -> str | None:
     """Why the engine of manifest ``m`` (these weights) cannot serve this run; None when it can. Its max_batch is
     no reason: a larger batch runs within it (refit.rollout.engine.LoopEngine)."""
     scheme = m.quantization.scheme if m.quantization else "none"
     has = tuple(m.lora.target_modules if m.lora else ())
+    rounded = (m.options or {}).get("round_weights", "none")
     for bad, why in ((m.dims.max_len < max_len, "its max_len is too short"),
                      (backend == "tensorrt" and m.attention == "fused", "it has the fused-attention graph; the "
                                                                         "tensorrt backend builds from the plain one"),
                      (scheme != _scheme(quantize, backend), f"it is quantized {scheme}; this run needs "
                                                             f"{_scheme(quantize, backend)}"),
                      (has != tuple(lora), f"its LoRA targets are {list(has) or 'none'}; this run needs "
-                                          f"{list(lora) or 'none'}")):
+                                          f"{list(lora) or 'none'}"),
+                     (rounded != round_weights, f"its weights are rounded to {rounded}; this run's learner holds "
+                                                f"the base {'in ' + round_weights if round_weights != 'none' else 'as in the checkpoint'}")):
         if bad:
             return why
     return None
@@ -129,7 +133,7 @@ def _unfit(m, max_len: int, backend: str, quantize: str, lora: tuple[str, ...]) 
 
 def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
                   backend: str = "onnxruntime", log=print, quantize: str = "none", own: bool | None = None,
-                  lora: tuple[str, ...] = ()) -> Path:
+                  lora: tuple[str, ...] = (), round_weights: str = "none") -> Path:
     """A training run's engine: reuse an export of these weights that serves the run, else export one with headroom.
 
     A batch over the engine's max_batch runs within it, in calls of at most max_batch rows (LoopEngine): never a
@@ -140,13 +144,14 @@ def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     old = _same_weights(engine_dir, model_dir)
     check_memory(model_dir, min(rows, old.dims.max_batch) if old is not None else rows, max_len)
-    why = _unfit(old, max_len, backend, quantize, tuple(lora)) if old is not None else None
+    why = _unfit(old, max_len, backend, quantize, tuple(lora), round_weights) if old is not None else None
     if why is not None:
         d = old.dims
         if not (own if own is not None else folder_holds(engine_dir.parent) == "run"):
             flags = (f" --quantize {quantize}" if quantize != "none" else "") + (" --backend tensorrt" if backend ==
                                                                                  "tensorrt" else "")
             flags += f" --lora {' '.join(lora)}" if lora else ""
+            flags += f" --round_weights {round_weights}" if round_weights != "none" else ""
             raise RefitError(f"engine folder {engine_dir} (max_batch {d.max_batch}, max_len {d.max_len}) cannot "
                              f"serve this run ({rows} rows of up to {max_len} tokens): {why}; export another "
                              f"engine (refit export {model_dir} -o NEW_DIR --max_batch {d.max_batch} --max_len "
@@ -157,7 +162,8 @@ def ensure_engine(model_dir: str | Path, engine_dir: str | Path, rows: int, max_
     elif old is not None and old.dims.max_batch < rows:
         log(f"refit: engine {engine_dir} takes {old.dims.max_batch} rows per call (max_batch): this run's {rows} "
             f"rows run in calls of at most {old.dims.max_batch}")
-    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize, lora=tuple(lora))
+    opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128), quantize=quantize, lora=tuple(lora),
+                         round_weights=round_weights)
     return build(model_dir, engine_dir, backend, opts, reuse_if_fits=max_len, log=log)
 
 
@@ -168,7 +174,7 @@ def _same_weights(engine_dir: Path, model_dir: Path):
 
 
 def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int,
-                  log=print, quantize: str = "none", lora: tuple[str, ...] = ()) -> Path:
+                  log=print, quantize: str = "none", lora: tuple[str, ...] = (), round_weights: str = "none") -> Path:
     """The folder ``backend`` opens: the HF folder for PyTorch backends, else an ensured engine folder."""
     if lora and backend != "onnxruntime":  # TensorRT's LoRA runs refit merged layers into a plain engine
         raise RefitError(f"a LoRA-ready engine (adapter inputs) is built for rollout.backend onnxruntime; the "
@@ -178,7 +184,8 @@ def engine_source(backend: str, model_dir: str | Path, engine_dir: str | Path, r
             raise RefitError(f"rollout.quantize {quantize} needs an engine backend (onnxruntime or tensorrt), "
                              f"not {backend}")
         return Path(model_dir)
-    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize, lora=lora)
+    return ensure_engine(model_dir, engine_dir, rows, max_len, backend, log, quantize, lora=lora,
+                         round_weights=round_weights)
 
 
 def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | None = None, log=print) -> Path:
@@ -228,6 +235,9 @@ class ExportConfig:
                 "activations; --backend tensorrt: weight-only int8 through DequantizeLinear, fp32 matmuls), weight "
                 "pushes re-quantized; parity-gated against PyTorch on the same quantized weights, the gap to fp32 "
                 "recorded in the manifest")
+    round_weights: Literal["none", "bf16"] = opt(
+        "none", "bf16: the checkpoint's weights rounded to bf16 values before the export (graphs stay --dtype): the "
+                "engine of a LoRA run with lora.base_dtype bf16, whose learner holds that base")
     overwrite: bool = opt(False, "replace an engine folder exported from other weights (without it: refused); an "
                                  "HF model or a run folder is never written over")
 
@@ -240,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     require_tokenizer(a.model_dir)
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused
     opts = ExportOptions(backend=a.backend, dtype=a.dtype, max_batch=a.max_batch, max_len=a.max_len,
-                         parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize, lora=tuple(a.lora))
+                         parity_tol=a.parity_tol, attention=a.attention, quantize=a.quantize, lora=tuple(a.lora),
+                         round_weights=a.round_weights)
     print(build(a.model_dir, a.out, opts.backend, opts))
     return 0

@@ -32,23 +32,23 @@ def lora_engines(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("lora_engines")
     made = {}
 
-    def get(geometry: str, quantize: str = "none", targets=("all-linear",)):
-        key = (geometry, quantize, tuple(targets))
+    def get(geometry: str, quantize: str = "none", targets=("all-linear",), round_weights: str = "none"):
+        key = (geometry, quantize, tuple(targets), round_weights)
         if key not in made:
             made[key] = build(model_dirs[geometry], root / f"{geometry}-{quantize}-{len(made)}",
-                              opts=ExportOptions(max_batch=16, max_len=128, quantize=quantize, lora=tuple(targets)),
-                              **QUIET)
+                              opts=ExportOptions(max_batch=16, max_len=128, quantize=quantize, lora=tuple(targets),
+                                                 round_weights=round_weights), **QUIET)
         return made[key]
 
     return get
 
 
-def _peft(model_dir, r=4, alpha=8.0, seed=0, targets=("all-linear",)):
+def _peft(model_dir, r=4, alpha=8.0, seed=0, targets=("all-linear",), base_dtype="fp32"):
     from refit.core.hf_folder import load_model, model_info
 
     torch.manual_seed(seed)
-    return apply_lora(load_model(model_dir, model_info(model_dir)), LoraSection(r=r, alpha=alpha,
-                                                                                target_modules=targets))
+    return apply_lora(load_model(model_dir, model_info(model_dir)),
+                      LoraSection(r=r, alpha=alpha, target_modules=targets, base_dtype=base_dtype))
 
 
 @torch.no_grad()
@@ -158,6 +158,34 @@ def test_int8_base_with_fp32_adapter(model_dirs, lora_engines, tmp_path):
     assert held == []  # no dequantized fp32 copy of a base layer is kept (a full fp32 base, at 1.5B 6 GB)
 
 
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_bf16_base_on_the_learner(arch, model_dirs, lora_engines, tmp_path):
+    """lora.base_dtype bf16: the base's parameters in bf16 (the adapter and the rotary buffers in fp32), the engine
+    exported from the same rounded weights (round_weights bf16). The probe (the learner's weights in fp32
+    arithmetic, fp32_compute) equals the engine at step 0 and after a perturbed adapter's push, and catches the
+    adapter left stale; the engine of the unrounded checkpoint is not what the learner holds; the bf16 training
+    forward is within bf16 rounding of the engine, not equal to it."""
+    from refit.learner.run.lora import fp32_compute
+
+    model = _peft(model_dirs[arch], base_dtype="bf16")
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+    eng = create_engine("onnxruntime", lora_engines(arch, round_weights="bf16"), hold_weights=False)
+    probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-5  # the adapter's B is 0: the rounded base
+    plain = create_engine("onnxruntime", lora_engines(arch), hold_weights=False)
+    with fp32_compute(model):
+        assert _diff(plain, model, probe) > 1e-4  # the checkpoint's own weights: not the base the learner holds
+    _perturb_adapter(model)
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path)  # the engine still runs the old adapter
+    eng.update_weights(push_tensors(model, eng))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-5
+    assert 1e-4 < _diff(eng, model, probe) < 0.1  # the bf16 forward: the engine's numbers up to bf16 rounding
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}  # fp32_compute undone
+
+
 def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
     with pytest.raises(RefitError, match="lora: target_modules \\['no_such_layer'\\] cannot be used") as e:
         _peft(model_dirs["tiny-llama"], targets=("no_such_layer",))
@@ -247,6 +275,55 @@ def test_final_folders_merged_and_peft_adapter_agree(model_dirs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(model_dirs["tiny-gpt2"]).eval()
     assert float(((learner_view(base, None, b, 1.0)[0] - lp_peft).abs() * b.response_mask).max()) > 1e-5
     assert _diff(eng, merged, b) < 1e-4
+
+
+def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
+    """A PPO run with lora.base_dtype bf16 and the head adapted: the reference is the policy with its adapter off in
+    PyTorch (its bf16 arithmetic), so KL(0) is 0; every push passes the fp32 probe; a run stopped at step 2 and resumed
+    logs what the uninterrupted run logs; OUTPUT_DIR/final holds fp32 weights that equal the learner's fp32 view and
+    its engine (final_engine)."""
+    from transformers import AutoModelForCausalLM
+
+    from refit.learner.ppo.cycle import experience, run_ppo, setup
+    from refit.learner.run.lora import AdapterOff, fp32_compute
+    from refit.learner.run.metrics import read_metrics
+
+    kw = {"lora.base_dtype": "bf16", "lora.target_modules": ("all-linear", "lm_head"),
+          "reward": "refit.learner.builtin.tasks:length_reward"}  # dense: the policy moves off the reference
+    run = setup(_cfg(model_dirs, tmp_path / "s", **kw), resume=False, **QUIET)
+    assert run.ref_engine is None and isinstance(run.ref, AdapterOff) and not run.sync.contract.check_on_rollout
+    assert Manifest.read(tmp_path / "s" / "engine").options["round_weights"] == "bf16"
+    rollout = run.engine.generate(run.prompt_ids[:4], SamplingParams(max_new_tokens=6, top_k=5, top_p=0.9, seed=3))
+    _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))
+    for k in ("k1", "k2", "k3", "exact"):
+        assert stats[f"kl/{k}"] == 0.0, (k, stats[f"kl/{k}"])
+    run.engine.close()
+
+    full = run_ppo(_cfg(model_dirs, tmp_path / "full", **kw, export_final=True), **QUIET)
+    part = tmp_path / "part"
+    run_ppo(_cfg(model_dirs, part, **kw, **{"run.max_steps_this_run": 2}), **QUIET)
+    run_ppo(_cfg(model_dirs, part, **kw), resume=True, **QUIET)
+    a, b = read_metrics(full), read_metrics(part)
+    for ra, rb in zip(a[2:], b[2:]):
+        for k, v in ra.items():
+            if not k.startswith(("time/", "tokens_per_s")) and v is not None:
+                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert a[-1]["kl/exact"] > 1e-6  # it trained
+    assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in a) < 1e-5
+
+    merged = AutoModelForCausalLM.from_pretrained(full / "final").eval()
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    eng = create_engine("onnxruntime", full / "final_engine", hold_weights=False)
+    batch = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    assert _diff(eng, merged, batch) < 1e-4
+    trained = _peft(model_dirs["tiny-gpt2"], targets=kw["lora.target_modules"], base_dtype="bf16")
+    from refit.learner.run.lora import load_trainable_state
+    from safetensors.torch import load_file
+
+    load_trainable_state(trained, {k.replace(".weight", ".default.weight") if "lora_" in k else k: v for k, v in
+                                   load_file(full / "final" / "adapter" / "adapter_model.safetensors").items()})
+    with fp32_compute(trained):
+        assert _diff(eng, trained, batch) < 1e-4  # final/ is the rounded base with the adapter, in fp32
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])

@@ -206,4 +206,8 @@ class PPOConfig:
              f"merged targeted layers); the {self.rollout.backend} backend takes no adapter push (docs/lora.md)"),
             (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
                                                             "workers take full-model pushes only"),
+            (self.lora.enabled and self.lora.base_dtype != "fp32" and self.ref_backend == "onnxruntime",
+             f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine computes in fp32, the "
+             "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "
+             "auto or torch: the policy with its adapter off)"),
         ])

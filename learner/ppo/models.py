@@ -78,7 +78,10 @@ def ref_on_engine(cfg: PPOConfig) -> bool:
     """Whether the frozen reference scores on ONNX Runtime (:func:`reference_engine`) rather than in PyTorch."""
     engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
     quantized = cfg.rollout.quantize != "none"
-    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or not engine_backend)))
+    # a bf16 learner base: the reference computes as the policy does (the policy with its adapter off), else KL(0) > 0
+    low_base = cfg.lora.enabled and cfg.lora.base_dtype != "fp32"
+    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or low_base or
+                                                                             not engine_backend)))
 
 
 def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,

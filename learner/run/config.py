@@ -122,6 +122,11 @@ class LoraSection:
     learning_rate: float = _f(0.0, "the adapter's AdamW learning rate (0: optim.learning_rate); LoRA wants about 10x "
                                    "full fine-tuning's (Schulman et al., 'LoRA Without Regret', 2025), a value head "
                                    "keeps optim.learning_rate")
+    base_dtype: Literal["fp32", "bf16"] = _f("fp32", "the frozen base's precision on the learner: bf16 halves its "
+                                                   "memory and runs its matmuls in bf16 (fast where the hardware has "
+                                                   "bf16 units: AVX512-BF16/AMX CPUs, Ampere+ GPUs); the adapter stays "
+                                                   "fp32 and the engine computes in its own precision over the same "
+                                                   "(bf16-rounded) base; docs/lora.md")
     init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
                                                          "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
                                                          "to the base at step 0, so KL(0) = 0")

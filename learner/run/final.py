@@ -22,7 +22,7 @@ from pathlib import Path
 
 from refit.core.contract import ENGINE_BACKENDS
 from refit.core.integrity import atomic_folder
-from refit.learner.run.lora import adapts_tied_head, is_lora, merged_state, save_adapter, untied
+from refit.learner.run.lora import adapts_tied_head, holds_low_precision, is_lora, merged_state, save_adapter, untied
 from refit.rollout.build import ExportOptions, build  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
@@ -37,9 +37,14 @@ def save_final_model(run_dir: Path, model, tok, stop_ids: tuple[int, ...] = ()) 
         if is_lora(model):  # final/adapter: the PEFT folder; final/: the base with the adapter merged in
             save_adapter(model, tmp / ADAPTER)
             tok.save_pretrained(str(tmp / ADAPTER))
-            with untied(model.get_base_model().config) if adapts_tied_head(model) else nullcontext():
-                model.get_base_model().save_pretrained(str(tmp), state_dict=merged_state(model))
-            model = model.get_base_model()
+            base = model.get_base_model()
+            with untied(base.config) if adapts_tied_head(model) else nullcontext():
+                base.save_pretrained(str(tmp), state_dict=merged_state(model))
+                if holds_low_precision(base):  # a bf16 base (lora.base_dtype): merged_state wrote fp32, as says the
+                    held, base.config.dtype = base.config.dtype, "float32"  # config (save_pretrained wrote bf16)
+                    base.config.save_pretrained(str(tmp))
+                    base.config.dtype = held
+            model = base
         else:
             model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))

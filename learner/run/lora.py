@@ -7,6 +7,13 @@ manifest gives (refit.core.manifest ``lora_push_names``), a few MB where the bas
 is the same model with the adapter off (:class:`AdapterOff` in PyTorch; ``OrtEngine.adapter_off`` on the engine),
 so the base is held once on each side.
 
+``lora.base_dtype bf16`` holds the frozen base in bf16 on the learner (:func:`hold_base`): half its memory, its
+matmuls in bf16; the adapter stays fp32. The engine is exported from the same bf16-rounded base
+(``ExportOptions.round_weights``) and computes in fp32, so the probe compares it with the learner's weights computed
+in fp32 (:func:`fp32_compute`, exact), while the training forward's bf16 arithmetic differs from the engine's by
+rounding, which the importance-sampling correction (TIS) takes up; the reference is the policy with its adapter off
+in PyTorch, computing as the policy does, so KL(0) stays 0.
+
 Refused in one line: target modules that match nothing (PEFT's own message), a rank larger than a targeted layer's
 smaller side (the update would be full rank and cost more than the layer), an ``init`` that does not leave the
 policy equal to the base at step 0 (KL(0) = 0 is the contract; PiSSA/OLoRA also rewrite the base, which the
@@ -15,13 +22,14 @@ engine holds as exported).
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import lora_push_names
-from refit.core.contract import peft_lora_model
+from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
 
 
@@ -41,7 +49,69 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
         n, k, o = too_wide[0]
         raise RefitError(f"lora: r = {lora.r} is larger than layer {n} ({k} -> {o}); a rank above "
                          f"min(in, out) = {min(k, o)} is no longer low-rank (lower lora.r or the target_modules)")
+    if lora.base_dtype != "fp32":
+        hold_base(peft_model, DTYPES[lora.base_dtype])
     return peft_model
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` has bf16 matmul units (CUDA: Ampere and later; CPU: AVX512-BF16 or AMX, through oneDNN);
+    elsewhere bf16 matmuls are emulated and slower than fp32's."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@torch.no_grad()
+def hold_base(model, dtype: torch.dtype) -> None:
+    """The frozen base of LoRA ``model`` held in ``dtype`` (bf16): its parameters cast in place, the adapter left in
+    fp32, buffers (rotary frequencies) as they are. The training forward then runs the base's matmuls in ``dtype``
+    (PEFT casts the adapter's input to fp32 and its output back); :func:`fp32_compute` runs the same weights in fp32
+    (the probe against the engine, which holds the same rounded base: ExportOptions.round_weights)."""
+    device = next(model.parameters()).device
+    if not bf16_is_fast(device):
+        warnings.warn(f"lora.base_dtype {dtype}: this {device.type} has no bf16 matmul units (AVX512-BF16/AMX, "
+                      "Ampere+): its bf16 matmuls are emulated, slower than fp32; the base's memory is still halved",
+                      stacklevel=3)
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def holds_low_precision(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a LoRA policy, or a reference sharing its parameters) holds bf16/fp16 weights."""
+    return any(p.dtype in LOW_PRECISION for p in model.parameters())
+
+
+@contextmanager
+def fp32_compute(model: torch.nn.Module):
+    """Inside the block ``model`` computes in fp32 over its bf16/fp16 parameters: each module that owns such
+    parameters gets fp32 copies of them for its own forward only (a forward pre-hook swaps them in, a forward hook
+    swaps them back), so one module's weights are upcast at a time, never a second copy of the model. For no-grad
+    forwards (the probe): the copies are not the parameters the optimizer holds."""
+    owners = [m for m in model.modules()
+              if any(p is not None and p.dtype in LOW_PRECISION for p in m._parameters.values())]
+
+    def swap_in(mod, _args):
+        held = {k: p for k, p in mod._parameters.items() if p is not None and p.dtype in LOW_PRECISION}
+        for k, p in held.items():
+            mod._parameters[k] = torch.nn.Parameter(p.detach().float(), requires_grad=False)
+        mod.__dict__["_refit_low"] = held
+
+    def swap_back(mod, _args, _out):
+        mod._parameters.update(mod.__dict__.pop("_refit_low", {}))
+
+    handles = [h for m in owners for h in (m.register_forward_pre_hook(swap_in), m.register_forward_hook(swap_back))]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for m in owners:  # a forward that raised midway: its module's own parameters back
+            m._parameters.update(m.__dict__.pop("_refit_low", {}))
 
 
 def is_lora(model) -> bool:
@@ -113,7 +183,8 @@ def merged_state(model) -> dict[str, torch.Tensor]:
         if ".lora_" in key:
             continue
         clean = key.replace(".base_layer.", ".")
-        out[clean] = merged.get(clean, t)
+        t = merged.get(clean, t)
+        out[clean] = t.float() if t.dtype in LOW_PRECISION else t  # a bf16 base: saved as the fp32 model it ran as
     return out
 
 
@@ -162,7 +233,10 @@ def merged_tensors(model) -> dict[str, torch.Tensor]:
     for name, m in model.get_base_model().named_modules():
         if isinstance(m, LoraLayer) and "default" in m.lora_A:
             w = m.get_base_layer().weight
-            out[f"{name}.weight"] = (w + m.get_delta_weight("default").to(w.dtype)).contiguous()
+            if w.dtype in LOW_PRECISION:  # a bf16 base (lora.base_dtype): merged in fp32, the adapter's update kept
+                out[f"{name}.weight"] = w.float() + m.get_delta_weight("default").float()
+            else:
+                out[f"{name}.weight"] = (w + m.get_delta_weight("default").to(w.dtype)).contiguous()
     return out
 
 

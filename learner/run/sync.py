@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,7 +35,8 @@ from refit.core.errors import RefitError
 from refit.core.int8 import reference_model, rounding_floor
 from refit.core.manifest import MANIFEST, Manifest
 from refit.learner.run.checkpoint import latest_checkpoint
-from refit.learner.run.lora import adapter_tensors, adapts_tied_head, is_lora, merged_tensors
+from refit.learner.run.lora import (adapter_tensors, adapts_tied_head, fp32_compute, holds_low_precision, is_lora,
+                                    merged_tensors)
 from refit.learner.run.policy import learner_view
 from refit.rollout.engine import Engine, check_version
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -222,10 +224,13 @@ def probe_learner_side(engine: Engine, model: torch.nn.Module, probe: RolloutBat
     """The learner's half of :func:`probe_check`: (its log-probs on ``probe``, the tolerance floor, the model
     compared). It needs only the weights about to be pushed, so an overlapped PPO run computes it while the engine
     still generates (refit.learner.ppo.overlap), before the push."""
+    low_base = holds_low_precision(model)
     if int8_manifest is not None:
         model = int8_reference(model, int8_manifest)
     ref, floor = probe_reference(model, engine_dtype(engine))
-    return learner_view(ref, None, probe, temperature)[0], floor, model
+    # a bf16 LoRA base (lora.base_dtype): its weights in fp32 arithmetic, as the engine runs the same rounded base
+    with fp32_compute(ref) if low_base else nullcontext():
+        return learner_view(ref, None, probe, temperature)[0], floor, model
 
 
 def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
@@ -246,8 +251,9 @@ def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, tem
     diff = dist(mine)
     tol = max(tol, floor)
     if int8_manifest is not None and diff > tol:
-        floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
-                               lambda j: float(((j - mine).abs() * p.response_mask).max()))
+        with fp32_compute(model) if holds_low_precision(model) else nullcontext():
+            floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
+                                   lambda j: float(((j - mine).abs() * p.response_mask).max()))
         tol = max(tol, 2 * floor)
     return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
 
