@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from refit.bench.generate import bench_generate, bench_refit
 from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
@@ -140,6 +140,8 @@ class BenchGRPO(OnMachine):
     lora_r: int = opt(0, "LoRA rank on both sides (0: full fine-tuning)")
     lora_alpha: float = opt(16.0, "LoRA alpha on both sides")
     lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
+    lora_base_dtype: Literal["fp32", "bf16"] = opt("fp32", "the frozen base's dtype on both learners (bf16: TRL's "
+                                                           "model_init_kwargs dtype, Refit's lora.base_dtype)")
     refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
                                 "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_completion_length=a.max_completion_length, temperature=a.temperature,
                      learning_rate=a.learning_rate, lr_scheduler=a.lr_scheduler, steps=a.steps, beta=a.beta,
                      threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
-                     lora_target=a.lora_target)
+                     lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype)
         out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
                          Path(a.trl_venv).resolve())
     elif which == "workers":

@@ -38,7 +38,10 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
   ``--rollout.engine_threads`` in Refit's;
 - the reward: one function in bench/grpo_reward.py, loaded by path on both sides; the data: the same jsonl;
 - LoRA (``--lora_r`` > 0): ``peft_config=LoraConfig(r, lora_alpha, target_modules)`` / ``--lora.r``,
-  ``--lora.alpha``, ``--lora.target_modules`` (PEFT's default dropout 0 on both);
+  ``--lora.alpha``, ``--lora.target_modules`` (PEFT's default dropout 0 on both); ``--lora_base_dtype bf16``: the
+  frozen base in bf16 on both sides, ``model_init_kwargs={"dtype": "bfloat16"}`` (TRL's model, generation included,
+  in bf16; PEFT keeps the adapter in fp32) / ``--lora.base_dtype bf16`` (the learner's base in bf16; the engine
+  computes in fp32 over the same rounded base);
 - logging only: ``logging_steps=1``, ``save_strategy="no"``, ``report_to="none"``; Refit writes no checkpoint
   within the run and no final export.
 
@@ -108,6 +111,7 @@ class Workload:
     lora_r: int  # 0: full fine-tuning
     lora_alpha: float  # the adapter's output scaled by lora_alpha / lora_r
     lora_target: str  # 'all-linear' or a comma list of module names
+    lora_base_dtype: str = "fp32"  # bf16: the frozen base held in bf16 on both learners (the adapter in fp32)
 
 
 def slug(name: str) -> str:
@@ -246,7 +250,7 @@ def export_engine(w: Workload, engine: Path, logs: Path) -> dict:
     cmd = [sys.executable, "-m", "refit.learner.cli", "export", w.model, "-o", str(engine), "--max_batch",
            str(w.prompts_per_step * w.num_generations), "--max_len", str(engine_max_len(w))]
     if w.lora_r:
-        cmd += ["--lora", *lora_targets(w)]
+        cmd += ["--lora", *lora_targets(w), "--round_weights", "bf16" if w.lora_base_dtype == "bf16" else "none"]
     wall, rss = run_child(cmd, logs / "refit-export.log", child_env(w.threads, True), "refit export")
     return {"s": round(wall, 1), "peak_rss_gb": round(rss, 3), "engine": str(engine)}
 
@@ -267,8 +271,8 @@ def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path 
     if engine is not None:
         cmd += ["--model.engine_dir", str(engine)]
     if w.lora_r:
-        cmd += ["--lora.r", str(w.lora_r), "--lora.alpha", str(w.lora_alpha), "--lora.target_modules",
-                *lora_targets(w)]
+        cmd += ["--lora.r", str(w.lora_r), "--lora.alpha", str(w.lora_alpha), "--lora.base_dtype", w.lora_base_dtype,
+                "--lora.target_modules", *lora_targets(w)]
     return cmd + shlex.split(extra)
 
 
@@ -280,7 +284,8 @@ def trl_command(py: Path, w: Workload, out: Path, seed: int, extra: str) -> list
            "--max_completion_length", str(w.max_completion_length), "--temperature", str(w.temperature),
            "--learning_rate", str(w.learning_rate), "--lr_scheduler", w.lr_scheduler, "--steps", str(w.steps),
            "--beta", str(w.beta), "--seed", str(seed), "--threads", str(w.threads), "--device", w.device,
-           "--lora_r", str(w.lora_r), "--lora_alpha", str(w.lora_alpha), "--lora_target", w.lora_target]
+           "--lora_r", str(w.lora_r), "--lora_alpha", str(w.lora_alpha), "--lora_target", w.lora_target,
+           "--lora_base_dtype", w.lora_base_dtype]
     return cmd + (["--trl_args", extra] if extra else [])
 
 
@@ -386,7 +391,8 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
     runs_dir = work / "grpo-runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     py = trl_python(trl_venv, log) if vs == "trl" else None
-    engine = work / f"{Path(w.model).name}-grpo-engine{'-lora' if w.lora_r else ''}"
+    engine = work / (f"{Path(w.model).name}-grpo-engine{'-lora' if w.lora_r else ''}"
+                     f"{'-bf16' if w.lora_r and w.lora_base_dtype == 'bf16' else ''}")
     export = export_engine(w, engine, runs_dir)
     log(f"refit export: {export['s']} s, peak RSS {export['peak_rss_gb']} GB ({engine})")
     runs: dict[str, list[dict]] = {"refit": [], base: []}

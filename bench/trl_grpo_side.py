@@ -84,12 +84,14 @@ def grpo_args(a: argparse.Namespace):
         max_steps=a.steps,
         beta=a.beta,
         seed=a.seed,
-        bf16=False,  # TRL's default is bf16 autocast; the bench compares fp32 learners
+        bf16=False,  # TRL's default is bf16 autocast; the bench compares fp32 learners (or a bf16-held base)
         use_cpu=a.device == "cpu",
         logging_steps=1,  # logging only: a reward per step
         save_strategy="no",  # neither side writes checkpoints during the bench
         report_to="none",
     )
+    if a.lora_base_dtype == "bf16":  # the model (the frozen base under PEFT) loaded in bf16; the adapter stays fp32
+        fields["model_init_kwargs"] = {"dtype": "bfloat16"}
     fields.update(json.loads(a.trl_args or "{}"))
     return GRPOConfig(**fields)
 
@@ -116,6 +118,7 @@ def main() -> None:
     p.add_argument("--lora_r", type=int, default=0)
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_target", default="all-linear")
+    p.add_argument("--lora_base_dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--trl_args", default="", help="JSON object of further GRPOConfig fields")
     a = p.parse_args()
 
