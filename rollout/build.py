@@ -125,7 +125,7 @@ def _unfit(m, max_len: int, backend: str, quantize: str, lora: tuple[str, ...],
                      (has != tuple(lora), f"its LoRA targets are {list(has) or 'none'}; this run needs "
                                           f"{list(lora) or 'none'}"),
                      (rounded != round_weights, f"its weights are rounded to {rounded}; this run's learner holds "
-                                                f"the base {'in ' + round_weights if round_weights != 'none' else 'as in the checkpoint'}")):
+                                                f"the base rounded to {round_weights}")):
         if bad:
             return why
     return None

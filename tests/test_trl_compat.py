@@ -363,6 +363,28 @@ def test_peft_lora_config_maps_to_the_lora_section(model_dirs):
             lora_values(peft.LoraConfig(r=4, target_modules=["c_attn"], **kw), gpt2)
 
 
+def test_model_init_kwargs_bf16_holds_the_lora_base_in_bf16(model_dirs):
+    """TRL's way to hold a LoRA base in bf16 (model_init_kwargs dtype bfloat16) is lora.base_dtype bf16; float32 /
+    "auto" / none keep fp32; bf16 without LoRA and other dtypes are one line."""
+    import peft
+
+    gpt2, lora = str(model_dirs["tiny-gpt2"]), peft.LoraConfig(r=4, target_modules="all-linear")
+    for dtype in (torch.bfloat16, "bfloat16"):
+        for key in ("dtype", "torch_dtype"):
+            c = to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={key: dtype}), gpt2,
+                              peft_config=lora)
+            assert c.lora.base_dtype == "bf16"
+    for kw in (None, {"dtype": "auto"}, {"dtype": torch.float32}, {"attn_implementation": "eager"}):
+        assert to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs=kw), gpt2,
+                             peft_config=lora).lora.base_dtype == "fp32"
+    with pytest.raises(RefitError, match="model_init_kwargs dtype bfloat16 without peft_config") as e:
+        to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={"dtype": "bfloat16"}), gpt2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(RefitError, match="model_init_kwargs dtype float16: Refit takes bfloat16"):
+        to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={"dtype": torch.float16}), gpt2,
+                      peft_config=lora)
+
+
 def test_distillation_and_gkd_configs_map_trls_names():
     from refit.learner.trl import DistillationConfig, GKDConfig, to_distill_config
 

@@ -229,6 +229,25 @@ _LORA_NOTES = {"use_dora": "DoRA is not supported (plain LoRA)", "use_rslora": "
                "every matching layer gets an adapter"}
 
 
+def base_dtype_values(model_init_kwargs: dict | None, peft_config: Any, name: str) -> dict[str, Any]:
+    """``model_init_kwargs``' dtype as Refit's ``lora.base_dtype``: bfloat16 with a ``peft_config`` holds the LoRA
+    base in bf16 on the learner, as TRL's model is then loaded; float32, "auto" or none: {} (Refit's learner loads
+    fp32). bfloat16 without LoRA and any other dtype are one line. Other keys change nothing (the folder is loaded
+    as saved)."""
+    kw = dict(model_init_kwargs or {})
+    dtype = kw.get("dtype", kw.get("torch_dtype"))
+    spelled = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if spelled in (None, "float32", "auto"):
+        return {}
+    if spelled == "bfloat16" and peft_config is not None:
+        return {"lora.base_dtype": "bf16"}
+    if spelled == "bfloat16":
+        raise RefitError(f"{name}: model_init_kwargs dtype bfloat16 without peft_config: Refit holds a model in bf16 "
+                         "only as a LoRA base (lora.base_dtype bf16); full fine-tuning trains in fp32")
+    raise RefitError(f"{name}: model_init_kwargs dtype {spelled}: Refit takes bfloat16 (with peft_config: the LoRA "
+                     "base in bf16) or float32")
+
+
 def lora_values(peft_config: Any, model_dir: str) -> dict[str, Any]:
     """``peft.LoraConfig`` as Refit's ``lora.*`` values (r, lora_alpha -> alpha, lora_dropout -> dropout,
     target_modules, init_lora_weights True -> 'default', 'gaussian'); an option Refit cannot honour is one line."""

@@ -47,8 +47,8 @@ from refit.core.errors import RefitError
 from refit.core.parsing import build, resolve
 from refit.learner.api import run_distill
 from refit.learner.distill.config import DistillConfig
-from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
-                                     staged_dataset, steps_of)
+from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, lora_values, lr_schedule, resolve_model,
+                                      shared_values, staged_dataset, steps_of)
 from refit.learner.trl.events import distill_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import DISTILLATION_ARGS, GKD_ARGS
@@ -96,6 +96,7 @@ def to_distill_config(a: TrlConfig, student_dir: str, teacher_dir: str, num_prom
         "top_p": 1.0 if gkd else a.top_p, "top_k": 0 if gkd else (a.top_k or 0),
         "max_new_tokens": a.max_new_tokens if gkd else a.max_completion_length,
         **(lora_values(peft_config, student_dir or teacher_dir) if peft_config is not None else {}),
+        **base_dtype_values(a.model_init_kwargs, peft_config, type(a).__name__),
         **({"eval_every": eval_every(a, steps, 1), "eval_size": num_eval, "data.eval_split": "eval"}
            if num_eval else {}),
     }

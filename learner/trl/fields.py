@@ -205,7 +205,8 @@ GRPO_ARGS: dict[str, TrlField] = {
     "log_unique_prompts": _a(False, _LOGS),
     "ds3_gather_for_generation": _a(True, "no DeepSpeed"),
     "cast_lm_head_to_fp32": _a(False, "the learner runs fp32 on CPU"),
-    "model_init_kwargs": _a(None, "the model folder is loaded as saved"),
+    "model_init_kwargs": _h(None, "dtype bfloat16 with peft_config: lora.base_dtype bf16 (the LoRA base held in bf16); "
+                                  "other keys: the model folder is loaded as saved"),
     "shuffle_dataset": _a(True, "Refit draws prompts in a seeded order"),
     "disable_dropout": _a(False, "Refit's policy forward runs without dropout"),
     **MORE_TRAINING_ARGS, **_ONLINE, **_TRANSFORMERS_GEN,
@@ -271,7 +272,8 @@ _DISTILL_COMMON: dict[str, TrlField] = {
     "beta": _h(1.0, "beta of the generalised JSD (loss=jsd; 0: KL(teacher||student), 1: KL(student||teacher))"),
     "refit": _h(None, "Refit's own: any DistillConfig field by dotted path ({'eval_size': 8})"),
     "disable_dropout": _a(False, "Refit's student always trains without dropout (as True)"),
-    "model_init_kwargs": _a(None, "the model folders are loaded as saved"),
+    "model_init_kwargs": _h(None, "dtype bfloat16 with peft_config: lora.base_dtype bf16 (the student's LoRA base "
+                                  "held in bf16); other keys: the model folders are loaded as saved"),
     "teacher_model_init_kwargs": _a(None, "the teacher folder is loaded as saved"),
     **MORE_TRAINING_ARGS,
     "use_vllm": _r(False, _GEN),

@@ -49,8 +49,8 @@ from refit.core.parsing import build, resolve
 from refit.learner.api import run_ppo
 from refit.learner.ppo.config import PPOConfig, TRL_HINTS
 from refit.learner.ppo.rewards import spec_of
-from refit.learner.trl.common import (TrlConfig, eval_every, lora_values, lr_schedule, resolve_model, shared_values,
-                                     staged_dataset, steps_of)
+from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, lora_values, lr_schedule, resolve_model,
+                                      shared_values, staged_dataset, steps_of)
 from refit.learner.trl.events import grpo_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
@@ -149,7 +149,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
-        **lora_values(peft_config, model_dir),
+        **lora_values(peft_config, model_dir), **base_dtype_values(a.model_init_kwargs, peft_config, type(a).__name__),
         **({"eval_steps": eval_every(a, steps, per), "data.eval_split": "eval"} if has_eval else {}),
     }
     values, _ = resolve(PPOConfig, values, {}, "trl")  # every name checked (top_p -> sampling.top_p)
