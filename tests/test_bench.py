@@ -197,7 +197,7 @@ def test_bench_grpo_aligns_both_sides(tmp_path):
 
     w = Workload(model="m", dataset="d.jsonl", prompts_per_step=3, num_generations=5, max_completion_length=7,
                  temperature=0.7, learning_rate=3e-5, lr_scheduler="linear", steps=4, beta=0.02, threads=2,
-                 device="cpu", lora_r=8, lora_alpha=32.0, lora_target="q_proj,v_proj")
+                 device="cpu", lora_r=8, lora_alpha=32.0, lora_target="q_proj,v_proj", lora_base_dtype="bf16")
     refit = refit_command(w, tmp_path / "r", 11, "onnxruntime", tmp_path / "e", "--rollout.max_staleness 1")
     trl = trl_command(tmp_path / "py", w, tmp_path / "t", 11, '{"gradient_checkpointing": false}')
 
@@ -210,7 +210,7 @@ def test_bench_grpo_aligns_both_sides(tmp_path):
              "--optim.learning_rate": "--learning_rate", "--optim.lr_scheduler_type": "--lr_scheduler",
              "--run.steps": "--steps", "--kl_coef": "--beta", "--run.seed": "--seed",
              "--rollout.engine_threads": "--threads", "--run.device": "--device", "--lora.r": "--lora_r",
-             "--lora.alpha": "--lora_alpha"}
+             "--lora.alpha": "--lora_alpha", "--lora.base_dtype": "--lora_base_dtype"}
     for ours, theirs in pairs.items():
         assert flag(refit, ours) == flag(trl, theirs), (ours, theirs)
     assert flag(refit, "--lora.target_modules", 2) == flag(trl, "--lora_target").split(",")

@@ -384,3 +384,25 @@ def test_all_linear_and_the_tied_output_head(arch, model_dirs, lora_engines, tmp
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs[arch]),
                                      tmp_path / "final" / "adapter").eval()
     assert float(((learner_view(peft, None, batch, 1.0)[0] - mine).abs() * batch.response_mask).max()) < 1e-5
+
+
+def test_distill_with_a_bf16_lora_base(model_dirs, engine_dirs, tmp_path):
+    """refit distill with the student's LoRA base in bf16: the student engine is exported from the rounded base (the
+    run's own folder), every push passes the fp32 probe, the losses are finite and the adapter trains."""
+    from conftest import tiny_distill_config
+
+    from refit.learner.distill.cycle import run_distill
+    from refit.learner.run.metrics import read_metrics
+
+    out = tmp_path / "d"
+    run_distill(tiny_distill_config(model_dirs, engine_dirs, out, student_engine_dir="", lmbda=1.0,
+                                    **{"lora.r": 4, "lora.alpha": 8.0, "lora.base_dtype": "bf16"}), **QUIET)
+    rows = [r for r in read_metrics(out) if r["step"] > 0]  # step 0: the evaluation before training
+    assert len(rows) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert max(r["probe/max_abs_logprob_diff"] for r in rows if "probe/max_abs_logprob_diff" in r) < 1e-5
+    from safetensors.torch import load_file
+
+    last = sorted(out.rglob("adapter_model.safetensors"))[-1]
+    assert any(float(t.abs().max()) > 0 for k, t in load_file(last).items() if "lora_B" in k)  # B starts at 0
+    engines = [Manifest.read(p.parent) for p in out.rglob("manifest.json")]
+    assert any((m.options or {}).get("round_weights") == "bf16" and m.lora is not None for m in engines)
