@@ -46,7 +46,7 @@ from refit.export.profiles import dynamic_dims, shape_profiles
 from refit.export.quantize import quantize_folder
 from refit.export.rewrite import gemm_for_transposed_weights, initializer_views, placeholder_proto
 from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one, engine_weight_views,
-                                     fingerprint_, graph_buffers, weight_derived_values, weight_digests)
+                                     fingerprint_, graph_buffers, rounded, weight_derived_values, weight_digests)
 from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
 
 OPSET = 18
@@ -72,9 +72,8 @@ class ExportOptions:
     # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
     # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
     lora: tuple[str, ...] = ()
-    # "bf16": the checkpoint's weights rounded to bf16 values before the export (the graphs keep ``dtype``): the
-    # engine of a LoRA run whose learner holds the base in bf16 (lora.base_dtype), so both hold the same base;
-    # "none": as in the checkpoint
+    # "bf16": the weights rounded to bf16 values before the export (graphs keep ``dtype``): the engine of a LoRA run
+    # whose learner holds the base in bf16 (lora.base_dtype), so both hold one base; "none": the checkpoint's own
     round_weights: str = "none"
 
     def __post_init__(self):
@@ -184,16 +183,14 @@ def export_backend(name: str) -> str:
     return name
 
 
+_UNUSED = {"lora": (), "round_weights": "none"}  # ExportOptions fields at values the key and manifest leave out
+
+
 def cache_key(model_dir: Path, opts: ExportOptions) -> str:
-    o = asdict(opts)
+    skip = {"quantize": "none", **_UNUSED}  # fields at unused values: the key from before those fields existed
+    o = {k: v for k, v in asdict(opts).items() if k not in skip or v != skip[k]}
     if o["backend"] == "onnxruntime":  # the key of an ONNX Runtime export is what it was under its old name
         o["backend"] = "onnx"
-    if o.get("quantize") == "none":  # the key of an unquantized export is what it was before the field existed
-        del o["quantize"]
-    if not o.get("lora"):  # likewise for an engine without adapter inputs
-        o.pop("lora", None)
-    if o.get("round_weights") == "none":  # and for the checkpoint's own weights
-        del o["round_weights"]
     blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -291,17 +288,6 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
         f"{p.max_abs_logit_diff:.2e} max|dlogprob|={p.max_abs_logprob_diff:.2e} (tol {p.tolerance_logprob:g}; "
         f"attention {manifest.attention}; peak RSS {manifest.export_peak_rss_mb} MB)")
     return out_dir
-
-
-@torch.no_grad()
-def rounded(model, to: str = "none"):
-    """``model`` with its floating parameters rounded to ``to``'s values in place (kept in their own dtype); buffers
-    (rotary frequencies) as they are. "none": unchanged."""
-    if to != "none":
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.copy_(p.to(DTYPES[to]))
-    return model
 
 
 class _OneModel:
@@ -506,8 +492,7 @@ def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str
                       graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                       engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()}),
         cache_key=key,
-        # no lora / round_weights key where unused: the old layout
-        options={k: v for k, v in asdict(opts).items() if (k != "lora" or v) and (k != "round_weights" or v != "none")},
+        options={k: v for k, v in asdict(opts).items() if k not in _UNUSED or v != _UNUSED[k]},  # the old layout
         versions=_versions(),
         trace_seconds=round(export_s, 3),
         capabilities=caps,

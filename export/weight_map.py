@@ -318,3 +318,14 @@ def engine_weight_views(
         for tgt in wmap[hf_name]:
             by_graph.setdefault(tgt.graph, {})[tgt.engine] = (hf_name, tgt)
     return {g: EngineWeightsView(params, targets, dtype) for g, targets in by_graph.items()}
+
+
+@torch.no_grad()
+def rounded(model, to: str = "none"):
+    """``model`` with its floating parameters rounded to ``to``'s values in place (kept in their own dtype; an export's
+    ``round_weights``); buffers (rotary frequencies) as they are. "none": unchanged."""
+    if to != "none":
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(DTYPES[to]))
+    return model

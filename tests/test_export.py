@@ -284,9 +284,11 @@ def test_one_backend_spelling_and_the_old_name_still_taken(tmp_path):
     from refit.core.contract import weights_hash
     from refit.export.onnx_export import EXPORTER_VERSION
 
-    before = {k: v for k, v in asdict(ExportOptions()).items() if k not in ("quantize", "lora")}  # the key as written
+    before = {k: v for k, v in asdict(ExportOptions()).items()  # the key as written before these fields existed
+              if k not in ("quantize", "lora", "round_weights")}
     before["backend"] = "onnx"  # by the exporter when --backend was spelled onnx
     blob = json.dumps({"w": weights_hash(model), "o": before, "v": EXPORTER_VERSION}, sort_keys=True)
     assert key == hashlib.sha256(blob.encode()).hexdigest()[:32]  # engine folders already written are reused
+    assert cache_key(model, ExportOptions(round_weights="bf16")) != key  # a rounded base is another engine
     with pytest.raises(RefitError, match="export backend 'vllm': one of onnxruntime, tensorrt"):
         ExportOptions(backend="vllm")
