@@ -85,7 +85,8 @@ def stage_export(a) -> dict:
 
     t0 = time.perf_counter()
     build(a.model_dir, a.engine_dir, opts=ExportOptions(max_batch=max(64, a.prompts * a.generations),
-                                                        max_len=a.max_len, quantize=a.quantize, lora=("all-linear",)))
+                                                        max_len=a.max_len, quantize=a.quantize, lora=("all-linear",),
+                                                        round_weights="bf16" if a.base_dtype == "bf16" else "none"))
     return {"export_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -104,7 +105,8 @@ def stage_push(a) -> dict:
     torch.set_num_threads(a.threads)
     manifest = Manifest.read(a.engine_dir)
     int8 = manifest if manifest.quantization is not None else None
-    model = apply_lora(load_model(a.model_dir, model_info(a.model_dir)), LoraSection(r=a.r, alpha=2.0 * a.r))
+    model = apply_lora(load_model(a.model_dir, model_info(a.model_dir)), LoraSection(r=a.r, alpha=2.0 * a.r,
+                                                                                     base_dtype=a.base_dtype))
     eng = create_engine("onnxruntime", a.engine_dir, threads=a.threads, hold_weights=False)
     probe = eng.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14]], SamplingParams(max_new_tokens=8, greedy=True))
     run_dir = Path(a.engine_dir).parent
@@ -125,7 +127,7 @@ def stage_push(a) -> dict:
            "adapter_probe_diff": max(d for _, d in adapter),
            "adapter_mb": round(eng.last_push_s["adapter_bytes"] / 2**20, 2),
            "trainable_params_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)}
-    if int8 is None:  # the full push: every base weight, by its HF name, through the same engine (today's route)
+    if int8 is None and a.base_dtype == "fp32":  # the full push: every base weight by its HF name (today's route)
         base = {k.replace(".base_layer", ""): v for k, v in canonical_params(model.get_base_model())[0].items()
                 if ".lora_" not in k}
         full = []
@@ -140,7 +142,7 @@ def stage_push(a) -> dict:
 
 
 def _ppo_args(a, lora: bool) -> list[str]:
-    out = Path(a.work_dir) / f"{_slug(a.geometry)}-{'lora' if lora else 'full'}{'-int8' if a.quantize != 'none' else ''}"
+    out = Path(a.work_dir) / f"{_slug(a.geometry)}-{'lora' if lora else 'full'}{_variant(a)}"
     args = ["-c", "import sys; from refit.learner.ppo.cli import main; sys.exit(main(sys.argv[1:]))",
             "--model.model_dir", a.model_dir, "--model.engine_dir", a.engine_dir,
             "-o", str(out), "--overwrite", "--run.steps", str(a.steps), "--run.batch_size", str(a.prompts),
@@ -152,7 +154,7 @@ def _ppo_args(a, lora: bool) -> list[str]:
             "--optim.learning_rate", "1e-4" if lora else "1e-5",
             "--optim.gradient_accumulation_steps", str(a.grad_accum)]
     if lora:
-        args += ["--lora.r", str(a.r), "--lora.alpha", str(2.0 * a.r)]
+        args += ["--lora.r", str(a.r), "--lora.alpha", str(2.0 * a.r), "--lora.base_dtype", a.base_dtype]
     return args
 
 
@@ -172,13 +174,19 @@ def stage_grpo(a, lora: bool = True) -> dict:
 
 # ----------------------------------------------------------------------------- the driver
 
+def _variant(a) -> str:
+    """The folder suffix of an engine base and learner base other than fp32: '-int8', '-bf16', '-int8-bf16'."""
+    return ("-int8" if a.quantize != "none" else "") + ("-bf16" if a.base_dtype == "bf16" else "")
+
+
 def geometry_row(a, log=print) -> dict:
     from refit.learner.builtin.published import build_published, n_params
 
     work = Path(a.work_dir)
     model_dir = work / f"{_slug(a.geometry)}-model"
-    engine_dir = work / f"{_slug(a.geometry)}-engine-lora{'-int8' if a.quantize != 'none' else ''}"
+    engine_dir = work / f"{_slug(a.geometry)}-engine-lora{_variant(a)}"
     row = {"geometry": a.geometry, "params_b": round(n_params(a.geometry, None) / 1e9, 3), "quantize": a.quantize,
+           "base_dtype": a.base_dtype,
            "lora_r": a.r, "shape": f"{a.prompts}x{a.generations}x{a.response_length}", "threads": a.threads}
     a = argparse.Namespace(**{**vars(a), "model_dir": str(model_dir), "engine_dir": str(engine_dir)})
     if not (model_dir / "config.json").is_file():
@@ -188,7 +196,7 @@ def geometry_row(a, log=print) -> dict:
               "--work_dir", str(work), "--r", str(a.r), "--threads", str(a.threads), "--quantize", a.quantize,
               "--prompts", str(a.prompts), "--generations", str(a.generations), "--response_length",
               str(a.response_length), "--steps", str(a.steps), "--repeats", str(a.repeats), "--max_len",
-              str(a.max_len), "--grad_accum", str(a.grad_accum)]
+              str(a.max_len), "--grad_accum", str(a.grad_accum), "--base_dtype", a.base_dtype]
     for stage in a.stages.split(","):
         log(f"[bench lora] {a.geometry}: {stage}")
         if stage in ("grpo", "full"):
@@ -237,7 +245,9 @@ def markdown(rows: list[dict]) -> str:
             f"{r['grpo_step_s']} s ({r['grpo_rollout_s']} / {r['grpo_score_s']} / {r['grpo_update_s']} / "
             f"{r['grpo_push_s']}), {r['grpo_peak_rss_gb']} GB, KL(0) {r['grpo_kl0']:.1e}"))
         full = _cell(r, "full", lambda r: f"{r['full_step_s']} s a step, {r['full_peak_rss_gb']} GB")
-        lines.append(f"| {r['geometry']} | {r['params_b']}B | {r['quantize'] if r['quantize'] != 'none' else 'fp32'} "
+        base = (r["quantize"] if r["quantize"] != "none" else "fp32") + (
+            ", learner bf16" if r.get("base_dtype", "fp32") == "bf16" else "")
+        lines.append(f"| {r['geometry']} | {r['params_b']}B | {base} "
                      f"| {export} | {push} | {grpo} | {full} |")
     return "\n".join(lines)
 
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(learner/builtin/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', 'Qwen2.5 3B', ...)")
     p.add_argument("--stages", default="export,push,grpo", help=f"comma list of {', '.join(STAGES)}")
     p.add_argument("--quantize", default="none", choices=("none", "int8"), help="the engine's base")
+    p.add_argument("--base_dtype", default="fp32", choices=("fp32", "bf16"), help="the learner's base (lora.base_dtype; "
+                                                                                  "bf16: the engine from the rounded base)")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha 2r, all-linear)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--generations", type=int, default=4)
@@ -277,11 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for g in [x.strip() for x in a.geometry.split(",") if x.strip()]:
         rows.append(geometry_row(argparse.Namespace(**{**vars(a), "geometry": g})))
-    store = Path(a.work_dir) / "rows.json"  # every geometry measured so far, by (geometry, engine base)
+    store = Path(a.work_dir) / "rows.json"  # every geometry measured so far, by (geometry, engine base, learner base)
     kept = json.loads(store.read_text()) if store.is_file() else {}
     for r in rows:
-        old = kept.get(f"{r['geometry']}|{r['quantize']}", {})
-        kept[f"{r['geometry']}|{r['quantize']}"] = {**old, **r}  # stages run now replace theirs, others stay
+        key = f"{r['geometry']}|{r['quantize']}" + ("|bf16" if r["base_dtype"] == "bf16" else "")
+        kept[key] = {**kept.get(key, {}), **r}  # stages run now replace theirs, others stay
     store.write_text(json.dumps(kept, indent=1))
     print(markdown(list(kept.values())))
     if a.readme:

@@ -109,6 +109,37 @@ def _exact_kl_reference(model, ref_model, batch, temperature):
     return exact_kl_from_logits(response_forward(model, *args).logits, response_forward(ref_model, *args).logits)
 
 
+def test_reference_beside_the_policy_forward_equals_it_in_turn(model_dirs, engine_dirs, tmp_path):
+    """reference_ahead with a reference engine on a step that scores separately (a value head): the reference's
+    chunks scored on a thread beside the policy's forward give the same numbers as scored in turn, and a step of
+    each kind logs the same metrics."""
+    from refit.learner.ppo.onepass import ReferenceAhead
+    from refit.learner.ppo.update import score_chunks
+    from refit.learner.run.policy import vocab_size
+
+    runs = [setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / f"r{ahead}", batch_size=8, kl_coef=0.1,
+                       ref_backend="onnxruntime", reference_ahead=ahead), resume=False, log=lambda *_: None)
+            for ahead in (False, True)]
+    rows = [train_step(r, 1, log=lambda *_: None) for r in runs]
+    for k, v in rows[0].items():
+        if not k.startswith(("time/", "tokens_per_s")):
+            assert rows[1][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
+    run = runs[0]
+    assert run.ref_engine is not None and run.cfg.advantage_estimator == "gae"
+    with torch.no_grad():
+        for p in run.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2))
+    turn = score_batch(run.policy, run.value_head, run.ref_engine, rollout, 0.7, chunk=5)
+    ahead = ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows, 5), 0.7, vocab_size(run.policy),
+                           ahead=True)
+    beside = score_batch(run.policy, run.value_head, run.ref_engine, rollout, 0.7, chunk=5, ref_ahead=ahead)
+    ahead.close()
+    assert float(turn.exact_kl[rollout.response_mask.bool()].mean()) > 1e-4
+    for a, b in ((turn.ref_logprobs, beside.ref_logprobs), (turn.exact_kl, beside.exact_kl)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-t5"])
 def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_path, arch):
     """score_batch (one policy + one reference forward per chunk) == learner_view x2 + the KL of two more forwards."""

@@ -36,9 +36,9 @@ from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
 from refit.learner.ppo.models import make_optimizer, overlap_threads, reference_engine, resolve_shards, torch_reference
-from refit.learner.ppo.onepass import onepass_update, streamable
+from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
-                                      needs_reference, policy_forward, single_pass)
+                                      needs_reference, policy_forward, score_chunks, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
@@ -48,7 +48,7 @@ from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_for_model, learner_micro_rows, pick_device
 from refit.learner.run.lora import adapter_dropout, apply_lora
 from refit.learner.run.loop import Job, check_finite, due, run_job
-from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size
+from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size, vocab_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
 from refit.rollout.engine import Engine
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -165,14 +165,24 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     return run
 
 
-def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor,
-               policy_out: ForwardOut | None = None) -> tuple[Experience, dict[str, float]]:
+def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor, policy_out: ForwardOut | None = None,
+               ref_ahead: ReferenceAhead | None = None) -> tuple[Experience, dict[str, float]]:
     """:func:`refit.learner.ppo.update.make_experience` on the run's models (the reference: its engine when it
     scores on one, else the PyTorch reference) at the current KL coefficient."""
     critic = run.cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
     return make_experience(run.cfg, run.policy, run.value_head if critic else None, ref, rollout, scores,
-                           run.kl.value, policy_out)
+                           run.kl.value, policy_out, ref_ahead)
+
+
+def reference_beside(run: Run, rollout: RolloutBatch) -> ReferenceAhead | None:
+    """``reference_ahead`` with the reference on an engine: its scoring started on a thread of its own (ONNX Runtime
+    releases the GIL) before the policy's forward, which it then runs beside; else None (scored in turn)."""
+    cfg = run.cfg
+    if not (cfg.reference_ahead and run.ref_engine is not None and needs_reference(cfg, run.kl.value)):
+        return None
+    return ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows), cfg.sampling.temperature,
+                          vocab_size(run.policy), ahead=True)
 
 
 def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
@@ -296,8 +306,13 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     # (LoRA dropout > 0: the update's forward has dropout, the old log-probs must not: two passes)
     one_pass = (cfg.single_pass and single_pass(settings, run.dist.enabled, rollout.num_rows)
                 and not cfg.lora.dropout > 0)
-    fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
-    exp, stats = experience(run, rollout, scores, fwd)
+    beside = reference_beside(run, rollout)
+    try:
+        fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
+        exp, stats = experience(run, rollout, scores, fwd, beside)
+    finally:
+        if beside is not None:
+            beside.close()
     check(stats)
     timings["time/score"] = time.perf_counter() - t1
     t2 = time.perf_counter()

@@ -63,9 +63,14 @@ def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: 
     return out.topk_logprobs
 
 
+def score_chunks(rows: int, chunk: int = SCORE_ROWS) -> list[slice]:
+    """The row ranges :func:`score_batch` scores at a time."""
+    return [slice(i, min(i + chunk, rows)) for i in range(0, rows, chunk)]
+
+
 @torch.no_grad()
 def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = SCORE_ROWS,
-                policy_out: ForwardOut | None = None) -> Scored:
+                policy_out: ForwardOut | None = None, ref_ahead=None) -> Scored:
     """Everything the PPO step needs from the learner, from ONE policy and ONE reference forward per chunk.
 
     Same inputs (padding, positions, temperature) as :func:`learner_view`, which it equals
@@ -75,19 +80,20 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
     reference logits (log_softmax of log-probs is themselves); None: no reference is scored
     (:func:`needs_reference` false), ``ref_logprobs`` and ``exact_kl`` are None.
     ``policy_out``: the policy's forward over the whole batch, already run (:func:`single_pass`: the
-    update's own forward); its rows are used, detached, instead of a policy forward here.
+    update's own forward); its rows are used, detached, instead of a policy forward here. ``ref_ahead``: the
+    reference's logits of each ``chunk`` rows, scored on a thread of their own since before the policy's forward
+    (refit.learner.ppo.onepass.ReferenceAhead over :func:`score_chunks`; ``take(j)``: chunk ``j``'s).
     """
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "v", "ent", "ref", "kl")}
-    for i in range(0, batch.num_rows, chunk):
-        s = slice(i, i + chunk)
+    for j, s in enumerate(score_chunks(batch.num_rows, chunk)):
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
         if policy_out is None:
             pol = response_forward(model, *args, value_head)  # value_head None (no critic): values are 0
         else:
             pol = ForwardOut(logits=policy_out.logits[s].detach(),
                              values=None if policy_out.values is None else policy_out.values[s].detach())
-        ref = None if ref_model is None else reference_logits(ref_model, batch, s, temperature,
-                                                              pol.logits.shape[-1]).to(pol.logits.device)
+        ref = (None if ref_model is None else ref_ahead.take(j).to(pol.logits.device) if ref_ahead is not None
+               else reference_logits(ref_model, batch, s, temperature, pol.logits.shape[-1]).to(pol.logits.device))
         ids = batch.response_ids[s].to(pol.logits.device)
         st = L.token_stats(pol.logits, ids, ref)  # token-chunked: (b, chunk, V) temporaries only
         parts["lp"].append(st.logprobs.cpu())
@@ -370,18 +376,19 @@ def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: E
 
 
 def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, ref, rollout, scores: torch.Tensor,
-                    kl_coef: float, policy_out: ForwardOut | None = None) -> tuple[Experience, dict[str, float]]:
+                    kl_coef: float, policy_out: ForwardOut | None = None,
+                    ref_ahead=None) -> tuple[Experience, dict[str, float]]:
     """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
     advantages; (experience, stats).
 
     ``cfg``: the PPO config (temperature, estimators, correction); ``value_head``: the critic (None: rloo / grpo);
     ``ref``: the frozen reference (an engine or a PyTorch model; scored only when :func:`needs_reference`);
     ``kl_coef``: the KL penalty's coefficient now; ``policy_out``: the update's forward, already run (single pass);
-    else the policy is scored here."""
+    else the policy is scored here; ``ref_ahead``: the reference's chunks, already being scored (score_batch)."""
     critic = value_head is not None
     # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
     sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
-                     cfg.sampling.temperature, policy_out=policy_out)
+                     cfg.sampling.temperature, policy_out=policy_out, ref_ahead=ref_ahead)
     old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
     is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), rollout.response_mask.clone())
     stats.update(experience_stats(cfg, rollout, old_lp, sc.entropy, ref_lp, sc.exact_kl, is_weights))
