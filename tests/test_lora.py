@@ -292,6 +292,7 @@ def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
           "reward": "refit.learner.builtin.tasks:length_reward"}  # dense: the policy moves off the reference
     run = setup(_cfg(model_dirs, tmp_path / "s", **kw), resume=False, **QUIET)
     assert run.ref_engine is None and isinstance(run.ref, AdapterOff) and not run.sync.contract.check_on_rollout
+    assert run.cfg.correction == "tis"  # the bf16 forward and the engine's fp32 differ by rounding: corrected
     assert Manifest.read(tmp_path / "s" / "engine").options["round_weights"] == "bf16"
     rollout = run.engine.generate(run.prompt_ids[:4], SamplingParams(max_new_tokens=6, top_k=5, top_p=0.9, seed=3))
     _, stats = experience(run, rollout, torch.zeros(rollout.num_rows))

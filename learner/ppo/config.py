@@ -127,8 +127,9 @@ class PPOConfig:
     mismatch_correction: Literal["auto", "none", "tis", "seq_mask"] = _f(
         "auto", "rollout/learner mismatch correction: tis (truncated importance sampling, weights "
                 "min(pi_learner / pi_engine, tis_cap)), seq_mask (drop sequences that disagree by more than "
-                "seq_mask_threshold), none; auto: tis with a quantized engine (rollout.quantize) or overlapped "
-                "generation (rollout.max_staleness >= 1: the batch comes from older weights), else none")
+                "seq_mask_threshold), none; auto: tis with a quantized engine (rollout.quantize), overlapped "
+                "generation (rollout.max_staleness >= 1: the batch comes from older weights) or a bf16 LoRA base "
+                "(lora.base_dtype), else none")
     tis_cap: float = _f(2.0, "truncated importance sampling cap C")
     tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "
                                     "scales the policy gradient, falls below this")
@@ -166,10 +167,12 @@ class PPOConfig:
     def correction(self) -> str:
         """``mismatch_correction`` resolved: 'auto' is 'tis' with a quantized rollout engine or with overlapped
         generation (``rollout.max_staleness`` >= 1: the engine's log-probs are the behaviour policy's, the
-        learner's old log-probs the proximal policy's, AReaL's decoupled PPO), else 'none'."""
+        learner's old log-probs the proximal policy's, AReaL's decoupled PPO) or with a bf16 LoRA base on the learner
+        (``lora.base_dtype``: the engine computes in fp32), else 'none'."""
         if self.mismatch_correction != "auto":
             return self.mismatch_correction
-        return "tis" if self.rollout.quantize != "none" or self.rollout.max_staleness > 0 else "none"
+        low_base = self.lora.enabled and self.lora.base_dtype != "fp32"
+        return "tis" if self.rollout.quantize != "none" or self.rollout.max_staleness > 0 or low_base else "none"
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"
