@@ -159,6 +159,17 @@ def auto_shards(rows: int, layer_weights: int, threads: int) -> int:
     return max(1, min(threads, rows // SHARD_MIN_ROWS))
 
 
+def auto_decode_threads(rows: int, layer_weights: int, threads: int) -> int:
+    """The intra-op threads a single decode loop (one shard) uses of the engine's ``threads`` under
+    ``rollout.engine_shards`` auto: one for a model under ``SHARD_MAX_LAYER_WEIGHTS`` layer weights a token decoding at
+    most ``SHARD_MIN_ROWS`` rows (too few rows for a second shard, matmuls too small for a second intra-op thread to
+    repay its hand-offs at every node), else all of them. Scoring keeps them all. The data: docs/engine-step.md,
+    "Shards: the auto rule"."""
+    if threads > 1 and layer_weights <= SHARD_MAX_LAYER_WEIGHTS and rows <= SHARD_MIN_ROWS:
+        return 1
+    return threads
+
+
 def layer_weights(text_cfg) -> int:
     """Weights a token meets in the decoder layers (attention 4 d^2, MLP 2 or 3 d x ff), from a transformers
     text config (embeddings left out: a lookup and one output matmul)."""

@@ -35,7 +35,8 @@ from refit.learner.ppo.overlap import PENDING_FILE, RolloutAhead, check_stalenes
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
                                        write_extras)
-from refit.learner.ppo.models import make_optimizer, overlap_threads, reference_engine, resolve_shards, torch_reference
+from refit.learner.ppo.models import (decode_threads, make_optimizer, overlap_threads, reference_engine, resolve_shards,
+                                      torch_reference)
 from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
                                       needs_reference, policy_forward, score_chunks, single_pass)
@@ -105,10 +106,12 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if cfg.eval_steps and held is None:
         raise RefitError("eval_steps needs held-out prompts: set data.eval_split or data.eval_fraction with a dataset")
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.response_length + 8
+    shards_auto = cfg.rollout.engine_shards == 0
     cfg = resolve_shards(cfg, log)
     engine = None  # [dist] ranks > 0 hold no engine
     overlap = cfg.rollout.max_staleness > 0 and dist.is_main
-    engine_cfg, learner_threads = overlap_threads(cfg, log) if overlap else (cfg, None)
+    engine_cfg, learner_threads = (overlap_threads(cfg, log) if overlap else
+                                   (decode_threads(cfg, log) if shards_auto else cfg, None))
     if dist.is_main:
         engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
                                   cfg.run.batch_size * cfg.num_generations, max_len, log, lora=cfg.lora)

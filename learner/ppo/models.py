@@ -15,7 +15,7 @@ from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.update import needs_reference
 from refit.learner.run.lora import AdapterOff
 from refit.rollout.build import ensure_engine
-from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_shards, layer_weights
+from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_decode_threads, auto_shards, layer_weights
 from refit.rollout.engine import Engine, create_engine
 
 
@@ -72,6 +72,23 @@ def resolve_shards(cfg: PPOConfig, log=print) -> PPOConfig:
         log(f"refit ppo: rollout.engine_shards auto: {shards} ({rows} rows, {weights / 1e6:.2f}M layer weights a "
             f"token, {threads} engine threads)")
     return replace(cfg, rollout=replace(cfg.rollout, engine_shards=shards))
+
+
+def decode_threads(cfg: PPOConfig, log=print) -> PPOConfig:
+    """The policy engine's config under ``rollout.engine_shards`` auto with one shard: its intra-op threads by
+    :func:`refit.rollout.decode.auto_decode_threads` (one for a small model's few rows); the reference engine and
+    the learner keep theirs."""
+    if cfg.rollout.backend != "onnxruntime" or cfg.rollout.engine_shards != 1:
+        return cfg
+    rows = cfg.run.batch_size * cfg.num_generations
+    threads = cfg.rollout.engine_threads or torch.get_num_threads()
+    text = text_config(cfg.model.model_dir)
+    n = auto_decode_threads(rows, layer_weights(text), threads) if text is not None else threads
+    if n == threads:
+        return cfg
+    log(f"refit ppo: rollout.engine_shards auto: 1 shard decoding on {n} of {threads} threads ({rows} rows, "
+        f"{layer_weights(text) / 1e6:.2f}M layer weights a token)")
+    return replace(cfg, rollout=replace(cfg.rollout, engine_threads=n))
 
 
 def ref_on_engine(cfg: PPOConfig) -> bool:
