@@ -186,6 +186,22 @@ def test_bf16_base_on_the_learner(arch, model_dirs, lora_engines, tmp_path):
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}  # fp32_compute undone
 
 
+def test_bf16_base_with_an_int8_engine(model_dirs, lora_engines, tmp_path):
+    """A bf16 learner base beside an int8 engine exported from the same rounded base: the probe (the learner's
+    weights quantized as the engine's, in fp32 arithmetic) passes at the int8 gate's tolerance after a perturbed
+    adapter's push, and catches the stale adapter."""
+    folder = lora_engines("tiny-llama", "int8", round_weights="bf16")
+    m = Manifest.read(folder)
+    model = _peft(model_dirs["tiny-llama"], base_dtype="bf16")
+    eng = create_engine("onnxruntime", folder, hold_weights=False)
+    probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    _perturb_adapter(model)
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m)
+    eng.update_weights(adapter_tensors(model))
+    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m) <= 2e-3
+
+
 def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):
     with pytest.raises(RefitError, match="lora: target_modules \\['no_such_layer'\\] cannot be used") as e:
         _peft(model_dirs["tiny-llama"], targets=("no_such_layer",))

@@ -62,7 +62,10 @@ def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     elsewhere bf16 matmuls are emulated and slower than fp32's."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:  # oneDNN's own check of the CPU's bf16 instructions (a private op; a torch without it: not known, no warning)
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 @torch.no_grad()
