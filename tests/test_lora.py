@@ -238,12 +238,26 @@ def _cfg(model_dirs, out, **kw):
     return PPOConfig.from_flat(**base)
 
 
+def _resumed_equals_uninterrupted(full, part) -> list[dict]:
+    """A 4-step run stopped at step 2 and resumed (``part``) logs what the uninterrupted run (``full``) logs, and it
+    trained (KL > 0 at the end); the uninterrupted run's rows."""
+    from refit.learner.run.metrics import read_metrics
+
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a[2:], b[2:]):
+        for k, v in ra.items():
+            if not k.startswith(("time/", "tokens_per_s")) and v is not None:
+                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert a[-1]["kl/exact"] > 1e-6  # it trained
+    return a
+
+
 def test_ppo_with_lora_kl0_adapter_only_checkpoint_and_exact_resume(model_dirs, tmp_path):
     """KL(0) <= 1e-6 with the reference on the engine's adapter-off view; the optimizer holds only the adapter;
     a checkpoint holds the adapter folder only; a run stopped at step 2 and resumed logs what the uninterrupted
     run logs."""
     from refit.learner.ppo.cycle import experience, run_ppo, setup
-    from refit.learner.run.metrics import read_metrics
 
     run = setup(_cfg(model_dirs, tmp_path / "s"), resume=False, **QUIET)
     assert run.ref_engine is not None and run.ref_engine.sessions is run.engine.sessions.raw  # one copy of the base
@@ -261,13 +275,7 @@ def test_ppo_with_lora_kl0_adapter_only_checkpoint_and_exact_resume(model_dirs, 
     ck = part / "checkpoints" / "step_000002" / "policy"
     assert (ck / "adapter_model.safetensors").is_file() and not (ck / "model.safetensors").exists()
     run_ppo(_cfg(model_dirs, part), resume=True, **QUIET)
-    a, b = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a[2:], b[2:]):
-        for k, v in ra.items():
-            if not k.startswith(("time/", "tokens_per_s")) and v is not None:
-                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
-    assert a[-1]["kl/exact"] > 1e-6  # it trained
+    a = _resumed_equals_uninterrupted(full, part)
     assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in a) < 1e-4
 
 
@@ -302,7 +310,6 @@ def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
 
     from refit.learner.ppo.cycle import experience, run_ppo, setup
     from refit.learner.run.lora import AdapterOff, fp32_compute
-    from refit.learner.run.metrics import read_metrics
 
     kw = {"lora.base_dtype": "bf16", "lora.target_modules": ("all-linear", "lm_head"),
           "reward": "refit.learner.builtin.tasks:length_reward"}  # dense: the policy moves off the reference
@@ -320,12 +327,7 @@ def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
     part = tmp_path / "part"
     run_ppo(_cfg(model_dirs, part, **kw, **{"run.max_steps_this_run": 2}), **QUIET)
     run_ppo(_cfg(model_dirs, part, **kw), resume=True, **QUIET)
-    a, b = read_metrics(full), read_metrics(part)
-    for ra, rb in zip(a[2:], b[2:]):
-        for k, v in ra.items():
-            if not k.startswith(("time/", "tokens_per_s")) and v is not None:
-                assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["step"], k)
-    assert a[-1]["kl/exact"] > 1e-6  # it trained
+    a = _resumed_equals_uninterrupted(full, part)
     assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in a) < 1e-5
 
     merged = AutoModelForCausalLM.from_pretrained(full / "final").eval()
