@@ -171,8 +171,8 @@ class PPOConfig:
         (``lora.base_dtype``: the engine computes in fp32), else 'none'."""
         if self.mismatch_correction != "auto":
             return self.mismatch_correction
-        low_base = self.lora.enabled and self.lora.base_dtype != "fp32"
-        return "tis" if self.rollout.quantize != "none" or self.rollout.max_staleness > 0 or low_base else "none"
+        return ("tis" if self.rollout.quantize != "none" or self.rollout.max_staleness > 0 or self.lora.bf16_base
+                else "none")
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"
@@ -209,7 +209,7 @@ class PPOConfig:
              f"merged targeted layers); the {self.rollout.backend} backend takes no adapter push (docs/lora.md)"),
             (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
                                                             "workers take full-model pushes only"),
-            (self.lora.enabled and self.lora.base_dtype != "fp32" and self.ref_backend == "onnxruntime",
+            (self.lora.bf16_base and self.ref_backend == "onnxruntime",
              f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine computes in fp32, the "
              "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "
              "auto or torch: the policy with its adapter off)"),

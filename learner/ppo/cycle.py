@@ -149,9 +149,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
     # a bf16 LoRA base: the rollout's log-probs (the engine's fp32 arithmetic) differ from the update's (bf16) by
     # rounding, so a push is checked on the probe batch, computed in fp32 (refit.learner.run.sync.probe_learner_side)
-    low_base = cfg.lora.enabled and cfg.lora.base_dtype != "fp32"
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
-                        check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None and not low_base)
+                        check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None
+                        and not cfg.lora.bf16_base)
     if needs_reference(cfg, cfg.kl_coef):
         run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
                                           max_len=max_len, threads=learner_threads, policy_engine=engine)

@@ -58,15 +58,20 @@ def make_optimizer(cfg: PPOConfig, policy: torch.nn.Module, value_head: torch.nn
     return optimizer, scheduler
 
 
+def _rollout_shape(cfg: PPOConfig) -> tuple[int, int, int]:
+    """(the rollout's rows, the engine's threads, the model's layer weights a token; a config without a text config
+    counts as large): what the engine-side auto rules read."""
+    text = text_config(cfg.model.model_dir)
+    return (cfg.run.batch_size * cfg.num_generations, cfg.rollout.engine_threads or torch.get_num_threads(),
+            layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1)
+
+
 def resolve_shards(cfg: PPOConfig, log=print) -> PPOConfig:
     """``rollout.engine_shards`` 0 (auto) made a number by :func:`refit.rollout.decode.auto_shards` from the
     rollout's rows, the model's layer weights and the engine's threads; an explicit value is kept."""
     if cfg.rollout.engine_shards:
         return cfg
-    rows = cfg.run.batch_size * cfg.num_generations
-    threads = cfg.rollout.engine_threads or torch.get_num_threads()
-    text = text_config(cfg.model.model_dir)
-    weights = layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1
+    rows, threads, weights = _rollout_shape(cfg)
     shards = auto_shards(rows, weights, threads) if cfg.rollout.backend == "onnxruntime" else 1
     if shards > 1:
         log(f"refit ppo: rollout.engine_shards auto: {shards} ({rows} rows, {weights / 1e6:.2f}M layer weights a "
@@ -80,14 +85,12 @@ def decode_threads(cfg: PPOConfig, log=print) -> PPOConfig:
     the learner keep theirs."""
     if cfg.rollout.backend != "onnxruntime" or cfg.rollout.engine_shards != 1:
         return cfg
-    rows = cfg.run.batch_size * cfg.num_generations
-    threads = cfg.rollout.engine_threads or torch.get_num_threads()
-    text = text_config(cfg.model.model_dir)
-    n = auto_decode_threads(rows, layer_weights(text), threads) if text is not None else threads
+    rows, threads, weights = _rollout_shape(cfg)
+    n = auto_decode_threads(rows, weights, threads)
     if n == threads:
         return cfg
     log(f"refit ppo: rollout.engine_shards auto: 1 shard decoding on {n} of {threads} threads ({rows} rows, "
-        f"{layer_weights(text) / 1e6:.2f}M layer weights a token)")
+        f"{weights / 1e6:.2f}M layer weights a token)")
     return replace(cfg, rollout=replace(cfg.rollout, engine_threads=n))
 
 
@@ -96,8 +99,7 @@ def ref_on_engine(cfg: PPOConfig) -> bool:
     engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
     quantized = cfg.rollout.quantize != "none"
     # a bf16 learner base: the reference computes as the policy does (the policy with its adapter off), else KL(0) > 0
-    low_base = cfg.lora.enabled and cfg.lora.base_dtype != "fp32"
-    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or low_base or
+    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or cfg.lora.bf16_base or
                                                                              not engine_backend)))
 
 

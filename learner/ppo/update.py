@@ -92,8 +92,10 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         else:
             pol = ForwardOut(logits=policy_out.logits[s].detach(),
                              values=None if policy_out.values is None else policy_out.values[s].detach())
-        ref = (None if ref_model is None else ref_ahead.take(j).to(pol.logits.device) if ref_ahead is not None
-               else reference_logits(ref_model, batch, s, temperature, pol.logits.shape[-1]).to(pol.logits.device))
+        ref = None
+        if ref_model is not None:  # scored beside the policy's forward already (ref_ahead), else now
+            ref = (ref_ahead.take(j) if ref_ahead is not None
+                   else reference_logits(ref_model, batch, s, temperature, pol.logits.shape[-1])).to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         st = L.token_stats(pol.logits, ids, ref)  # token-chunked: (b, chunk, V) temporaries only
         parts["lp"].append(st.logprobs.cpu())

@@ -135,6 +135,12 @@ class LoraSection:
     def enabled(self) -> bool:
         return self.r > 0
 
+    @property
+    def bf16_base(self) -> bool:
+        """A LoRA run whose learner holds the base in bf16: its engine is exported from the rounded base and computes
+        in fp32, so the update's forward and the engine differ by rounding."""
+        return self.enabled and self.base_dtype == "bf16"
+
     def __post_init__(self):
         check([(self.r < 0, f"lora.r = {self.r}: a rank is >= 0 (0 = full fine-tuning)"),
                (self.r > 0 and not self.target_modules, "lora.target_modules is empty: name modules or 'all-linear'"),

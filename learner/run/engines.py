@@ -120,11 +120,10 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
     # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
     lora_ready = lora is not None and lora.enabled and cfg.rollout.backend != "tensorrt"
-    bf16_base = lora is not None and lora.enabled and lora.base_dtype == "bf16"  # the engine holds the rounded base
     check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
                         getattr(cfg.rollout, "quantize", "none"), lora=tuple(lora.target_modules) if lora_ready else (),
-                        round_weights="bf16" if bf16_base else "none")
+                        round_weights="bf16" if lora is not None and lora.bf16_base else "none")
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
