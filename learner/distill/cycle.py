@@ -57,6 +57,7 @@ from refit.learner.run.distributed import DistContext, reduce_stats
 from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora
 from refit.learner.run.final import write_final
+from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
@@ -210,6 +211,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
     student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir, cfg.lora)
     teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
+    use_cpu_matmul(teacher_model, cfg.run.cpu_matmul, device)
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = student_model(cfg, s_info, device)
@@ -238,7 +240,9 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
 def student_model(cfg: DistillConfig, info, device):
     """The student to train: the loaded model, or with ``lora.r > 0`` a LoRA adapter over it (the base frozen)."""
     student = load_model(cfg.student.model_dir, info).to(device)
-    return apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
+    student = apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
+    use_cpu_matmul(student, cfg.run.cpu_matmul, device)
+    return student
 
 
 def _optimizer(cfg: DistillConfig, student, get_scheduler):

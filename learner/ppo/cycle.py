@@ -48,6 +48,7 @@ from refit.learner.run.final import write_final
 from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_for_model, learner_micro_rows, pick_device
 from refit.learner.run.lora import adapter_dropout, apply_lora
+from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size, vocab_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
@@ -118,6 +119,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     policy = load_model(cfg.model.model_dir, info).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
+    use_cpu_matmul(policy, cfg.run.cpu_matmul, device)
     ref = torch_reference(cfg, policy, info, device, dist.is_main)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)

@@ -14,6 +14,7 @@ from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.update import needs_reference
 from refit.learner.run.lora import AdapterOff
+from refit.learner.run.matmul import use_cpu_matmul
 from refit.rollout.build import ensure_engine
 from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_decode_threads, auto_shards, layer_weights
 from refit.rollout.engine import Engine, create_engine
@@ -40,7 +41,9 @@ def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, de
         return None
     if cfg.lora.enabled:
         return AdapterOff(policy)
-    return load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+    use_cpu_matmul(ref, cfg.run.cpu_matmul, device)
+    return ref
 
 
 def make_optimizer(cfg: PPOConfig, policy: torch.nn.Module, value_head: torch.nn.Module | None):
