@@ -142,6 +142,8 @@ class BenchGRPO(OnMachine):
     lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
     lora_base_dtype: Literal["fp32", "bf16"] = opt("fp32", "the frozen base's dtype on both learners (bf16: TRL's "
                                                            "model_init_kwargs dtype, Refit's lora.base_dtype)")
+    quantize: Literal["none", "int8"] = opt("none", "Refit's engine only: int8 linear layers (rollout.quantize; TIS "
+                                                    "corrects the gap); the learners stay as set on both sides")
     refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
                                 "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_completion_length=a.max_completion_length, temperature=a.temperature,
                      learning_rate=a.learning_rate, lr_scheduler=a.lr_scheduler, steps=a.steps, beta=a.beta,
                      threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
-                     lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype)
+                     lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype, quantize=a.quantize)
         out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
                          Path(a.trl_venv).resolve())
     elif which == "workers":

@@ -42,6 +42,8 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
   frozen base in bf16 on both sides, ``model_init_kwargs={"dtype": "bfloat16"}`` (TRL's model, generation included,
   in bf16; PEFT keeps the adapter in fp32) / ``--lora.base_dtype bf16`` (the learner's base in bf16; the engine
   computes in fp32 over the same rounded base);
+- ``--quantize int8``: Refit's engine only (``rollout.quantize int8``: int8 linear layers, TIS by default); TRL
+  generates with its learner's model, so the learners stay fp32 (or bf16) on both sides as set;
 - logging only: ``logging_steps=1``, ``save_strategy="no"``, ``report_to="none"``; Refit writes no checkpoint
   within the run and no final export.
 
@@ -112,6 +114,7 @@ class Workload:
     lora_alpha: float  # the adapter's output scaled by lora_alpha / lora_r
     lora_target: str  # 'all-linear' or a comma list of module names
     lora_base_dtype: str = "fp32"  # bf16: the frozen base held in bf16 on both learners (the adapter in fp32)
+    quantize: str = "none"  # int8: Refit's engine only (the rollout; TRL generates with its learner's model)
 
 
 def slug(name: str) -> str:
@@ -251,6 +254,8 @@ def export_engine(w: Workload, engine: Path, logs: Path) -> dict:
            str(w.prompts_per_step * w.num_generations), "--max_len", str(engine_max_len(w))]
     if w.lora_r:
         cmd += ["--lora", *lora_targets(w), "--round_weights", "bf16" if w.lora_base_dtype == "bf16" else "none"]
+    if w.quantize != "none":
+        cmd += ["--quantize", w.quantize]
     wall, rss = run_child(cmd, logs / "refit-export.log", child_env(w.threads, True), "refit export")
     return {"s": round(wall, 1), "peak_rss_gb": round(rss, 3), "engine": str(engine)}
 
@@ -265,7 +270,7 @@ def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path 
            "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device, "--run.no_bf16",
            "--num_ppo_epochs", "1", "--num_mini_batches", "1",
            "--kl_coef", str(w.beta), "--kl_penalty", "loss", "--kl_estimator", "k3",
-           "--rollout.backend", backend, "--rollout.engine_threads", str(w.threads),
+           "--rollout.backend", backend, "--rollout.engine_threads", str(w.threads), "--rollout.quantize", w.quantize,
            "--ckpt.save_steps", str(10 * w.steps), "--no_export_final", "--log.no_progress", "--log.no_tensorboard",
            "--log.no_plots", "--overwrite"]
     if engine is not None:
@@ -392,7 +397,8 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
     runs_dir.mkdir(parents=True, exist_ok=True)
     py = trl_python(trl_venv, log) if vs == "trl" else None
     engine = work / (f"{Path(w.model).name}-grpo-engine{'-lora' if w.lora_r else ''}"
-                     f"{'-bf16' if w.lora_r and w.lora_base_dtype == 'bf16' else ''}")
+                     f"{'-bf16' if w.lora_r and w.lora_base_dtype == 'bf16' else ''}"
+                     f"{'-' + w.quantize if w.quantize != 'none' else ''}")
     export = export_engine(w, engine, runs_dir)
     log(f"refit export: {export['s']} s, peak RSS {export['peak_rss_gb']} GB ({engine})")
     runs: dict[str, list[dict]] = {"refit": [], base: []}

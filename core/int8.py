@@ -142,10 +142,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _module_kn(module) -> torch.Tensor | None:
     """The (K, N) weight a Linear (out, in) or Conv1D (in, out) multiplies by; None for any other module."""
-    kind = type(module).__name__
     if isinstance(module, torch.nn.Linear):
         return module.weight.t()
-    if kind == "Conv1D":
+    if any(c.__name__ == "Conv1D" for c in type(module).__mro__):  # transformers' own, or a subclass of it
         return module.weight
     return None
 

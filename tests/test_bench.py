@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -223,6 +224,12 @@ def test_bench_grpo_aligns_both_sides(tmp_path):
     assert "--run.no_bf16" in refit  # fp32 learners (TRL's side: bf16=False in trl_grpo_side.grpo_args)
     assert refit[-2:] == ["--rollout.max_staleness", "1"]
     assert flag(trl, "--trl_args") == '{"gradient_checkpointing": false}'
+    assert flag(refit, "--rollout.quantize") == "none"
+    # --quantize int8: Refit's engine only; TRL's side has no such argument (it generates with its learner's model)
+    int8 = refit_command(replace(w, quantize="int8"), tmp_path / "r", 11, "onnxruntime", tmp_path / "e", "")
+    assert flag(int8, "--rollout.quantize") == "int8" and "--lora.base_dtype" in int8
+    assert trl_command(tmp_path / "py", replace(w, quantize="int8"), tmp_path / "t", 11, "") == trl_command(
+        tmp_path / "py", w, tmp_path / "t", 11, "")
 
 
 def test_grpo_reward_and_summaries_by_hand():

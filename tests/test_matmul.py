@@ -133,3 +133,14 @@ def test_settings():
     assert use_cpu_matmul(layer, "blas") == 0 and type(layer) is torch.nn.Linear
     with pytest.raises(RefitError, match="run.cpu_matmul 'mkl'"):
         resolve("mkl", "cpu")
+
+
+def test_switched_layers_are_still_found_by_the_int8_reference():
+    """The int8 reference (refit.core.int8) finds the layers it quantizes by kind: a switched GPT-2 Conv1D and Linear
+    are still a (K, N) weight to it."""
+    from refit.core.int8 import _module_kn
+
+    conv, lin = Conv1D(24, 16), torch.nn.Linear(16, 24)
+    use_cpu_matmul(conv), use_cpu_matmul(lin)
+    assert type(conv) is DnnConv1D and torch.equal(_module_kn(conv), conv.weight)
+    assert type(lin) is DnnLinear and torch.equal(_module_kn(lin), lin.weight.t())

@@ -73,7 +73,10 @@ def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
     diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2))
     moved = max(float((a - b).abs().max()) for a, b in zip(w1, [p.detach() for p in _run(
         model_dirs, engine_dirs, tmp_path, "fresh", **over).policy.parameters()]))
-    assert moved > 1e-4 and diff < 1e-3 * moved  # the same (non-zero) step
+    # the same (non-zero) step: oneDNN's fp32 sums (run.cpu_matmul auto) depend on a matmul's rows, so the scoring
+    # pass (8 rows) and the micro-batches (2) differ in the last bits, which Adam's first step (g / (|g| + eps))
+    # magnifies on near-zero gradients: 1.2e-3 of the step measured; a wrong step differs by O(moved)
+    assert moved > 1e-4 and diff < 5e-3 * moved
 
 
 def test_reference_always_logs_kl_at_zero_coef(model_dirs, engine_dirs, tmp_path):
