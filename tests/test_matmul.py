@@ -106,7 +106,7 @@ def test_model_equals_blas(name, lora, one_torch_thread):
 
 
 def test_other_dtypes_and_tracing_take_the_layers_own_forward():
-    """A bf16 layer (a bf16 LoRA base) computes as nn.Linear does, bit for bit; an ONNX export of a switched layer
+    """A bf16 layer (a bf16 LoRA base) and a 1-D input compute as nn.Linear does, bit for bit; an ONNX export of a switched layer
     traces plain MatMul/Gemm, not oneDNN's op."""
     import io
 
@@ -118,6 +118,11 @@ def test_other_dtypes_and_tracing_take_the_layers_own_forward():
     want = F.linear(x, layer.weight, layer.bias)
     use_cpu_matmul(layer)
     assert torch.equal(layer(x), want)
+    one = torch.nn.Linear(64, 32)
+    v = torch.randn(64)
+    want1 = one(v)
+    use_cpu_matmul(one)
+    assert torch.equal(one(v), want1)  # a 1-D input (F.linear takes it; oneDNN's op wants rows)
     fp32 = torch.nn.Linear(64, 32)
     use_cpu_matmul(fp32)
     buf = io.BytesIO()

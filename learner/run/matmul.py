@@ -61,7 +61,7 @@ class _DnnLinearFn(torch.autograd.Function):
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    return (x.device.type == "cpu" and x.dim() >= 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
             and not torch.compiler.is_compiling())
 
@@ -103,26 +103,23 @@ def resolve(mode: str, device: torch.device | str) -> str:
     return mode
 
 
-def use_cpu_matmul(model: torch.nn.Module, mode: str = "auto", device: torch.device | str = "cpu") -> int:
-    """Route ``model``'s fp32 CPU linear layers through oneDNN (``mode`` resolved by :func:`resolve`); in place.
-    Returns how many layers were switched (0 for ``blas``)."""
-    if resolve(mode, device) != "onednn":
-        return 0
+def _swap(model: torch.nn.Module, classes: dict) -> int:
+    """Every module whose class is a key of ``classes`` gets the value as its class, in place; how many."""
     n = 0
     for m in model.modules():
-        new = _SWAP.get(type(m))
+        new = classes.get(type(m))
         if new is not None:
             m.__class__ = new
             n += 1
     return n
 
 
+def use_cpu_matmul(model: torch.nn.Module, mode: str = "auto", device: torch.device | str = "cpu") -> int:
+    """Route ``model``'s fp32 CPU linear layers through oneDNN (``mode`` resolved by :func:`resolve`); in place.
+    Returns how many layers were switched (0 for ``blas``)."""
+    return _swap(model, _SWAP) if resolve(mode, device) == "onednn" else 0
+
+
 def restore(model: torch.nn.Module) -> int:
     """Undo :func:`use_cpu_matmul`: every switched layer back to its own class. Returns how many."""
-    n = 0
-    for m in model.modules():
-        old = _BACK.get(type(m))
-        if old is not None:
-            m.__class__ = old
-            n += 1
-    return n
+    return _swap(model, _BACK)
