@@ -637,6 +637,26 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(capsys, tmp_path, mo
     assert not (tmp_path / "e_huge").exists()
 
 
+def test_full_fine_tuning_whose_weights_cannot_fit_is_pointed_to_lora(tmp_path, model_dirs, monkeypatch):
+    """Where the weights with their gradient and Adam's moments alone exceed memory (Qwen2.5-1.5B here: 23.0 GiB
+    of 22.7), lowering the batch cannot help: the line says to train a LoRA adapter; a LoRA run over the same memory
+    gets the batch advice (its base is 4 bytes a parameter)."""
+    from dataclasses import replace
+
+    import refit.learner.run.engines as re
+    from refit.core.hf_folder import load_model
+
+    cfg = _ppo(tmp_path, model_dirs[GPT2], batch_size=2, num_mini_batches=1)
+    weights = 16 * sum(p.numel() for p in load_model(model_dirs[GPT2]).parameters())
+    monkeypatch.setattr(re, "available", lambda: weights // 2)
+    with pytest.raises(RefitError, match=r"more than the .* of memory available; the weights alone do not fit: .*"
+                                         r"train a LoRA adapter over the frozen base instead \(--lora.r 16"):
+        re.check_batch_memory(cfg)
+    monkeypatch.setattr(re, "available", lambda: weights // 40)
+    with pytest.raises(RefitError, match=r"of memory available; lower run.batch_size"):
+        re.check_batch_memory(replace(cfg, lora=replace(cfg.lora, r=4)))
+
+
 def test_config_sections_are_strict_with_the_nearest_name(capsys, tmp_path, model_dirs):
     """#5, #13: a bare name under a wrong section is not an old flat name; unknown names get a suggestion."""
     p = ["ppo", "--model.model_dir", model_dirs[GPT2], "-o", tmp_path / "run"]

@@ -72,12 +72,17 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
             f"{sec.model_dir}, {micro} rows a micro-batch in the update,")
     fix = ("lower run.batch_size, or the response length; lower optim.micro_batch_rows for a smaller update "
            "micro-batch")
-    if pick_device(cfg.run.device).type == "cuda":
-        refuse_if_over(engine, available(), what, "of host memory", fix)
+    have, cuda = available(), pick_device(cfg.run.device).type == "cuda"
+    if not lora and not cuda and have is not None and learner["weights"] + engine["engine weights"] > have:
+        fix = ("the weights alone do not fit: full fine-tuning holds each parameter with its gradient and Adam's two "
+               "moments (16 bytes), so train a LoRA adapter over the frozen base instead (--lora.r 16: the base at 4 "
+               "bytes a parameter, docs/lora.md)")
+    if cuda:
+        refuse_if_over(engine, have, what, "of host memory", fix)
         gpu = int(os.environ.get("LOCAL_RANK", "0"))  # [dist] this rank's GPU, not every rank's context on GPU 0
         refuse_if_over(learner, torch.cuda.mem_get_info(gpu)[0], what, "of free GPU memory", fix)
     else:
-        refuse_if_over({**engine, **learner}, available(), what, "of memory", fix)
+        refuse_if_over({**engine, **learner}, have, what, "of memory", fix)
 
 
 def learner_micro_rows(g, rows: int, max_len: int, response: int, explicit: int = 0,
