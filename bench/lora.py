@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -179,6 +180,13 @@ def _variant(a) -> str:
     return ("-int8" if a.quantize != "none" else "") + ("-bf16" if a.base_dtype == "bf16" else "")
 
 
+def refused(line: str) -> str | None:
+    """The memory check's refusal (refit.learner.run.engines.check_batch_memory) in a table cell's words: what the
+    run needed, of it the weights, and what the machine had; None for any other line."""
+    m = re.search(r"needs about ([\d.]+ \w+) \(.*\bweights ([\d.]+ \w+).*more than the ([\d.]+ \w+)", line)
+    return (f"refused before any work: needs {m[1]} (weights {m[2]}), {m[3]} available" if m else None)
+
+
 def geometry_row(a, log=print) -> dict:
     from refit.learner.builtin.published import build_published, n_params
 
@@ -204,7 +212,8 @@ def geometry_row(a, log=print) -> dict:
             code, secs, rss, last = run_child(_ppo_args(a, lora), a.rss_cap_gb if stage == "full" else None, log)
             capped = code == -9 and stage == "full"
             res = {"status": "ok" if code == 0 else ("stopped at the cap" if capped else
-                                                     "killed (-9: out of memory)" if code == -9 else f"failed: {last[:200]}")}
+                                                     "killed (-9: out of memory)" if code == -9 else
+                                                     refused(last) or f"failed: {last[:200]}")}
             if code == 0:
                 code2, _, _, last2 = run_child(["-m", "refit.bench.lora", "--stage", stage, *common], log=log)
                 res.update(json.loads(last2) if code2 == 0 else {"status": f"failed: {last2[:200]}"})

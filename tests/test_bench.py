@@ -275,3 +275,20 @@ def test_bench_grpo_vs_trl_json(tmp_path):
     assert trl["config"]["bf16"] is False and trl["config"]["gradient_checkpointing"] is True  # TRL's default kept
     assert trl["config"]["per_device_train_batch_size"] == 4 and trl["config"]["num_iterations"] == 1
     assert sorted(trl["eos_token_ids"]) == out["stops"]["trl"] == out["stops"]["refit"]
+
+
+def test_bench_lora_names_a_refused_full_fine_tuning_row():
+    """The full fine-tuning column says why a geometry has no row: the memory check's own line (a 1.5B model on a
+    24 GB box), turned into the cell's words; any other failure keeps its line."""
+    from refit.bench.lora import markdown, refused
+
+    line = ("refit ppo: error: a batch of 64 rows (run.batch_size 16 x num_generations 4) of up to 65 tokens of m, "
+            "3 rows a micro-batch in the update, needs about 32.8 GiB (KV cache 227.5 MiB, engine weights 5.8 GiB, "
+            "learner activations 2.2 GiB, weights 23.0 GiB, batch tensors 0.4 MiB), more than the 22.7 GiB of memory "
+            "available; the weights alone do not fit")
+    cell = refused(line)
+    assert cell == "refused before any work: needs 32.8 GiB (weights 23.0 GiB), 22.7 GiB available"
+    assert refused("Traceback: something else") is None
+    row = {"geometry": "Qwen2.5 1.5B", "params_b": 1.544, "quantize": "none", "base_dtype": "fp32",
+           "full_status": cell, "full_wall_s": 9.1, "full_peak_rss_gb": 0.4}
+    assert f"| {cell} (9.1 s, 0.4 GB) |" in markdown([row])
