@@ -70,8 +70,8 @@ class RunSection:
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
     bf16: bool = _f(True, "bf16 autocast for the learner forward on CUDA (ignored on CPU)")
     cpu_matmul: Literal["auto", "onednn", "blas"] = _f(
-        "auto", "a CPU learner's fp32 linear layers: oneDNN (auto on x86-64: 1.3-1.7x torch's BLAS here, same fp32 "
-                "math) or torch's own BLAS; refit.learner.run.matmul")
+        "auto", "a CPU learner's fp32 linear layers: oneDNN (auto on x86-64: a Qwen2.5-1.5B LoRA forward+backward "
+                "1.38x torch's BLAS here, same fp32 math) or torch's own BLAS; refit.learner.run.matmul")
     max_steps_this_run: int = _f(0, "stop after this many steps in this process (0 = no limit); for tests")
 
 

@@ -1,13 +1,13 @@
 """The learner's fp32 CPU matmuls through oneDNN (``run.cpu_matmul``).
 
-PyTorch's CPU build runs ``nn.Linear`` through its BLAS (MKL), whose fp32 GEMM reached 85-160 GFLOPS at the learner's
-shapes on this box's 2 AMD EPYC (Zen 4, AVX-512) cores, where oneDNN, which the same build carries, reached 155-205
-(``python scripts/learner_forward_ab.py``: a model's shapes and its forward and backward, both routes, one JSON
-line). The forward and the input gradient of every fp32 linear layer (Linear; GPT-2's Conv1D) can take oneDNN's
-route (``torch.ops.mkldnn._linear_pointwise``, the op TorchInductor's CPU backend lowers linear layers to) with no
-other change: fp32 in, fp32 out, fp32 accumulation, only the order of the sums differs (|d log-prob| ~1e-5 at
-Qwen2.5-1.5B, the engine-vs-learner gap the probe already allows). The weight gradient of a trainable layer stays
-on BLAS (it was as fast there; ``g.T @ x``).
+PyTorch's CPU build runs ``nn.Linear`` through its BLAS (MKL), whose fp32 GEMM reached 126-196 GFLOPS at a
+Qwen2.5-1.5B micro-batch's shapes on this box's 2 AMD EPYC (Zen 4, AVX-512) cores, where oneDNN, which the same
+build carries, reached 176-218 (``python scripts/learner_forward_ab.py``: a model's shapes and its forward and
+backward, both routes, one JSON line). The forward and the input gradient of every fp32 linear layer (Linear; GPT-2's
+Conv1D) can take oneDNN's route (``torch.ops.mkldnn._linear_pointwise``, the op TorchInductor's CPU backend lowers
+linear layers to) with no other change: fp32 in, fp32 out, fp32 accumulation, only the order of the sums differs
+(|d log-prob| ~1e-5 at Qwen2.5-1.5B, the engine-vs-learner gap the probe already allows). The weight gradient of a
+trainable layer stays on BLAS (``g.T @ x``: as fast there as oneDNN in an ad hoc check at these shapes).
 
 :func:`use_cpu_matmul` swaps the class of each ``nn.Linear``/``Conv1D`` of a learner model in place (parameters,
 names, state dicts and PEFT's wrapping are unchanged; ``isinstance`` still holds), so a run is switched with one
