@@ -585,7 +585,7 @@ def test_a_batch_over_the_users_engine_runs_within_it_and_a_short_engine_is_refu
         rb.ensure_engine(model_dirs[GPT2], e, 4, 140)
     own = tmp_path / "run3/engine"  # the run's own engine (in a run folder): reused for a larger batch, exported
     shutil.copytree(default_engine_dirs[GPT2], own)  # again (never narrower) only when too short
-    (tmp_path / "run3/run.json").write_text("{}")
+    (tmp_path / "run3/run.json").write_text('{"format": "refit-run/1", "run_id": "a1"}')  # Refit's own run
     said = []
     assert rb.ensure_engine(model_dirs[GPT2], own, 70, 40, log=said.append) == own
     assert "reusing engine" in said[-1] and (own / "manifest.json").read_bytes() == before["manifest.json"]
