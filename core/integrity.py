@@ -17,6 +17,7 @@ process that did not end normally, is taken over, saying so.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import fnmatch
 import hashlib
@@ -291,5 +292,20 @@ def atomic_folder(final: Path, before_rename=lambda: None):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except Exception as e:
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        if (full and not e.filename) or (not full and out_of_space(final.parent)):
+            # torch.save's writer says only "unexpected pos" on a full disk, safetensors names no file: name the folder
+            raise OSError(errno.ENOSPC, "No space left on device", str(final)) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def out_of_space(folder: str | Path, margin: int = 1 << 20) -> bool:
+    """True when the file system of ``folder`` has less than ``margin`` bytes left for this user."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < margin

@@ -214,7 +214,8 @@ def _refuse_foreign(run_dir: Path, holds: str, resume: bool, overwrite: bool) ->
         mine = sorted(n for n in folder_names(run_dir) if matches(n, RUN_FILES))
         if mine:
             raise RefitError(f"run folder {run_dir} holds files that are not a Refit run's, and the run would "
-                             f"replace {mine[0]}; choose another run folder (-o)")
+                             f"replace {', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''} (never done, "
+                             "--overwrite included); choose another run folder (-o)")
         if not overwrite:
             raise RefitError(f"run folder {run_dir} is not empty and holds no Refit run; choose an empty or new "
                              "folder (-o), or pass --overwrite to write the run beside its files")
