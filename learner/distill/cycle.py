@@ -221,6 +221,9 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
               teacher=teacher_engine, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
               completion_ids=completion_ids, eval=eval_set, is_seq2seq=seq2seq, pad_id=s_info.pad_id,
               prompt_side=s_info.padding_side, stop_ids=stop_ids, dist=dist)
+    # the probe batch: greedy from the engine as exported (the model folder's weights), before a resumed run pushes
+    # its checkpoint, so it is the same batch in every process of the run and a resumed probe equals an uninterrupted one
+    probe = make_probe(student_engine, prompt_ids, cfg.rollout, cfg.max_new_tokens, stop_ids)
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler, log)
         run.start_step = state["step"]
@@ -232,8 +235,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     # the probe scores at temperature 1: the student's own distribution, as the losses see it
     contract = Contract(temperature=1.0, probe_tol=cfg.rollout.probe_tol, label="student engine")
-    run.sync = WeightSync(student_engine, make_probe(student_engine, prompt_ids, cfg.rollout, cfg.max_new_tokens,
-                                                     stop_ids), contract, run_dir)
+    run.sync = WeightSync(student_engine, probe, contract, run_dir)
     return run
 
 
