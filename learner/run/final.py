@@ -23,10 +23,9 @@ from pathlib import Path
 from refit.core.contract import ENGINE_BACKENDS
 from refit.core.errors import RefitError
 from refit.core.integrity import HOLDS, atomic_folder, folder_holds
-from refit.export.guard import guard_engine
 from refit.learner.run.folder import read_record
 from refit.learner.run.lora import adapts_tied_head, holds_low_precision, is_lora, merged_state, save_adapter, untied
-from refit.rollout.build import ExportOptions, build  # engine folders' one entry point
+from refit.rollout.build import ExportOptions, build, guard_engine  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
 ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (PeftModel.from_pretrained)
