@@ -21,10 +21,11 @@ from refit.learner.distill.batch import draws_student
 from refit.learner.distill.cycle import distill_loss, make_batch, setup, teacher_targets, train_step
 from refit.learner.run.policy import response_forward
 
-from conftest import ATOL, tiny_distill_config
+from conftest import tiny_distill_config
 
 QUIET = dict(log=lambda *_: None)
 SAMPLING_T = 0.9  # TRL's GKDConfig default: generation at 0.9, the loss at 1
+TOL = 1e-5  # the teacher's log-probs, generation pass against a second pass
 
 
 def _u(cfg, step: int) -> float:
@@ -101,21 +102,22 @@ def test_loss_on_teacher_sequences_is_trls_generalized_jsd(run, teacher_batch, b
 
 def test_a_step_on_teacher_sequences_trains_on_trls_loss_and_gradient(run, teacher_batch):
     """Through the student's parameters: the job's forward on the padded batch, against one unpadded row at a
-    time (prompt + completion, the logits that predict each completion token), value and gradient."""
+    time (prompt + completion, the logits that predict each completion token), value and gradient (4 rows)."""
     b, out = teacher_batch
+    rows = slice(0, 4)
     student = copy.deepcopy(run.student)
-    z = response_forward(student, b.prompt_ids, b.prompt_mask, b.response_ids, b.is_seq2seq).logits
-    loss, _ = distill_loss("jsd", z, b, slice(None), 0.5, 1.0, b.response_mask.sum())
+    z = response_forward(student, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows], b.is_seq2seq).logits
+    loss, _ = distill_loss("jsd", z, b, rows, 0.5, 1.0, b.response_mask[rows].sum())
     mine = torch.autograd.grad(loss, list(student.parameters()))
-    rows, targets, masks = [], [], []
-    for i in range(b.num_rows):
+    logits, targets = [], []
+    for i in range(4):
         p = b.prompt_ids[i][b.prompt_mask[i].bool()]
         n = int(b.response_mask[i].sum())
         ids = torch.cat([p, b.response_ids[i, :n]])[None]
-        rows.append(student(input_ids=ids).logits[0, len(p) - 1: len(p) - 1 + n])
+        logits.append(student(input_ids=ids).logits[0, len(p) - 1: len(p) - 1 + n])
         targets.append(teacher_logprobs_at_1(out)[i, :n])
-        masks.append(torch.ones(n))
-    ref = trl_generalized_jsd(torch.cat(rows)[None], torch.cat(targets)[None], torch.cat(masks)[None], 0.5)
+    z_ref = torch.cat(logits)[None]
+    ref = trl_generalized_jsd(z_ref, torch.cat(targets)[None], torch.ones(z_ref.shape[:2]), 0.5)
     theirs = torch.autograd.grad(ref, list(student.parameters()))
     torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-6, rtol=1e-6)
     for g, r in zip(mine, theirs):
@@ -125,18 +127,18 @@ def test_a_step_on_teacher_sequences_trains_on_trls_loss_and_gradient(run, teach
 def test_generation_pass_scores_equal_scoring_again(run, teacher_batch):
     """The teacher's distributions taken from its generation pass (no second pass) against a second pass: the
     teacher engine's ``score`` of the same sequences (every token, temperature 1) and the PyTorch teacher's forward
-    (the job's own route for batches it did not generate), at the engine's fp32 parity tolerance; and the loss."""
+    (the job's own route for batches it did not generate), to 1e-5 (measured 1e-6; the export gate's fp32 tolerance
+    is 1e-4); and the loss."""
     b, _ = teacher_batch
     keep = b.response_mask.bool()
     reused = torch.log_softmax(b.teacher_logits, -1)[keep]  # loss temperature 1
     scored = run.teacher.inner.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, temperature=1.0,
                                      topk=run.vocab_size).topk_logprobs  # k = V: vocabulary order
-    torch.testing.assert_close(reused, scored[keep], atol=ATOL["onnxruntime"]["fp32"], rtol=0)
+    torch.testing.assert_close(reused, scored[keep], atol=TOL, rtol=0)
     again = copy.copy(b)
     again.teacher_logits = None
     assert teacher_targets(run.cfg, again, run.teacher_model, run.teacher) == 1  # one PyTorch teacher pass
-    torch.testing.assert_close(reused, torch.log_softmax(again.teacher_logits, -1)[keep],
-                               atol=ATOL["onnxruntime"]["fp32"], rtol=0)
+    torch.testing.assert_close(reused, torch.log_softmax(again.teacher_logits, -1)[keep], atol=TOL, rtol=0)
     with torch.no_grad():
         z = response_forward(run.student, b.prompt_ids, b.prompt_mask, b.response_ids, b.is_seq2seq).logits
     n = b.response_mask.sum()
