@@ -147,6 +147,10 @@ class BenchGRPO(OnMachine):
     refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
                                 "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
+    trl_search: bool = opt(True, "--vs trl: first try the TRL configurations a careful user would (checkpointing on/off, "
+                                 "16-row micro-batches with accumulation, bf16 autocast), --trial_steps steps each, and "
+                                 "run the rounds with the fastest that fits in memory (--no_trl_search: TRL's defaults)")
+    trial_steps: int = opt(3, "steps of each TRL trial (the first is the warm-up; the median of the rest is compared)")
     trl_venv: str = opt(".venv-trl", "the TRL side's virtual environment (made on first use)")
 
 
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                      threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
                      lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype, quantize=a.quantize)
         out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
-                         Path(a.trl_venv).resolve())
+                         Path(a.trl_venv).resolve(), trl_search=a.trl_search, trial_steps=a.trial_steps)
     elif which == "workers":
         out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
     else:
