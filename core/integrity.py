@@ -186,7 +186,7 @@ RUN_FORMAT = "refit-run/1"  # run.json's schema marker
 ENGINE_FORMAT = "refit-engine/"  # manifest.json's schema marker (refit.core.manifest: "refit-engine/1")
 # what an engine folder holds: a folder of these names alone, with graphs, is an engine whose manifest is damaged
 ENGINE_NAMES = ("manifest.json", "config.json", "generation_config.json", "tokenizer", "*.onnx", "*.onnx.data",
-                "*.data", "*.plan")
+                "*.data", "*.plan", ".*.plan.building-*")
 
 
 def read_json(path: str | Path):

@@ -1131,3 +1131,24 @@ def test_sigterm_stops_a_run_in_one_line_saying_what_it_kept(tmp_path, model_dir
     assert line.startswith("refit ppo: stopped by SIGTERM; ") and "keeps checkpoint step_0000" in line and \
         "continue with the same command and --resume" in line, line
     assert (run / ".refit.lock").read_text() == "" and not list(run.rglob("*.tmp-*"))
+
+
+def test_an_engine_folder_with_a_users_file_is_never_replaced(capsys, tmp_path, model_dirs, default_engine_dirs):
+    """43 (engine folders): a file an export did not write inside an engine folder stops any replacement of that
+    folder (--overwrite of another model's engine, a re-export with other options), in one line naming it; a
+    manifest.json of another tool's is not an engine folder."""
+    from refit.export.guard import guard_engine
+
+    e = tmp_path / "e"
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    (e / "notes.txt").write_text("mine")
+    before = _tree(e)
+    with pytest.raises(RefitError, match=r"engine folder .*e also holds notes.txt, which no export wrote"):
+        guard_engine(model_dirs["tiny-llama"], e, overwrite=True, log=lambda *_: None)
+    one_line(*refit(capsys, "export", model_dirs[GPT2], "-o", e, "--max_len", "96"), "also holds notes.txt")
+    assert _tree(e) == before
+    web = tmp_path / "web"
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "my app", "icons": []}')
+    one_line(*refit(capsys, "export", model_dirs[GPT2], "-o", web, "--overwrite"), "holds other files, not an engine")
+    assert _tree(web) == {"manifest.json": b'{"name": "my app", "icons": []}'}
