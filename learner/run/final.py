@@ -17,6 +17,7 @@ so ``model.generate`` stops where the engine stopped.
 from __future__ import annotations
 
 import copy
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def write_final(run_dir: Path, model, tok, value_head=None, backend: str = "onnx
         save_file({k: v.detach().cpu().contiguous() for k, v in value_head.state_dict().items()},
                   str(run_dir / VALUE_HEAD))
     engine_backend = backend if backend in ENGINE_BACKENDS else "onnxruntime"
+    if (run_dir / FINAL_ENGINE).is_dir():  # the run's own, from an earlier end (a run resumed past it): replaced
+        shutil.rmtree(run_dir / FINAL_ENGINE)  # as final/ is, not refused as another model's engine
     opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
     build(final, run_dir / FINAL_ENGINE, engine_backend, opts, log=log)
     log(f"refit: final model {final} (from_pretrained), engine {run_dir / FINAL_ENGINE}"

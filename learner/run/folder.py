@@ -48,7 +48,7 @@ MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scal
               "ckpt.keep_checkpoints", "export_final", "eval_max_prompts")
 # what a run writes into its folder (deleted by --overwrite); engine and model folders are kept
 RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
-             "final_engine", "final_value_head.safetensors")
+             "final_engine", "final_value_head.safetensors", "checkpoint-*")
 PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
 # inputs a Python caller stages in the run folder before the job starts (refit.learner.api: a datasets.Dataset;
 # the TRL facade: a model object saved for the export); a folder holding only these is a fresh run's
