@@ -144,3 +144,18 @@ def test_save_settings_map_as_trl_and_stay_the_same_when_max_steps_grows():
     assert ckpt(max_steps=4) == ckpt(max_steps=6) == (500, 0)  # TRL's save_steps 500; None keeps every checkpoint
     assert ckpt(max_steps=4, save_steps=2, save_total_limit=2) == (2, 2)
     assert ckpt(max_steps=4, save_total_limit=-1) == (500, 0)  # TRL: <= 0 deletes nothing
+
+
+def test_training_args_bin_is_the_config_object_or_its_dict_when_it_does_not_pickle(tmp_path):
+    from refit.learner.trl.checkpoints import save_args
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=4)
+    save_args(args, tmp_path / "a.bin")
+    assert torch.load(tmp_path / "a.bin", weights_only=False).max_steps == 4
+
+    class Local(GRPOConfig):  # a script's own subclass inside a function: pickle cannot name it
+        pass
+
+    save_args(Local(output_dir=str(tmp_path), max_steps=6), tmp_path / "b.bin")
+    got = torch.load(tmp_path / "b.bin", weights_only=False)
+    assert isinstance(got, dict) and got["max_steps"] == 6 and got["output_dir"] == str(tmp_path)

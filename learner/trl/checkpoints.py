@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -62,6 +63,27 @@ def trl_rng(rng: dict) -> dict:
     return out
 
 
+def save_args(args, path: Path) -> None:
+    """``training_args.bin`` as transformers writes it (``torch.save`` of the config object); a config that does
+    not pickle (a class defined in a function, a lambda in ``refit={...}``) is saved as its ``to_dict()``, each
+    value that does not pickle as its repr, so a checkpoint never fails over it."""
+    try:
+        blob = pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        blob = None
+    if blob is not None:
+        torch.save(args, path)
+        return
+    record = {}
+    for k, v in args.to_dict().items():
+        try:
+            pickle.dumps(v)
+            record[k] = v
+        except (pickle.PicklingError, AttributeError, TypeError):
+            record[k] = repr(v)
+    torch.save(record, path)
+
+
 def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = True) -> Path:
     """``run_dir/checkpoint-{state.global_step}``: TRL's view of Refit's checkpoint of ``step`` (the module's
     layout), written atomically; views whose Refit checkpoint is gone are removed. The path."""
@@ -78,7 +100,7 @@ def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = Tru
             torch.save(extra["optimizer"], tmp / TRL_FILES[0])
             torch.save(extra["scheduler"], tmp / TRL_FILES[1])
             torch.save(trl_rng(extra["rng"]), tmp / TRL_FILES[2])
-        torch.save(args, tmp / "training_args.bin")
+        save_args(args, tmp / "training_args.bin")
         state.save_to_json(str(tmp / STATE))
         (tmp / POINTER).write_text(json.dumps({"step": step, "path": str(source.relative_to(run_dir))}))
     for old in views(run_dir):  # save_total_limit: Refit rotated its checkpoints; the views follow

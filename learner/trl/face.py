@@ -11,11 +11,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from refit.core.errors import RefitError
 from refit.learner.run.final import ADAPTER
-from refit.learner.trl.checkpoints import load_state, restored_rate, resume_point, write_view
+from refit.learner.trl.checkpoints import load_state, restored_rate, resume_point, save_args, write_view
 from refit.learner.trl.common import tokenizer_of, trained_model
 from refit.learner.trl.events import Events
 
@@ -139,7 +137,7 @@ class TrainerFace(ABC):
         source = final / ADAPTER if (final / ADAPTER / "adapter_config.json").is_file() else final
         if output_dir and Path(output_dir).resolve() != final.resolve():
             shutil.copytree(source, output_dir, dirs_exist_ok=True)
-            torch.save(self.args, Path(output_dir) / "training_args.bin")
+            save_args(self.args, Path(output_dir) / "training_args.bin")
 
     def log(self, logs: dict[str, Any]) -> None:
         """transformers' ``Trainer.log``: a row into ``state.log_history`` and on_log."""
