@@ -159,3 +159,21 @@ def test_training_args_bin_is_the_config_object_or_its_dict_when_it_does_not_pic
     save_args(Local(output_dir=str(tmp_path), max_steps=6), tmp_path / "b.bin")
     got = torch.load(tmp_path / "b.bin", weights_only=False)
     assert isinstance(got, dict) and got["max_steps"] == 6 and got["output_dir"] == str(tmp_path)
+
+
+def test_a_lora_runs_view_is_a_peft_adapter_folder(chat_model_dir, tmp_path):
+    """A LoRA policy's checkpoint holds its adapter (as TRL's checkpoint of a PEFT model): PeftModel loads the view."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(chat_model_dir))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    save_checkpoint(tmp_path, 1, model, AutoTokenizer.from_pretrained(str(chat_model_dir)), None, opt, None,
+                    {"kl_coef": 0.0}, keep=0)
+    view = write_view(tmp_path, 1, _state(2), GRPOConfig(output_dir=str(tmp_path)))
+    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.json"} <= set(os.listdir(view))
+    assert not (view / "model.safetensors").exists()  # the adapter only, as TRL saves a PEFT model
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(chat_model_dir)), str(view))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
