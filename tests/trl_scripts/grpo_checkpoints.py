@@ -5,9 +5,9 @@ of the model and the tokenizer that folder holds.
     python grpo_checkpoints.py MODEL_DIR OUTPUT_DIR
 
 The last stdout line is one JSON document: each train()'s global_step, log_history (each row's step, loss,
-learning_rate, train_loss) and the checkpoint-N folders left in OUTPUT_DIR after it, the files of the newest
-checkpoint and its trainer_state.json's steps, and what from_pretrained loaded (its weights against the newest
-checkpoint's).
+learning_rate, train_runtime, train_loss) and the checkpoint-N folders left in OUTPUT_DIR after it, the files of
+the newest checkpoint and its trainer_state.json's steps, and what from_pretrained loaded (its weights against the
+newest checkpoint's).
 """
 
 import json
@@ -43,7 +43,7 @@ runs = []
 for max_steps, resume in ((4, None), (6, True)):
     trainer = GRPOTrainer(model=model_dir, reward_funcs=brief, args=config(max_steps), train_dataset=dataset)
     trainer.train(resume_from_checkpoint=resume)
-    rows = [{k: r[k] for k in ("step", "loss", "learning_rate", "train_loss") if k in r}
+    rows = [{k: r[k] for k in ("step", "loss", "learning_rate", "train_runtime", "train_loss") if k in r}
             for r in trainer.state.log_history]
     runs.append({"global_step": trainer.state.global_step, "log_history": rows, "checkpoints": checkpoints()})
 
