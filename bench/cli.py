@@ -18,7 +18,7 @@ from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
 from refit.export.onnx_export import ExportOptions
 from refit.learner.builtin.models import build_model
-from refit.rollout.build import build
+from refit.rollout.build import build, ensure_engine, guard_engine
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,10 @@ def _usage() -> str:
 
 
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256,
-                      quantize: str = "none", rows: int = 64) -> tuple[Path, Path]:
-    """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
+                      quantize: str = "none", rows: int = 64, any_size: bool = False) -> tuple[Path, Path]:
+    """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused; one the
+    user named is used as it is, refused when it cannot serve the bench; ``any_size``: any engine of the model's
+    weights serves, as for a weight push)."""
     work = Path(m.work_dir)
     model = Path(s.model) if s.model else work / s.geometry
     if not s.model and not (model / "config.json").exists():
@@ -172,6 +174,11 @@ def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_
     suffix = "" if quantize == "none" else f"-{quantize}"
     engine = Path(s.engine) if s.engine else work / f"{model.name}-engine{suffix}"
     backend = "tensorrt" if "tensorrt" in backends.split(",") else "onnxruntime"
+    if s.engine:  # a folder the user named: used as it is when it serves the bench, never exported over
+        guard_engine(model, engine, log=log)
+        ensure_engine(model, engine, 1 if any_size else rows, 1 if any_size else max_len, backend, log, quantize,
+                      own=False)
+        return model, engine
     # rows: the bench's largest call, so that it runs as one call (an engine runs a larger one in calls of max_batch)
     build(model, engine, backend, ExportOptions(max_batch=max(64, rows), max_len=max_len, quantize=quantize), log=log)
     return model, engine
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
     elif which == "refit":
-        model, engine = _model_and_engine(m, a.source)
+        model, engine = _model_and_engine(m, a.source, any_size=True)
         out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
     elif which == "inflight":
         _, engine = _model_and_engine(m, a.source)

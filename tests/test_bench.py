@@ -79,9 +79,18 @@ def test_bench_generate_quantized_json(tmp_path):
     assert "error" in out["ctranslate2_int8"]  # not asked for
 
 
-def test_bench_refit_json(tmp_path):
-    out = _bench(tmp_path, "refit")
+def test_bench_refit_json(tmp_path, model_dirs, default_engine_dirs):
+    """Issue 43 #3: an engine folder the user names (exported with other options than the bench's) is used as it
+    is, never exported over, and the bench's re-export leaves nothing in the work folder."""
+    import shutil
+
+    engine = tmp_path / "mine"
+    shutil.copytree(default_engine_dirs["tiny-gpt2"], engine)
+    before = {p.name: p.read_bytes() for p in engine.iterdir() if p.is_file()}
+    out = _bench(tmp_path / "w", "refit", "--model", str(model_dirs["tiny-gpt2"]), "--engine", str(engine))
     assert out["update_weights_s"] > 0 and out["reexport_s"] > 0 and out["ratio_reexport_over_update"] > 0
+    assert {p.name: p.read_bytes() for p in engine.iterdir() if p.is_file()} == before
+    assert not [p for p in (tmp_path / "w").iterdir() if "reexport" in p.name and not p.name.endswith(".lock")]
 
 
 def test_bench_ppo_json(tmp_path):
