@@ -116,12 +116,37 @@ def check_grpo_peft(d: dict, out: Path) -> None:
     assert all(r["reward"] < 0 for r in steps(d))  # -len/10 of every completion
 
 
+def check_grpo_checkpoints(d: dict, out: Path) -> None:
+    """save_steps 2, save_total_limit 2: checkpoint-2 and -4 after max_steps 4; the resumed trainer (max_steps 6)
+    restores log_history 1..4 from checkpoint-4, adds 5 and 6, and leaves checkpoint-4 and -6."""
+    first, second = d["runs"]
+    assert (first["global_step"], first["checkpoints"]) == (4, ["checkpoint-2", "checkpoint-4"])
+    assert (second["global_step"], second["checkpoints"]) == (6, ["checkpoint-4", "checkpoint-6"])
+    assert [r["step"] for r in steps(first)] == [1, 2, 3, 4]
+    rows = steps(second)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[:4] == steps(first)  # restored, not re-run
+    # linear decay over 4 steps, then: step 5 uses the rate the restored optimizer holds (the first schedule's
+    # end, 0), step 6 the schedule over 6 steps at 5 (transformers restores the optimizer and the scheduler's count)
+    want = [1e-3 * (1 - k / 4) for k in range(4)] + [0.0, 1e-3 * (1 - 5 / 6)]
+    assert [r["learning_rate"] for r in rows] == pytest.approx(want, abs=1e-12)
+    for run, losses in ((first, steps(first)), (second, rows[4:])):  # train_loss: this call's steps
+        final = run["log_history"][-1]
+        assert final["train_loss"] == pytest.approx(mean([r["loss"] for r in losses]), rel=1e-4, abs=1e-9)
+    trl_files = {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json",
+                 "trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"}
+    assert trl_files <= set(d["newest_files"]), trl_files - set(d["newest_files"])
+    assert d["newest_state"] == {"global_step": 6, "steps": [1, 2, 3, 4, 5, 6]}
+    loaded = d["loaded"]  # save_model(dir): the trained model (= checkpoint-6's) and its chat tokenizer load
+    assert loaded["same_as_newest_checkpoint"] and loaded["chat_template"] and loaded["vocab"] > 0
+
+
 CHECKS = {"grpo": check_grpo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
           "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
-          "grpo_peft": check_grpo_peft}
+          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft"}  # 20-40 s each on a loaded 2-core box (each run
-# exports its engines and its final engine; gkd_seq_kd: 2.5 min here); grpo and grpo_callback_model stay in the default
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints"}  # 20-40 s each on a loaded
+# 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here; grpo_checkpoints trains
+# twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scal
 # file, and --overwrite deletes the ones a run's record owns (all but its "foreign" names); engine and model folders
 # are kept (reused when their weights match)
 RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
-             "final_engine", "final_value_head.safetensors", "completions.jsonl")
+             "final_engine", "final_value_head.safetensors", "completions.jsonl", "checkpoint-*")
 CHECKPOINT_ENTRIES = ("step_*", ".step_*")  # what the run writes inside checkpoints/ (refit.learner.run.checkpoint)
 PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
 # inputs a Python caller stages in the run folder before the job starts (refit.learner.api: a datasets.Dataset;

@@ -83,14 +83,15 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
         "run.output_dir": a.output_dir, "run.seed": a.seed, "run.device": "cpu" if a.on_cpu else "auto",
         "run.bf16": True if a.bf16 is None else bool(a.bf16), "log.progress": not a.disable_tqdm,
         "log.tensorboard": bool({"tensorboard", "all"} & set(report)),
-        "ckpt.save_steps": min(math.ceil(save / per), steps) if save > 0 else steps,
+        # not capped at steps (the last step always saves): a resumed run with a larger max_steps keeps its value
+        "ckpt.save_steps": math.ceil(save / per) if save > 0 else steps,
         "optim.learning_rate": a.learning_rate, "optim.lr_scheduler_type": a.lr_scheduler_type,
         "optim.warmup_steps": a.warmup_steps or math.ceil(a.warmup_ratio * steps * per),
         "optim.weight_decay": a.weight_decay, "optim.max_grad_norm": a.max_grad_norm,
         "optim.gradient_accumulation_steps": a.gradient_accumulation_steps,
     }
-    if a.save_total_limit is not None:
-        values["ckpt.keep_checkpoints"] = a.save_total_limit
+    # TRL keeps every checkpoint-N when save_total_limit is None or <= 0: Refit's keep_checkpoints 0
+    values["ckpt.keep_checkpoints"] = max(0, a.save_total_limit or 0)
     return values
 
 

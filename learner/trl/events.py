@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from transformers import TrainerControl, TrainerState
 
+from refit.core.errors import RefitError
 from refit.learner.run.loop import StepControl, StepHooks
 
 # TRL's metric name <- Refit's (metrics.jsonl); reward-function names are mapped by prefix (rewards/NAME/mean)
@@ -97,6 +98,8 @@ class Events:
         self.model = None  # the policy the callbacks are shown (the model object given in; the trained one at the end)
         self.eval_in_train = True  # a held-out evaluation during the run is logged and fires on_evaluate
         self.last_eval: dict | None = None  # the last held-out evaluation, in TRL's names (evaluate() returns it)
+        self.save_asked = False  # the last step's control.should_save (a callback asked for its checkpoint)
+        self.resumed: tuple[int, float] | None = None  # (global_step, learning rate) of the checkpoint resumed
 
     # -------------------------------------------------------------- the callback list (transformers' semantics)
 
@@ -138,6 +141,14 @@ class Events:
 
     # -------------------------------------------------------------- one train() call
 
+    def restore(self, state, learning_rate: float) -> None:
+        """``train(resume_from_checkpoint=...)``: ``state`` (a checkpoint's ``TrainerState``, its log_history
+        included) becomes ``self.state``, as transformers restores it; ``learning_rate``: the rate the restored
+        optimizer holds, which the first step after it uses (its schedule's rate at the checkpoint, under the
+        max_steps it was written with), as TRL logs it."""
+        self.state = state
+        self.resumed = (state.global_step, learning_rate)
+
     def hooks(self, *, steps: int, per: int, row: Callable[[dict], dict], epoch_of: Callable[[int], float],
               lr_at: Callable[[int], float]) -> StepHooks:
         """The step hooks of one run of ``steps`` Refit steps of ``per`` optimizer steps each. ``row``: a step's
@@ -151,8 +162,14 @@ class Events:
         s.num_train_epochs = epoch_of(steps)
         window: list[dict] = []
         self._window, self._t0, self._losses = window, time.perf_counter(), []
+        self._initial_step = s.global_step  # past 0 after restore(): this call's steps are counted from here
+        resumed = self.resumed
 
         def before(step: int) -> None:
+            if resumed is not None and step - 1 != resumed[0] // per and s.global_step == self._initial_step:
+                raise RefitError(f"resume_from_checkpoint: Refit resumed its checkpoint of step {step - 1}, the "
+                                 f"checkpoint-{resumed[0]} view shows step {resumed[0] // per} (its newest intact "
+                                 "checkpoint differs); continue with the checkpoint it resumed, or start afresh")
             s.global_step = (step - 1) * per  # a resumed run starts past 0
             self.fire("on_step_begin")
 
@@ -160,7 +177,8 @@ class Events:
             s.global_step, s.epoch = step * per, epoch_of(step)
             trl = row(m)
             trl["epoch"] = s.epoch
-            trl["learning_rate"] = lr_at(s.global_step - 1)
+            after_resume = resumed is not None and s.global_step - 1 == resumed[0]
+            trl["learning_rate"] = resumed[1] if after_resume else lr_at(s.global_step - 1)
             if "loss" in trl:
                 self._losses.append(trl["loss"])
             window.append(trl)
@@ -178,6 +196,7 @@ class Events:
                 if self.eval_in_train:
                     self.evaluated(dict(self.last_eval))
             c = self.control
+            self.save_asked = bool(c.should_save)
             return StepControl(save=bool(c.should_save), stop=bool(c.should_training_stop), metrics=trl)
 
         def saved(step: int) -> None:
@@ -207,7 +226,7 @@ class Events:
             self._window.clear()
         runtime = time.perf_counter() - self._t0
         loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
-        steps = max(s.global_step, 1)
+        steps = max(s.global_step - self._initial_step, 1)  # this call's steps (transformers: since the resume)
         self.log({"train_runtime": runtime, "train_samples_per_second": samples_per_step * steps / runtime,
                   "train_steps_per_second": steps / runtime, "total_flos": 0.0, "train_loss": loss,
                   "epoch": s.epoch})

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import shutil
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
+from refit.learner.run.final import ADAPTER
+from refit.learner.trl.checkpoints import load_state, restored_rate, resume_point, save_args, write_view
 from refit.learner.trl.common import tokenizer_of, trained_model
 from refit.learner.trl.events import Events
 
@@ -79,13 +81,16 @@ class TrainerFace(ABC):
         return a.per_device_train_batch_size * a.gradient_accumulation_steps
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        """Run the job with the callbacks; ``resume_from_checkpoint``: True continues from OUTPUT_DIR's last
-        checkpoint (a path: it must be inside OUTPUT_DIR)."""
-        out = Path(self.args.output_dir).resolve()
-        if isinstance(resume_from_checkpoint, str) and out not in Path(resume_from_checkpoint).resolve().parents:
-            raise RefitError(f"resume_from_checkpoint={resume_from_checkpoint!r}: Refit resumes the last checkpoint "
-                             f"of output_dir {self.args.output_dir}")
+        """Run the job with the callbacks. ``resume_from_checkpoint``: True continues from OUTPUT_DIR's newest
+        ``checkpoint-N`` (a path: that folder, which must be the newest), ``trainer.state`` restored from its
+        ``trainer_state.json`` (:mod:`refit.learner.trl.checkpoints`)."""
+        out = Path(self.args.output_dir)
+        self.events.resumed = None
+        if resume_from_checkpoint:  # False / None / "": a fresh run, as transformers
+            view, step = resume_point(out, resume_from_checkpoint)
+            self.events.restore(load_state(view), restored_rate(out, step))
         hooks = self._hooks()
+        hooks = replace(hooks, saved=self._saved(hooks.saved))
         self.events.begin(self._model)
         self.result = self._run(hooks, bool(resume_from_checkpoint))
         self._model = trained_model(self.result.run_dir, self.result.final_dir, self.given_model)
@@ -93,6 +98,17 @@ class TrainerFace(ABC):
         loss = self.events.end(self._samples_per_step())
         return TrainOutput(global_step=self.state.global_step, training_loss=loss,
                            metrics=dict(self.state.log_history[-1]))
+
+    def _saved(self, fire_on_save):
+        """After Refit's checkpoint of a step: TRL's ``checkpoint-N`` view of it (save_strategy 'steps', or a
+        callback's ``should_save``; 'no' writes none, as TRL, though Refit keeps its last-step checkpoint), then
+        on_save."""
+        def saved(step: int) -> None:
+            if self.args.save_strategy == "steps" or self.events.save_asked:
+                write_view(Path(self.args.output_dir), step, self.state, self.args,
+                           with_optimizer=not self.args.save_only_model)
+            fire_on_save(step)
+        return saved
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's ``evaluate()``: the held-out metrics of the trained model in TRL's names (``eval_reward``, ...;
@@ -111,11 +127,17 @@ class TrainerFace(ABC):
         return metrics
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """The trained model as a save_pretrained folder (OUTPUT_DIR/final, copied to ``output_dir``)."""
+        """The trained model where TRL's ``save_model`` puts it: ``output_dir`` gets the save_pretrained folder
+        (OUTPUT_DIR/final, copied; a LoRA run: its PEFT adapter folder, final/adapter, as TRL saves a PEFT model)
+        and ``training_args.bin``. None: OUTPUT_DIR/final itself (TRL writes OUTPUT_DIR; a Refit run folder is
+        never also a model folder)."""
         if self.result is None or self.result.final_dir is None:
             raise RefitError("save_model: nothing trained yet (call train() first; export_final writes the model)")
-        if output_dir and Path(output_dir).resolve() != self.result.final_dir.resolve():
-            shutil.copytree(self.result.final_dir, output_dir, dirs_exist_ok=True)
+        final = self.result.final_dir
+        source = final / ADAPTER if (final / ADAPTER / "adapter_config.json").is_file() else final
+        if output_dir and Path(output_dir).resolve() != final.resolve():
+            shutil.copytree(source, output_dir, dirs_exist_ok=True)
+            save_args(self.args, Path(output_dir) / "training_args.bin")
 
     def log(self, logs: dict[str, Any]) -> None:
         """transformers' ``Trainer.log``: a row into ``state.log_history`` and on_log."""

@@ -70,9 +70,13 @@ TRAINING_ARGS: dict[str, TrlField] = {
                             "them (a float < 1: of max_steps); metrics.jsonl keeps every step"),
     "logging_strategy": _h("steps", "'steps' or 'no' (no log_history rows, no on_log)"),
     "logging_first_step": _h(False, "a log_history row and on_log after the first step"),
-    "save_steps": _h(500, "ckpt.save_steps (a float < 1: of max_steps); should_save from a callback saves too"),
-    "save_strategy": _h("steps", "'steps' (save_steps) or 'no' (one checkpoint, at the last step: --resume)"),
-    "save_total_limit": _h(None, "ckpt.keep_checkpoints"),
+    "save_steps": _h(500, "ckpt.save_steps (a float < 1: of max_steps), and the last step, as TRL; each save writes "
+                          "Refit's checkpoint and TRL's OUTPUT_DIR/checkpoint-N view of it; should_save from a "
+                          "callback saves too"),
+    "save_strategy": _h("steps", "'steps' (save_steps) or 'no' (no checkpoint-N, as TRL; Refit keeps one checkpoint, "
+                                 "at the last step, for its own --resume)"),
+    "save_total_limit": _h(None, "ckpt.keep_checkpoints (None: 0, every checkpoint kept, as TRL); the checkpoint-N "
+                                 "views follow Refit's checkpoints"),
     "eval_strategy": _h("no", "'steps': Refit's held-out evaluation of eval_dataset every eval_steps (PPO: "
                               "eval_steps, greedy, one completion a prompt; distillation: eval_every, KL to the "
                               "teacher); 'no': at the last step only, for evaluate()"),
@@ -93,7 +97,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "gradient_checkpointing_kwargs": _a(None, "memory only, not numbers"),
     "remove_unused_columns": _a(False, "every column rides along to the reward functions"),
     "per_device_eval_batch_size": _a(8, "the held-out prompts are generated in the engine's batches"),
-    "save_only_model": _a(False, "Refit's checkpoints always hold the optimizer (--resume)"),
+    "save_only_model": _h(False, "checkpoint-N without optimizer.pt, scheduler.pt, rng_state.pth (as TRL); Refit's "
+                                 "own checkpoint keeps them (train(resume_from_checkpoint=True) still continues)"),
     "save_safetensors": _a(True, "always safetensors"),
     "skip_memory_metrics": _a(True, _NO_EFFECT),
     "ddp_find_unused_parameters": _a(None, "one process"),
@@ -114,7 +119,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "use_liger_kernel": _r(False, "not supported"),
     "deepspeed": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
     "fsdp": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
-    "resume_from_checkpoint": _r(None, "call train(resume_from_checkpoint=True)"),
+    "resume_from_checkpoint": _a(None, "as in transformers, the trainer does not read it: a script passes it to "
+                                       "train(resume_from_checkpoint=True | 'OUTPUT_DIR/checkpoint-N')"),
 }
 
 _ONE = "one process: nothing to distribute"
