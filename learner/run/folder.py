@@ -50,7 +50,7 @@ from refit.rollout.build import guard_engine  # the engine folder's guard, throu
 
 # fields a resumed run may change (applied and logged); any other change is refused
 MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scale.", "rollout.engine_threads",
-              "ckpt.keep_checkpoints", "export_final", "eval_max_prompts")
+              "ckpt.keep_checkpoints", "ckpt.save_steps", "export_final", "eval_max_prompts")
 # what a run writes into its folder (names or fnmatch globs): a fresh run never starts where one of these is another's
 # file, and --overwrite deletes the ones a run's record owns (all but its "foreign" names); engine and model folders
 # are kept (reused when their weights match)
