@@ -149,6 +149,8 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
+        "sync_ref_model": bool(a.sync_ref_model), "ref_model_mixup_alpha": a.ref_model_mixup_alpha,
+        "ref_model_sync_steps": a.ref_model_sync_steps, "num_generations_eval": a.num_generations_eval or 0,
         **lora_values(peft_config, model_dir), **base_dtype_values(a.model_init_kwargs, peft_config, type(a).__name__),
         **({"eval_steps": eval_every(a, steps, per), "data.eval_split": "eval"} if has_eval else {}),
     }
