@@ -38,7 +38,7 @@ from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_
 from refit.learner.ppo.models import (decode_threads, make_optimizer, overlap_threads, reference_engine, resolve_shards,
                                       torch_reference)
 from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable
-from refit.learner.ppo.refsync import REFERENCE_FILE, RefSync, reference_sync
+from refit.learner.ppo.refsync import REFERENCE_FILE, RefSync, reference_sync, restore_reference
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
                                       needs_reference, policy_forward, score_chunks, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
@@ -139,8 +139,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     ck = None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
-        if run.ref_sync is not None and (ck / REFERENCE_FILE).is_file():  # the mixed reference of sync_ref_model
-            run.ref_sync.restore(torch.load(ck / REFERENCE_FILE, weights_only=False))
+        restore_reference(run.ref_sync, ck)  # sync_ref_model's mixed reference (nothing without one)
         run.start_step, run.kl.value = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
@@ -269,7 +268,8 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
         exp, run.kl.value = run.dist.share((None, run.kl.value))
         with neftune(run.policy, cfg.optim.neftune_noise_alpha):  # NEFTune in the training forwards (else no-op)
             distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                   update_settings(cfg, run.kl.value, on_cuda(run.policy)), update_gen, ref_model=run.ref)
+                                   update_settings(cfg, run.kl.value, on_cuda(run.policy)), update_gen,
+                                   ref_model=run.ref)
         return {}
     timings = {}
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ base, shared with the policy). TRL 1.16 refuses ``sync_ref_model`` with a PEFT m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,3 +86,9 @@ def reference_sync(cfg, ref: torch.nn.Module | None, info, device) -> RefSync | 
     module = ref if ref is not None else load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
     return RefSync(module, cfg.ref_model_mixup_alpha, cfg.ref_model_sync_steps,
                    cfg.num_ppo_epochs * cfg.num_mini_batches)
+
+
+def restore_reference(sync: RefSync | None, checkpoint: Path) -> None:
+    """``--resume``: the mixed reference saved in ``checkpoint`` (none there or no sync: nothing to do)."""
+    if sync is not None and (Path(checkpoint) / REFERENCE_FILE).is_file():
+        sync.restore(torch.load(Path(checkpoint) / REFERENCE_FILE, weights_only=False))

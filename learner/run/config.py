@@ -173,7 +173,7 @@ class OptimSection:
     lr_scheduler_kwargs: tuple[str, ...] = _f((), "the schedule's own arguments as NAME=VALUE (TRL's "
                                                   "lr_scheduler_kwargs: cosine_with_min_lr min_lr=1e-6 or "
                                                   "min_lr_rate=0.1, cosine_with_restarts num_cycles=2, polynomial "
-                                                  "lr_end=1e-7 power=2); VALUE read as YAML (numbers, words)")
+                                                  "lr_end=1e-7 power=2); VALUE a number or a word")
     warmup_steps: int = _f(0, "optimizer steps of linear warm-up")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1, the first moment's decay (TRL's adam_beta1)")

@@ -18,13 +18,21 @@ import yaml
 from refit.core.errors import RefitError
 
 
+def _value(text: str):
+    """A NAME=VALUE's VALUE: an int, a float (``1e-5`` too, which YAML 1.1 leaves a string), else YAML's reading
+    (true, a word, a JSON list)."""
+    text = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text) if text else None
+
+
 def scheduler_kwargs(optim) -> dict:
-    """``optim.lr_scheduler_kwargs`` (NAME=VALUE strings, VALUE read as YAML) as get_scheduler's keywords."""
-    out = {}
-    for kv in optim.lr_scheduler_kwargs:
-        name, _, value = kv.partition("=")
-        out[name.strip()] = yaml.safe_load(value) if value.strip() else None
-    return out
+    """``optim.lr_scheduler_kwargs`` (NAME=VALUE strings) as get_scheduler's keywords."""
+    return {kv.partition("=")[0].strip(): _value(kv.partition("=")[2]) for kv in optim.lr_scheduler_kwargs}
 
 
 def adamw(groups, optim) -> torch.optim.AdamW:
