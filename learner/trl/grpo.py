@@ -31,8 +31,9 @@ steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its 
 with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`` returns; logged as
 ``eval_reward``, ``eval_rewards/<func>/mean``, ``eval_completions/mean_length`` with on_evaluate.
 
-Departures kept visible: the evaluation generates one greedy completion per held-out prompt (TRL samples
-``num_generations_eval`` and also logs an ``eval_loss``).
+Departures kept visible: without ``num_generations_eval`` the evaluation generates one greedy completion per
+held-out prompt (TRL samples ``num_generations`` then); with it, that many sampled completions (as TRL); TRL also
+logs an ``eval_loss``.
 RLOOTrainer: TRL's RLOO clips a per-sequence ratio and averages over sequences; Refit's PPO loss clips per token
 and normalises by the token count. With num_iterations 1 (the default) the ratio is 1 at the only pass, and the
 two gradients differ by one positive factor per minibatch (its mean completion length).
