@@ -110,10 +110,25 @@ def check_grpo_peft(d: dict, out: Path) -> None:
     assert all(r["reward"] < 0 for r in steps(d))  # -len/10 of every completion
 
 
+def check_grpo_optim(d: dict, out: Path) -> None:
+    """The rate of every step is transformers' cosine_with_min_lr with the script's kwargs (the rate the step used,
+    as TRL logs it); NEFTune's noise puts the policy off the (clean) reference at step 1, so its KL is > 0."""
+    import torch
+    from transformers import get_scheduler
+
+    sched = get_scheduler("cosine_with_min_lr", torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3),
+                          num_warmup_steps=1, num_training_steps=4, scheduler_specific_kwargs={"min_lr": 1e-4})
+    rows = steps(d)
+    assert d["global_step"] == 4 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["learning_rate"] for r in rows] == pytest.approx([1e-3 * sched.lr_lambdas[0](k) for k in range(4)])
+    assert rows[0]["kl"] > 1e-4 and all(math.isfinite(r["loss"]) for r in rows)
+
+
 CHECKS = {"grpo": check_grpo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
-          "grpo_callback_model": check_grpo_callback_model, "grpo_peft": check_grpo_peft}
+          "grpo_callback_model": check_grpo_callback_model, "grpo_peft": check_grpo_peft,
+          "grpo_optim": check_grpo_optim}
 TEACHER = ("distillation", "gkd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "grpo_peft"}  # 20-40 s each on a loaded 2-core box (each run exports
+SLOW = {"rloo", "distillation", "gkd", "grpo_peft", "grpo_optim"}  # 20-40 s each on a loaded 2-core box (each run exports
 # its engine and its final engine); grpo and grpo_callback_model stay in the default run
 
 
