@@ -325,3 +325,24 @@ def test_facade_refusals_and_acceptances_say_trls_reason():
     d = to_distill_config(g, "s", "t")
     assert (d.data.data_seed, d.optim.neftune_noise_alpha, d.optim.adam_beta2) == (7, 5.0, 0.98)
     assert to_distill_config(GKDConfig(output_dir="o", max_steps=1), "s", "t").data.data_seed == -1
+
+
+@pytest.mark.slow
+def test_resume_continues_with_the_mixed_reference(model_dirs, engine_dirs, tmp_path):
+    """A run stopped after step 1 and resumed scores step 2 against the mixed reference of its checkpoint (engine
+    reference, pushed on resume): its metrics equal the uninterrupted run's."""
+    from refit.learner.api import run_ppo
+
+    def cfg(out, **kw):
+        return PPOConfig.from_flat(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
+                                   output_dir=str(out), ref_backend="onnxruntime", kl_coef=0.5, sync_ref_model=True,
+                                   ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, **{**TINY, **kw})
+
+    full = _run(cfg(tmp_path / "full"))
+    run_ppo(cfg(tmp_path / "part", max_steps_this_run=1), reward_funcs=[_varied], log=lambda *_: None)
+    run_ppo(cfg(tmp_path / "part"), reward_funcs=[_varied], resume=True, log=lambda *_: None)
+    from refit.learner.run.metrics import read_metrics
+
+    part = [r for r in read_metrics(tmp_path / "part") if "kl/exact" in r]
+    assert [r["step"] for r in part] == [1, 2] and part[1]["ref/syncs"] == 2
+    assert part[1]["kl/exact"] == pytest.approx(full[1]["kl/exact"], abs=1e-6) and full[1]["kl/exact"] > 1e-6

@@ -387,7 +387,8 @@ def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: Sampli
     warn_small_tis_weights(run, step, stats, sampling, log)
     quantized = run.sync.contract.int8_manifest is not None
     cause = name_mismatch(stats, quantized=quantized)
-    once = cause == "version_lag" or (quantized and cause == "precision")  # expected every step: named once
+    cause = "neftune" if cause is not None and run.cfg.optim.neftune_noise_alpha else cause  # noisy learner side
+    once = cause in ("version_lag", "neftune") or (quantized and cause == "precision")  # expected: named once
     if cause is not None and (not once or run.sync.tell_once(cause)):
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
             + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
