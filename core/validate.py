@@ -101,6 +101,8 @@ RULES: dict[str, Rule] = {
     "ckpt.keep_checkpoints": Rule(lo=0, text=">= 0 (0 keeps every checkpoint, N keeps the newest N)"),
     # optimizer
     "learning_rate": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "max_grad_norm": POSITIVE,
+    "adam_epsilon": NON_NEGATIVE, "neftune_noise_alpha": NON_NEGATIVE,
+    "ref_model_mixup_alpha": UNIT, "ref_model_sync_steps": COUNT, "num_generations_eval": COUNT0,
     # PPO
     "cliprange": POSITIVE, "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE, "entropy_coef": FINITE,
     "gamma": UNIT, "lam": UNIT, "kl_coef": NON_NEGATIVE, "target": POSITIVE, "horizon": POSITIVE,

@@ -405,7 +405,7 @@ def test_distillation_and_gkd_configs_map_trls_names():
         assert (s.seq_kd, s.loss, s.beta, s.lmbda, s.loss_temperature) == (True, "jsd", beta, 0.5, 1.0)
     with pytest.raises(RefitError, match="GKDConfig: 'no_such' is not supported"):
         GKDConfig(no_such=1)
-    with pytest.raises(RefitError, match="num_generations=4: one completion per prompt"):
+    with pytest.raises(RefitError, match="num_generations=4: not a DistillationConfig field in TRL 1.16"):
         DistillationConfig(num_generations=4)
     e = to_distill_config(DistillationConfig(output_dir="o", max_steps=6, eval_strategy="steps", eval_steps=2), "s",
                           "t", 20, None, 5)

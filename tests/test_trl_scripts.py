@@ -140,13 +140,27 @@ def check_grpo_checkpoints(d: dict, out: Path) -> None:
     assert loaded["same_as_newest_checkpoint"] and loaded["chat_template"] and loaded["vocab"] > 0
 
 
+def check_grpo_optim(d: dict, out: Path) -> None:
+    """The rate of every step is transformers' cosine_with_min_lr with the script's kwargs (the rate the step used,
+    as TRL logs it); NEFTune's noise puts the policy off the (clean) reference at step 1, so its KL is > 0."""
+    import torch
+    from transformers import get_scheduler
+
+    sched = get_scheduler("cosine_with_min_lr", torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3),
+                          num_warmup_steps=1, num_training_steps=4, scheduler_specific_kwargs={"min_lr": 1e-4})
+    rows = steps(d)
+    assert d["global_step"] == 4 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["learning_rate"] for r in rows] == pytest.approx([1e-3 * sched.lr_lambdas[0](k) for k in range(4)])
+    assert rows[0]["kl"] > 1e-4 and all(math.isfinite(r["loss"]) for r in rows)
+
+
 CHECKS = {"grpo": check_grpo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
           "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
-          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints}
+          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints"}  # 20-40 s each on a loaded
-# 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here; grpo_checkpoints trains
-# twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim"}  # 20-40 s each on
+# a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here; grpo_checkpoints
+# trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 
 
 @pytest.fixture(scope="module")

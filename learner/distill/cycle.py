@@ -64,6 +64,7 @@ from refit.learner.run.engines import CountingEngine, engine_for_model, pick_dev
 from refit.learner.run.lora import apply_lora
 from refit.learner.run.final import write_final
 from refit.learner.run.matmul import use_cpu_matmul
+from refit.learner.run.optim import adamw, neftune, schedule
 from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
@@ -116,7 +117,8 @@ def dataset_batch(prompts: list[list[int]], completions: list[list[int]], max_ne
 def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     """Step 1: the batch's tokens (and, from a teacher generation, its top-k); generation stats."""
     cfg = run.cfg
-    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.run.batch_size, cfg.run.seed)
+    idx = prompt_indices(len(run.prompt_ids), run.data_position, cfg.run.batch_size,
+                         cfg.data.order_seed(cfg.run.seed))
     run.data_position += cfg.run.batch_size
     prompts = [run.prompt_ids[i] for i in idx]
     seed = cfg.run.seed * 1_000_003 + step
@@ -190,8 +192,6 @@ def teacher_accuracy(teacher: CountingEngine, eval_set: EvalSet, tok, max_new_to
 def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None = None) -> Run:
     """Engines, models, optimizer, eval set and probe. Ranks > 0 of a torchrun job hold only the student
     and its optimizer: rank 0 makes every batch (engines, teacher) and shares it."""
-    from transformers import get_scheduler
-
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_info, s_info, tok = check_teacher_student(cfg.teacher.model_dir, cfg.student.model_dir)
@@ -209,7 +209,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     seq2seq = s_info.kind == "seq2seq"
     if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
         student = student_model(cfg, s_info, device)
-        optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
+        optimizer, scheduler = _optimizer(cfg, student)
         run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student, teacher_model=None, student_engine=None,
                   teacher=None, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
                   completion_ids=completion_ids, eval=None, is_seq2seq=seq2seq, pad_id=s_info.pad_id,
@@ -227,7 +227,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = student_model(cfg, s_info, device)
-    optimizer, scheduler = _optimizer(cfg, student, get_scheduler)
+    optimizer, scheduler = _optimizer(cfg, student)
     run = Run(cfg=cfg, run_dir=run_dir, tok=tok, student=student,
               teacher_model=teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine=student_engine,
               teacher=teacher_engine, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
@@ -259,11 +259,9 @@ def student_model(cfg: DistillConfig, info, device):
     return student
 
 
-def _optimizer(cfg: DistillConfig, student, get_scheduler):
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.optim.learning_rate,
-                                  weight_decay=cfg.optim.weight_decay)
-    return optimizer, get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
-                                    num_training_steps=cfg.run.steps)
+def _optimizer(cfg: DistillConfig, student):
+    optimizer = adamw([p for p in student.parameters() if p.requires_grad], cfg.optim)
+    return optimizer, schedule(optimizer, cfg.optim, cfg.run.steps)
 
 
 def distill_loss(loss: str, logits: torch.Tensor, b: DistillBatch, rows: slice, beta: float, temperature: float,
@@ -312,7 +310,8 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     for a in range(ga):
         rows = slice(ctx.rank * local + a * micro, ctx.rank * local + (a + 1) * micro)
         with ctx.no_sync(a == ga - 1):  # gradient sync on the last micro-batch (nothing for one process)
-            with autocast:  # response_forward returns float32 logits either way
+            # NEFTune (optim.neftune_noise_alpha): noisy input embeddings in this training forward only
+            with autocast, neftune(run.student, cfg.optim.neftune_noise_alpha):  # float32 logits either way
                 logits = response_forward(model, b.prompt_ids[rows], b.prompt_mask[rows], b.response_ids[rows],
                                           b.is_seq2seq).logits
             loss, stats = distill_loss(cfg.loss, logits, b, rows, cfg.beta, cfg.loss_temperature, n_tokens)

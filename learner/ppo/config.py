@@ -156,6 +156,17 @@ class PPOConfig:
     reference_ahead: bool = _f(False, "one-pass update with an engine reference: score the next micro-batch's "
                                       "reference on a thread of its own while the learner computes this one (off: "
                                       "on 2 cores it was slower than scoring in turn, docs/fast-by-default.md)")
+    sync_ref_model: bool = _f(False, "TR-DPO's reference sync (TRL's sync_ref_model): every ref_model_sync_steps "
+                                     "optimizer steps the reference becomes ref_model_mixup_alpha x policy + (1 - "
+                                     "alpha) x reference (an engine reference takes the mix as a push); needs the "
+                                     "reference scored (kl_coef > 0 or reference always) and no LoRA "
+                                     "(refit.learner.ppo.refsync)")
+    ref_model_mixup_alpha: float = _f(0.6, "sync_ref_model: the policy's share alpha in each mix")
+    ref_model_sync_steps: int = _f(512, "sync_ref_model: optimizer steps between mixes (a multiple of "
+                                        "num_ppo_epochs x num_mini_batches, the optimizer steps of one Refit step)")
+    num_generations_eval: int = _f(0, "held-out evaluation: 0 one greedy completion per prompt; N > 0 N sampled "
+                                      "completions per prompt at the training sampling settings (TRL's "
+                                      "num_generations_eval), seeded by (seed, step)")
 
     from_flat = classmethod(from_flat)
 
@@ -209,6 +220,16 @@ class PPOConfig:
              f"merged targeted layers); the {self.rollout.backend} backend takes no adapter push (docs/lora.md)"),
             (self.lora.enabled and self.scale.workers > 1, "lora with scale.workers > 1 is not built: Ray engine "
                                                             "workers take full-model pushes only"),
+            (self.sync_ref_model and self.lora.enabled,
+             "sync_ref_model with lora: a LoRA run's reference is the base with the adapter off (the policy's own "
+             "frozen weights), there is no separate reference to mix (TRL 1.16 refuses sync_ref_model with PEFT too)"),
+            (self.sync_ref_model and not (self.kl_coef > 0 or self.reference == "always"),
+             "sync_ref_model at kl_coef 0: the reference is never scored, there is nothing to sync (TRL refuses it at "
+             "beta 0 too); set kl_coef > 0 or reference always"),
+            (self.sync_ref_model and self.ref_model_sync_steps % (self.num_ppo_epochs * self.num_mini_batches),
+             f"ref_model_sync_steps={self.ref_model_sync_steps} must be a multiple of num_ppo_epochs x "
+             f"num_mini_batches = {self.num_ppo_epochs * self.num_mini_batches}: Refit mixes the reference at the end "
+             "of a step's optimizer steps"),
             (self.lora.bf16_base and self.ref_backend == "onnxruntime",
              f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine computes in fp32, the "
              "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "

@@ -38,6 +38,7 @@ from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_
 from refit.learner.ppo.models import (decode_threads, make_optimizer, overlap_threads, reference_engine, resolve_shards,
                                       torch_reference)
 from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable
+from refit.learner.ppo.refsync import REFERENCE_FILE, RefSync, reference_sync, restore_reference
 from refit.learner.ppo.update import (Experience, KLCoef, UpdateSettings, distributed_ppo_update, make_experience,
                                       needs_reference, policy_forward, score_chunks, single_pass)
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
@@ -49,6 +50,7 @@ from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_for_model, learner_micro_rows, pick_device
 from refit.learner.run.lora import adapter_dropout, apply_lora
 from refit.learner.run.matmul import use_cpu_matmul
+from refit.learner.run.optim import neftune
 from refit.learner.run.loop import Job, check_finite, due, run_job
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size, vocab_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
@@ -90,6 +92,7 @@ class Run:
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
     reward_log: RewardLog = field(default_factory=RewardLog)  # TRL's log_metric / log_extra, flushed every step
     geometry: Geometry | None = None  # the policy's shape, for the update's micro-batch rows (refit.core.memory)
+    ref_sync: RefSync | None = None  # sync_ref_model: the reference mixed with the policy (refit.learner.ppo.refsync)
 
 
 def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = None,
@@ -131,13 +134,15 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
               optimizer=optimizer, scheduler=scheduler, prompts=data.prompts, prompt_ids=prompt_ids,
               reward_fn=rewards, kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon), data=data, eval_set=held, eval_ids=eval_ids,
               stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads,
-              geometry=geometry(cfg.model.model_dir))
+              geometry=geometry(cfg.model.model_dir),
+              ref_sync=reference_sync(cfg, ref, info, device) if ref is not None or dist.is_main else None)
     ck = None
     # the probe batch: greedy from the engine as exported, before a resumed run pushes its checkpoint (the same batch
     # in every process of the run)
     probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids) if engine else None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
+        restore_reference(run.ref_sync, ck)  # sync_ref_model's mixed reference (nothing without one)
         run.start_step, run.kl.value = state["step"], state["kl_coef"]
         run.data_position = state.get("data_position", run.start_step * cfg.run.batch_size)
         if engine is not None:  # the checkpoint's weights, under the version the engine had then
@@ -156,10 +161,12 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     # rounding, so a push is checked on the probe batch, computed in fp32 (refit.learner.run.sync.probe_learner_side)
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
                         check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None
-                        and not cfg.lora.bf16_base)
+                        and not cfg.lora.bf16_base and not cfg.optim.neftune_noise_alpha)  # NEFTune: noisy old lp
     if needs_reference(cfg, cfg.kl_coef):
         run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
                                           max_len=max_len, threads=learner_threads, policy_engine=engine)
+        if run.ref_sync is not None:
+            run.ref_sync.attach(run.ref_engine)
     run.ahead = RolloutAhead(engine) if overlap else None
     run.sync = WeightSync(engine, probe, contract, run_dir, ahead=run.ahead,
                           unchecked=ck is not None and contract.check_on_rollout)
@@ -227,7 +234,7 @@ def step_batch(run: Run, step: int, position: int) -> tuple[list[int], SamplingP
     """The prompts (dataset rows from ``position``) and the sampling (seed) of ``step``'s rollout: a function of
     (seed, step, position), whether it is generated in its step or the step before (overlapped)."""
     cfg = run.cfg
-    idx = prompt_indices(len(run.prompts), position, cfg.run.batch_size, cfg.run.seed)
+    idx = prompt_indices(len(run.prompts), position, cfg.run.batch_size, cfg.data.order_seed(cfg.run.seed))
     sampling = cfg.sampling.params(cfg.response_length, n=cfg.num_generations, seed=cfg.run.seed * 1_000_003 + step,
                                    stop_ids=run.stop_ids)
     return idx, sampling
@@ -247,7 +254,11 @@ def take_rollout(run: Run, step: int, idx: list[int], sampling: SamplingParams) 
 
 def train_step(run: Run, step: int, log=print) -> dict[str, float]:
     with torch_threads(run.learner_threads):  # overlapped: the learner's share of the threads (else unchanged)
-        return _train_step(run, step, log)
+        m = _train_step(run, step, log)
+        if run.ref_sync is not None:  # sync_ref_model: after the step's optimizer steps, on every rank holding one
+            synced = run.ref_sync.after_step(run.policy, step)
+            m.update(synced if run.dist.is_main else {})
+        return m
 
 
 def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
@@ -257,8 +268,10 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     update_gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_033 + step)  # minibatch order, same on every rank
     if not run.dist.is_main:  # [dist] ranks > 0: rank 0's experience, this rank's slice of the update, no metrics
         exp, run.kl.value = run.dist.share((None, run.kl.value))
-        distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                               update_settings(cfg, run.kl.value, on_cuda(run.policy)), update_gen, ref_model=run.ref)
+        with neftune(run.policy, cfg.optim.neftune_noise_alpha):  # NEFTune in the training forwards (else no-op)
+            distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
+                                   update_settings(cfg, run.kl.value, on_cuda(run.policy)), update_gen,
+                                   ref_model=run.ref)
         return {}
     timings = {}
     t0 = time.perf_counter()
@@ -270,7 +283,8 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     t1 = time.perf_counter()
     scores, reward_stats = reward_phase(run, step, rollout, idx, state)  # 2.
     timings["time/reward"] = time.perf_counter() - t1
-    stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings)  # 3. and 4.
+    with neftune(run.policy, cfg.optim.neftune_noise_alpha):  # NEFTune: the learner's forwards of 3. and 4.
+        stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings)  # 3. and 4.
     check_finite(upd, f"loss at step {step}", run.run_dir)
     if "kl/k1_seq" in stats:  # the reference was scored (needs_reference)
         run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
@@ -375,7 +389,8 @@ def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: Sampli
     warn_small_tis_weights(run, step, stats, sampling, log)
     quantized = run.sync.contract.int8_manifest is not None
     cause = name_mismatch(stats, quantized=quantized)
-    once = cause == "version_lag" or (quantized and cause == "precision")  # expected every step: named once
+    cause = "neftune" if cause is not None and run.cfg.optim.neftune_noise_alpha else cause  # noisy learner side
+    once = cause in ("version_lag", "neftune") or (quantized and cause == "precision")  # expected: named once
     if cause is not None and (not once or run.sync.tell_once(cause)):
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
             + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
@@ -389,7 +404,9 @@ def save(run: Run, step: int) -> Path:
     # the engine's version is the pushed one and a failed probe stops the run before the checkpoint
     held = run.ahead.held() if run.ahead is not None else None
     files = ({PENDING_FILE: {"step": held[0], "batch": held[1], "pushed": [tuple(p) for p in held[2]]}}
-             if held is not None else None)
+             if held is not None else {})
+    if run.ref_sync is not None:
+        files[REFERENCE_FILE] = run.ref_sync.state()
     state = {"kl_coef": run.kl.value, "data_position": run.data_position,
              "engine_weights_version": run.engine.weights_version}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
@@ -414,13 +431,16 @@ def evaluate(run: Run, step: int = 0) -> dict[str, float]:
         return {}
     if run.ahead is not None:
         run.ahead.wait()  # the engine idle and pushed: the generation in flight, then the push queued behind it
-    chunk = max(1, cfg.run.batch_size * cfg.num_generations)  # what the engine was sized for
-    sampling = SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids)
+    k = cfg.num_generations_eval  # 0: one greedy completion a prompt; k: k sampled (TRL's num_generations_eval)
+    chunk = max(1, cfg.run.batch_size * cfg.num_generations // max(k, 1))  # prompts: the rows the engine was sized for
+    sampling = (cfg.sampling.params(cfg.response_length, n=k, seed=cfg.run.seed * 1_000_037 + step,
+                                    stop_ids=run.stop_ids) if k else
+                SamplingParams(max_new_tokens=cfg.response_length, greedy=True, stop_ids=run.stop_ids))
     prompts, completions, extra, tokens = [], [], {}, 0.0
     for i in range(0, len(run.eval_ids), chunk):
         rows = list(range(i, min(i + chunk, len(run.eval_ids))))
         out = run.engine.generate([run.eval_ids[r] for r in rows], sampling)
-        p, c, x = reward_inputs(run.tok, out, run.eval_set, rows)
+        p, c, x = reward_inputs(run.tok, out, run.eval_set, [rows[j] for j in out.prompt_index.tolist()])
         prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
         for k, v in x.items():
             extra.setdefault(k, []).extend(v)

@@ -70,6 +70,8 @@ _CAUSES = {
                  "dtype or enable mismatch_correction=tis (the default with rollout.quantize)",
     "weights": "engine and learner disagree everywhere: the engine holds other weights than the learner "
                "(stale or failed weight push)",
+    "neftune": "the learner's log-probs carry NEFTune's noise (optim.neftune_noise_alpha) and the engine's do not: "
+               "expected; each push is checked on the clean probe batch instead",
     "version_lag": "the batch was sampled with older weights than the learner's (rollout.max_staleness: generation "
                    "overlapped with the update; mismatch/version_lag pushes behind): expected, weighted by "
                    "min(pi_learner / pi_engine, tis_cap) (mismatch_correction tis, the default with it); k1 over "

@@ -7,7 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import get_scheduler
 
 from refit.core.hf_folder import ModelInfo, load_model, text_config
 from refit.learner.ppo.config import PPOConfig
@@ -15,6 +14,7 @@ from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.update import needs_reference
 from refit.learner.run.lora import AdapterOff
 from refit.learner.run.matmul import use_cpu_matmul
+from refit.learner.run.optim import adamw, schedule
 from refit.rollout.build import ensure_engine
 from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_decode_threads, auto_shards, layer_weights
 from refit.rollout.engine import Engine, create_engine
@@ -54,11 +54,8 @@ def make_optimizer(cfg: PPOConfig, policy: torch.nn.Module, value_head: torch.nn
                else cfg.optim.learning_rate}]
     if value_head is not None:
         groups.append({"params": list(value_head.parameters()), "lr": cfg.optim.learning_rate})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
-    total = cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
-    scheduler = get_scheduler(cfg.optim.lr_scheduler_type, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
-                              num_training_steps=total)
-    return optimizer, scheduler
+    optimizer = adamw(groups, cfg.optim)
+    return optimizer, schedule(optimizer, cfg.optim, cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches)
 
 
 def _rollout_shape(cfg: PPOConfig) -> tuple[int, int, int]:

@@ -17,7 +17,8 @@ section     class                     fields
 ``sampling`` :class:`~refit.rollout.config.Sampling`  temperature, top_k, top_p (spelled without prefix:
                                       ``--temperature``, ``top_k:``; the one section generate shares too)
 ``lora``    :class:`LoraSection`      r (0: full fine-tuning), alpha, dropout, target_modules, init
-``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
+``optim``   :class:`OptimSection`     learning_rate, lr_scheduler_type, lr_scheduler_kwargs, warmup_steps,
+                                      weight_decay, adam_beta1/2, adam_epsilon, neftune_noise_alpha,
                                       max_grad_norm, gradient_accumulation_steps
 ``ckpt``    :class:`CheckpointSection`  save_steps, keep_checkpoints
 ``log``     :class:`LogSection`       tensorboard, plots, progress
@@ -103,6 +104,11 @@ class DataSection:
     task: Task = _f("addition", "embedded task when no prompts or dataset file is given")
     num_prompts: int = _f(512, "embedded task: examples drawn (distill: distinct prompts kept, eval_size held out)")
     max_operand: int = _f(30, "embedded addition task: operands are in [0, max_operand]")
+    data_seed: int = _f(-1, "seed of the training prompts' order (transformers' data_seed); -1: run.seed")
+
+    def order_seed(self, run_seed: int) -> int:
+        """The seed the prompt order is drawn with: ``data_seed``, else the run's seed."""
+        return self.data_seed if self.data_seed >= 0 else run_seed
 
 
 LORA_INITS = ("default", "gaussian")  # PEFT's init_lora_weights values that leave the base and B = 0 (step 0 = base)
@@ -152,19 +158,42 @@ class LoraSection:
                (self.learning_rate < 0, f"lora.learning_rate = {self.learning_rate} must be >= 0")])
 
 
+# transformers' get_scheduler names a job can run (reduce_lr_on_plateau and greedy need an evaluation metric)
+SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup",
+             "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
 @dataclass(frozen=True)
 class OptimSection:
     """AdamW and its schedule."""
 
     learning_rate: float = _f(5e-5, "AdamW learning rate")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
+    lr_scheduler_type: Literal[SCHEDULES] = _f("constant", "learning-rate schedule, transformers' get_scheduler by "
+                                                           "name (TRL's lr_scheduler_type)")
+    lr_scheduler_kwargs: tuple[str, ...] = _f((), "the schedule's own arguments as NAME=VALUE (TRL's "
+                                                  "lr_scheduler_kwargs: cosine_with_min_lr min_lr=1e-6 or "
+                                                  "min_lr_rate=0.1, cosine_with_restarts num_cycles=2, polynomial "
+                                                  "lr_end=1e-7 power=2); VALUE a number or a word")
     warmup_steps: int = _f(0, "optimizer steps of linear warm-up")
     weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1, the first moment's decay (TRL's adam_beta1)")
+    adam_beta2: float = _f(0.999, "AdamW beta2, the second moment's decay (TRL's adam_beta2)")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon, added to the second moment's root (TRL's adam_epsilon)")
+    neftune_noise_alpha: float = _f(0.0, "NEFTune (Jain et al. 2023, as transformers does it): uniform noise in "
+                                         "[-a, a], a = alpha / sqrt(L * d), added to the input embeddings of the "
+                                         "learner's forward passes in a training step (L: the sequence length, d: "
+                                         "the hidden size); never in the engine, the reference or the probe; 0 = off")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (same update, less memory)")
     micro_batch_rows: int = _f(0, "one-pass update (refit.learner.ppo.onepass): rows per learner forward; 0 = auto, "
                                   "the most whose saved activations and logits fit a quarter of the free memory "
                                   "(at most 4 GiB); never fewer micro-batches than gradient_accumulation_steps")
+
+    def __post_init__(self):
+        bad = [kv for kv in self.lr_scheduler_kwargs if "=" not in kv or not kv.partition("=")[0].strip()]
+        check([(bool(bad), f"optim.lr_scheduler_kwargs: {bad[:1]} is not NAME=VALUE (e.g. min_lr=1e-6)"),
+               (not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1,
+                f"optim.adam_beta1 / adam_beta2 = {self.adam_beta1} / {self.adam_beta2}: each in [0, 1)")])
 
 
 @dataclass(frozen=True)

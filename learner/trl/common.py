@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 from refit.core.errors import RefitError
 from refit.learner.builtin.demo import build_policy
 from refit.learner.run.checkpoint import latest_checkpoint
+from refit.learner.run.config import SCHEDULES
+from refit.learner.run.optim import rates
 from refit.learner.trl.fields import REFUSED, TrlField, check_values
 
 DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.builtin.demo on first use
@@ -76,8 +78,9 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
                          "the last step ('no')")
     if a.logging_strategy not in ("steps", "no"):
         raise RefitError(f"logging_strategy={a.logging_strategy!r}: Refit logs by steps ('steps') or not ('no')")
-    if a.lr_scheduler_type not in ("constant", "linear", "cosine"):
-        raise RefitError(f"lr_scheduler_type={a.lr_scheduler_type!r}: Refit has constant, linear, cosine")
+    if a.lr_scheduler_type not in SCHEDULES:
+        raise RefitError(f"lr_scheduler_type={a.lr_scheduler_type!r}: Refit runs transformers' {', '.join(SCHEDULES)} "
+                         "(reduce_lr_on_plateau and greedy need an evaluation metric each step)")
     save = steps_of("save_steps", a.save_steps, steps * per) if a.save_strategy == "steps" else 0
     values = {
         "run.output_dir": a.output_dir, "run.seed": a.seed, "run.device": "cpu" if a.on_cpu else "auto",
@@ -89,10 +92,28 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
         "optim.warmup_steps": a.warmup_steps or math.ceil(a.warmup_ratio * steps * per),
         "optim.weight_decay": a.weight_decay, "optim.max_grad_norm": a.max_grad_norm,
         "optim.gradient_accumulation_steps": a.gradient_accumulation_steps,
+        "optim.adam_beta1": a.adam_beta1, "optim.adam_beta2": a.adam_beta2, "optim.adam_epsilon": a.adam_epsilon,
+        "optim.lr_scheduler_kwargs": scheduler_kwargs_of(a.lr_scheduler_kwargs),
+        "optim.neftune_noise_alpha": float(a.neftune_noise_alpha or 0.0),
     }
     # TRL keeps every checkpoint-N when save_total_limit is None or <= 0: Refit's keep_checkpoints 0
     values["ckpt.keep_checkpoints"] = max(0, a.save_total_limit or 0)
     return values
+
+
+def scheduler_kwargs_of(v: Any) -> tuple[str, ...]:
+    """TRL's ``lr_scheduler_kwargs`` (a dict, or its JSON string as transformers takes it from a command line) as
+    Refit's NAME=VALUE strings (VALUE in JSON, which the job reads back as YAML)."""
+    import json
+
+    if isinstance(v, str):
+        try:
+            v = json.loads(v) if v.strip() else {}
+        except ValueError:
+            raise RefitError(f"lr_scheduler_kwargs={v!r}: a dict, or its JSON string") from None
+    if not isinstance(v, dict | type(None)):
+        raise RefitError(f"lr_scheduler_kwargs={v!r}: a dict, or its JSON string")
+    return tuple(f"{k}={json.dumps(x)}" for k, x in (v or {}).items())
 
 
 def eval_every(a: TrlConfig, steps: int, per: int) -> int:
@@ -127,16 +148,10 @@ def staged_dataset(train: Any, held: Any, run_dir: Path) -> str:
 
 
 def lr_schedule(optim, total: int):
-    """optimizer steps taken -> the learning rate of the next one, from the schedule the jobs build (transformers'
-    ``get_scheduler`` with ``optim``'s settings over ``total`` optimizer steps); TRL logs the rate of the step
-    just taken, ``lr_schedule(...)(global_step - 1)``."""
-    import torch
-    from transformers import get_scheduler
-
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim.learning_rate)
-    sched = get_scheduler(optim.lr_scheduler_type, opt, num_warmup_steps=optim.warmup_steps,
-                          num_training_steps=total)
-    return lambda n: optim.learning_rate * sched.lr_lambdas[0](n)
+    """optimizer steps taken -> the learning rate of the next one, from the schedule the jobs build
+    (:func:`refit.learner.run.optim.schedule` with ``optim``'s settings over ``total`` optimizer steps); TRL logs the
+    rate of the step just taken, ``lr_schedule(...)(global_step - 1)``."""
+    return rates(optim, total)
 
 
 # ------------------------------------------------------------------ models and tokenizers

@@ -97,6 +97,7 @@ def to_distill_config(a: TrlConfig, student_dir: str, teacher_dir: str, num_prom
         "max_new_tokens": a.max_new_tokens if gkd else a.max_completion_length,
         **(lora_values(peft_config, student_dir or teacher_dir) if peft_config is not None else {}),
         **base_dtype_values(a.model_init_kwargs, peft_config, type(a).__name__),
+        **({"data.data_seed": a.data_seed} if gkd and a.data_seed is not None else {}),  # TRL's distillation: seed
         **({"eval_every": eval_every(a, steps, 1), "eval_size": num_eval, "data.eval_split": "eval"}
            if num_eval else {}),
     }

@@ -57,7 +57,10 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "max_steps": _h(-1, "run.steps (in optimizer steps, as TRL counts)"),
     "num_train_epochs": _h(3.0, "run.steps when max_steps <= 0: epochs x training prompts / prompts per step"),
     "learning_rate": _h(5e-5, "optim.learning_rate"),
-    "lr_scheduler_type": _h("linear", "optim.lr_scheduler_type (constant, linear, cosine)"),
+    "lr_scheduler_type": _h("linear", "optim.lr_scheduler_type: transformers' get_scheduler, every schedule but "
+                                      "reduce_lr_on_plateau and greedy (they need an evaluation metric each step)"),
+    "lr_scheduler_kwargs": _h(None, "optim.lr_scheduler_kwargs (NAME=VALUE), get_scheduler's scheduler_specific_kwargs "
+                                    "(cosine_with_min_lr's min_lr / min_lr_rate, num_cycles, ...)"),
     "warmup_steps": _h(0, "optim.warmup_steps"),
     "warmup_ratio": _h(0.0, "optim.warmup_steps = ratio x optimizer steps"),
     "weight_decay": _h(0.0, "optim.weight_decay"),
@@ -107,14 +110,16 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "hub_private_repo": _a(None, "push_to_hub is refused"),
     "push_to_hub": _r(False, "nothing leaves the machine: OUTPUT_DIR/final is a save_pretrained folder"),
     "fp16": _r(False, "fp32, or bf16 autocast on CUDA (bf16)"),
-    "data_seed": _r(None, "the data order follows seed"),
+    "data_seed": _r(None, "TRL 1.16's GRPO, RLOO and Distillation trainers draw their prompts with RepeatSampler("
+                          "seed=args.seed): data_seed changes nothing there either; the data order follows seed"),
     "optim": _h("adamw_torch_fused", "'adamw_torch_fused' / 'adamw_torch': torch's AdamW (optim.* settings); any "
                                      "other optimizer is refused"),
-    "adam_beta1": _r(0.9, "torch's AdamW betas (0.9, 0.999)"),
-    "adam_beta2": _r(0.999, "torch's AdamW betas (0.9, 0.999)"),
-    "adam_epsilon": _r(1e-8, "torch's AdamW eps 1e-8"),
-    "lr_scheduler_kwargs": _r(None, "the schedules take no extra arguments"),
-    "label_smoothing_factor": _r(0.0, "not supported"),
+    "adam_beta1": _h(0.9, "optim.adam_beta1 (torch's AdamW betas[0])"),
+    "adam_beta2": _h(0.999, "optim.adam_beta2 (torch's AdamW betas[1])"),
+    "adam_epsilon": _h(1e-8, "optim.adam_epsilon (torch's AdamW eps)"),
+    "label_smoothing_factor": _r(0.0, "transformers applies it in Trainer.compute_loss to a labels cross-entropy; "
+                                      "TRL 1.16's GRPO, RLOO, GKD and Distillation trainers replace compute_loss with "
+                                      "their own (policy gradient, JSD), so it changes nothing in TRL either"),
     "torch_compile": _r(False, "not supported"),
     "use_liger_kernel": _r(False, "not supported"),
     "deepspeed": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
@@ -161,7 +166,9 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "use_cache": _a(False, "the learner's forward passes are whole sequences; the engine keeps its own KV cache"),
     "auto_find_batch_size": _r(False, "the batch is as configured; one that cannot fit is refused before the run"),
     "load_best_model_at_end": _r(False, "OUTPUT_DIR/final is the last step's model"),
-    "neftune_noise_alpha": _r(None, "not supported"),
+    "neftune_noise_alpha": _h(None, "optim.neftune_noise_alpha: uniform noise of alpha / sqrt(L * d) on the input "
+                                    "embeddings in the learner's training forwards (transformers' NEFTune hook); not "
+                                    "in the engine's sampling, the probe or a separate reference"),
     "optim_args": _r(None, "torch's AdamW with the optim.* settings"),
     "optim_target_modules": _r(None, "every trainable parameter is optimised (peft_config: the adapter)"),
     "restore_callback_states_from_checkpoint": _r(False, "callbacks start afresh on resume"),
@@ -218,8 +225,9 @@ GRPO_ARGS: dict[str, TrlField] = {
     **MORE_TRAINING_ARGS, **_ONLINE, **_TRANSFORMERS_GEN,
     "trust_remote_code": _a(False, "local folders of transformers' own architectures"),
     "log_multimodal": _a(True, _LOGS),
-    "ref_model_mixup_alpha": _a(0.6, "sync_ref_model is refused"),
-    "ref_model_sync_steps": _a(512, "sync_ref_model is refused"),
+    "ref_model_mixup_alpha": _h(0.6, "ref_model_mixup_alpha (with sync_ref_model)"),
+    "ref_model_sync_steps": _h(512, "ref_model_sync_steps (with sync_ref_model; a multiple of the optimizer steps "
+                                    "per generation)"),
     "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
     "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
     "use_vllm": _r(False, _GEN),
@@ -230,9 +238,12 @@ GRPO_ARGS: dict[str, TrlField] = {
     "min_p": _r(None, "not supported: top_k, top_p"),
     "repetition_penalty": _r(1.0, "not supported"),
     "generation_kwargs": _r(None, "not supported: temperature, top_k, top_p"),
-    "sync_ref_model": _r(False, "not supported: the reference stays the step-0 policy"),
+    "sync_ref_model": _h(False, "sync_ref_model: every ref_model_sync_steps optimizer steps ref = alpha x policy + "
+                                "(1 - alpha) x ref, an engine reference pushed the mix (refit.learner.ppo.refsync); "
+                                "refused with peft_config or beta 0, as TRL"),
     "multi_objective_aggregation": _r("sum_then_normalize", "not supported: weighted sum, then the group baseline"),
-    "num_generations_eval": _r(None, "not supported"),
+    "num_generations_eval": _h(None, "num_generations_eval: N sampled completions per held-out prompt (None: "
+                                     "Refit's one greedy completion, where TRL samples num_generations)"),
     "vllm_importance_sampling_correction": _r(True, "the engine's mismatch is checked every push (probe_tol); "
                                                     "refit={'mismatch_correction': 'tis'} corrects it"),
     "max_prompt_length": _r(None, "not supported: prompts are kept whole (a prompt too long for the model is refused)"),
@@ -293,8 +304,11 @@ DISTILLATION_ARGS: dict[str, TrlField] = {
     "top_p": _h(1.0, "sampling.top_p"),
     "top_k": _h(0, "sampling.top_k"),
     "teacher_model_name_or_path": _h(None, "teacher.model_dir when teacher_model is not given"),
-    "num_generations": _r(1, "one completion per prompt"),
-    "generation_batch_size": _r(None, "one generation per optimizer step"),
+    "num_generations": _r(1, "not a DistillationConfig field in TRL 1.16 (TypeError there); its trainer generates "
+                              "one completion per prompt (RepeatSampler mini_repeat_count=1), as Refit"),
+    "generation_batch_size": _r(None, "not a DistillationConfig field in TRL 1.16 (TypeError there); its trainer "
+                                      "generates per_device_train_batch_size x gradient_accumulation_steps "
+                                      "completions a step, as Refit"),
     "trust_remote_code": _a(False, "local folders of transformers' own architectures"),
     "teacher_model_revision": _a(None, "local folders only"),
     "log_completions": _a(False, _LOGS),
@@ -320,11 +334,17 @@ GKD_ARGS: dict[str, TrlField] = {
     "seq_kd": _h(False, "seq_kd: the steps the lmbda draw leaves to the teacher engine's generation; the generalised "
                         "JSD at beta takes the teacher's full distributions from that same pass (no second pass)"),
     "teacher_model_name_or_path": _h(None, "teacher.model_dir when teacher_model is not given"),
+    "data_seed": _h(None, "data.data_seed: the prompt order's seed (transformers' seedable sampler, which GKD's "
+                          "Trainer uses; None: seed)"),
     "max_length": _a(1024, "prompts are kept whole (a prompt too long for the model is refused)"),
     "dataset_text_field": _a("text", "GKD reads 'messages' (or 'prompt' and 'completion')"),
-    "packing": _r(False, "no packing: one prompt per row"),
+    "packing": _r(False, "TRL 1.16's GKDTrainer refuses it too: packing ('bfd') turns on padding_free, which takes "
+                         "no custom collator, and GKD always passes its ChatML collator (ValueError); Refit's rows are "
+                         "one prompt each"),
     "completion_only_loss": _a(None, "the loss is on completion tokens only"),
-    "assistant_only_loss": _r(False, "the loss is on the completion (the last assistant turn)"),
+    "assistant_only_loss": _a(False, "TRL 1.16's GKDTrainer skips SFT's dataset preparation (skip_prepare_dataset) "
+                                     "and its ChatML collator labels the last assistant turn only, with or without "
+                                     "it; Refit's loss is on that turn too"),
     "dataset_kwargs": _a(None, _NO_EFFECT),
     "remove_unused_columns": _a(True, "GKD reads 'messages' (or 'prompt' and 'completion')"),
     "trust_remote_code": _a(False, "local folders of transformers' own architectures"),

@@ -31,8 +31,9 @@ steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its 
 with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`` returns; logged as
 ``eval_reward``, ``eval_rewards/<func>/mean``, ``eval_completions/mean_length`` with on_evaluate.
 
-Departures kept visible: the evaluation generates one greedy completion per held-out prompt (TRL samples
-``num_generations_eval`` and also logs an ``eval_loss``).
+Departures kept visible: without ``num_generations_eval`` the evaluation generates one greedy completion per
+held-out prompt (TRL samples ``num_generations`` then); with it, that many sampled completions (as TRL); TRL also
+logs an ``eval_loss``.
 RLOOTrainer: TRL's RLOO clips a per-sequence ratio and averages over sequences; Refit's PPO loss clips per token
 and normalises by the token count. With num_iterations 1 (the default) the ratio is 1 at the only pass, and the
 two gradients differ by one positive factor per minibatch (its mean completion length).
@@ -149,6 +150,8 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
+        "sync_ref_model": bool(a.sync_ref_model), "ref_model_mixup_alpha": a.ref_model_mixup_alpha,
+        "ref_model_sync_steps": a.ref_model_sync_steps, "num_generations_eval": a.num_generations_eval or 0,
         **lora_values(peft_config, model_dir), **base_dtype_values(a.model_init_kwargs, peft_config, type(a).__name__),
         **({"eval_steps": eval_every(a, steps, per), "data.eval_split": "eval"} if has_eval else {}),
     }
