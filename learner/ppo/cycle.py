@@ -218,7 +218,14 @@ def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSett
                           entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
                           temperature=cfg.sampling.temperature, kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
-                          autocast_bf16=cfg.run.bf16 and on_cuda)
+                          autocast_bf16=cfg.run.bf16 and on_cuda, loss_type=cfg.loss_type,
+                          cliprange_high=cfg.cliprange_high, delta=cfg.delta,
+                          importance_sampling_level=cfg.importance_sampling_level,
+                          top_entropy_quantile=cfg.top_entropy_quantile,
+                          off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                          kl_bias_correction=cfg.kl_bias_correction, max_completion_length=cfg.response_length,
+                          sapo_temperatures=tuple(cfg.sapo_temperatures), vespo_params=tuple(cfg.vespo_params),
+                          minibatch_order=cfg.minibatch_order)
 
 
 def step_batch(run: Run, step: int, position: int) -> tuple[list[int], SamplingParams]:
