@@ -171,13 +171,14 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
 
 
 def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor, policy_out: ForwardOut | None = None,
-               ref_ahead: ReferenceAhead | None = None) -> tuple[Experience, dict[str, float]]:
+               ref_ahead: ReferenceAhead | None = None, per_func: list | None = None
+               ) -> tuple[Experience, dict[str, float]]:
     """:func:`refit.learner.ppo.update.make_experience` on the run's models (the reference: its engine when it
     scores on one, else the PyTorch reference) at the current KL coefficient."""
     critic = run.cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
     return make_experience(run.cfg, run.policy, run.value_head if critic else None, ref, rollout, scores,
-                           run.kl.value, policy_out, ref_ahead)
+                           run.kl.value, policy_out, ref_ahead, per_func)
 
 
 def reference_beside(run: Run, rollout: RolloutBatch) -> ReferenceAhead | None:
@@ -273,9 +274,9 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     rollout, lag = rollout_phase(run, step, idx, sampling, timings)
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores, reward_stats = reward_phase(run, step, rollout, idx, state)  # 2.
+    scores, reward_stats, per_func = reward_phase(run, step, rollout, idx, state)  # 2.
     timings["time/reward"] = time.perf_counter() - t1
-    stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings)  # 3. and 4.
+    stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings, per_func)  # 3. and 4.
     check_finite(upd, f"loss at step {step}", run.run_dir)
     if "kl/k1_seq" in stats:  # the reference was scored (needs_reference)
         run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
@@ -291,7 +292,8 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
 
 
 def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor, lag: int,
-                update_gen: torch.Generator, timings: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+                update_gen: torch.Generator, timings: dict[str, float], per_func: list | None = None,
+                ) -> tuple[dict[str, float], dict[str, float]]:
     """Steps 3 and 4: the experience (learner log-probs, reference, advantages; the check of an unchecked push
     before any update uses the batch) and the PPO update; (experience stats, update stats). Where the step allows
     it (refit.learner.ppo.onepass.streamable) both come from one learner pass, micro-batch by micro-batch
@@ -311,7 +313,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     if streamable(cfg, settings, run.dist.enabled, run.kl.value):
         with adapter_dropout(run.policy):  # (no-op: streamable needs LoRA dropout 0)
             _, stats, upd = onepass_update(cfg, settings, run.policy, run.optimizer, run.scheduler, rollout, scores,
-                                           ref, run.kl.value, before_step=check)
+                                           ref, run.kl.value, before_step=check, per_func=per_func)
         timings["time/score"], timings["time/update"] = 0.0, time.perf_counter() - t1
         return stats, upd
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
@@ -321,7 +323,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     beside = reference_beside(run, rollout)
     try:
         fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
-        exp, stats = experience(run, rollout, scores, fwd, beside)
+        exp, stats = experience(run, rollout, scores, fwd, beside, per_func)
     finally:
         if beside is not None:
             beside.close()
@@ -361,17 +363,21 @@ def rollout_phase(run: Run, step: int, idx: list[int], sampling: SamplingParams,
 
 
 def reward_phase(run: Run, step: int, rollout: RolloutBatch, idx: list[int],
-                 state: TrainerState) -> tuple[torch.Tensor, dict[str, float]]:
+                 state: TrainerState) -> tuple[torch.Tensor, dict[str, float], list | None]:
     """Step 2: the reward functions on the decoded completions; (scores (B,), reward stats with TRL's log_metric
-    means); the log_extra columns into completions.jsonl."""
+    means, with multi_objective_aggregation normalize_then_sum each function's values (B, F) and weights (F,), else
+    None); the log_extra columns into completions.jsonl."""
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
     data = run.data or PromptSet(run.prompts)
     prompts, completions, columns = reward_inputs(run.tok, rollout, data, rows)
+    per: list = []
     scores, reward_stats = score_rewards(as_rewards(run.reward_fn), prompts, completions,
-                                         {**columns, **run.reward_log.kwargs(state)})
+                                         {**columns, **run.reward_log.kwargs(state)}, per_func=per)
     logged, extra = run.reward_log.flush()  # TRL's log_metric means and log_extra columns
     write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
-    return scores, {**reward_stats, **logged}
+    if run.cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO: advantages from each function's values
+        return scores, {**reward_stats, **logged}, per
+    return scores, {**reward_stats, **logged}, None
 
 
 def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:

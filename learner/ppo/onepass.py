@@ -83,7 +83,7 @@ class ReferenceAhead:
 
 def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout, scores: torch.Tensor, ref,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
-                   ) -> tuple[Experience, dict[str, float], dict[str, float]]:
+                   per_func: list | None = None) -> tuple[Experience, dict[str, float], dict[str, float]]:
     """The step's one optimizer step over micro-batches of at most ``s.micro_rows`` rows (and at least
     ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the
     old log-probs, the truncated importance weights and the reference's KL term are made from them, then its loss is
@@ -95,7 +95,7 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     b = rollout.num_rows
     per = -(-b // s.gradient_accumulation_steps)  # gradient_accumulation_steps: a floor on the forwards
     per = min(per, s.micro_rows) if s.micro_rows else per
-    exp, adv_stats = _experience_shell(cfg, rollout, scores)
+    exp, adv_stats = _experience_shell(cfg, rollout, scores, per_func)
     rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
     with_ref = needs_reference(cfg, kl_coef)
     refs = (ReferenceAhead(ref, rollout, rows, s.temperature, vocab_size(model), cfg.reference_ahead)
@@ -143,14 +143,15 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     return exp, stats, upd
 
 
-def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
+def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None = None
+                      ) -> tuple[Experience, dict[str, float]]:
     """The batch's :class:`Experience` with its advantages (from the scores alone: no KL in the reward) and room
     for the log-probs and weights that the micro-batches fill in; (experience, the advantage stats)."""
     mask, trunc_stats = loss_mask(cfg, rollout)
     zeros = torch.zeros_like(mask)
     rewards = per_token_rewards(clip_scores(cfg, scores), zeros, mask, 0.0)
     adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
-                                   cfg.normalize_advantages)
+                                   cfg.normalize_advantages, per_func)
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
                      mask=mask, old_logprobs=zeros.clone(), ref_logprobs=zeros.clone(), values=zeros.clone(),
                      advantages=adv, returns=zeros.clone(),

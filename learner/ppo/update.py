@@ -146,14 +146,18 @@ def make_advantages(rewards, values, mask, gamma: float, lam: float, whiten_rewa
 
 
 def group_advantages(rewards: torch.Tensor, mask: torch.Tensor, estimator: str, group_size: int,
-                     scale_rewards: str = "group", normalize: bool = False) -> tuple[torch.Tensor, dict]:
+                     scale_rewards: str = "group", normalize: bool = False, per_func: list | None = None
+                     ) -> tuple[torch.Tensor, dict]:
     """RLOO / GRPO advantages (B, Tr) from per-token rewards (B, Tr): each row's return is the sum of its
     rewards (the score plus the per-token KL penalty, undiscounted: TRL RLOO's ``score - kl_coef * sum KL``),
     the group baseline is taken over the ``group_size`` rows of a prompt (prompt-major), and the sequence
     advantage is given to every response token of the row (``mask``; 0 elsewhere). ``normalize``: RLOO's
-    ``normalize_advantages``."""
+    ``normalize_advantages``. ``per_func``: each reward function's values (B, F) and weights (F,): GRPO's
+    ``normalize_then_sum`` from them instead (no KL in the reward: GRPO's is in the loss)."""
     returns = rewards.sum(-1)  # (B,)
-    if estimator == "rloo":
+    if per_func is not None:
+        adv, stats = L.normalize_then_sum_advantages(per_func[0], per_func[1], group_size)
+    elif estimator == "rloo":
         adv, stats = L.rloo_advantages(returns, group_size, normalize)
     elif estimator == "grpo":
         adv, stats = L.grpo_advantages(returns, group_size, scale_rewards)
@@ -406,7 +410,7 @@ def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: E
 
 def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, ref, rollout, scores: torch.Tensor,
                     kl_coef: float, policy_out: ForwardOut | None = None,
-                    ref_ahead=None) -> tuple[Experience, dict[str, float]]:
+                    ref_ahead=None, per_func: list | None = None) -> tuple[Experience, dict[str, float]]:
     """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
     advantages; (experience, stats).
 
@@ -433,7 +437,7 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
         rewards = per_token_rewards(scores, penalty, response, kl_coef)
         adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
-                                       cfg.normalize_advantages)
+                                       cfg.normalize_advantages, per_func)
         returns = torch.zeros_like(adv)
         stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
