@@ -132,7 +132,8 @@ def grpo_policy_loss(
         ``(loss, stats)``: ``pg_loss`` (the aggregated policy term), ``kl_loss`` (the aggregated KL term, without
         ``beta``, when ``kl`` is given; TRL's ``policy_loss`` is ``pg_loss + beta * kl_loss``), ``entropy_bonus`` (its aggregated entropy), the
         clip figures ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (``clipfrac``
-        too), ``approx_kl``, ``ratio_mean``, ``ratio_max`` (token ratios).
+        too), ``approx_kl``, ``ratio_mean``, ``ratio_max`` (token ratios; 0 when no token is valid, as when
+        ``mask_truncated_completions`` masks a whole micro-batch).
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     m = mask.to(logprobs.dtype)
@@ -199,7 +200,7 @@ def _clip_stats(loss_type: str, coef_1, adv, log_ratio, m, eps_low: float, eps_h
     return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
             "clip_ratio/region_mean": mean(low | high), "clipfrac": mean(low | high),
             "approx_kl": 0.5 * mean(log_ratio ** 2), "ratio_mean": mean(ratio),
-            "ratio_max": torch.where(valid, ratio, torch.full_like(ratio, -math.inf)).max().detach()}
+            "ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max().detach()}  # 0: no valid token
 
 
 def rloo_sequence_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
