@@ -132,12 +132,6 @@ def rollouts(a: GRPOConfig, per: int, prompts: int, num_prompts: int | None) -> 
 
 def loss_values(a: GRPOConfig) -> dict[str, Any]:
     """The loss and advantage settings as Refit's PPOConfig fields (learner/losses/grpo.py computes each as TRL)."""
-    if a.loss_type not in LOSS_TYPES:
-        raise RefitError(f"loss_type={a.loss_type!r}: TRL 1.16's loss types are {', '.join(LOSS_TYPES)}")
-    if a.importance_sampling_level not in ("token", "sequence"):
-        raise RefitError(f"importance_sampling_level={a.importance_sampling_level!r}: 'token' or 'sequence' (GSPO)")
-    if a.delta is not None and a.delta <= 1 + (a.epsilon if a.epsilon_high is None else a.epsilon_high):
-        raise RefitError(f"delta={a.delta} must be > 1 + epsilon_high (TRL's two-sided clipping)")
     values = {"cliprange_high": a.epsilon_high, "mask_truncated_completions": bool(a.mask_truncated_completions),
               "minibatch_order": "replay"}  # TRL shuffles a generation once and replays it num_iterations times
     if a.ESTIMATOR == "rloo":
@@ -146,6 +140,12 @@ def loss_values(a: GRPOConfig) -> dict[str, Any]:
         clip = tuple(float(x) for x in a.reward_clip_range) if a.reward_clip_range else ()
         return {**values, "loss_type": "rloo", "normalize_advantages": bool(a.normalize_advantages),
                 "reward_clip_range": clip}
+    if a.loss_type not in LOSS_TYPES:
+        raise RefitError(f"loss_type={a.loss_type!r}: TRL 1.16's loss types are {', '.join(LOSS_TYPES)}")
+    if a.importance_sampling_level not in ("token", "sequence"):
+        raise RefitError(f"importance_sampling_level={a.importance_sampling_level!r}: 'token' or 'sequence' (GSPO)")
+    if a.delta is not None and a.delta <= 1 + (a.epsilon if a.epsilon_high is None else a.epsilon_high):
+        raise RefitError(f"delta={a.delta} must be > 1 + epsilon_high (TRL's two-sided clipping)")
     return {**values, "loss_type": a.loss_type, "delta": a.delta,
             "importance_sampling_level": a.importance_sampling_level,
             "top_entropy_quantile": float(a.top_entropy_quantile),
