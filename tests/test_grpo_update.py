@@ -14,7 +14,8 @@ import torch
 from refit.core.errors import RefitError
 from refit.core.hf_folder import load_model
 from refit.learner import losses as L
-from refit.learner.ppo.update import Experience, UpdateSettings, loss_mask, ppo_update
+from refit.learner.ppo.objective import loss_mask
+from refit.learner.ppo.update import Experience, UpdateSettings, ppo_update
 from test_grpo_losses import trl_grpo_loss
 
 B, TP, TR = 8, 4, 5

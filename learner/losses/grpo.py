@@ -130,7 +130,8 @@ def grpo_policy_loss(
             ``eff`` = mask (times the entropy mask); ``num_entropy_tokens`` default: ``eff.sum()``.
     Returns:
         ``(loss, stats)``: ``pg_loss`` (the aggregated policy term), ``kl_loss`` (the aggregated KL term, without
-        ``beta``, when ``kl`` is given; TRL's ``policy_loss`` is ``pg_loss + beta * kl_loss``), ``entropy_bonus`` (its aggregated entropy), the
+        ``beta``, when ``kl`` is given; TRL's ``policy_loss`` is ``pg_loss + beta * kl_loss``), ``entropy_bonus``
+        (its aggregated entropy), the
         clip figures ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (``clipfrac``
         too), ``approx_kl``, ``ratio_mean``, ``ratio_max`` (token ratios; 0 when no token is valid, as when
         ``mask_truncated_completions`` masks a whole micro-batch).

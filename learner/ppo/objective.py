@@ -6,6 +6,9 @@ TRL's micro-batch is one gradient-accumulation slice of an optimizer step's mini
 cut it further to fit memory (``micro_rows``): :class:`Norm` carries TRL's counts of the whole slice and step, so
 the parts' losses add up to TRL's. The entropy mask's quantile is over the whole slice, so with
 ``top_entropy_quantile`` < 1 the slice is never cut.
+
+Also the experience's two TRL settings before the advantages: :func:`loss_mask` (``mask_truncated_completions``)
+and :func:`clip_scores` (RLOO's ``reward_clip_range``).
 """
 
 from __future__ import annotations
@@ -80,4 +83,27 @@ def slice_norms(s, exp, mine: torch.Tensor, micro: int, ranks: int, n_tokens: to
     return out
 
 
-__all__ = ["Norm", "trl_objective", "slice_norms"]
+def clip_scores(cfg, scores: torch.Tensor) -> torch.Tensor:
+    """The scores (B,) clamped to ``cfg.reward_clip_range`` (TRL RLOO's ``reward_clip_range``, before the KL
+    penalty); unchanged when it is empty."""
+    if not cfg.reward_clip_range:
+        return scores
+    lo, hi = cfg.reward_clip_range
+    return scores.clamp(min=lo, max=hi)
+
+
+def loss_mask(cfg, rollout) -> tuple[torch.Tensor, dict[str, float]]:
+    """The response mask (B, Tr), with ``mask_truncated_completions`` the rows whose last token is no stop token (they
+    ran into response_length) zeroed, as TRL zeroes their ``completion_mask``; (mask, stats)."""
+    mask = rollout.response_mask.clone()
+    if not cfg.mask_truncated_completions:
+        return mask, {}
+    n = mask.sum(-1).long()
+    last = rollout.response_ids.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+    stops = torch.tensor(sorted(rollout.stop_set()), dtype=last.dtype)
+    truncated = ~torch.isin(last, stops) | (n == 0)
+    mask = mask * (~truncated).to(mask.dtype)[:, None]
+    return mask, {"response/truncated_frac": float(truncated.float().mean())}
+
+
+__all__ = ["Norm", "trl_objective", "slice_norms", "clip_scores", "loss_mask"]

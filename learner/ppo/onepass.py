@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from refit.learner import losses as L
-from refit.learner.ppo.objective import Norm
-from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, clip_scores, corrections, loss_mask,
+from refit.learner.ppo.objective import Norm, clip_scores, loss_mask
+from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, corrections,
                                       experience_stats, group_advantages, micro_objective, needs_reference,
                                       per_token_rewards, reference_logits)
 from refit.learner.run.policy import response_forward, vocab_size

@@ -20,7 +20,7 @@ from refit.core.errors import RefitError
 from refit.core.memory import SCORE_ROWS
 from refit.learner import losses as L
 from refit.learner.ppo.mismatch import mismatch_stats
-from refit.learner.ppo.objective import slice_norms, trl_objective
+from refit.learner.ppo.objective import clip_scores, loss_mask, slice_norms, trl_objective
 from refit.learner.run.distributed import reduce_stats
 from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
 
@@ -376,7 +376,8 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     return {key: _combine(key, v) for key, v in acc.items()}
 
 
-TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss", "entropy_bonus")  # partial token sums over the minibatch's token count
+# partial sums over the minibatch (its token count, or TRL's normalisers)
+TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss", "entropy_bonus")
 MAX_STATS = ("ratio_max",)
 
 
@@ -444,29 +445,6 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
                      mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp if ref_lp is not None else
                      torch.zeros_like(old_lp), values=values, advantages=adv, returns=returns, is_weights=is_weights)
     return exp, stats
-
-
-def clip_scores(cfg, scores: torch.Tensor) -> torch.Tensor:
-    """The scores (B,) clamped to ``cfg.reward_clip_range`` (TRL RLOO's ``reward_clip_range``, before the KL
-    penalty); unchanged when it is empty."""
-    if not cfg.reward_clip_range:
-        return scores
-    lo, hi = cfg.reward_clip_range
-    return scores.clamp(min=lo, max=hi)
-
-
-def loss_mask(cfg, rollout) -> tuple[torch.Tensor, dict[str, float]]:
-    """The response mask (B, Tr), with ``mask_truncated_completions`` the rows whose last token is no stop token (they
-    ran into response_length) zeroed, as TRL zeroes their ``completion_mask``; (mask, stats)."""
-    mask = rollout.response_mask.clone()
-    if not cfg.mask_truncated_completions:
-        return mask, {}
-    n = mask.sum(-1).long()
-    last = rollout.response_ids.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
-    stops = torch.tensor(sorted(rollout.stop_set()), dtype=last.dtype)
-    truncated = ~torch.isin(last, stops) | (n == 0)
-    mask = mask * (~truncated).to(mask.dtype)[:, None]
-    return mask, {"response/truncated_frac": float(truncated.float().mean())}
 
 
 def corrections(cfg, rollout, old_lp: torch.Tensor, rows: slice | torch.Tensor,
