@@ -150,6 +150,23 @@ def test_mask_truncated_completions_masks_rows_without_a_stop_token():
     assert torch.equal(loss_mask(SimpleNamespace(mask_truncated_completions=False), rollout)[0], mask)
 
 
+def test_truncated_completions_keep_their_reward_in_the_group_baseline():
+    """TRL masks truncated completions out of the loss only: the group's mean and std still see their rewards."""
+    from refit.learner.ppo.onepass import _experience_shell
+
+    response = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 0, 0], [5, 6, 7]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    rollout = SimpleNamespace(prompt_ids=torch.ones(4, 2, dtype=torch.long), prompt_mask=torch.ones(4, 2),
+                              response_ids=response, response_mask=mask, stop_set=lambda: {2})
+    cfg = SimpleNamespace(mask_truncated_completions=True, reward_clip_range=(), advantage_estimator="grpo",
+                          num_generations=4, scale_rewards="group", normalize_advantages=False, correction="none")
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    exp, stats = _experience_shell(cfg, rollout, scores)
+    want = (scores - scores.mean()) / (scores.std() + 1e-4)
+    torch.testing.assert_close(exp.advantages[:, 0], want * torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert exp.mask.sum(1).tolist() == [2, 0, 1, 0] and stats["response/truncated_frac"] == 0.5
+
+
 def test_facade_maps_the_dapo_settings_and_refuses_with_reasons(tmp_path):
     from refit.learner.trl.grpo import GRPOConfig, RLOOConfig, to_ppo_config
 

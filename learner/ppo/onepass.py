@@ -149,7 +149,7 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None 
     for the log-probs and weights that the micro-batches fill in; (experience, the advantage stats)."""
     mask, trunc_stats = loss_mask(cfg, rollout)
     zeros = torch.zeros_like(mask)
-    rewards = per_token_rewards(clip_scores(cfg, scores), zeros, mask, 0.0)
+    rewards = per_token_rewards(clip_scores(cfg, scores), zeros, rollout.response_mask, 0.0)  # every row's score
     adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
                                    cfg.normalize_advantages, per_func)
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,

@@ -436,7 +436,8 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
         adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
         stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
     else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
-        rewards = per_token_rewards(scores, penalty, response, kl_coef)
+        # every row's score counts (TRL scores truncated completions too); the KL is summed over the loss's tokens
+        rewards = per_token_rewards(scores, penalty * response, rollout.response_mask, kl_coef)
         adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
                                        cfg.normalize_advantages, per_func)
         returns = torch.zeros_like(adv)
