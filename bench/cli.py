@@ -18,7 +18,7 @@ from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
 from refit.export.onnx_export import ExportOptions
 from refit.learner.builtin.models import build_model
-from refit.rollout.build import build
+from refit.rollout.build import build, ensure_engine, guard_engine
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,10 @@ class BenchGRPO(OnMachine):
     refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
                                 "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
+    trl_search: bool = opt(True, "--vs trl: first try the TRL configurations a careful user would (checkpointing on/off, "
+                                 "16-row micro-batches with accumulation, bf16 autocast), --trial_steps steps each, and "
+                                 "run the rounds with the fastest that fits in memory (--no_trl_search: TRL's defaults)")
+    trial_steps: int = opt(3, "steps of each TRL trial (the first is the warm-up; the median of the rest is compared)")
     trl_venv: str = opt(".venv-trl", "the TRL side's virtual environment (made on first use)")
 
 
@@ -162,8 +166,10 @@ def _usage() -> str:
 
 
 def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_len: int = 256,
-                      quantize: str = "none", rows: int = 64) -> tuple[Path, Path]:
-    """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused)."""
+                      quantize: str = "none", rows: int = 64, any_size: bool = False) -> tuple[Path, Path]:
+    """The benchmark model (built locally when not given) and its ONNX engine folder (exported or reused; one the
+    user named is used as it is, refused when it cannot serve the bench; ``any_size``: any engine of the model's
+    weights serves, as for a weight push)."""
     work = Path(m.work_dir)
     model = Path(s.model) if s.model else work / s.geometry
     if not s.model and not (model / "config.json").exists():
@@ -172,6 +178,11 @@ def _model_and_engine(m: Machine, s: Source, backends: str = "", log=print, max_
     suffix = "" if quantize == "none" else f"-{quantize}"
     engine = Path(s.engine) if s.engine else work / f"{model.name}-engine{suffix}"
     backend = "tensorrt" if "tensorrt" in backends.split(",") else "onnxruntime"
+    if s.engine:  # a folder the user named: used as it is when it serves the bench, never exported over
+        guard_engine(model, engine, log=log)
+        ensure_engine(model, engine, 1 if any_size else rows, 1 if any_size else max_len, backend, log, quantize,
+                      own=False)
+        return model, engine
     # rows: the bench's largest call, so that it runs as one call (an engine runs a larger one in calls of max_batch)
     build(model, engine, backend, ExportOptions(max_batch=max(64, rows), max_len=max_len, quantize=quantize), log=log)
     return model, engine
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
                              a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
     elif which == "refit":
-        model, engine = _model_and_engine(m, a.source)
+        model, engine = _model_and_engine(m, a.source, any_size=True)
         out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
     elif which == "inflight":
         _, engine = _model_and_engine(m, a.source)
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                      threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
                      lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype, quantize=a.quantize)
         out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
-                         Path(a.trl_venv).resolve())
+                         Path(a.trl_venv).resolve(), trl_search=a.trl_search, trial_steps=a.trial_steps)
     elif which == "workers":
         out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
     else:

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from refit.core.hf_folder import load_model, model_info
+from refit.core.integrity import clean_stale_temps
 from refit.core.manifest import Manifest
 from refit.core.padding import native_padding_side, pad_batch
 from refit.export.onnx_export import ExportOptions
@@ -375,12 +376,15 @@ def bench_refit(model_dir: Path, engine_dir: Path, repeats: int, threads: int, w
         times.append(time.perf_counter() - t0)
         log(f"update_weights #{r + 1}: {times[-1]:.3f} s")
     eng.close()
-    out = work_dir / "reexport"
-    shutil.rmtree(out, ignore_errors=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out = work_dir / f".reexport.tmp-{os.getpid()}"  # the bench's own scratch (a killed run's: removed next start)
+    clean_stale_temps(work_dir, log, prefix="reexport.")
     t0 = time.perf_counter()
-    build(model_dir, out, opts=ExportOptions(), log=log)
-    reexport = time.perf_counter() - t0
-    shutil.rmtree(out, ignore_errors=True)
+    try:
+        build(model_dir, out, opts=ExportOptions(), log=log)
+        reexport = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     upd = statistics.median(times)
     return {"bench": "refit", "model": str(model_dir), "update_weights_s": round(upd, 4),
             "update_weights_all_s": [round(t, 4) for t in times], "reexport_s": round(reexport, 3),

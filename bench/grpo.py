@@ -47,7 +47,11 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 - logging only: ``logging_steps=1``, ``save_strategy="no"``, ``report_to="none"``; Refit writes no checkpoint
   within the run and no final export.
 
-Everything else is each side's default: on TRL's side ``gradient_checkpointing=True``, ``disable_dropout=False``,
+TRL at its best (``--vs trl``, unless ``--no_trl_search``): before the rounds, TRL's side runs ``--trial_steps``
+steps under each configuration a careful user tries (gradient checkpointing on and off; 16-row micro-batches with
+gradient accumulation; TRL's default bf16 autocast over the fastest fp32 one), each watched for memory, and the
+rounds run the fastest that finished (bench/trl_best.py; every trial is in the JSON's ``trl_trials``). Refit runs
+at its defaults. Without the search, everything else is each side's default: on TRL's side ``gradient_checkpointing=True``, ``disable_dropout=False``,
 ``loss_type="dapo"``, ``epsilon`` 0.2, ``max_grad_norm`` 1.0 (the values are in the JSON, ``trl.config``).
 Departures kept visible: the two sides draw their prompts in their own orders from the same rows; a completion
 stops at EOS and at the chat template's end-of-turn on Refit's side, and at the tokenizer's EOS plus the model's
@@ -76,11 +80,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 
+from refit.bench.trl_best import best_trl_config, memory_limit_gb
 from refit.core.errors import RefitError
 from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build_model
 from refit.learner.builtin.published import PUBLISHED, build_published
@@ -250,7 +255,7 @@ def lora_targets(w: Workload) -> list[str]:
 def export_engine(w: Workload, engine: Path, logs: Path) -> dict:
     """``refit export`` of the model (reused by every Refit round: ``refit ppo`` takes any export of the same
     weights that fits its rows and length), in a child of its own so that its peak is apart from the runs'."""
-    cmd = [sys.executable, "-m", "refit.learner.cli", "export", w.model, "-o", str(engine), "--max_batch",
+    cmd = [sys.executable, "-m", "refit", "export", w.model, "-o", str(engine), "--max_batch",
            str(w.prompts_per_step * w.num_generations), "--max_len", str(engine_max_len(w))]
     if w.lora_r:
         cmd += ["--lora", *lora_targets(w), "--round_weights", "bf16" if w.lora_base_dtype == "bf16" else "none"]
@@ -262,7 +267,7 @@ def export_engine(w: Workload, engine: Path, logs: Path) -> dict:
 
 def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path | None, extra: str) -> list[str]:
     """``refit ppo`` with GRPO and the aligned settings."""
-    cmd = [sys.executable, "-m", "refit.learner.cli", "ppo", "--model.model_dir", w.model, "-o", str(out),
+    cmd = [sys.executable, "-m", "refit", "ppo", "--model.model_dir", w.model, "-o", str(out),
            "--data.dataset", w.dataset, "--reward", f"{REWARD_FILE}:reward", "--advantage_estimator", "grpo",
            "--num_generations", str(w.num_generations), "--run.batch_size", str(w.prompts_per_step),
            "--response_length", str(w.max_completion_length), "--temperature", str(w.temperature),
@@ -384,9 +389,22 @@ def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log
     return run
 
 
+def search_trl(py: Path, w: Workload, runs_dir: Path, seed: int, trl_args: str, trial_steps: int,
+               log=print) -> tuple[str, list[dict]]:
+    """TRL's fastest configuration on this machine (bench/trl_best.py), each candidate ``trial_steps`` steps; the
+    user's ``trl_args`` fields override a candidate's. (the TRL side's ``trl_args`` for the rounds, the trials)."""
+    user, trials_dir = json.loads(trl_args or "{}"), runs_dir / "trl-trials"
+    tw = replace(w, steps=trial_steps)
+    best, trials = best_trl_config(lambda name, f: trl_command(py, tw, trials_dir / name, seed, json.dumps({**f, **user})),
+                                   w.prompts_per_step * w.num_generations, w.lora_base_dtype == "fp32", trials_dir,
+                                   child_env(w.threads, False), memory_limit_gb(), log)
+    return json.dumps({**best, **user}), trials
+
+
 def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_args: str = "", trl_args: str = "",
-               trl_venv: Path = Path(".venv-trl"), log=print) -> dict:
-    """The side-by-side run (module docstring); returns the JSON document."""
+               trl_venv: Path = Path(".venv-trl"), log=print, trl_search: bool = True, trial_steps: int = 3) -> dict:
+    """The side-by-side run (module docstring); returns the JSON document. ``trl_search`` (``--vs trl``): TRL's side
+    runs with the fastest of the configurations a careful user tries (:func:`search_trl`), not its defaults alone."""
     if vs not in ("trl", "hf"):
         raise RefitError(f"--vs {vs!r}: 'trl' (TRL's GRPOTrainer) or 'hf' (Refit with HF generate() rollouts)")
     if vs == "hf" and w.lora_r:
@@ -401,6 +419,9 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
                      f"{'-' + w.quantize if w.quantize != 'none' else ''}")
     export = export_engine(w, engine, runs_dir)
     log(f"refit export: {export['s']} s, peak RSS {export['peak_rss_gb']} GB ({engine})")
+    trials = None
+    if vs == "trl" and trl_search:
+        trl_args, trials = search_trl(py, w, runs_dir, seed, trl_args, trial_steps, log)
     runs: dict[str, list[dict]] = {"refit": [], base: []}
     for rnd in range(rounds):
         for side in ("refit", base) if rnd % 2 == 0 else (base, "refit"):
@@ -427,6 +448,9 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
            "reward_gap": reward_gap(ours, theirs)}
     if trl_info:
         out["trl"] = trl_info
+    if trials is not None:  # every TRL configuration tried, and the one the rounds ran (in trl_args)
+        out["trl_trials"] = trials
+        out["trl_args"] = trl_args
     load = max(x for side in sides.values() for x in side["loadavg_1m_by_round"])
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_max": round(load, 2)}
     if load > (os.cpu_count() or 1) + 0.5:

@@ -17,8 +17,11 @@ process that did not end normally, is taken over, saying so.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
+import fnmatch
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -143,8 +146,10 @@ def share_folder(lock: str | Path) -> None:
     """Turn this process's exclusive hold on ``lock`` into a shared one (a written engine folder now only read)."""
     key = str(Path(lock).resolve())
     if key in _held and not _held[key][1]:
-        fcntl.flock(_held[key][0], fcntl.LOCK_SH)
-        _held[key] = (_held[key][0], True)
+        fd = _held[key][0]
+        os.ftruncate(fd, 0)  # the write is complete: no pid left to read as a holder that died mid-write
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _held[key] = (fd, True)
 
 
 def clean_stale_temps(folder: str | Path, log=print, prefix: str = "") -> list[Path]:
@@ -176,9 +181,49 @@ def folder_names(path: str | Path) -> set[str]:
     return {p.name for p in Path(path).iterdir() if not _TEMP.match(p.name) and not _LOCK.match(p.name)}
 
 
+RUN_RECORD = "run.json"  # a run folder's record: the proof that Refit's run owns the folder
+RUN_FORMAT = "refit-run/1"  # run.json's schema marker
+ENGINE_FORMAT = "refit-engine/"  # manifest.json's schema marker (refit.core.manifest: "refit-engine/1")
+# what an engine folder holds: a folder of these names alone, with graphs, is an engine whose manifest is damaged
+ENGINE_NAMES = ("manifest.json", "config.json", "generation_config.json", "tokenizer", "*.onnx", "*.onnx.data",
+                "*.data", "*.plan", ".*.plan.building-*")
+
+
+def read_json(path: str | Path):
+    """The JSON value in file ``path``; None when it is missing or not JSON (damaged, another tool's binary)."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def is_run_record(d) -> bool:
+    """True for a ``run.json`` Refit wrote: its schema marker and run id (or, written before the marker existed,
+    its run id beside the config and the config's hash). Another tool's ``run.json`` is not one."""
+    if not isinstance(d, dict) or not isinstance(d.get("run_id"), str):
+        return False
+    return d.get("format") == RUN_FORMAT or (isinstance(d.get("config"), dict) and "config_hash" in d)
+
+
+def matches(name: str, patterns) -> bool:
+    """True when ``name`` is one of ``patterns`` (plain names or fnmatch globs: ``checkpoint-*``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _is_engine(path: Path, names: set[str]) -> bool:
+    """A Refit engine folder: its manifest carries Refit's schema marker; or its manifest is damaged (not JSON)
+    in a folder that holds graphs and nothing an engine folder does not."""
+    m = read_json(path / "manifest.json")
+    if isinstance(m, dict):
+        return str(m.get("format", "")).startswith(ENGINE_FORMAT)
+    graphs = any(n.endswith((".onnx", ".plan")) for n in names)
+    return m is None and graphs and all(matches(n, ENGINE_NAMES) for n in names)
+
+
 def folder_holds(path: str | Path) -> str:
-    """What ``path`` is: "missing", "file", "empty", "engine" (manifest.json), "run" (run.json, metrics.jsonl,
-    checkpoints/), "model" (config.json: an HF checkpoint) or "other"."""
+    """What ``path`` is, by proof rather than by file names: "missing", "file", "empty", "engine" (a Refit
+    manifest.json), "run" (a Refit run.json: :func:`is_run_record`), "model" (config.json: an HF checkpoint) or
+    "other" (anything else: another tool's metrics.jsonl, run.json or manifest.json, a user's checkpoints/)."""
     path = Path(path)
     if not path.exists():
         return "missing"
@@ -187,9 +232,9 @@ def folder_holds(path: str | Path) -> str:
     names = folder_names(path)
     if not names:
         return "empty"
-    if "manifest.json" in names:
+    if "manifest.json" in names and _is_engine(path, names):
         return "engine"
-    if names & {"run.json", "metrics.jsonl", "checkpoints"}:
+    if RUN_RECORD in names and is_run_record(read_json(path / RUN_RECORD)):
         return "run"
     if "config.json" in names:
         return "model"
@@ -247,5 +292,20 @@ def atomic_folder(final: Path, before_rename=lambda: None):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except Exception as e:
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        if (full and not e.filename) or (not full and out_of_space(final.parent)):
+            # torch.save's writer says only "unexpected pos" on a full disk, safetensors names no file: name the folder
+            raise OSError(errno.ENOSPC, "No space left on device", str(final)) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def out_of_space(folder: str | Path, margin: int = 1 << 20) -> bool:
+    """True when the file system of ``folder`` has less than ``margin`` bytes left for this user."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < margin

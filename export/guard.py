@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.integrity import (HOLDS, clean_stale_temps, engine_lock, folder_hashes, folder_holds, hold_folder,
-                                  sha256_files)
+from refit.core.integrity import (ENGINE_NAMES, HOLDS, clean_stale_temps, engine_lock, folder_hashes, folder_holds,
+                                  folder_names, hold_folder, matches, sha256_files)
 from refit.core.manifest import Manifest
 from refit.export.onnx_export import weights_hash
 
@@ -99,8 +99,23 @@ def require_tokenizer(model_dir: str | Path) -> None:
 
 
 def _take(engine_dir: Path, log) -> None:
-    """The engine folder's exclusive lock before it is removed: refused while another process uses it."""
+    """The engine folder's exclusive lock before it is removed: refused while another process uses it; refused
+    too when the folder holds files an export did not write (they would go with it)."""
     hold_folder(engine_lock(engine_dir), f"engine folder {engine_dir}", log)
+    require_only_engine_files(engine_dir)
+
+
+def require_only_engine_files(engine_dir: str | Path) -> None:
+    """One line when ``engine_dir`` holds anything an export does not write (a user's notes beside the graphs):
+    an engine folder is replaced whole (removed, or renamed over), and Refit deletes nothing it did not write."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        return
+    foreign = sorted(n for n in folder_names(engine_dir) if not matches(n, ENGINE_NAMES))
+    if foreign:
+        raise RefitError(f"engine folder {engine_dir} also holds {', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}, which no export wrote; Refit deletes nothing it did "
+                         "not write: move them out of the folder, or choose another engine folder")
 
 
 def guard_engine(model_dir: str | Path, engine_dir: str | Path, overwrite: bool = False, log=print,

@@ -11,10 +11,12 @@ one line too (:mod:`refit.core.explain`: files, graphs, the disk; else "unexpect
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import Callable
 
-from refit.core.errors import RefitError
+from refit.core.errors import RefitError, Stopped
 from refit.core.explain import explain, unexpected
 
 
@@ -73,6 +75,18 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _raise_stopped(signum: int, _frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _stop_on(signum: int) -> None:
+    """Raise :class:`Stopped` in the main thread on ``signum`` (SIGTERM), where the default would end the process
+    at once: the job unwinds as on Ctrl-C, and the line says what it kept. Only from the main thread (a caller
+    running ``main`` in a thread keeps its own handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, _raise_stopped)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    _stop_on(signal.SIGTERM)
     try:
         return int(COMMANDS[name][0](rest) or 0)
     except RefitError as e:
@@ -91,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"refit {name}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"refit {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Stopped: the job's finally blocks have run
+        sig = getattr(e, "signal_name", "SIGINT")
+        kept = getattr(e, "kept", "")
+        print(f"refit {name}: stopped by {sig}{f'; {kept}' if kept else ''}", file=sys.stderr)
+        return 128 + int(getattr(signal, sig))
     except SystemExit:
         raise  # --help, tyro's own usage errors
     except Exception as e:  # noqa: BLE001 - the one dispatch point: every exception is one line

@@ -28,7 +28,7 @@ from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_f
 from refit.core.manifest import MANIFEST, Manifest
 from refit.core.memory import F32, available, engine_terms, geometry, refuse_if_over
 from refit.core.parsing import opt, parse
-from refit.export.guard import guard_engine, require_tokenizer
+from refit.export.guard import guard_engine, require_only_engine_files, require_tokenizer
 from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
 from refit.export.quantize import scheme_for
 from refit.rollout.parity import int8_parity_gate, parity_gate
@@ -70,6 +70,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     lock, what = engine_lock(engine_dir), f"engine folder {engine_dir}"
     hold_folder(lock, what, log, shared=not write)  # readers share it; a writer excludes every other process
     if write:
+        require_only_engine_files(engine_dir)  # a folder is written whole: nothing of the user's goes with it
         other = _manifest_of(engine_dir)
         if other is not None and other.hashes.hf_weights_sha256 != weights_hash(model_dir):  # written meanwhile
             raise RefitError(f"{what} now holds an engine of other weights (another process exported into it); "

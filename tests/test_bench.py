@@ -6,6 +6,7 @@ The HF ``generate()`` baseline's parity with the reference is in the matrix (tes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -79,9 +80,18 @@ def test_bench_generate_quantized_json(tmp_path):
     assert "error" in out["ctranslate2_int8"]  # not asked for
 
 
-def test_bench_refit_json(tmp_path):
-    out = _bench(tmp_path, "refit")
+def test_bench_refit_json(tmp_path, model_dirs, default_engine_dirs):
+    """Issue 43 #3: an engine folder the user names (exported with other options than the bench's) is used as it
+    is, never exported over, and the bench's re-export leaves nothing in the work folder."""
+    import shutil
+
+    engine = tmp_path / "mine"
+    shutil.copytree(default_engine_dirs["tiny-gpt2"], engine)
+    before = {p.name: p.read_bytes() for p in engine.iterdir() if p.is_file()}
+    out = _bench(tmp_path / "w", "refit", "--model", str(model_dirs["tiny-gpt2"]), "--engine", str(engine))
     assert out["update_weights_s"] > 0 and out["reexport_s"] > 0 and out["ratio_reexport_over_update"] > 0
+    assert {p.name: p.read_bytes() for p in engine.iterdir() if p.is_file()} == before
+    assert not [p for p in (tmp_path / "w").iterdir() if "reexport" in p.name and not p.name.endswith(".lock")]
 
 
 def test_bench_ppo_json(tmp_path):
@@ -272,7 +282,13 @@ def test_bench_grpo_vs_trl_json(tmp_path):
     _check_side(out["sides"]["trl"], {"generate", "score", "update"})
     trl = out["trl"]
     assert trl["versions"]["trl"].startswith("1.16.") and trl["threads"] == 2 and trl["ref_model"] is False
-    assert trl["config"]["bf16"] is False and trl["config"]["gradient_checkpointing"] is True  # TRL's default kept
+    # TRL at its best: each configuration tried, the fastest that finished is what the rounds ran
+    tried = {t["name"]: t for t in out["trl_trials"]}
+    assert set(tried) == {"ckpt-on", "ckpt-off", "bf16"} and all(t["status"] == "ok" for t in tried.values())
+    best = min(tried.values(), key=lambda t: t["step_s"])
+    assert json.loads(out["trl_args"]) == best["fields"]
+    assert trl["config"]["gradient_checkpointing"] is best["fields"]["gradient_checkpointing"]
+    assert trl["config"]["bf16"] is best["fields"].get("bf16", False)
     assert trl["config"]["per_device_train_batch_size"] == 4 and trl["config"]["num_iterations"] == 1
     assert sorted(trl["eos_token_ids"]) == out["stops"]["trl"] == out["stops"]["refit"]
 
@@ -292,3 +308,20 @@ def test_bench_lora_names_a_refused_full_fine_tuning_row():
     row = {"geometry": "Qwen2.5 1.5B", "params_b": 1.544, "quantize": "none", "base_dtype": "fp32",
            "full_status": cell, "full_wall_s": 9.1, "full_peak_rss_gb": 0.4}
     assert f"| {cell} (9.1 s, 0.4 GB) |" in markdown([row])
+
+
+def test_trl_candidates_and_the_memory_watch(tmp_path):
+    """bench/trl_best.py: the configurations tried for a step's rows (micro-batches only where 16 divides them), and
+    a candidate that passes its memory cap is stopped and reported as over memory, not run to the machine's limit."""
+    from refit.bench.trl_best import candidates, run_capped
+
+    assert [n for n, _ in candidates(4, True)] == ["ckpt-on", "ckpt-off"]
+    names = dict(candidates(128, True))
+    assert names["ckpt-off-mb16"] == {"gradient_checkpointing": False, "per_device_train_batch_size": 16,
+                                      "gradient_accumulation_steps": 8}
+    hog = [sys.executable, "-c", "import time; x = bytearray(400 * 2**20); time.sleep(30)"]
+    status, wall, rss = run_capped(hog, tmp_path / "hog.log", dict(os.environ), memory_gb=0.2)
+    assert status == "over memory" and wall < 20 and rss > 0.2
+    assert run_capped([sys.executable, "-c", "pass"], tmp_path / "ok.log", dict(os.environ), 4.0)[0] == "ok"
+    assert run_capped([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "f.log", dict(os.environ), 4.0)[0] == \
+        "failed (exit 3)"

@@ -169,8 +169,7 @@ def test_bart_family_distill_kl_is_zero_when_student_is_teacher(model_dirs, engi
 def test_config_refuses_incoherent_modes():
     with pytest.raises(RefitError, match="loss=ce is sequence-level KD"):
         DistillConfig.from_flat(loss="ce", seq_kd=False)
-    with pytest.raises(RefitError, match="second teacher pass"):
-        DistillConfig.from_flat(loss="jsd", seq_kd=True)
+    assert DistillConfig.from_flat(loss="jsd", seq_kd=True, beta=0.5).seq_kd  # the generation pass's full scores
     with pytest.raises(RefitError, match="loss_temperature"):
         DistillConfig.from_flat(loss="topk_kl", seq_kd=True, lmbda=0.0, temperature=0.8, loss_temperature=1.0)
     with pytest.raises(RefitError, match="eval_every must be a multiple"):
@@ -193,6 +192,21 @@ def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_pa
                 assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (ra["step"], k)
     assert [r.get("engine/weights_version") for r in b[1:]] == [1, 2, 3, 4]
     assert a[-1]["eval/kl_to_teacher"] is not None and json.loads((part / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_resumed_run_probes_the_batch_a_fresh_run_does(model_dirs, engine_dirs, tmp_path):
+    """Issue 43 #6: the probe batch is the run's, made from the engine as exported (the model folder's weights)
+    before a resumed run pushes its checkpoint, not greedy tokens of the checkpoint's weights, which made a resumed
+    run's probe differences differ from the uninterrupted run's. Trained hard (lr 0.05) so the checkpoint's greedy
+    tokens differ from the model folder's."""
+    cfg = _cfg(model_dirs, engine_dirs, tmp_path / "r", max_steps_this_run=2, learning_rate=0.05, lmbda=0.0)
+    run_distill(cfg, **QUIET)
+    fresh = setup(_cfg(model_dirs, engine_dirs, tmp_path / "other", learning_rate=0.05, lmbda=0.0), False, **QUIET)
+    resumed = setup(cfg, True, **QUIET)
+    for k in ("prompt_ids", "response_ids", "response_mask"):
+        assert torch.equal(getattr(resumed.sync.probe, k), getattr(fresh.sync.probe, k)), k
+    later = resumed.student_engine.generate(resumed.prompt_ids[:4], resumed.sync.probe.sampling)
+    assert not torch.equal(later.response_ids, fresh.sync.probe.response_ids)  # the checkpoint's own tokens differ
 
 
 def _env():

@@ -585,7 +585,7 @@ def test_a_batch_over_the_users_engine_runs_within_it_and_a_short_engine_is_refu
         rb.ensure_engine(model_dirs[GPT2], e, 4, 140)
     own = tmp_path / "run3/engine"  # the run's own engine (in a run folder): reused for a larger batch, exported
     shutil.copytree(default_engine_dirs[GPT2], own)  # again (never narrower) only when too short
-    (tmp_path / "run3/run.json").write_text("{}")
+    (tmp_path / "run3/run.json").write_text('{"format": "refit-run/1", "run_id": "a1"}')  # Refit's own run
     said = []
     assert rb.ensure_engine(model_dirs[GPT2], own, 70, 40, log=said.append) == own
     assert "reusing engine" in said[-1] and (own / "manifest.json").read_bytes() == before["manifest.json"]
@@ -958,3 +958,197 @@ def test_two_exports_started_together_to_one_folder_never_both_write(tmp_path, m
         assert engine_damage(e) is None
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".e{i}.")) == [f".e{i}.lock"]
         print(f"export round {i}: {Path(won[0].args[1]).name} written; the other: {line}")
+
+
+# ------------------------------------------------- issue 43: a user's files, locks, a full disk, a stop by signal
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """{relative path: bytes} of every file under ``folder`` (lock files and Refit's own temp names included)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_users_files_named_like_a_runs_are_never_taken_for_one(capsys, tmp_path, model_dirs):
+    """43 #1: another tool's metrics.jsonl beside the user's config.yaml, and a user's checkpoints/my_model.pt,
+    are not a run: refused with and without --overwrite, every byte kept (the old rule called both a run,
+    replaced the first with --overwrite and deleted the second with no flag at all)."""
+    p = ["ppo", "--model.model_dir", model_dirs[GPT2], "--model.engine_dir", tmp_path / "e", "--run.steps", "1"]
+    tool, ckpt = tmp_path / "tool", tmp_path / "ckpt"
+    (ckpt / "checkpoints").mkdir(parents=True)
+    tool.mkdir()
+    (tool / "config.yaml").write_text("mine: 1\n")
+    (tool / "metrics.jsonl").write_text('{"loss": 1.0}\n')
+    (ckpt / "checkpoints/my_model.pt").write_bytes(b"weights")
+    for f in (tool, ckpt):
+        (f / "README").write_text("mine\n")
+    before = {f: _tree(f) for f in (tool, ckpt)}
+    for extra in ([], ["--overwrite"]):
+        one_line(*refit(capsys, *p, "-o", tool, *extra), f"run folder {tool} holds files that are not a Refit run's",
+                 "would replace config.yaml, metrics.jsonl (never done, --overwrite included)")
+        one_line(*refit(capsys, *p, "-o", ckpt, *extra), "would replace checkpoints")
+    assert {f: _tree(f) for f in (tool, ckpt)} == before
+    (tool / "run.json").write_text('{"epoch": 3}')  # another tool's run.json proves nothing either
+    one_line(*refit(capsys, *p, "-o", tool, "--overwrite"), "would replace config.yaml, metrics.jsonl, run.json")
+    (tool / "run.json").write_text('{"run_id": ')  # damaged: cannot tell; nothing written or deleted
+    one_line(*refit(capsys, *p, "-o", tool, "--overwrite"), "run.json is damaged (not JSON)", "writes and deletes "
+             "nothing there")
+    assert _tree(tool) == {**before[tool], "run.json": b'{"run_id": '}
+
+
+def test_overwrite_deletes_only_what_the_run_wrote(tmp_path, model_dirs):
+    """43 #1: a run written beside the user's files (--overwrite into a folder of other files) records them as
+    foreign; a later --overwrite deletes the run's own files only, and inside checkpoints/ only its step_N."""
+    from refit.learner.run.folder import claim
+
+    run, cfg = tmp_path / "run", _ppo(tmp_path, model_dirs[GPT2])
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    said = []
+    record = claim(run, cfg, resume=False, overwrite=True, log=said.append)
+    assert record["foreign"] == ["notes.txt"] and record["format"] == "refit-run/1"
+    from refit.learner.run.folder import write_record
+
+    write_record(run, record)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints/step_000001").mkdir(parents=True)
+    (run / "checkpoints/mine.pt").write_bytes(b"x")  # a user's file dropped in later
+    claim(run, cfg, resume=False, overwrite=True, log=said.append)
+    assert "--overwrite: deleting run" in said[-2] and "keeping notes.txt (not the run's)" in said[-2], said
+    assert "kept 1 file(s) in" in said[-1] and "mine.pt" in said[-1], said
+    assert (run / "notes.txt").read_text() == "mine" and (run / "checkpoints/mine.pt").read_bytes() == b"x"
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints/step_000001").exists()
+
+
+def test_a_finished_commands_lock_is_not_an_abandoned_one(tmp_path):
+    """43 #3: an export that exits normally shares its engine folder's lock, leaving no pid in it; the next
+    process takes the lock without "ended without releasing it". A holder killed mid-write is still named."""
+    from refit.core.integrity import hold_folder
+
+    done, killed = tmp_path / ".done.lock", tmp_path / ".killed.lock"
+    code = ("import sys, os; from refit.core.integrity import hold_folder, share_folder; hold_folder(sys.argv[1], 'x'); "
+            "share_folder(sys.argv[1]) if sys.argv[2] == 'share' else os._exit(137)")
+    for lock, how in ((done, "share"), (killed, "kill")):
+        subprocess.run([sys.executable, "-c", code, str(lock), how], check=how == "share")
+    assert done.read_text() == "" and killed.read_text().startswith("pid ")
+    said = []
+    hold_folder(done, "engine folder done", said.append)
+    hold_folder(killed, "engine folder killed", said.append)
+    assert len(said) == 1 and "engine folder killed was held by pid" in said[0], said
+
+
+def test_an_extended_runs_final_engine_is_replaced_as_its_own(tmp_path, model_dirs, default_engine_dirs):
+    """43 #2: --resume with more steps ends again; the final_engine of the earlier end (other weights) is the run's
+    own and is replaced, where the old rule refused it as "another process exported into it" and pointed at
+    --overwrite (which deletes the run). One the run found there is never touched."""
+    from refit.learner.run.final import _clear_own_engine
+    from refit.learner.run.folder import claim, write_record
+
+    run, cfg = tmp_path / "run", _ppo(tmp_path, model_dirs[GPT2])
+    write_record(run, claim(run, cfg, resume=False, overwrite=False, log=lambda *_: None))
+    shutil.copytree(default_engine_dirs[GPT2], run / "final_engine")  # the earlier end's (the GPT-2's weights)
+    said = []
+    _clear_own_engine(run, model_dirs["tiny-llama"], said.append)  # this end's final/: other weights
+    assert not (run / "final_engine").exists() and "replacing" in said[0], said
+    shutil.copytree(default_engine_dirs[GPT2], run / "final_engine")
+    _clear_own_engine(run, model_dirs[GPT2], said.append)  # the same weights: kept (the export reuses it)
+    assert (run / "final_engine/manifest.json").is_file()
+    record = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**record, "foreign": ["final_engine"]}))
+    with pytest.raises(RefitError, match="holds an engine folder that this run did not write"):
+        _clear_own_engine(run, model_dirs["tiny-llama"], said.append)
+    assert (run / "final_engine/manifest.json").is_file()
+
+
+def _tinyfs(tmp_path: Path, size: str) -> Path:
+    """A tmpfs of ``size`` mounted at tmp_path/fs (unmounted at the end of the test); skipped where mounting is not
+    allowed (not root, a container without CAP_SYS_ADMIN)."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(fs)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.decode().strip()[:80]})")
+    return fs
+
+
+def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_keeps_the_last(tmp_path):
+    """43 #4: torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos"; the
+    atomic write names it as a full disk and the folder, the previous checkpoint stays whole, no temp is left;
+    the run loop turns it into one line naming the run's last intact checkpoint and --resume."""
+    import torch
+
+    from refit.core.integrity import atomic_folder
+    from refit.learner.run.loop import Job, run_job
+
+    fs = _tinyfs(tmp_path, "256k")
+    try:
+        (fs / "step_1").mkdir()
+        (fs / "step_1/state.json").write_text("{}")
+        with pytest.raises(OSError) as e:
+            with atomic_folder(fs / "step_2") as tmp:
+                tmp.mkdir()
+                torch.save({"w": torch.zeros(200_000)}, tmp / "trainer.pt")
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(fs / "step_2")
+        assert sorted(os.listdir(fs)) == ["step_1"] and (fs / "step_1/state.json").read_text() == "{}"
+    finally:
+        subprocess.run(["umount", str(fs)], check=False)
+    cfg = types.SimpleNamespace(run=types.SimpleNamespace(output_dir=str(tmp_path / "r")))
+    (tmp_path / "r/checkpoints/step_000002").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step_000002/state.json").write_text("{}")
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r/checkpoints/step_000004"))
+
+    import refit.learner.run.loop as loop
+
+    job = Job("ppo", setup=full, step=full, save=full, engines=lambda s: [], postfix=dict)
+    orig = loop._run_job
+    loop._run_job = lambda job, cfg, *a: job.setup(cfg)
+    try:
+        with pytest.raises(RefitError, match=r"disk full while writing .*step_000004: free space; .*r keeps checkpoint "
+                                             r"step_000002: continue with the same command and --resume"):
+            run_job(job, cfg)
+    finally:
+        loop._run_job = orig
+
+
+def test_sigterm_stops_a_run_in_one_line_saying_what_it_kept(tmp_path, model_dirs, default_engine_dirs):
+    """43 #12: SIGTERM (a scheduler's stop) unwinds the run as Ctrl-C does: exit 143, one line naming the last
+    checkpoint and --resume, the folder's lock released (no pid left), no temporary folder left; --resume goes on."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    argv = _ppo_argv(model_dirs[GPT2], default_engine_dirs[GPT2], run, steps=200)
+    argv[argv.index("--ckpt.save_steps") + 1] = "1"
+    p = subprocess.Popen([sys.executable, "-m", "refit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={k: v for k, v in os.environ.items() if k != "REFIT_FAULT_POINT"})
+    deadline = time.time() + 300
+    while not (run / "checkpoints/step_000001").is_dir() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("refit ppo: stopped by SIGTERM; ") and "keeps checkpoint step_0000" in line and \
+        "continue with the same command and --resume" in line, line
+    assert (run / ".refit.lock").read_text() == "" and not list(run.rglob("*.tmp-*"))
+
+
+def test_an_engine_folder_with_a_users_file_is_never_replaced(capsys, tmp_path, model_dirs, default_engine_dirs):
+    """43 (engine folders): a file an export did not write inside an engine folder stops any replacement of that
+    folder (--overwrite of another model's engine, a re-export with other options), in one line naming it; a
+    manifest.json of another tool's is not an engine folder."""
+    from refit.export.guard import guard_engine
+
+    e = tmp_path / "e"
+    shutil.copytree(default_engine_dirs[GPT2], e)
+    (e / "notes.txt").write_text("mine")
+    before = _tree(e)
+    with pytest.raises(RefitError, match=r"engine folder .*e also holds notes.txt, which no export wrote"):
+        guard_engine(model_dirs["tiny-llama"], e, overwrite=True, log=lambda *_: None)
+    one_line(*refit(capsys, "export", model_dirs[GPT2], "-o", e, "--max_len", "96"), "also holds notes.txt")
+    assert _tree(e) == before
+    web = tmp_path / "web"
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "my app", "icons": []}')
+    one_line(*refit(capsys, "export", model_dirs[GPT2], "-o", web, "--overwrite"), "holds other files, not an engine")
+    assert _tree(web) == {"manifest.json": b'{"name": "my app", "icons": []}'}

@@ -320,6 +320,25 @@ def test_demo_end_to_end_short(tmp_path):
     run = tmp_path / "demo" / "ppo"
     assert (run / "metrics.jsonl").exists() and (run / "curves.png").exists() and (run / "config.yaml").exists()
     assert any((run / "tb").iterdir()) and (run / "checkpoints" / "step_000003" / "policy" / "config.json").exists()
+    # issue 43 #5: the same demo again is refused before any work, its run untouched; the warm-up is reused
+    metrics = (run / "metrics.jsonl").read_bytes()
+    again = subprocess.run([sys.executable, "-m", "refit", "demo", "-o", str(tmp_path / "demo"), "--steps", "3"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == (
+        f"refit demo: error: {run} already holds this demo's run; pass --overwrite to run it again (deletes that "
+        "run's metrics and checkpoints), or choose another folder (-o)"), again.stderr[-500:]
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    only = subprocess.run([sys.executable, "-m", "refit", "demo", "-o", str(tmp_path / "demo"), "--sft-steps", "20",
+                           "--policy-only"], capture_output=True, text=True, timeout=600)
+    assert only.returncode == 0 and "reusing the warmed-up policy" in only.stdout, only.stdout[-500:]
+
+
+def test_each_demo_variant_has_its_own_run_folder():
+    from refit.learner.builtin.demo import DemoConfig, run_folder
+
+    got = [run_folder(DemoConfig(out="d", **kw)).name for kw in (
+        {}, {"lora": 16}, {"quantize": "int8"}, {"lora": 8, "quantize": "int8", "chat": True}, {"backend": "torch"})]
+    assert got == ["ppo", "ppo-lora16", "ppo-int8", "ppo-lora8-int8-chat", "ppo-torch"]
 
 
 def test_kl_in_loss_tis_and_adaptive_kl(model_dirs, engine_dirs, tmp_path):

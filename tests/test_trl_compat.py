@@ -402,10 +402,10 @@ def test_distillation_and_gkd_configs_map_trls_names():
     g = to_distill_config(GKDConfig(output_dir="o", max_steps=3, lmbda=0.25), "s", "t")
     assert (g.lmbda, g.beta, g.sampling.temperature, g.max_new_tokens, g.seq_kd, g.loss) == (0.25, 0.5, 0.9, 128,
                                                                                             False, "jsd")
-    s = to_distill_config(GKDConfig(output_dir="o", max_steps=3, seq_kd=True, beta=0.0, lmbda=0.0), "s", "t")
-    assert (s.seq_kd, s.loss, s.lmbda) == (True, "topk_kl", 0.0)
-    with pytest.raises(RefitError, match="seq_kd=True with beta=0.5: Refit's sequence-level KD"):
-        to_distill_config(GKDConfig(output_dir="o", max_steps=3, seq_kd=True), "s", "t")
+    assert g.loss_temperature == 1.0  # TRL's GKD loss is at temperature 1 (its DistillationTrainer's at T: d above)
+    for beta in (0.0, 0.5, 1.0):  # TRL's seq_kd: the generalised JSD at beta on the teacher's sequences
+        s = to_distill_config(GKDConfig(output_dir="o", max_steps=3, seq_kd=True, beta=beta, lmbda=0.5), "s", "t")
+        assert (s.seq_kd, s.loss, s.beta, s.lmbda, s.loss_temperature) == (True, "jsd", beta, 0.5, 1.0)
     with pytest.raises(RefitError, match="GKDConfig: 'no_such' is not supported"):
         GKDConfig(no_such=1)
     with pytest.raises(RefitError, match="num_generations=4: one completion per prompt"):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from refit.learner.builtin.models import build_chat_tokenizer, build_model
+from refit.learner.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "trl_scripts"
@@ -96,6 +97,11 @@ def check_gkd(d: dict, out: Path) -> None:
     assert all(r["loss"] > 0 for r in steps(d))
 
 
+def check_gkd_seq_kd(d: dict, out: Path) -> None:
+    check_common(d, 3, 1e-3)
+    assert all(r["loss"] > 0 for r in steps(d))
+
+
 def check_grpo_callback_model(d: dict, out: Path) -> None:
     check_common(d, 3, 1e-3)
     assert d["events"] == [["train_begin", 0], ["step_end", 1], ["log", 1], ["step_end", 2], ["log", 2],
@@ -130,11 +136,13 @@ def check_grpo_dapo(d: dict, out: Path) -> None:
     assert d["log_history"][-1]["train_loss"] == pytest.approx(mean([r["loss"] for r in rows]), abs=1e-6)
 
 
-CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
-          "grpo_callback_model": check_grpo_callback_model, "grpo_peft": check_grpo_peft}
-TEACHER = ("distillation", "gkd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "grpo_peft", "grpo_dapo"}  # 20-40 s each on a loaded 2-core box (each run exports
-# its engine and its final engine); grpo and grpo_callback_model stay in the default run
+CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
+          "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
+          "grpo_peft": check_grpo_peft}
+TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_dapo"}  # 20-40 s each on a loaded 2-core box
+# (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here, grpo_dapo ~1 min); grpo and
+# grpo_callback_model stay in the default run
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +182,11 @@ def test_trl_script_runs_on_refit(name, chat_model_dir, teacher_dir, tmp_path, m
     assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()  # a Refit run folder
     if name == "grpo_peft":
         assert "r: 4" in (out / "config.yaml").read_text()  # peft_config -> the lora section
+    if name == "gkd_seq_kd":  # each step's batch from the student engine or (seq_kd) the teacher engine, whose
+        rows = [r for r in read_metrics(out) if r["step"] > 0]  # generation pass is the one teacher pass
+        assert [r["student/generated"] + r["batch/from_teacher"] for r in rows] == [1, 1, 1]
+        assert all(r["teacher/passes"] == 1 for r in rows)
+        assert all(r["teacher/engine_generate"] == 1 for r in rows if r["batch/from_teacher"])
 
 
 @pytest.mark.slow  # TRL's own run: 8-15 s a script here, plus its imports

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,10 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from refit.core.contract import weights_hash
+from refit.core.errors import RefitError
 from refit.core.hf_folder import load_model
+from refit.core.integrity import atomic_folder, clean_stale_temps, folder_holds, read_json
 from refit.core.parsing import opt, parse
 from refit.learner.builtin.models import Geometry, build_chat_tokenizer, build_model, build_tokenizer
 from refit.learner.builtin.sft import sft
@@ -37,19 +41,35 @@ from refit.rollout.config import RolloutSection, Sampling
 DEMO_POLICY = Geometry("gpt2", n_layer=2, d_model=128, n_head=4, d_ff=512, max_positions=64)
 
 
+WARMUP_RECORD = "refit_demo.json"  # inside the policy folder: the warm-up's settings and the weights' sha256
+
+
 def build_policy(out: Path, sft_steps: int, max_operand: int, seed: int, log=print, chat: bool = False) -> Path:
-    """Random tiny GPT-2 + supervised warm-up on addition, saved as an HF folder. ``chat``: the tokenizer has a
-    chat template and the warm-up sees each "a+b=" as a user message rendered by it (the answer follows the
-    generation prompt, then EOS)."""
+    """Random tiny GPT-2 + supervised warm-up on addition, saved as the HF folder ``out/policy`` (written into a
+    temporary folder and renamed). ``chat``: the tokenizer has a chat template and the warm-up sees each "a+b=" as a
+    user message rendered by it (the answer follows the generation prompt, then EOS). A policy this function made
+    with the same settings is reused as it is; a folder it did not make is never written over."""
+    policy = out / "policy"
+    recipe = {"geometry": repr(DEMO_POLICY), "sft_steps": sft_steps, "max_operand": max_operand, "seed": seed, "chat": chat}
+    made = read_json(policy / WARMUP_RECORD)
+    if isinstance(made, dict) and made.get("recipe") == recipe and made.get("weights_sha256") == weights_hash(policy):
+        log(f"refit demo: reusing the warmed-up policy in {policy} (same warm-up settings; delete it to warm up again)")
+        return policy
+    if folder_holds(policy) not in ("missing", "empty") and not isinstance(made, dict):
+        raise RefitError(f"{policy} holds files refit demo did not write; choose another demo folder (-o)")
     tok = build_chat_tokenizer() if chat else build_tokenizer()
-    raw = build_model(DEMO_POLICY, out / "init", seed=seed, tokenizer=tok)
-    model = load_model(raw)
-    user = (lambda p: render(tok, [{"role": "user", "content": p}])) if chat else (lambda p: p)  # noqa: E731
-    pairs = [(user(e.prompt), e.answer) for e in addition(2000, max_operand=max_operand, seed=seed + 1)]
-    sft(model, tok, pairs, steps=sft_steps, batch_size=64, lr=2e-3, seed=seed, log=log)
-    model.save_pretrained(str(out / "policy"))
-    tok.save_pretrained(str(out / "policy"))
-    return out / "policy"
+    out.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out, log, prefix="policy.")
+    with atomic_folder(policy) as tmp:
+        model = load_model(build_model(DEMO_POLICY, tmp / "init", seed=seed, tokenizer=tok))
+        user = (lambda p: render(tok, [{"role": "user", "content": p}])) if chat else (lambda p: p)  # noqa: E731
+        pairs = [(user(e.prompt), e.answer) for e in addition(2000, max_operand=max_operand, seed=seed + 1)]
+        sft(model, tok, pairs, steps=sft_steps, batch_size=64, lr=2e-3, seed=seed, log=log)
+        shutil.rmtree(tmp / "init")
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        (tmp / WARMUP_RECORD).write_text(json.dumps({"recipe": recipe, "weights_sha256": weights_hash(tmp)}, indent=1))
+    return policy
 
 
 @dataclass(frozen=True)
@@ -78,15 +98,25 @@ class DemoConfig:
     lora_targets: tuple[str, ...] = opt(("all-linear", "lm_head"), "with --lora, the adapter's target_modules: every "
                                         "linear layer and the output head (PEFT's all-linear alone leaves the head "
                                         "frozen, and learns this task slower: docs/lora.md)")
+    overwrite: bool = opt(False, "run again over this variant's earlier demo run (OUT/ppo, OUT/ppo-lora16, ...): "
+                                 "deletes that run's metrics and checkpoints; the warm-up is reused either way")
     learning_rate: float = opt(0.0, "with --lora, the adapter's learning rate (lora.learning_rate; 0: 1e-3, ~3x full "
                                     "fine-tuning's 3e-4, the best of a sweep in docs/lora.md); the value head keeps "
                                     "3e-4")
 
 
+def run_folder(a: DemoConfig) -> Path:
+    """The PPO run's folder in OUT, one per variant, so a variant never replaces another's run: OUT/ppo,
+    OUT/ppo-lora16, OUT/ppo-int8, OUT/ppo-torch, OUT/ppo-chat (combined in that order)."""
+    parts = ["ppo"] + ([f"lora{a.lora}"] if a.lora else []) + (["int8"] if a.quantize != "none" else []) + (
+        ["torch"] if a.backend != "onnxruntime" else []) + (["chat"] if a.chat else [])
+    return Path(a.out) / "-".join(parts)
+
+
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
     """The demo's PPO run: the demo's settings on top of PPOConfig's defaults."""
     return PPOConfig(
-        run=RunSection(output_dir=str(Path(a.out) / "ppo"), seed=a.seed, steps=a.steps, batch_size=a.batch_size),
+        run=RunSection(output_dir=str(run_folder(a)), seed=a.seed, steps=a.steps, batch_size=a.batch_size),
         model=ModelSection(model_dir=str(policy)), data=DataSection(max_operand=a.max_operand),
         rollout=RolloutSection(backend=a.backend, engine_threads=a.threads, quantize=a.quantize),
         optim=OptimSection(learning_rate=3e-4),
@@ -105,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     out = Path(a.out)
     t0 = time.perf_counter()
+    if not a.policy_only and folder_holds(run_folder(a)) == "run" and not a.overwrite:  # before the warm-up
+        raise RefitError(f"{run_folder(a)} already holds this demo's run; pass --overwrite to run it again (deletes "
+                         "that run's metrics and checkpoints), or choose another folder (-o)")
     policy = build_policy(out, a.sft_steps, a.max_operand, a.seed, chat=a.chat)
     if a.policy_only:
         print(policy)
         return 0
-    run_dir = run_ppo(ppo_config(a, policy), log=print, overwrite=True)  # a demo reruns from scratch, saying so
+    run_dir = run_ppo(ppo_config(a, policy), log=print, overwrite=a.overwrite)
     s = summary(run_dir)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
     k = next(key for key in s if key.startswith("reward_first"))

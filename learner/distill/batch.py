@@ -29,7 +29,9 @@ class DistillBatch:
     is_seq2seq: bool
     teacher_topk_logprobs: torch.Tensor | None = None  # (B, Tr, k) teacher top-k log-probs at the loss temperature
     teacher_topk_ids: torch.Tensor | None = None  # (B, Tr, k) int64
-    teacher_logits: torch.Tensor | None = None  # (B, Tr, V) float32 PyTorch teacher logits (temperature 1)
+    # (B, Tr, V) float32 teacher logits up to a constant per position (the loss takes their softmax): the PyTorch
+    # teacher's (temperature 1), or in seq_kd the teacher engine's generation pass, log-probs x sampling temperature
+    teacher_logits: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -125,5 +127,21 @@ def check_teacher_student(teacher_dir: str, student_dir: str):
 
 
 def draws_student(cfg: DistillConfig, step: int) -> bool:
-    """GKD's coin: True with probability lmbda, a pure function of (seed, step)."""
-    return random.Random(cfg.run.seed * 1_000_003 + step).random() < cfg.lmbda
+    """GKD's coin, drawn as TRL's ``GKDTrainer.training_step`` draws it: ``u <= lmbda`` -> the student generates,
+    else (``elif seq_kd``) the teacher does, else the data set's completion; one draw a step, ``u`` a pure function
+    of (seed, step)."""
+    return random.Random(cfg.run.seed * 1_000_003 + step).random() <= cfg.lmbda
+
+
+def logits_from_generation(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The teacher's full distributions from its generation pass, as logits for the loss.
+
+    ``topk_logprobs`` / ``topk_ids`` (B, Tr, V): the engine's ``return_topk=V`` output, every token's
+    ``log_softmax(z / temperature)`` sorted by value, with its id. Returns (B, Tr, V) float32 in vocabulary order,
+    ``log_softmax(z / temperature) * temperature = z - temperature * log Z``: the logits ``z`` shifted by a constant
+    per position, so ``softmax(. / T)`` of it is the teacher's distribution at any loss temperature ``T``, as a
+    second teacher pass would give it. Masked positions (log-probs 0, ids pad) come out finite.
+    """
+    b, tr, k = topk_ids.shape
+    out = torch.zeros(b, tr, k, dtype=torch.float32)
+    return out.scatter_(-1, topk_ids, topk_logprobs.float()).mul_(temperature)

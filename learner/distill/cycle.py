@@ -1,18 +1,22 @@
 """The distillation cycle: supervised KD, sequence-level KD and on-policy GKD, generation on engines.
 
     export (or reuse) a teacher engine and a student engine; check one shared vocabulary
-    -> every step s: 1. batch tokens, by a seeded draw u_s ~ U[0, 1) from (seed, s):
-                        u_s < lmbda  -> "student": the STUDENT ENGINE samples responses (on-policy, GKD)
-                        else seq_kd  -> "teacher": the TEACHER ENGINE samples responses with
-                                        ``return_topk=teacher_topk`` (Kim & Rush 2016)
+    -> every step s: 1. batch tokens, by a seeded draw u_s ~ U[0, 1) from (seed, s), in the order of TRL's
+                        GKDTrainer.training_step (one draw; the teacher never generates on a student step):
+                        u_s <= lmbda -> "student": the STUDENT ENGINE samples responses (on-policy, GKD)
+                        elif seq_kd  -> "teacher": the TEACHER ENGINE samples responses (Kim & Rush 2016) and
+                                        returns its scores from the same pass: every token's log-prob at each
+                                        generated position (return_topk=V) for jsd / forward_kl / reverse_kl,
+                                        its top-k (return_topk=teacher_topk) for topk_kl
                         else         -> "dataset": prompt + completion from the data set (supervised KD)
                      2. teacher targets, exactly ONE teacher pass per batch (logged as ``teacher/passes``):
                         topk_kl: the teacher engine's top-k log-probs, from ``score(topk=k)`` -- or, in
                                  seq_kd, from the generation pass itself (no second pass);
                         ce:      the teacher's tokens themselves (seq_kd only, lmbda=0);
-                        jsd / forward_kl / reverse_kl: full-vocabulary teacher logits from the PyTorch
-                                 teacher (an engine returns log-probs of given tokens and a top-k, never
-                                 the full (B, T, V) logits), hence not combinable with seq_kd
+                        jsd / forward_kl / reverse_kl: full-vocabulary teacher logits: on a teacher batch the
+                                 generation pass's (log-probs x sampling temperature = logits up to a constant
+                                 per position, so any loss temperature is exact; no second pass), otherwise
+                                 from the PyTorch teacher's forward
                      3. loss on the PyTorch student's logits (refit.learner.losses.distill), one AdamW step
                      4. every ``sync_every`` steps push the student weights into the student engine and
                         score a fixed probe batch on both sides (stop on disagreement, as in PPO)
@@ -25,8 +29,9 @@ setup (temperature 1, fixed seed) for ``eval_size`` held-out prompts; both sides
 (teacher logits computed once and cached, student logits at each evaluation), masked token mean.
 Accuracy (``eval/accuracy``): greedy exact match through the student engine on the same prompts.
 
-Departures from TRL's GKDTrainer: seq_kd draws its tokens and the top-k targets from ONE teacher
-generation pass (TRL generates, then runs the teacher again); ``loss=ce`` is the paper's SeqKD
+Departures from TRL's GKDTrainer: seq_kd takes its tokens and the teacher's scores from ONE teacher
+generation pass (TRL generates, then runs the teacher again on the same sequences: the same numbers, up to the
+engine's parity with PyTorch); ``loss=ce`` is the paper's SeqKD
 (cross-entropy on teacher tokens), not JSD; the student samples from an engine whose weights lag
 by at most ``sync_every - 1`` updates. Every random choice of step s is derived from
 ``(seed, s)``, so ``--resume`` reproduces the uninterrupted run.
@@ -47,7 +52,8 @@ from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.core.padding import pad_batch
 from refit.learner import losses as D
-from refit.learner.distill.batch import DistillBatch, check_teacher_student, draws_student, load_examples
+from refit.learner.distill.batch import (DistillBatch, check_teacher_student, draws_student, load_examples,
+                                        logits_from_generation)
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
 from refit.learner.distill.evaluate import EvalSet, exact_match, make_eval_set, summary
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
@@ -92,6 +98,7 @@ class Run:
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     sync: WeightSync | None = None  # the student engine's pushes and their checks (rank 0; refit.learner.run.sync)
     stop_ids: tuple[int, ...] = ()  # the chat template's end-of-turn token(s): generation stops there too
+    vocab_size: int = 0  # the teacher's (and student's) vocabulary: seq_kd's full-vocabulary generation pass
     dist: DistContext = field(default_factory=DistContext)  # [dist] this process's rank (torchrun); 1 = plain
 
 
@@ -119,9 +126,10 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
                                                                        stop_ids=run.stop_ids))
         run.sync.check_version(out)
         source = "student"
-    elif cfg.seq_kd:
-        out = run.teacher.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed,
-                                                                return_topk=cfg.teacher_topk, stop_ids=run.stop_ids))
+    elif cfg.seq_kd:  # the full-vocabulary losses take every token's log-prob from this pass (k = V)
+        k = run.vocab_size if cfg.loss in FULL_VOCAB_LOSSES else cfg.teacher_topk
+        out = run.teacher.generate(prompts, cfg.sampling.params(cfg.max_new_tokens, seed=seed, return_topk=k,
+                                                                stop_ids=run.stop_ids))
         source = "teacher"
     else:
         return dataset_batch([run.prompt_ids[i] for i in idx], [run.completion_ids[i] for i in idx],
@@ -130,14 +138,18 @@ def make_batch(run: Run, step: int) -> tuple[DistillBatch, dict[str, float]]:
     batch = DistillBatch(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, response_ids=out.response_ids,
                          response_mask=out.response_mask, source=source, is_seq2seq=out.is_seq2seq,
                          teacher_topk_logprobs=out.topk_logprobs, teacher_topk_ids=out.topk_ids)
+    if source == "teacher" and cfg.loss in FULL_VOCAB_LOSSES:  # the generation pass's scores, no second pass
+        batch.teacher_logits = logits_from_generation(out.topk_logprobs, out.topk_ids, cfg.sampling.temperature)
+        batch.teacher_topk_logprobs = batch.teacher_topk_ids = None
     return batch, {f"{source}/tokens_per_s": float(out.response_mask.sum()) / max(dt, 1e-9)}
 
 
 def teacher_targets(cfg: DistillConfig, b: DistillBatch, teacher_model: torch.nn.Module | None,
                     teacher: Engine) -> int:
     """Step 2: fill the teacher side of ``b`` for ``cfg.loss`` (full logits from the PyTorch ``teacher_model``, or
-    the ``teacher`` engine's top-k); return the PyTorch teacher passes."""
-    if cfg.loss in FULL_VOCAB_LOSSES:
+    the ``teacher`` engine's top-k), unless the teacher's generation pass already did (seq_kd); return the PyTorch
+    teacher passes."""
+    if cfg.loss in FULL_VOCAB_LOSSES and b.teacher_logits is None:
         with torch.no_grad():
             b.teacher_logits = response_forward(teacher_model, b.prompt_ids, b.prompt_mask, b.response_ids,
                                                 b.is_seq2seq).logits.cpu()
@@ -220,7 +232,10 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
               teacher_model=teacher_model if cfg.loss in FULL_VOCAB_LOSSES else None, student_engine=student_engine,
               teacher=teacher_engine, optimizer=optimizer, scheduler=scheduler, prompt_ids=prompt_ids,
               completion_ids=completion_ids, eval=eval_set, is_seq2seq=seq2seq, pad_id=s_info.pad_id,
-              prompt_side=s_info.padding_side, stop_ids=stop_ids, dist=dist)
+              prompt_side=s_info.padding_side, stop_ids=stop_ids, dist=dist, vocab_size=t_info.vocab_size)
+    # the probe batch: greedy from the engine as exported (the model folder's weights), before a resumed run pushes
+    # its checkpoint, so it is the same batch in every process of the run and a resumed probe equals an uninterrupted one
+    probe = make_probe(student_engine, prompt_ids, cfg.rollout, cfg.max_new_tokens, stop_ids)
     if resume:
         ck, state = resume_latest(run_dir, student, None, optimizer, scheduler, log)
         run.start_step = state["step"]
@@ -232,8 +247,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     dist.wrap(student)  # [dist] DDP (a no-op for one process)
     # the probe scores at temperature 1: the student's own distribution, as the losses see it
     contract = Contract(temperature=1.0, probe_tol=cfg.rollout.probe_tol, label="student engine")
-    run.sync = WeightSync(student_engine, make_probe(student_engine, prompt_ids, cfg.rollout, cfg.max_new_tokens,
-                                                     stop_ids), contract, run_dir)
+    run.sync = WeightSync(student_engine, probe, contract, run_dir)
     return run
 
 

@@ -133,6 +133,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
               stop_ids=end_of_turn_ids(tok), dist=dist, learner_threads=learner_threads,
               geometry=geometry(cfg.model.model_dir))
     ck = None
+    # the probe batch: greedy from the engine as exported, before a resumed run pushes its checkpoint (the same batch
+    # in every process of the run)
+    probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids) if engine else None
     if resume:
         ck, state = resume_latest(run_dir, policy, value_head, optimizer, scheduler, log)
         run.start_step, run.kl.value = state["step"], state["kl_coef"]
@@ -157,7 +160,6 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if needs_reference(cfg, cfg.kl_coef):
         run.ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
                                           max_len=max_len, threads=learner_threads, policy_engine=engine)
-    probe = make_probe(engine, prompt_ids, cfg.rollout, cfg.response_length, run.stop_ids)
     run.ahead = RolloutAhead(engine) if overlap else None
     run.sync = WeightSync(engine, probe, contract, run_dir, ahead=run.ahead,
                           unchecked=ck is not None and contract.check_on_rollout)

@@ -21,9 +21,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from refit.core.contract import ENGINE_BACKENDS
-from refit.core.integrity import atomic_folder
+from refit.core.errors import RefitError
+from refit.core.integrity import HOLDS, atomic_folder, folder_holds
+from refit.learner.run.folder import read_record
 from refit.learner.run.lora import adapts_tied_head, holds_low_precision, is_lora, merged_state, save_adapter, untied
-from refit.rollout.build import ExportOptions, build  # engine folders' one entry point
+from refit.rollout.build import ExportOptions, build, guard_engine  # engine folders' one entry point
 
 FINAL, FINAL_ENGINE, VALUE_HEAD = "final", "final_engine", "final_value_head.safetensors"
 ADAPTER = "adapter"  # final/adapter: a LoRA run's adapter as a PEFT folder (PeftModel.from_pretrained)
@@ -69,7 +71,26 @@ def write_final(run_dir: Path, model, tok, value_head=None, backend: str = "onnx
                   str(run_dir / VALUE_HEAD))
     engine_backend = backend if backend in ENGINE_BACKENDS else "onnxruntime"
     opts = ExportOptions(max_batch=max(rows, 64), max_len=max(max_len, 128))
+    _clear_own_engine(run_dir, final, log)
     build(final, run_dir / FINAL_ENGINE, engine_backend, opts, log=log)
     log(f"refit: final model {final} (from_pretrained), engine {run_dir / FINAL_ENGINE}"
         + (f", value head {run_dir / VALUE_HEAD}" if value_head is not None else ""))
     return final
+
+
+def _clear_own_engine(run_dir: Path, final: Path, log) -> None:
+    """An extended run (--resume with more steps) ends again: the final_engine its earlier end exported holds that
+    end's weights. It is the run's own (its record does not list it as found there), so it is removed to be
+    exported afresh from this end's final/; one the run did not write is never touched."""
+    engine = run_dir / FINAL_ENGINE
+    holds = folder_holds(engine)
+    if holds in ("missing", "empty"):
+        return
+    record = read_record(run_dir) or {}
+    if holds != "engine" or FINAL_ENGINE in record.get("foreign", []):
+        raise RefitError(f"{engine} holds {HOLDS.get(holds, 'an engine')} that this run did not write; the final "
+                         f"model is in {final}: move {engine} away, then export it (refit export {final} -o "
+                         f"{engine})")
+    guard_engine(final, engine, overwrite=True, log=lambda *_: None)  # removed under its lock when not final/'s
+    if not engine.exists():
+        log(f"refit: replacing {engine} (exported at the run's earlier end) with an export of this end's model")

@@ -1,18 +1,24 @@
 """Who owns a run folder, and whether ``--resume`` continues the run it left.
 
-A run folder records what run it is in ``run.json``: a run id, the hash of its resolved config, the
-config itself and the sha256 of every model folder it was started from. :func:`claim` runs first in
+A run folder records what run it is in ``run.json``: Refit's schema marker (``"format": "refit-run/1"``), a run
+id, the hash of its resolved config, the config itself, the sha256 of every model folder it was started from and
+``foreign``, the names that were in the folder before the run (a user's files beside it). Ownership is by that
+proof, never by file names: a folder with another tool's ``metrics.jsonl`` or a user's ``checkpoints/`` is not a
+run (:func:`refit.core.integrity.folder_holds`). :func:`claim` runs first in
 :func:`refit.learner.run.loop.run_job`, before any work:
 
 - the folder is locked for the life of the process (``RUN/.refit.lock``, an OS lock:
   :func:`refit.core.integrity.hold_folder`): a second run on it is refused in one line naming the holder;
-- a fresh start into a folder that holds a run (``run.json``, ``metrics.jsonl`` or ``checkpoints/``) is
-  refused in one line, unless ``overwrite``: then the earlier run's files are deleted, saying so (the
-  run's engine folders stay: they are reused only when their weights match, :mod:`refit.export.guard`);
+- a fresh start into a folder that holds a run (a Refit ``run.json``) is refused in one line, unless
+  ``overwrite``: then the earlier run's own files (:data:`RUN_FILES` less its ``foreign`` names; inside
+  ``checkpoints/`` only its ``step_N`` folders) are deleted, saying so, and nothing else (the run's engine folders
+  stay: they are reused only when their weights match, :mod:`refit.export.guard`);
   a run that stopped before its first checkpoint has nothing to continue: the line names ``--overwrite``;
 - a folder that is an HF model or an engine folder is never used as a run folder, nor the current folder
   (``-o .``) or one above it; a non-empty folder that holds no run is refused unless ``overwrite``, and
-  even then never when the run would replace one of its files (a user's own ``config.yaml``);
+  even then never when the run would replace one of its files (a user's own ``config.yaml``, ``metrics.jsonl``,
+  ``checkpoints/``): the run is then written beside them and they are recorded as ``foreign``; a damaged
+  (not JSON) ``run.json`` proves nothing: refused, nothing written or deleted;
 - ``--resume`` compares the config with the one recorded: a field in :data:`MAY_CHANGE` (the run's
   length, logging, scale-out) is applied and logged, any other changed field is refused in one line
   (``--optim.learning_rate 1e6`` on resume would otherwise be ignored by the restored optimizer); paths
@@ -38,17 +44,19 @@ from pathlib import Path
 
 from refit.core.contract import ENGINE_BACKENDS, weights_hash
 from refit.core.errors import RefitError
-from refit.core.integrity import (HOLDS, RUN_LOCK, clean_stale_temps, engine_lock, fault_point, folder_holds,
-                                  folder_names, hold_folder)
+from refit.core.integrity import (HOLDS, RUN_FORMAT, RUN_LOCK, RUN_RECORD, clean_stale_temps, engine_lock,
+                                  fault_point, folder_holds, folder_names, hold_folder, matches, read_json)
 from refit.rollout.build import guard_engine  # the engine folder's guard, through its one entry point
 
-RUN_RECORD = "run.json"
 # fields a resumed run may change (applied and logged); any other change is refused
 MAY_CHANGE = ("run.steps", "run.max_steps_this_run", "run.device", "log.", "scale.", "rollout.engine_threads",
               "ckpt.keep_checkpoints", "export_final", "eval_max_prompts")
-# what a run writes into its folder (deleted by --overwrite); engine and model folders are kept
+# what a run writes into its folder (names or fnmatch globs): a fresh run never starts where one of these is another's
+# file, and --overwrite deletes the ones a run's record owns (all but its "foreign" names); engine and model folders
+# are kept (reused when their weights match)
 RUN_FILES = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb", "config.yaml", "curves.png", "summary.json", "final",
-             "final_engine", "final_value_head.safetensors")
+             "final_engine", "final_value_head.safetensors", "completions.jsonl")
+CHECKPOINT_ENTRIES = ("step_*", ".step_*")  # what the run writes inside checkpoints/ (refit.learner.run.checkpoint)
 PATH_FIELDS = ("_dir", "dataset", "prompts_file")  # config fields (by their ending) that name a file or folder
 # inputs a Python caller stages in the run folder before the job starts (refit.learner.api: a datasets.Dataset;
 # the TRL facade: a model object saved for the export); a folder holding only these is a fresh run's
@@ -84,14 +92,36 @@ def model_hashes(cfg) -> dict[str, str]:
 
 
 def read_record(run_dir: Path) -> dict | None:
-    f = run_dir / RUN_RECORD
-    if not f.exists():
-        return None
-    try:
-        return json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RefitError(f"{f} is damaged (not JSON); it records which run owns {run_dir}: restore it, or start "
-                         "a new run with --overwrite") from None
+    """The run's record (``run.json``), or None when the folder holds none that Refit wrote."""
+    record = read_json(run_dir / RUN_RECORD)
+    return record if isinstance(record, dict) else None
+
+
+def own_names(run_dir: Path, record: dict | None) -> list[str]:
+    """The names in ``run_dir`` that its run wrote and ``--overwrite`` may delete: :data:`RUN_FILES` less the names
+    that were already there when the run claimed the folder (its record's ``foreign``)."""
+    foreign = set((record or {}).get("foreign", []))
+    return sorted(n for n in folder_names(run_dir) if matches(n, RUN_FILES) and n not in foreign)
+
+
+def _remove_own(run_dir: Path, names: list[str], log) -> None:
+    """Delete the run's own ``names`` (its record last, so a kill midway leaves a folder still known as a run);
+    inside ``checkpoints/`` only the run's checkpoints: anything else there is kept, saying so."""
+    for name in sorted(names, key=lambda n: n == RUN_RECORD):
+        p = run_dir / name
+        if name == "checkpoints" and p.is_dir() and not p.is_symlink():
+            for c in p.iterdir():
+                if matches(c.name, CHECKPOINT_ENTRIES):
+                    shutil.rmtree(c) if c.is_dir() and not c.is_symlink() else c.unlink()
+            kept = sorted(c.name for c in p.iterdir())
+            if kept:
+                log(f"refit: kept {len(kept)} file(s) in {p} that the run did not write ({', '.join(kept[:3])})")
+            else:
+                p.rmdir()
+        elif p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def write_record(run_dir: Path, record: dict) -> None:
@@ -171,16 +201,21 @@ def _refuse_foreign(run_dir: Path, holds: str, resume: bool, overwrite: bool) ->
     if run_dir.resolve() == here or run_dir.resolve() in here.parents:
         raise RefitError(f"run folder {run_dir} is the current folder{'' if run_dir.resolve() == here else ' or above it'}"
                          "; give the run a folder of its own (-o runs/NAME)")
+    record = run_dir / RUN_RECORD
+    if holds == "other" and record.is_file() and read_json(record) is None:
+        raise RefitError(f"{record} is damaged (not JSON), so Refit cannot tell whether {run_dir} holds its run: it "
+                         "writes and deletes nothing there; restore run.json, or choose another run folder (-o)")
     if resume and holds != "run":
         raise RefitError(f"--resume: {run_dir} holds no run to continue (no {RUN_RECORD}, metrics or checkpoints); "
                          "start it without --resume")
     if holds == "other" and all(p.name in STAGED or p.name.startswith(".") for p in run_dir.iterdir()):
         return  # only what the caller staged for this run
     if holds == "other":
-        mine = [n for n in RUN_FILES if (run_dir / n).exists()]
+        mine = sorted(n for n in folder_names(run_dir) if matches(n, RUN_FILES))
         if mine:
             raise RefitError(f"run folder {run_dir} holds files that are not a Refit run's, and the run would "
-                             f"replace {mine[0]}; choose another run folder (-o)")
+                             f"replace {', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''} (never done, "
+                             "--overwrite included); choose another run folder (-o)")
         if not overwrite:
             raise RefitError(f"run folder {run_dir} is not empty and holds no Refit run; choose an empty or new "
                              "folder (-o), or pass --overwrite to write the run beside its files")
@@ -235,18 +270,13 @@ def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
         if not _checkpoints(run_dir):
             raise RefitError(f"--resume: {_describe(run_dir, record)} in {run_dir} stopped before its first "
                              "checkpoint: nothing to continue; start it again with --overwrite")
-        if record is None:
-            log(f"refit: --resume: {run_dir} has no {RUN_RECORD} (written by an older Refit): its config is not "
-                "compared; recording it now")
-            record = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        else:
-            _compare(record, cfg, log)
+        _compare(record, cfg, log)
+        record.setdefault("format", RUN_FORMAT)  # a record written before the marker existed gets it now
     else:
-        empty = holds == "run" and not _checkpoints(run_dir) and not _has_rows(run_dir)
-        if empty:
-            log(f"refit: {_describe(run_dir, record)} in {run_dir} stopped before its first step (nothing recorded); "
-                "starting afresh")
+        foreign = (record or {}).get("foreign", []) if holds == "run" else sorted(
+            folder_names(run_dir) - _own_names(run_dir, cfg))  # the user's files beside the run: never touched
         if holds == "run":
+            empty = not _checkpoints(run_dir) and not _has_rows(run_dir)
             if not overwrite and not empty:
                 if not _checkpoints(run_dir):
                     raise RefitError(f"run folder {run_dir} already holds {_describe(run_dir, record)}, which "
@@ -255,13 +285,16 @@ def claim(run_dir: Path, cfg, resume: bool, overwrite: bool, log=print) -> dict:
                 raise RefitError(f"run folder {run_dir} already holds {_describe(run_dir, record)}; continue it with "
                                  "--resume, replace it with --overwrite (deletes its metrics and checkpoints), or "
                                  "choose another -o")
-            if not empty:
-                log(f"refit: --overwrite: deleting {_describe(run_dir, record)} from {run_dir} "
-                    f"({', '.join(n for n in RUN_FILES if (run_dir / n).exists())})")
-            for name in RUN_FILES:
-                p = run_dir / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        record = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            mine = own_names(run_dir, record)
+            if empty:
+                log(f"refit: {_describe(run_dir, record)} in {run_dir} stopped before its first step (nothing "
+                    "recorded); starting afresh")
+            else:
+                log(f"refit: --overwrite: deleting {_describe(run_dir, record)} from {run_dir} ({', '.join(mine)})"
+                    + (f"; keeping {', '.join(foreign)} (not the run's)" if foreign else ""))
+            _remove_own(run_dir, [n for n in mine if n != RUN_RECORD], log)  # the record is rewritten, not removed
+        record = {"format": RUN_FORMAT, "run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "foreign": foreign}
     record.update(config_hash=config_hash(cfg), config=config_values(cfg), models=model_hashes(cfg), cwd=os.getcwd())
     return record
 

@@ -25,6 +25,7 @@ Under ``torchrun`` only rank 0 writes; the other ranks run ``step`` (their slice
 
 from __future__ import annotations
 
+import errno
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,13 +107,35 @@ def _progress(cfg, initial: int, desc: str):
     return tqdm(total=cfg.run.steps, initial=initial, desc=desc, dynamic_ncols=True)
 
 
+def kept_note(run_dir: Path) -> str:
+    """What a run that stopped early (a signal, a full disk) leaves, and how to go on from it."""
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return f"{run_dir} has no checkpoint yet: start the run again (with --overwrite)"
+    return f"{run_dir} keeps checkpoint {last.name}: continue with the same command and --resume"
+
+
 def run_job(job: Job, cfg, resume: bool = False, log=print, overwrite: bool = False,
             hooks: StepHooks | None = None) -> tuple[Path, Any]:
     """Run ``job`` with ``cfg``; return (the run folder, the job's state after closing).
 
     ``overwrite``: a fresh run may replace an earlier run in the same folder, and another model's engine
     folder it names (refit.learner.run.folder); otherwise both are refused in one line. ``hooks``: see
-    :class:`StepHooks`."""
+    :class:`StepHooks`. A full disk is one line naming the run folder and its last intact checkpoint; a stop by
+    a signal (Ctrl-C, SIGTERM) carries the same note (``kept``) to the command line."""
+    try:
+        return _run_job(job, cfg, resume, log, overwrite, hooks)
+    except KeyboardInterrupt as e:
+        e.kept = kept_note(Path(cfg.run.output_dir))
+        raise
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise RefitError(f"disk full while writing {e.filename or 'a file'}: free space; "
+                         f"{kept_note(Path(cfg.run.output_dir))}") from e
+
+
+def _run_job(job: Job, cfg, resume: bool, log, overwrite: bool, hooks: StepHooks | None) -> tuple[Path, Any]:
     validate(cfg)
     check_batch_memory(cfg)  # a batch that cannot fit: refused before any work, with the estimate
     run_dir = Path(cfg.run.output_dir)
