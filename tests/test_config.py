@@ -142,7 +142,7 @@ def test_flat_sampling_section_keeps_its_spellings(tmp_path, capsys):
     assert parse_job(PPOConfig, ["--top_k", "5", "--top-p", "0.9"], "refit ppo")[0] == want
     assert parse_job(PPOConfig, ["--config", _yaml(tmp_path, "top_k: 5\ntop_p: 0.9\n")], "refit ppo")[0] == want
     text = save_config(want, tmp_path / "config.yaml")
-    assert "\ntop_k: 5\ntop_p: 0.9\n" in text and "sampling" not in text
+    assert "\ntop_k: 5\ntop_p: 0.9\n" in text and "\nsampling:" not in text  # (importance_sampling_level is a PPO field)
     g, _ = parse(GenerateConfig, ["e", "--top_k", "3", "--config", _yaml(tmp_path, "top_p: 0.5\n")], "refit generate")
     assert (g.sampling.top_k, g.sampling.top_p) == (3, 0.5)
     assert capsys.readouterr().err == ""

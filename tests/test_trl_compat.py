@@ -79,11 +79,10 @@ def test_other_trl_names_and_defaults():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(loss_type="grpo"), "loss_type='grpo': not supported; Refit normalises the loss by the response-token count"),
-    (dict(loss_type="bnpo", gradient_accumulation_steps=2, steps_per_generation=2), "loss_type='bnpo'"),
-    (dict(epsilon_high=0.28), "epsilon_high=0.28 != epsilon=0.2: not supported"),
+    (dict(loss_type="ppo"), "loss_type='ppo': TRL 1.16's loss types are grpo, bnpo, dr_grpo, dapo"),
+    (dict(delta=1.1, epsilon_high=0.28), "delta=1.1 must be > 1 .* epsilon_high"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: not built"),
     (dict(use_vllm=True), "use_vllm=True: generation runs on Refit's engine"),
-    (dict(mask_truncated_completions=True), "mask_truncated_completions=True: not supported"),
     (dict(max_prompt_length=128), "max_prompt_length=128: not supported: prompts are kept whole"),
     (dict(no_such_name=1), "'no_such_name' is not supported; the names GRPOConfig takes"),
     (dict(scale_rewards="mean"), "scale_rewards='mean': Refit takes True/'group', 'batch', False/'none'"),
@@ -98,12 +97,13 @@ def test_what_refit_cannot_honour_is_one_line(kw, msg):
 
 def test_grpo_loss_with_beta_is_trls_dapo_loss(model_dirs):
     """The update's loss under the mapped settings, against TRL GRPO's per-token formula written out here:
-    -min(r A, clip(r, 1-eps, 1+eps) A) + beta * (exp(ref - logp) - (ref - logp) - 1), summed over response
-    tokens / their count (loss_type 'dapo')."""
+    -min(r A, clip(r, 1-eps, 1+eps) A) + beta * (exp(ref - logp) - (ref - logp) - 1) * r, summed over response
+    tokens / their count (loss_type 'dapo', use_bias_correction_kl True)."""
     import copy
 
     from refit.core.hf_folder import load_model
     from refit.learner.ppo.cycle import update_settings
+    from refit.learner.ppo.objective import Norm
     from refit.learner.ppo.update import Experience, _micro_loss
 
     torch.manual_seed(0)
@@ -131,11 +131,14 @@ def test_grpo_loss_with_beta_is_trls_dapo_loss(model_dirs):
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])[:, None] * mask
     exp = Experience(prompt, torch.ones(b, tp, dtype=torch.long), resp, mask, lp(old), lp(ref), torch.zeros(b, tr),
                      adv, torch.zeros(b, tr), None)
-    loss, _ = _micro_loss(policy, None, exp, torch.arange(b), mask.sum(), s, ref_model=ref)
+    n = mask.sum()  # one generation, one minibatch: TRL's dapo normaliser is its token count
+    norm = Norm(tokens=n, dapo_tokens=n, seqs=b, micro_tokens=n, scale=1)
+    loss, _ = _micro_loss(policy, None, exp, torch.arange(b), norm, s, ref_model=ref)
     logp, ref_lp, old_lp = lp(policy), lp(ref), lp(old)
     ratio = (logp - old_lp).exp()
     per_token = -torch.min(ratio * adv, ratio.clamp(0.9, 1.1) * adv)
-    per_token = per_token + 0.3 * ((ref_lp - logp).exp() - (ref_lp - logp) - 1)
+    # use_bias_correction_kl (TRL 1.16's default True): the k3 term times the ratio
+    per_token = per_token + 0.3 * ((ref_lp - logp).exp() - (ref_lp - logp) - 1) * ratio
     want = (per_token * mask).sum() / mask.sum()
     assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)
     assert (ratio[mask.bool()] - 1).abs().max() > 0.1  # the clip is exercised

@@ -154,13 +154,33 @@ def check_grpo_optim(d: dict, out: Path) -> None:
     assert rows[0]["kl"] > 1e-4 and all(math.isfinite(r["loss"]) for r in rows)
 
 
-CHECKS = {"grpo": check_grpo, "rloo": check_rloo, "distillation": check_distillation, "gkd": check_gkd,
-          "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
+def check_grpo_dapo(d: dict, out: Path) -> None:
+    """One generation (8 completions) replayed num_iterations=2 x steps_per_generation=2 = 4 optimizer steps. TRL logs
+    a row per optimizer step, Refit one row for the generation's 4 (docs/trl-facade.md: Callbacks); the checks read
+    what both log: the last step's row, the generation's reward and the share of truncated completions."""
+    rows = steps(d)
+    assert d["global_step"] == 4 and rows[-1]["step"] == 4
+    assert rows[-1]["learning_rate"] == pytest.approx(1e-3 / 4)
+    assert len(d["returned"]) == 1 and len(d["returned"][0]) == 8
+    first = next(r for r in rows if "reward" in r)
+    assert first["reward"] == pytest.approx(mean(d["returned"][0]), rel=1e-5)
+    assert first["rewards/short/mean"] == pytest.approx(mean(d["returned"][0]), rel=1e-5)
+    clipped = first["completions/clipped_ratio"]  # max_completion_length 6: most completions are truncated
+    assert 0 <= clipped <= 1
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] >= 0, r
+        if clipped == 1:  # every completion masked out of the loss: nothing to learn from
+            assert r["loss"] == 0 and r["grad_norm"] == 0
+    assert d["log_history"][-1]["train_loss"] == pytest.approx(mean([r["loss"] for r in rows]), abs=1e-6)
+
+
+CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
+          "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
           "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim"}  # 20-40 s each on
-# a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here; grpo_checkpoints
-# trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo"}
+# 20-40 s each on a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here;
+# grpo_checkpoints trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 
 
 @pytest.fixture(scope="module")

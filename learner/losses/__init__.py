@@ -4,6 +4,7 @@
 - :mod:`refit.learner.losses.ppo`: GAE, clipped PPO policy/value losses, mismatch corrections, adaptive KL
 - :mod:`refit.learner.losses.distill`: generalized JSD (GKD), forward/reverse KL, top-k KL, sequence-level KD CE
 - :mod:`refit.learner.losses.advantages`: group baselines without a critic (RLOO leave-one-out, GRPO group mean/std)
+- :mod:`refit.learner.losses.grpo`: TRL 1.16's GRPO loss types, GSPO, two-sided clipping, entropy and off-policy masks, RLOO's sequence loss
 - :mod:`refit.learner.losses.chunked`: log-prob, entropy and exact KL in one pass chunked over tokens (large vocabularies)
 
 Everything is re-exported here, so ``from learner import losses as L`` reads ``L.kl_k3``, ``L.compute_gae``.
@@ -13,4 +14,5 @@ from refit.learner.losses.common import *  # noqa: F401,F403
 from refit.learner.losses.distill import *  # noqa: F401,F403
 from refit.learner.losses.ppo import *  # noqa: F401,F403
 from refit.learner.losses.advantages import *  # noqa: F401,F403
+from refit.learner.losses.grpo import *  # noqa: F401,F403
 from refit.learner.losses.chunked import *  # noqa: F401,F403

@@ -37,17 +37,17 @@ TRL_HINTS = {
     "beta": "kl_coef with kl_penalty: loss and kl_estimator: k3 (TRL's GRPO beta; Refit's default kl_coef is a k1 "
             "penalty in the reward)",
     "epsilon": "cliprange",
-    "epsilon_high": "not supported (one symmetric cliprange)",
-    "num_iterations": "num_ppo_epochs",
+    "epsilon_high": "cliprange_high",
+    "num_iterations": "num_ppo_epochs (with minibatch_order: replay, as TRL replays)",
     "steps_per_generation": "num_mini_batches",
     "generation_batch_size": "run.batch_size * num_generations (rows per rollout)",
     "gradient_accumulation_steps": "optim.gradient_accumulation_steps",
     "num_train_epochs": "run.steps (rollouts of run.batch_size prompts)",
-    "loss_type": "not a field: Refit's loss is normalised by the minibatch's token count (TRL's 'dapo')",
     "max_prompt_length": "not supported: prompts are kept whole (a prompt too long for the model is refused)",
     "use_vllm": "rollout.backend (onnxruntime, tensorrt, torch, hf)",
     "vllm_importance_sampling_correction": "mismatch_correction: tis (cap tis_cap) or seq_mask",
     "vllm_importance_sampling_cap": "tis_cap",
+    "use_bias_correction_kl": "kl_bias_correction",
     "logging_steps": "not needed: every step is written to metrics.jsonl",
     "save_strategy": "ckpt.save_steps",
     "report_to": "log.tensorboard",
@@ -106,6 +106,42 @@ class PPOConfig:
     scale_rewards: Literal["group", "batch", "none"] | bool = _f(
         "group", "grpo: divide by the group's std ('group', the paper; TRL's True), the batch's std ('batch') or "
                  "not at all ('none', Dr. GRPO; TRL's False); as TRL's GRPOConfig")
+    normalize_advantages: bool = _f(False, "rloo: whiten the advantages over the batch, (A - mean) / (std + 1e-4) "
+                                           "(TRL RLOOConfig's normalize_advantages)")
+    reward_clip_range: tuple[float, ...] = _f((), "(lo, hi): clamp each completion's summed reward to it before the KL "
+                                                  "penalty and the baseline (TRL RLOOConfig's reward_clip_range); () "
+                                                  "= no clamp")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = _f(
+        "sum_then_normalize", "grpo with several reward_funcs: the weighted sum, then the group baseline "
+                              "('sum_then_normalize'), or each function normalised within its group, weighted, "
+                              "summed and normalised over the batch ('normalize_then_sum', GDPO); as TRL's GRPOConfig")
+    mask_truncated_completions: bool = _f(False, "leave completions that reached response_length without a stop "
+                                                 "token out of the loss (they still count in their group's baseline; "
+                                                 "TRL's mask_truncated_completions, DAPO's overlong filtering)")
+    loss_type: Literal["token", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo"] = _f(
+        "token", "the policy loss and its normalisation (learner/losses/grpo.py): token: the clipped loss over the "
+                 "minibatch's token count (Refit's own); TRL 1.16 GRPO's grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+                 "luspo, vespo, each with TRL's normaliser; rloo: TRL RLOO's ratio of summed log-probs per "
+                 "sequence, averaged over sequences")
+    cliprange_high: float | None = _f(None, "upper clip 1 + cliprange_high (DAPO's clip-higher; cispo: the cap on "
+                                            "the ratio); None: cliprange (TRL's epsilon_high)")
+    delta: float | None = _f(None, "two-sided clipping: cap the unclipped ratio at delta (> 1 + cliprange_high; "
+                                   "TRL's delta); None: off")
+    importance_sampling_level: Literal["token", "sequence"] = _f(
+        "token", "sequence: one ratio per completion, exp(mean log ratio) (GSPO; TRL's importance_sampling_level)")
+    top_entropy_quantile: float = _f(1.0, "train only on the tokens whose entropy is in this top share of each "
+                                          "micro-batch's (1.0: all; TRL's top_entropy_quantile)")
+    off_policy_mask_threshold: float | None = _f(
+        None, "drop completions with a negative advantage whose mean (old - current) log-prob exceeds this "
+              "(DeepSeek-V3.2's off-policy mask; TRL's off_policy_mask_threshold); None: off")
+    kl_bias_correction: bool = _f(False, "kl_penalty loss with a TRL loss_type: the KL term times the importance "
+                                         "ratio (TRL's use_bias_correction_kl)")
+    sapo_temperatures: tuple[float, ...] = _f((1.0, 1.05), "loss_type sapo: (positive, negative) temperatures")
+    vespo_params: tuple[float, ...] = _f((2.0, 3.0, 3.0, 2.0), "loss_type vespo: (k_pos, lambda_pos, k_neg, "
+                                                               "lambda_neg)")
+    minibatch_order: Literal["reshuffle", "replay"] = _f(
+        "reshuffle", "the minibatch order over num_ppo_epochs: a new shuffle each pass, or one shuffle replayed "
+                     "every pass (TRL's GRPO / RLOO with num_iterations)")
     num_ppo_epochs: int = _f(2, "passes over each rollout batch")
     num_mini_batches: int = _f(2, "minibatches per epoch (one optimizer step each)")
     cliprange: float = _f(0.2, "PPO policy ratio clip")
@@ -213,6 +249,29 @@ class PPOConfig:
              "ckpt.save_steps must be a multiple of rollout.sync_every (a checkpoint must match the weights the "
              "engine holds)"),
             (self.run.steps < 1, "run.steps must be >= 1"),
+            (self.loss_type != "token" and self.advantage_estimator == "gae",
+             f"loss_type={self.loss_type} is TRL's GRPO / RLOO loss: advantage_estimator grpo or rloo"),
+            (self.loss_type == "rloo" and (self.entropy_coef != 0 or self.kl_penalty == "loss"),
+             "loss_type=rloo is TRL RLOO's loss: no entropy bonus, the KL in the reward (kl_penalty reward)"),
+            (self.loss_type == "rloo" and self.importance_sampling_level != "token",
+             "loss_type=rloo has its own sequence ratio (importance_sampling_level token)"),
+            (self.loss_type == "token" and (self.cliprange_high is not None or self.delta is not None
+                                            or self.importance_sampling_level != "token"
+                                            or self.top_entropy_quantile < 1
+                                            or self.off_policy_mask_threshold is not None),
+             "cliprange_high, delta, importance_sampling_level, top_entropy_quantile and off_policy_mask_threshold "
+             "need a TRL loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo)"),
+            (not 0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
+            (self.delta is not None and self.delta <= 1 + (self.cliprange if self.cliprange_high is None
+                                                            else self.cliprange_high),
+             "delta must be > 1 + cliprange_high (TRL's two-sided clipping)"),
+            (len(self.reward_clip_range) not in (0, 2) or (len(self.reward_clip_range) == 2
+                                                           and self.reward_clip_range[0] > self.reward_clip_range[1]),
+             "reward_clip_range is (lo, hi) with lo <= hi, or ()"),
+            (len(self.sapo_temperatures) != 2 or len(self.vespo_params) != 4,
+             "sapo_temperatures is (positive, negative); vespo_params (k_pos, lambda_pos, k_neg, lambda_neg)"),
+            (self.multi_objective_aggregation != "sum_then_normalize" and self.advantage_estimator != "grpo",
+             "multi_objective_aggregation normalize_then_sum is GRPO's (advantage_estimator grpo)"),
             (self.scale.workers < 1, "scale.workers must be >= 1"),
             (self.scale.worker_cpus <= 0, "scale.worker_cpus must be > 0"),
             (self.lora.enabled and self.rollout.backend in ("torch", "hf"),

@@ -30,7 +30,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.core.memory import Geometry, geometry
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.ppo.mismatch import describe, explain_negative_kl, name_mismatch
+from refit.learner.ppo.mismatch import tell_mismatch
 from refit.learner.ppo.overlap import PENDING_FILE, RolloutAhead, check_staleness, torch_threads
 from refit.learner.ppo.data import load_prompt_sets, reward_inputs
 from refit.learner.ppo.rewards import (NamedReward, RewardLog, TrainerState, as_rewards, load_rewards, score_rewards,
@@ -152,8 +152,15 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
             log(f"refit ppo: resumed from {ck} (step {run.start_step}, data position {run.data_position}, "
                 f"engine weights_version {engine.weights_version})")
     dist.wrap(policy, value_head if critic else None)  # [dist] DDP (a no-op for one process)
-    if engine is None:
-        return run
+    if engine is not None:
+        connect_engine(run, probe, ck, overlap, max_len)
+    return run
+
+
+def connect_engine(run: Run, probe: RolloutBatch, ck: Path | None, overlap: bool, max_len: int) -> None:
+    """The engine's side of :func:`setup`: the contract the pushes are checked by, the reference engine, the sync
+    room; an overlapped resumed run's checkpoint checked on the probe batch and its batch in flight taken back."""
+    cfg, run_dir, engine, policy, learner_threads = run.cfg, run.run_dir, run.engine, run.policy, run.learner_threads
     # an int8 engine: the probe compares it with the learner quantized as the engine is, on the probe batch, not on
     # the rollout (its fp32 log-probs differ); overlapped: the next rollout comes from older weights than the push
     int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
@@ -176,17 +183,17 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
             if (ck / PENDING_FILE).is_file():
                 pending = torch.load(ck / PENDING_FILE, weights_only=False)
                 run.ahead.restore(pending["step"], pending["batch"], pending.get("pushed", []))
-    return run
 
 
 def experience(run: Run, rollout: RolloutBatch, scores: torch.Tensor, policy_out: ForwardOut | None = None,
-               ref_ahead: ReferenceAhead | None = None) -> tuple[Experience, dict[str, float]]:
+               ref_ahead: ReferenceAhead | None = None, per_func: list | None = None
+               ) -> tuple[Experience, dict[str, float]]:
     """:func:`refit.learner.ppo.update.make_experience` on the run's models (the reference: its engine when it
     scores on one, else the PyTorch reference) at the current KL coefficient."""
     critic = run.cfg.advantage_estimator == "gae"
     ref = run.ref_engine if run.ref_engine is not None else run.ref
     return make_experience(run.cfg, run.policy, run.value_head if critic else None, ref, rollout, scores,
-                           run.kl.value, policy_out, ref_ahead)
+                           run.kl.value, policy_out, ref_ahead, per_func)
 
 
 def reference_beside(run: Run, rollout: RolloutBatch) -> ReferenceAhead | None:
@@ -197,22 +204,6 @@ def reference_beside(run: Run, rollout: RolloutBatch) -> ReferenceAhead | None:
         return None
     return ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows), cfg.sampling.temperature,
                           vocab_size(run.policy), ahead=True)
-
-
-def warn_small_tis_weights(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
-    """One line (once per run) when truncated importance weights shrink the policy gradient below
-    ``tis_warn_below``: with top-k/top-p the sampler's probabilities exceed the policy's, so the weights
-    ``pi/q`` are small by construction and the update is scaled down by their mean."""
-    scale = stats.get("mismatch/tis_grad_scale")
-    if scale is None or scale >= run.cfg.tis_warn_below or run.tis_warned:
-        return
-    run.tis_warned = True
-    why = (f"top_k={sampling.top_k}, top_p={sampling.top_p} truncate the sampler" if sampling.truncates
-           else "the engine and the learner disagree")
-    log(f"step {step}: warning: mean truncated importance weight {scale:.3g} < tis_warn_below "
-        f"{run.cfg.tis_warn_below:g}: the policy gradient is scaled by ~{scale:.3g} ({why}); widen or drop the "
-        "truncation, or use mismatch_correction none/seq_mask (docs/design.md: truncated importance sampling); logged as "
-        "mismatch/tis_grad_scale, warned once")
 
 
 def on_cuda(model: torch.nn.Module) -> bool:
@@ -227,7 +218,14 @@ def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSett
                           entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
                           temperature=cfg.sampling.temperature, kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
-                          autocast_bf16=cfg.run.bf16 and on_cuda)
+                          autocast_bf16=cfg.run.bf16 and on_cuda, loss_type=cfg.loss_type,
+                          cliprange_high=cfg.cliprange_high, delta=cfg.delta,
+                          importance_sampling_level=cfg.importance_sampling_level,
+                          top_entropy_quantile=cfg.top_entropy_quantile,
+                          off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                          kl_bias_correction=cfg.kl_bias_correction, max_completion_length=cfg.response_length,
+                          sapo_temperatures=tuple(cfg.sapo_temperatures), vespo_params=tuple(cfg.vespo_params),
+                          minibatch_order=cfg.minibatch_order)
 
 
 def step_batch(run: Run, step: int, position: int) -> tuple[list[int], SamplingParams]:
@@ -281,10 +279,10 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
     rollout, lag = rollout_phase(run, step, idx, sampling, timings)
     timings["time/rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores, reward_stats = reward_phase(run, step, rollout, idx, state)  # 2.
+    scores, reward_stats, per_func = reward_phase(run, step, rollout, idx, state)  # 2.
     timings["time/reward"] = time.perf_counter() - t1
     with neftune(run.policy, cfg.optim.neftune_noise_alpha):  # NEFTune: the learner's forwards of 3. and 4.
-        stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings)  # 3. and 4.
+        stats, upd = learn_phase(run, step, rollout, scores, lag, update_gen, timings, per_func)  # 3. and 4.
     check_finite(upd, f"loss at step {step}", run.run_dir)
     if "kl/k1_seq" in stats:  # the reference was scored (needs_reference)
         run.kl.adapt(stats["kl/k1_seq"], rollout.num_rows)
@@ -300,7 +298,8 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
 
 
 def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor, lag: int,
-                update_gen: torch.Generator, timings: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+                update_gen: torch.Generator, timings: dict[str, float], per_func: list | None = None,
+                ) -> tuple[dict[str, float], dict[str, float]]:
     """Steps 3 and 4: the experience (learner log-probs, reference, advantages; the check of an unchecked push
     before any update uses the batch) and the PPO update; (experience stats, update stats). Where the step allows
     it (refit.learner.ppo.onepass.streamable) both come from one learner pass, micro-batch by micro-batch
@@ -320,7 +319,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     if streamable(cfg, settings, run.dist.enabled, run.kl.value):
         with adapter_dropout(run.policy):  # (no-op: streamable needs LoRA dropout 0)
             _, stats, upd = onepass_update(cfg, settings, run.policy, run.optimizer, run.scheduler, rollout, scores,
-                                           ref, run.kl.value, before_step=check)
+                                           ref, run.kl.value, before_step=check, per_func=per_func)
         timings["time/score"], timings["time/update"] = 0.0, time.perf_counter() - t1
         return stats, upd
     # single pass: the update's forward runs now and also gives the old log-probs (time/score holds it)
@@ -330,7 +329,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     beside = reference_beside(run, rollout)
     try:
         fwd = policy_forward(run.policy, run.value_head, rollout, settings) if one_pass else None
-        exp, stats = experience(run, rollout, scores, fwd, beside)
+        exp, stats = experience(run, rollout, scores, fwd, beside, per_func)
     finally:
         if beside is not None:
             beside.close()
@@ -370,33 +369,21 @@ def rollout_phase(run: Run, step: int, idx: list[int], sampling: SamplingParams,
 
 
 def reward_phase(run: Run, step: int, rollout: RolloutBatch, idx: list[int],
-                 state: TrainerState) -> tuple[torch.Tensor, dict[str, float]]:
+                 state: TrainerState) -> tuple[torch.Tensor, dict[str, float], list | None]:
     """Step 2: the reward functions on the decoded completions; (scores (B,), reward stats with TRL's log_metric
-    means); the log_extra columns into completions.jsonl."""
+    means, with multi_objective_aggregation normalize_then_sum each function's values (B, F) and weights (F,), else
+    None); the log_extra columns into completions.jsonl."""
     rows = [idx[i] for i in rollout.prompt_index.tolist()]  # dataset row of each rollout row
     data = run.data or PromptSet(run.prompts)
     prompts, completions, columns = reward_inputs(run.tok, rollout, data, rows)
+    per: list = []
     scores, reward_stats = score_rewards(as_rewards(run.reward_fn), prompts, completions,
-                                         {**columns, **run.reward_log.kwargs(state)})
+                                         {**columns, **run.reward_log.kwargs(state)}, per_func=per)
     logged, extra = run.reward_log.flush()  # TRL's log_metric means and log_extra columns
     write_extras(run.run_dir / "completions.jsonl", step, prompts, completions, extra)
-    return scores, {**reward_stats, **logged}
-
-
-def tell_mismatch(run: Run, step: int, stats: dict[str, float], sampling: SamplingParams, log) -> None:
-    """Step 6: a small-TIS-weights warning, the engine/learner mismatch's cause named (the expected ones once per
-    run), a negative k1 KL explained."""
-    warn_small_tis_weights(run, step, stats, sampling, log)
-    quantized = run.sync.contract.int8_manifest is not None
-    cause = name_mismatch(stats, quantized=quantized)
-    cause = "neftune" if cause is not None and run.cfg.optim.neftune_noise_alpha else cause  # noisy learner side
-    once = cause in ("version_lag", "neftune") or (quantized and cause == "precision")  # expected: named once
-    if cause is not None and (not once or run.sync.tell_once(cause)):
-        log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
-            + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
-    if stats.get("kl/k1", 0.0) < -1e-6:
-        log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
-                                                   quantized))
+    if run.cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO: advantages from each function's values
+        return scores, {**reward_stats, **logged}, per
+    return scores, {**reward_stats, **logged}, None
 
 
 def save(run: Run, step: int) -> Path:

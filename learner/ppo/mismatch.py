@@ -100,3 +100,35 @@ def explain_negative_kl(k1_mean: float, exact_kl_mean: float | None, stats: dict
     if not reasons:
         reasons.append("sampling noise of the k1 estimator; compare with kl/exact")
     return f"k1 KL estimate {k1_mean:.3e} < 0: " + "; ".join(reasons)
+
+
+def warn_small_tis_weights(run, step: int, stats: dict[str, float], sampling, log) -> None:
+    """One line (once per run) when truncated importance weights shrink the policy gradient below
+    ``tis_warn_below``: with top-k/top-p the sampler's probabilities exceed the policy's, so the weights
+    ``pi/q`` are small by construction and the update is scaled down by their mean."""
+    scale = stats.get("mismatch/tis_grad_scale")
+    if scale is None or scale >= run.cfg.tis_warn_below or run.tis_warned:
+        return
+    run.tis_warned = True
+    why = (f"top_k={sampling.top_k}, top_p={sampling.top_p} truncate the sampler" if sampling.truncates
+           else "the engine and the learner disagree")
+    log(f"step {step}: warning: mean truncated importance weight {scale:.3g} < tis_warn_below "
+        f"{run.cfg.tis_warn_below:g}: the policy gradient is scaled by ~{scale:.3g} ({why}); widen or drop the "
+        "truncation, or use mismatch_correction none/seq_mask (docs/design.md: truncated importance sampling); logged as "
+        "mismatch/tis_grad_scale, warned once")
+
+
+def tell_mismatch(run, step: int, stats: dict[str, float], sampling, log) -> None:
+    """Step 6: a small-TIS-weights warning, the engine/learner mismatch's cause named (the expected ones once per
+    run), a negative k1 KL explained."""
+    warn_small_tis_weights(run, step, stats, sampling, log)
+    quantized = run.sync.contract.int8_manifest is not None
+    cause = name_mismatch(stats, quantized=quantized)
+    cause = "neftune" if cause is not None and run.cfg.optim.neftune_noise_alpha else cause  # noisy learner side
+    once = cause in ("version_lag", "neftune") or (quantized and cause == "precision")  # expected: named once
+    if cause is not None and (not once or run.sync.tell_once(cause)):
+        log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"
+            + (f" [correction: {run.cfg.correction}; told once]" if once else ""))
+    if stats.get("kl/k1", 0.0) < -1e-6:
+        log(f"step {step}: " + explain_negative_kl(stats["kl/k1"], stats["kl/exact"], stats, sampling.truncates,
+                                                   quantized))

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from refit.learner import losses as L
+from refit.learner.ppo.objective import Norm, clip_scores, loss_mask
 from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, corrections,
                                       experience_stats, group_advantages, micro_objective, needs_reference,
                                       per_token_rewards, reference_logits)
@@ -37,7 +38,13 @@ def streamable(cfg, s: UpdateSettings, distributed: bool, kl_coef: float) -> boo
     return (cfg.single_pass and s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and not s.use_critic
             and not (cfg.kl_penalty == "reward" and needs_reference(cfg, kl_coef))
             and cfg.correction != "seq_mask" and not cfg.lora.dropout > 0 and not distributed
-            and not s.autocast_bf16)
+            and not s.autocast_bf16 and _streamable_loss(s))
+
+
+def _streamable_loss(s: UpdateSettings) -> bool:
+    """The loss splits over any rows in batch order: not TRL's ``bnpo``, entropy mask or entropy bonus, whose
+    normalisers are those of TRL's gradient-accumulation slices (learner/ppo/objective.py)."""
+    return s.loss_type == "token" or (s.loss_type != "bnpo" and s.top_entropy_quantile >= 1 and not s.entropy_coef)
 
 
 class ReferenceAhead:
@@ -76,7 +83,7 @@ class ReferenceAhead:
 
 def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout, scores: torch.Tensor, ref,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
-                   ) -> tuple[Experience, dict[str, float], dict[str, float]]:
+                   per_func: list | None = None) -> tuple[Experience, dict[str, float], dict[str, float]]:
     """The step's one optimizer step over micro-batches of at most ``s.micro_rows`` rows (and at least
     ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the
     old log-probs, the truncated importance weights and the reference's KL term are made from them, then its loss is
@@ -88,12 +95,14 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     b = rollout.num_rows
     per = -(-b // s.gradient_accumulation_steps)  # gradient_accumulation_steps: a floor on the forwards
     per = min(per, s.micro_rows) if s.micro_rows else per
-    exp, adv_stats = _experience_shell(cfg, rollout, scores)
+    exp, adv_stats = _experience_shell(cfg, rollout, scores, per_func)
     rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
     with_ref = needs_reference(cfg, kl_coef)
     refs = (ReferenceAhead(ref, rollout, rows, s.temperature, vocab_size(model), cfg.reference_ahead)
             if with_ref else None)
     n_tokens = exp.mask.sum().clamp(min=1.0)
+    norm = n_tokens if s.loss_type == "token" else Norm(tokens=n_tokens, dapo_tokens=n_tokens, seqs=b,
+                                                        micro_tokens=n_tokens, scale=1)
     ent, exact = torch.zeros_like(exp.old_logprobs), torch.zeros_like(exp.old_logprobs) if with_ref else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
@@ -115,7 +124,7 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
             w, _, _ = corrections(cfg, rollout, old, r, exp.mask[r])
             if w is not None:
                 exp.is_weights[r] = w
-            loss, stats = micro_objective(out, st, exp, torch.arange(b)[r], n_tokens, s)
+            loss, stats = micro_objective(out, st, exp, torch.arange(b)[r], norm, s)
             loss.backward()
             del out, st, loss
             for key, v in stats.items():
@@ -134,18 +143,20 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     return exp, stats, upd
 
 
-def _experience_shell(cfg, rollout, scores: torch.Tensor) -> tuple[Experience, dict[str, float]]:
+def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None = None
+                      ) -> tuple[Experience, dict[str, float]]:
     """The batch's :class:`Experience` with its advantages (from the scores alone: no KL in the reward) and room
     for the log-probs and weights that the micro-batches fill in; (experience, the advantage stats)."""
-    mask = rollout.response_mask.clone()
+    mask, trunc_stats = loss_mask(cfg, rollout)
     zeros = torch.zeros_like(mask)
-    rewards = per_token_rewards(scores, zeros, mask, 0.0)
-    adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
+    rewards = per_token_rewards(clip_scores(cfg, scores), zeros, rollout.response_mask, 0.0)  # every row's score
+    adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
+                                   cfg.normalize_advantages, per_func)
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
                      mask=mask, old_logprobs=zeros.clone(), ref_logprobs=zeros.clone(), values=zeros.clone(),
                      advantages=adv, returns=zeros.clone(),
                      is_weights=zeros.clone() if cfg.correction == "tis" else None)
-    return exp, {f"advantage/{k}": float(v) for k, v in gstats.items()}
+    return exp, {**{f"advantage/{k}": float(v) for k, v in gstats.items()}, **trunc_stats}
 
 
 __all__ = ["ReferenceAhead", "onepass_update", "streamable"]

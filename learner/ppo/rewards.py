@@ -231,9 +231,10 @@ def call_reward(r: NamedReward, prompts: list, completions: list, extra: dict[st
 
 
 def score_rewards(rewards: list[NamedReward], prompts: list, completions: list, extra: dict[str, Any],
-                  prefix: str = "reward") -> tuple[torch.Tensor, dict[str, float]]:
+                  prefix: str = "reward", per_func: list | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum (B,) over functions, None rows left out (TRL ``nansum``), and each function's mean
-    (``nanmean``; None when it applied to no row) as ``{prefix}/{name}/mean``."""
+    (``nanmean``; None when it applied to no row) as ``{prefix}/{name}/mean``. ``per_func``: a list that gets the
+    (B, F) values (NaN for None) and the (F,) weights appended (for GRPO's normalize_then_sum)."""
     per = torch.stack([call_reward(r, prompts, completions, extra) for r in rewards], 1)  # (B, F)
     if len(per) and per.isnan().all():
         raise RefitError(f"every reward function ({', '.join(r.name for r in rewards)}) returned None for every one "
@@ -241,6 +242,8 @@ def score_rewards(rewards: list[NamedReward], prompts: list, completions: list, 
                          "function applies to")
     w = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
     total = torch.nansum(per * w, dim=1)
+    if per_func is not None:
+        per_func += [per, w]
     stats = {}
     for j, r in enumerate(rewards):
         col = per[:, j]

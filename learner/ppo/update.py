@@ -20,6 +20,7 @@ from refit.core.errors import RefitError
 from refit.core.memory import SCORE_ROWS
 from refit.learner import losses as L
 from refit.learner.ppo.mismatch import mismatch_stats
+from refit.learner.ppo.objective import clip_scores, loss_mask, slice_norms, trl_objective
 from refit.learner.run.distributed import reduce_stats
 from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
 
@@ -145,14 +146,19 @@ def make_advantages(rewards, values, mask, gamma: float, lam: float, whiten_rewa
 
 
 def group_advantages(rewards: torch.Tensor, mask: torch.Tensor, estimator: str, group_size: int,
-                     scale_rewards: str = "group") -> tuple[torch.Tensor, dict]:
+                     scale_rewards: str = "group", normalize: bool = False, per_func: list | None = None
+                     ) -> tuple[torch.Tensor, dict]:
     """RLOO / GRPO advantages (B, Tr) from per-token rewards (B, Tr): each row's return is the sum of its
     rewards (the score plus the per-token KL penalty, undiscounted: TRL RLOO's ``score - kl_coef * sum KL``),
     the group baseline is taken over the ``group_size`` rows of a prompt (prompt-major), and the sequence
-    advantage is given to every response token of the row (``mask``; 0 elsewhere)."""
+    advantage is given to every response token of the row (``mask``; 0 elsewhere). ``normalize``: RLOO's
+    ``normalize_advantages``. ``per_func``: each reward function's values (B, F) and weights (F,): GRPO's
+    ``normalize_then_sum`` from them instead (no KL in the reward: GRPO's is in the loss)."""
     returns = rewards.sum(-1)  # (B,)
-    if estimator == "rloo":
-        adv, stats = L.rloo_advantages(returns, group_size)
+    if per_func is not None:
+        adv, stats = L.normalize_then_sum_advantages(per_func[0], per_func[1], group_size)
+    elif estimator == "rloo":
+        adv, stats = L.rloo_advantages(returns, group_size, normalize)
     elif estimator == "grpo":
         adv, stats = L.grpo_advantages(returns, group_size, scale_rewards)
     else:
@@ -179,6 +185,18 @@ class UpdateSettings:
     use_critic: bool = True  # False (rloo / grpo): no value forward, no value loss
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
     micro_rows: int = 0  # rows per forward with autograd (micro-batches split further to it); 0: no cap
+    # TRL's loss settings (learner/ppo/objective.py; PPOConfig's fields of the same names): 'token' is Refit's own
+    loss_type: str = "token"
+    cliprange_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    kl_bias_correction: bool = False
+    max_completion_length: int = 0  # dr_grpo's constant
+    sapo_temperatures: tuple = (1.0, 1.05)
+    vespo_params: tuple = (2.0, 3.0, 3.0, 2.0)
+    minibatch_order: str = "reshuffle"  # or 'replay': one shuffle for every epoch (TRL's num_iterations)
 
 
 @dataclass
@@ -255,11 +273,18 @@ def kl_term_on(s: UpdateSettings) -> bool:
 
 def micro_objective(out: ForwardOut, st: L.TokenStats, exp: Experience, idx, n_tokens, s: UpdateSettings):
     """The loss and stats of the micro-batch of rows ``idx``, from its forward ``out`` and its token stats ``st``
-    (log-probs, entropy and, for the exact KL term, the exact KL to the reference)."""
+    (log-probs, entropy and, for the exact KL term, the exact KL to the reference). ``n_tokens``: the minibatch's
+    token count, or with a TRL ``loss_type`` the slice's :class:`refit.learner.ppo.objective.Norm`."""
     dev = out.logits.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask = g(exp.mask)
     logprobs = st.logprobs
+    if s.loss_type != "token":
+        kl = None
+        if kl_term_on(s):
+            kl = st.exact_kl if s.kl_estimator == "exact" else kl_loss_term(logprobs, g(exp.ref_logprobs),
+                                                                            s.kl_estimator)
+        return trl_objective(logprobs, st.entropy, exp, idx, n_tokens, s, kl)
     pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
                                    is_weights=g(exp.is_weights), num_tokens=n_tokens)
     ent = L.token_mean(st.entropy, mask, n_tokens)
@@ -315,8 +340,10 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     heads = list(value_head.parameters()) if value_head is not None else []  # None: no critic under DDP
     params = [p for p in list(model.parameters()) + heads if p.requires_grad]
     acc: dict[str, list[float]] = {}  # one value per minibatch
-    for _ in range(s.num_ppo_epochs):
-        perm = torch.randperm(b, generator=generator)  # the same on every rank
+    perm = torch.randperm(b, generator=generator)  # the same on every rank
+    for epoch in range(s.num_ppo_epochs):
+        if epoch and s.minibatch_order != "replay":  # replay: TRL's one shuffle, every iteration in that order
+            perm = torch.randperm(b, generator=generator)
         for m in range(s.num_mini_batches):
             mine = perm[m * mb_size:(m + 1) * mb_size][r * local:(r + 1) * local]
             if forward is not None:  # the forward's rows in batch order: the same rows, the same loss (a sum)
@@ -325,14 +352,18 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
             n_tokens = (shard.all_reduce(n_tokens) if shard is not None else n_tokens).clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
             mb: dict[str, list[float]] = {}  # one value per micro-batch
-            # each micro-batch in forwards of at most s.micro_rows rows (memory; the loss is a sum over tokens)
-            per = micro if forward is not None or not s.micro_rows else min(micro, s.micro_rows)
-            parts = [mine[a * micro:(a + 1) * micro][c:c + per] for a in range(s.gradient_accumulation_steps)
-                     for c in range(0, micro, per)]
-            for a, idx in enumerate(parts):
+            # each micro-batch in forwards of at most s.micro_rows rows (memory; the loss is a sum over tokens);
+            # never cut with the entropy mask (its quantile is over TRL's whole micro-batch)
+            whole = forward is not None or not s.micro_rows or s.top_entropy_quantile < 1
+            per = micro if whole else min(micro, s.micro_rows)
+            norms = (slice_norms(s, exp, mine, micro, k, n_tokens, mb_size) if s.loss_type != "token"
+                     else [n_tokens] * s.gradient_accumulation_steps)
+            parts = [(mine[a * micro:(a + 1) * micro][c:c + per], norms[a])
+                     for a in range(s.gradient_accumulation_steps) for c in range(0, micro, per)]
+            for a, (idx, norm) in enumerate(parts):
                 last = a == len(parts) - 1
                 with (shard.no_sync(last) if shard is not None else contextlib.nullcontext()):
-                    loss, stats = _micro_loss(model, value_head, exp, idx, n_tokens, s, ref_model, forward)
+                    loss, stats = _micro_loss(model, value_head, exp, idx, norm, s, ref_model, forward)
                     (loss * k).backward()
                 for key, v in stats.items():
                     mb.setdefault(key, []).append(float(v))
@@ -345,7 +376,8 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     return {key: _combine(key, v) for key, v in acc.items()}
 
 
-TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss")  # partial token sums over the minibatch's token count
+# partial sums over the minibatch (its token count, or TRL's normalisers)
+TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss", "entropy_bonus")
 MAX_STATS = ("ratio_max",)
 
 
@@ -379,7 +411,7 @@ def distributed_ppo_update(ctx, policy, value_head, optimizer, scheduler, exp: E
 
 def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, ref, rollout, scores: torch.Tensor,
                     kl_coef: float, policy_out: ForwardOut | None = None,
-                    ref_ahead=None) -> tuple[Experience, dict[str, float]]:
+                    ref_ahead=None, per_func: list | None = None) -> tuple[Experience, dict[str, float]]:
     """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
     advantages; (experience, stats).
 
@@ -388,11 +420,14 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     ``kl_coef``: the KL penalty's coefficient now; ``policy_out``: the update's forward, already run (single pass);
     else the policy is scored here; ``ref_ahead``: the reference's chunks, already being scored (score_batch)."""
     critic = value_head is not None
+    scores = clip_scores(cfg, scores)
+    response, trunc_stats = loss_mask(cfg, rollout)
     # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
     sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
                      cfg.sampling.temperature, policy_out=policy_out, ref_ahead=ref_ahead)
     old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
-    is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), rollout.response_mask.clone())
+    is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), response.clone())
+    stats.update(trunc_stats)
     stats.update(experience_stats(cfg, rollout, old_lp, sc.entropy, ref_lp, sc.exact_kl, is_weights))
     penalty = (kl_terms(old_lp, ref_lp, sc.exact_kl)[cfg.kl_estimator] if cfg.kl_penalty == "reward"
                and ref_lp is not None else torch.zeros_like(old_lp))
@@ -401,8 +436,10 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
         adv, returns = make_advantages(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
         stats["value/explained_variance"] = float(L.explained_variance(values, returns, mask))
     else:  # the group baseline sees every sampled row (seq_mask drops rows from the loss only)
-        rewards = per_token_rewards(scores, penalty, rollout.response_mask, kl_coef)
-        adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards)
+        # every row's score counts (TRL scores truncated completions too); the KL is summed over the loss's tokens
+        rewards = per_token_rewards(scores, penalty * response, rollout.response_mask, kl_coef)
+        adv, gstats = group_advantages(rewards, mask, cfg.advantage_estimator, cfg.num_generations, cfg.scale_rewards,
+                                       cfg.normalize_advantages, per_func)
         returns = torch.zeros_like(adv)
         stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,

@@ -37,7 +37,9 @@ from refit.learner.run.loop import StepControl, StepHooks
 # TRL's metric name <- Refit's (metrics.jsonl); reward-function names are mapped by prefix (rewards/NAME/mean)
 GRPO_NAMES = {"reward": "reward/mean", "reward_std": "reward/std", "completions/mean_length": "response/length",
               "entropy": "policy/entropy", "clip_ratio/region_mean": "ppo/clipfrac", "grad_norm": "ppo/grad_norm",
-              "frac_reward_zero_std": "advantage/zero_std_frac", "step_time": "time/step"}
+              "frac_reward_zero_std": "advantage/zero_std_frac", "step_time": "time/step",
+              "clip_ratio/low_mean": "ppo/clip_ratio/low_mean", "clip_ratio/high_mean": "ppo/clip_ratio/high_mean",
+              "completions/clipped_ratio": "response/truncated_frac"}
 DISTILL_NAMES = {"loss": "loss", "grad_norm": "grad_norm",
                  "completions/mean_length": "response/length", "step_time": "time/step"}
 LAST = ("epoch", "learning_rate", "grad_norm")  # logged as their value at the log step, not a window mean

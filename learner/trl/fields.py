@@ -200,13 +200,15 @@ GRPO_ARGS: dict[str, TrlField] = {
     "num_generations": _h(8, "num_generations (completions per prompt)"),
     "steps_per_generation": _h(None, "num_mini_batches = steps_per_generation / gradient_accumulation_steps"),
     "generation_batch_size": _h(None, "completions per generation (instead of steps_per_generation)"),
-    "num_iterations": _h(1, "num_ppo_epochs (Refit reshuffles each pass; TRL replays in order)"),
+    "num_iterations": _h(1, "num_ppo_epochs with minibatch_order=replay (one shuffle of the generation, replayed "
+                            "in that order each iteration, as TRL's buffer)"),
     "max_completion_length": _h(512, "response_length"),
     "beta": _h(0.0, "kl_coef with kl_penalty=loss, kl_estimator=k3 (a k3 term in each token's loss)"),
     "epsilon": _h(0.2, "cliprange"),
-    "epsilon_high": _h(None, "only None or equal to epsilon (Refit clips symmetrically)"),
-    "loss_type": _h("dapo", "'dapo' (and 'bnpo' with gradient_accumulation_steps 1): Refit's token "
-                            "normalisation; others refused"),
+    "epsilon_high": _h(None, "cliprange_high: the upper clip 1 + epsilon_high (DAPO's clip-higher; cispo: the cap "
+                             "on the ratio); RLOO: its sequence ratio's upper clip"),
+    "loss_type": _h("dapo", "loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, each with TRL's "
+                            "normaliser (learner/losses/grpo.py)"),
     "scale_rewards": _h("group", "scale_rewards: True/'group', 'batch', False/'none'"),
     "reward_weights": _h(None, "reward_weights"),
     "temperature": _h(1.0, "sampling.temperature"),
@@ -231,36 +233,44 @@ GRPO_ARGS: dict[str, TrlField] = {
     "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
     "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
     "use_vllm": _r(False, _GEN),
-    "mask_truncated_completions": _r(False, "not supported"),
-    "importance_sampling_level": _r("token", "not supported: Refit's ratios are per token"),
-    "top_entropy_quantile": _r(1.0, "not supported"),
-    "delta": _r(None, "not supported (two-sided clipping)"),
+    "mask_truncated_completions": _h(False, "mask_truncated_completions: rows without a stop token out of the loss "
+                                             "(still in their group's baseline)"),
+    "importance_sampling_level": _h("token", "importance_sampling_level: 'token' or 'sequence' (GSPO: exp of the "
+                                             "mean log ratio per completion)"),
+    "top_entropy_quantile": _h(1.0, "top_entropy_quantile: the loss on each accumulation slice's top-entropy "
+                                    "tokens (quantile over the slice, as TRL's micro-batch)"),
+    "delta": _h(None, "delta: two-sided clipping (the unclipped ratio capped at delta)"),
     "min_p": _r(None, "not supported: top_k, top_p"),
     "repetition_penalty": _r(1.0, "not supported"),
     "generation_kwargs": _r(None, "not supported: temperature, top_k, top_p"),
     "sync_ref_model": _h(False, "sync_ref_model: every ref_model_sync_steps optimizer steps ref = alpha x policy + "
                                 "(1 - alpha) x ref, an engine reference pushed the mix (refit.learner.ppo.refsync); "
                                 "refused with peft_config or beta 0, as TRL"),
-    "multi_objective_aggregation": _r("sum_then_normalize", "not supported: weighted sum, then the group baseline"),
+    "multi_objective_aggregation": _h("sum_then_normalize", "multi_objective_aggregation: 'sum_then_normalize' or "
+                                                            "'normalize_then_sum' (GDPO: each function normalised in "
+                                                            "its group, weighted sum, batch-normalised)"),
     "num_generations_eval": _h(None, "num_generations_eval: N sampled completions per held-out prompt (None: "
                                      "Refit's one greedy completion, where TRL samples num_generations)"),
     "vllm_importance_sampling_correction": _r(True, "the engine's mismatch is checked every push (probe_tol); "
                                                     "refit={'mismatch_correction': 'tis'} corrects it"),
     "max_prompt_length": _r(None, "not supported: prompts are kept whole (a prompt too long for the model is refused)"),
-    "use_bias_correction_kl": _a(True, "departure at beta != 0: Refit's KL term is beta x k3, not multiplied by the "
-                                       "ratio (as False); TRL's True adds k3 x the ratio's gradient"),
-    "entropy_coef": _r(0.0, "not supported: no entropy bonus"),
-    "use_adaptive_entropy": _r(False, "not supported: no entropy bonus"),
-    **{k: _a(d, "entropy_coef / use_adaptive_entropy are refused") for k, d in (
+    "use_bias_correction_kl": _h(True, "kl_bias_correction: the k3 term times the importance ratio"),
+    "entropy_coef": _h(0.0, "entropy_coef: minus coef x the mean entropy of each accumulation slice's (masked) "
+                            "tokens, as TRL"),
+    "use_adaptive_entropy": _r(False, "not built: the coefficient stays entropy_coef (Refit does not carry TRL's "
+                                      "step-to-step entropy controller or its checkpointed state)"),
+    **{k: _a(d, "only with use_adaptive_entropy, which is refused") for k, d in (
         ("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0), ("entropy_coef_delta", 0.005), ("entropy_target", 0.2))},
-    **{k: _a(d, "only for loss_type 'sapo' / 'vespo', which are refused") for k, d in (
-        ("sapo_temperature_neg", 1.05), ("sapo_temperature_pos", 1.0), ("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0),
-        ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
+    **{k: _h(d, "sapo_temperatures (positive, negative) of loss_type sapo") for k, d in (
+        ("sapo_temperature_neg", 1.05), ("sapo_temperature_pos", 1.0))},
+    **{k: _h(d, "vespo_params (k_pos, lambda_pos, k_neg, lambda_neg) of loss_type vespo") for k, d in (
+        ("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
     **{k: _a(d, _NO_VLLM) for k, d in (("vllm_importance_sampling_mode", "sequence_mask"),
                                        ("vllm_importance_sampling_cap", None),
                                        ("vllm_importance_sampling_clip_min", None),
                                        ("vllm_importance_sampling_clip_max", 3.0))},
-    "off_policy_mask_threshold": _r(None, "not supported"),
+    "off_policy_mask_threshold": _h(None, "off_policy_mask_threshold: rows with a negative advantage and a mean "
+                                          "old - current log-prob above it out of the loss (DeepSeek-V3.2)"),
     "log_completions_hub_repo": _r(None, "nothing leaves the machine: completions go to OUTPUT_DIR/completions.jsonl"),
 }
 
@@ -278,8 +288,9 @@ RLOO_ARGS: dict[str, TrlField] = {
     "num_generations": _h(2, "num_generations (completions per prompt)"),
     "beta": _h(0.05, "kl_coef with kl_penalty=reward, kl_estimator=k1 (the summed k1 subtracted from the score)"),
     "max_completion_length": _h(512, "response_length"),
-    "normalize_advantages": _r(False, "RLOO advantages are not whitened"),
-    "reward_clip_range": _r(None, "not supported"),
+    "normalize_advantages": _h(False, "normalize_advantages: (A - mean) / (std + 1e-4) over the batch"),
+    "reward_clip_range": _h(None, "reward_clip_range: each completion's summed reward clamped before the KL "
+                                  "penalty"),
 }
 
 _DISTILL_COMMON: dict[str, TrlField] = {

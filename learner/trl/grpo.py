@@ -31,12 +31,17 @@ steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its 
 with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`` returns; logged as
 ``eval_reward``, ``eval_rewards/<func>/mean``, ``eval_completions/mean_length`` with on_evaluate.
 
+The loss is TRL 1.16's, computed as its trainers compute it (:mod:`refit.learner.losses.grpo`): every GRPO
+``loss_type`` with its normaliser, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
+``top_entropy_quantile``, ``off_policy_mask_threshold``, ``entropy_coef``, ``use_bias_correction_kl``; RLOO's
+ratio of summed log-probs averaged over sequences, with ``normalize_advantages`` and ``reward_clip_range``;
+``mask_truncated_completions`` for both; the generation shuffled once and replayed ``num_iterations`` times in that
+order, as TRL's buffer does.
+
 Departures kept visible: without ``num_generations_eval`` the evaluation generates one greedy completion per
 held-out prompt (TRL samples ``num_generations`` then); with it, that many sampled completions (as TRL); TRL also
-logs an ``eval_loss``.
-RLOOTrainer: TRL's RLOO clips a per-sequence ratio and averages over sequences; Refit's PPO loss clips per token
-and normalises by the token count. With num_iterations 1 (the default) the ratio is 1 at the only pass, and the
-two gradients differ by one positive factor per minibatch (its mean completion length).
+logs an ``eval_loss``. The off-policy mask compares the current log-probs with the learner's old ones (TRL's path
+without vLLM); the engine's own mismatch is Refit's ``mismatch_correction``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any, ClassVar
 from refit.core.errors import RefitError
 from refit.core.parsing import build, resolve
 from refit.learner.api import run_ppo
+from refit.learner.losses.grpo import LOSS_TYPES
 from refit.learner.ppo.config import PPOConfig, TRL_HINTS
 from refit.learner.ppo.rewards import spec_of
 from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, lora_values, lr_schedule, resolve_model,
@@ -125,6 +131,33 @@ def rollouts(a: GRPOConfig, per: int, prompts: int, num_prompts: int | None) -> 
     return math.ceil(a.num_train_epochs * num_prompts / prompts)
 
 
+def loss_values(a: GRPOConfig) -> dict[str, Any]:
+    """The loss and advantage settings as Refit's PPOConfig fields (learner/losses/grpo.py computes each as TRL)."""
+    values = {"cliprange_high": a.epsilon_high, "mask_truncated_completions": bool(a.mask_truncated_completions),
+              "minibatch_order": "replay"}  # TRL shuffles a generation once and replays it num_iterations times
+    if a.ESTIMATOR == "rloo":
+        if "loss_type" in a.given:
+            raise RefitError("RLOOConfig: loss_type is not a field of TRL 1.16's RLOOConfig (RLOO's loss is its own)")
+        clip = tuple(float(x) for x in a.reward_clip_range) if a.reward_clip_range else ()
+        return {**values, "loss_type": "rloo", "normalize_advantages": bool(a.normalize_advantages),
+                "reward_clip_range": clip}
+    if a.loss_type not in LOSS_TYPES:
+        raise RefitError(f"loss_type={a.loss_type!r}: TRL 1.16's loss types are {', '.join(LOSS_TYPES)}")
+    if a.importance_sampling_level not in ("token", "sequence"):
+        raise RefitError(f"importance_sampling_level={a.importance_sampling_level!r}: 'token' or 'sequence' (GSPO)")
+    if a.delta is not None and a.delta <= 1 + (a.epsilon if a.epsilon_high is None else a.epsilon_high):
+        raise RefitError(f"delta={a.delta} must be > 1 + epsilon_high (TRL's two-sided clipping)")
+    return {**values, "loss_type": a.loss_type, "delta": a.delta,
+            "importance_sampling_level": a.importance_sampling_level,
+            "top_entropy_quantile": float(a.top_entropy_quantile),
+            "off_policy_mask_threshold": a.off_policy_mask_threshold, "entropy_coef": float(a.entropy_coef),
+            "multi_objective_aggregation": a.multi_objective_aggregation,
+            "kl_bias_correction": bool(a.use_bias_correction_kl),
+            "sapo_temperatures": (float(a.sapo_temperature_pos), float(a.sapo_temperature_neg)),
+            "vespo_params": (float(a.vespo_k_pos), float(a.vespo_lambda_pos), float(a.vespo_k_neg),
+                             float(a.vespo_lambda_neg))}
+
+
 def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None, reward_specs: tuple = (),
                   peft_config: Any = None, has_eval: bool = False):
     """The :class:`refit.learner.ppo.config.PPOConfig` that runs ``a`` with TRL's meanings (the module's mapping).
@@ -133,13 +166,6 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
     eval_dataset comes as the split 'eval' (:func:`refit.learner.trl.common.staged_dataset`)."""
     shape = batch_shape(a)
     per = shape["per_rollout"]
-    if a.epsilon_high is not None and a.epsilon_high != a.epsilon:
-        raise RefitError(f"epsilon_high={a.epsilon_high} != epsilon={a.epsilon}: not supported (Refit clips "
-                         "symmetrically with cliprange)")
-    if a.loss_type not in ("dapo", "bnpo") or (a.loss_type == "bnpo" and a.gradient_accumulation_steps != 1):
-        raise RefitError(f"loss_type={a.loss_type!r}: not supported; Refit normalises the loss by the response-token "
-                         "count of each optimizer step's minibatch, TRL's 'dapo' ('bnpo' too with "
-                         "gradient_accumulation_steps 1)")
     steps = rollouts(a, per, shape["prompts"], num_prompts)
     steps_of("logging_steps", a.logging_steps, steps * per)  # a ratio needs max_steps
     values = {
@@ -148,6 +174,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "scale_rewards": _scale_rewards(a.scale_rewards), "num_ppo_epochs": a.num_iterations,
         "num_mini_batches": shape["num_mini_batches"], "response_length": a.max_completion_length,
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
+        **loss_values(a),
         "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
         "sync_ref_model": bool(a.sync_ref_model), "ref_model_mixup_alpha": a.ref_model_mixup_alpha,
