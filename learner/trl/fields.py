@@ -110,14 +110,14 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "hub_private_repo": _a(None, "push_to_hub is refused"),
     "push_to_hub": _r(False, "nothing leaves the machine: OUTPUT_DIR/final is a save_pretrained folder"),
     "fp16": _r(False, "fp32, or bf16 autocast on CUDA (bf16)"),
-    "data_seed": _r(None, "TRL 1.16's GRPO, RLOO and Distillation trainers draw their prompts with RepeatSampler("
+    "data_seed": _a(None, "TRL 1.16's GRPO, RLOO and Distillation trainers draw their prompts with RepeatSampler("
                           "seed=args.seed): data_seed changes nothing there either; the data order follows seed"),
     "optim": _h("adamw_torch_fused", "'adamw_torch_fused' / 'adamw_torch': torch's AdamW (optim.* settings); any "
                                      "other optimizer is refused"),
     "adam_beta1": _h(0.9, "optim.adam_beta1 (torch's AdamW betas[0])"),
     "adam_beta2": _h(0.999, "optim.adam_beta2 (torch's AdamW betas[1])"),
     "adam_epsilon": _h(1e-8, "optim.adam_epsilon (torch's AdamW eps)"),
-    "label_smoothing_factor": _r(0.0, "transformers applies it in Trainer.compute_loss to a labels cross-entropy; "
+    "label_smoothing_factor": _a(0.0, "transformers applies it in Trainer.compute_loss to a labels cross-entropy; "
                                       "TRL 1.16's GRPO, RLOO, GKD and Distillation trainers replace compute_loss with "
                                       "their own (policy gradient, JSD), so it changes nothing in TRL either"),
     "torch_compile": _r(False, "not supported"),
