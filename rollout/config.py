@@ -1,12 +1,13 @@
-"""The rollout's config sections: ``Sampling`` (temperature, top-k, top-p), shared by ``refit generate``, ``refit ppo``
+"""The rollout's config sections: ``Sampling`` (temperature, top-k, top-p, min-p, repetition penalty), shared by ``refit generate``, ``refit ppo``
 and ``refit distill``, and the one place a job's :class:`~refit.rollout.types.SamplingParams` is made; and
 ``RolloutSection``, the jobs' engines (backend, threads, weight pushes and the probe after each).
 
 Every job holds ``Sampling`` as a :data:`refit.core.parsing.FLAT` section, so its fields are spelled without a prefix:
 ``--temperature 0.7 --top_k 20`` on the command line, ``temperature: 0.7`` in YAML and in a saved
 ``config.yaml``. (``rollout.temperature``, where PPO and distill kept it before, is read as a deprecated name.)
-PPO's learner scores at the same ``temperature`` the engine sampled with; top-k/top-p are the sampler's alone
-(PPO corrects for the truncation with ``mismatch_correction``).
+PPO's learner scores at the same ``temperature`` the engine sampled with; top-k/top-p/min-p and the repetition
+penalty are the sampler's alone, as in TRL (the engine's ``rollout_logprobs`` are those of the processed
+distribution; PPO corrects for the difference with ``mismatch_correction: tis``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,24 @@ Backend = Literal["onnxruntime", "torch", "tensorrt", "hf"]  # a job's engine ba
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the sampler draws tokens (HF's order: temperature, then top-k, then top-p)."""
+    """How the sampler draws tokens (HF's order: repetition penalty, temperature, top-k, top-p, min-p)."""
 
     temperature: float = opt(1.0, "divide the logits by this before sampling (> 0); PPO's learner scores at it too")
     top_k: int = opt(0, "sample among the k most likely tokens only (0: off); PPO corrects for the truncation "
                         "with mismatch_correction")
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability (1: off)")
+    min_p: float = opt(0.0, "drop tokens less likely than min_p x the most likely one, after top-k/top-p (0: off; "
+                            "HF's MinPLogitsWarper)")
+    repetition_penalty: float = opt(1.0, "a token already in the prompt or the completion has its logit x divided "
+                                         "by this (x > 0) or multiplied by it (x < 0) before the temperature (1: off; "
+                                         "HF's RepetitionPenaltyLogitsProcessor). Like top-k/top-p/min-p it is the "
+                                         "sampler's alone: the learner scores at the temperature, as TRL")
 
     def params(self, max_new_tokens: int, **kw) -> SamplingParams:
         """The engine's :class:`SamplingParams` for this section; ``kw`` sets the call's own fields (``seed``,
         ``n``, ``stop_ids``, ``return_topk``, ``greedy``)."""
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, **kw)
+                              top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty, **kw)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from refit.rollout.processors import SeenTokens
 from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
 from refit.rollout.types import ModelSpec, SamplingParams
 
@@ -104,13 +105,16 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
     # 1. prefill: the whole prompt through the model, logits for the first response token
     logits = state.prefill(ids, mask)
     is_stop = stop_table(logits.shape[-1], spec, params)
+    seen = seen_tokens(params, b, logits.shape[-1], ids, mask, spec)
     for step in range(steps):
         # 2. sample (one draw per row per step from the row's own stream); the (B, V)
         #    host work runs on one thread, see refit.rollout.sampling.one_thread
         with one_thread():
-            tok, proc, plain, top = sample_step(logits, params, gen, scratch)
+            tok, proc, plain, top = _sample(logits, params, gen, scratch, seen)
         # 3. mask rows that stopped earlier: pad id, 0.0 log-probs
         tok = np.where(alive, tok.numpy(), spec.pad_id)
+        if seen is not None:
+            seen.add(tok, alive)
         keep = alive.astype(np.float32)
         out_ids[:, step], out_mask[:, step] = tok, keep
         np.multiply(proc.float().numpy(), keep, out=out_proc[:, step])
@@ -138,6 +142,23 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
         out["topk_logprobs"] = torch.from_numpy(tk_lp[:, :n].copy())
         out["topk_ids"] = torch.from_numpy(tk_ids[:, :n].copy())
     return out
+
+
+def seen_tokens(params: SamplingParams, rows: int, vocab: int, ids: torch.Tensor, mask: torch.Tensor,
+                spec: ModelSpec) -> SeenTokens | None:
+    """The rows' seen tokens for a repetition penalty (None without one), started from the prompts ``ids``."""
+    if params.repetition_penalty == 1.0:
+        return None
+    seen = SeenTokens(rows, vocab)
+    seen.reset(np.arange(rows), ids, mask, spec)
+    return seen
+
+
+def _sample(logits, params: SamplingParams, gen, scratch: StepBuffers, seen: SeenTokens | None):
+    """:func:`refit.rollout.sampling.sample_step`, given the seen tokens only with a repetition penalty."""
+    if seen is None:
+        return sample_step(logits, params, gen, scratch)
+    return sample_step(logits, params, gen, scratch, seen.mask)
 
 
 def supports_slots(state) -> bool:
@@ -317,19 +338,24 @@ def inflight_loop(state, ids: torch.Tensor, mask: torch.Tensor, params: Sampling
         for s, r in zip(free, rs):
             row[s], length[s] = r, 0
             streams.assign(s, keys[r])
+        if seen is not None:
+            seen.reset(free, ids[rs], mask[rs], spec)
         logits[free] = state.admit(free, ids[rs], mask[rs])
 
     state.open(slots)
     logits = torch.zeros(slots, spec.vocab_size)
     is_stop = stop_table(spec.vocab_size, spec, params)
+    seen = SeenTokens(slots, spec.vocab_size) if params.repetition_penalty != 1.0 else None
     # 1. fill the slots with waiting rows (a prefill gives the logits of each row's first token)
     admit(list(range(slots)))
     while (row >= 0).any():
         live = row >= 0
         # 2. sample every slot (idle ones too: their draws go unused), one stream per row
         with one_thread():
-            tok, proc, plain, top = sample_step(logits, params, streams, scratch)
+            tok, proc, plain, top = _sample(logits, params, streams, scratch, seen)
         tok = tok.numpy()
+        if seen is not None:
+            seen.add(tok, live)
         log.append((row[live], length[live], tok[live], proc.float().numpy()[live], plain.float().numpy()[live],
                     None if top is None else top[0].float().numpy()[live], None if top is None else top[1].numpy()[live]))
         # 3. stop bookkeeping: the stop token stays inside the mask; a row also ends at max_new_tokens

@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from refit.rollout.engine import ModelSpec, StepEvent, StepHook, check_prompts, pad_prompts
+from refit.rollout.processors import seen_per_position
 from refit.rollout.sampling import chosen_logprobs, process_logits, topk_logprobs
 from refit.rollout.torch_backend import TorchEngine
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -55,6 +56,7 @@ class HFGenerateEngine(TorchEngine):
         stops = torch.tensor(sorted({spec.eos_id, *sampling.stop_ids}))
         kw = dict(do_sample=not sampling.greedy, max_new_tokens=sampling.max_new_tokens,
                   temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
+                  min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty,
                   pad_token_id=spec.pad_id, eos_token_id=stops.tolist(), output_logits=True,
                   return_dict_in_generate=True)
         if on_step is not None:
@@ -66,7 +68,9 @@ class HFGenerateEngine(TorchEngine):
         if spec.kind == "seq2seq":
             resp = resp[:, 1:]  # drop decoder_start
         logits = torch.stack(out.logits, 1).float()  # (B, Tr, V) raw
-        proc, plain = chosen_logprobs(logits, process_logits(logits, sampling), resp, sampling.temperature)
+        seen = (seen_per_position(ids, mask, resp, logits.shape[-1], spec)
+                if sampling.repetition_penalty != 1.0 else None)  # HF's penalty set at each position
+        proc, plain = chosen_logprobs(logits, process_logits(logits, sampling, seen), resp, sampling.temperature)
         is_stop = torch.isin(resp, stops)
         before = torch.cumsum(is_stop.long(), 1) - is_stop.long()  # stops strictly before each position
         rmask = (before == 0).float()

@@ -3,9 +3,8 @@
 Every backend feeds its float32 logits through these functions with one random stream per row
 (:class:`RowStreams`, keyed by (prompt, sample)), so the same seed gives the same tokens on any
 backend whose logits agree, and a row's tokens do not depend on the batch it is decoded in.
-Semantics follow HF's ``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` ->
-``TopPLogitsWarper`` (ties at the k-th value are kept; top-p keeps the smallest set whose
-cumulative probability reaches ``top_p`` and always the most likely token).
+The logit processors (repetition penalty, temperature, top-k, top-p, min-p, in HF's order and with HF's
+semantics) are :mod:`refit.rollout.processors`.
 
 Sampling is an exponential race (argmax of ``log p - log E``, ``E ~ Exp(1)``, as gpt-fast's
 ``multinomial_sample_one_no_sync``) run in two levels over blocks of ``RACE_BLOCK`` tokens:
@@ -21,7 +20,7 @@ race did not).
 Per step on (B, V) the untruncated path reads the logits twice (max, then exp into a reused
 buffer) and sums the blocks: the plain log-partition is the sum of the block masses, so no
 log_softmax is materialised and the token's processed and plain log-probs are one number.
-Top-k/top-p add their filters and one log_softmax of the filtered scores. With :class:`RowStreams` the
+The processors (top-k/top-p/min-p, a repetition penalty) add their work and one log_softmax of the processed scores. With :class:`RowStreams` the
 float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at small shapes a
 step is ~25 tiny ops, where torch's per-op dispatch outweighs the arithmetic.
 """
@@ -36,9 +35,8 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
+from refit.rollout.processors import NEG_INF, plain_logprobs, process_logits, processes, repetition_penalty
 from refit.rollout.types import SamplingParams
-
-NEG_INF = float("-inf")
 
 
 def row_seed(seed: int, prompt: int, sample: int) -> int:
@@ -204,49 +202,6 @@ class RowStreams:
 
 
 EXACT_MARGIN = 1e-9  # race keys closer than this are recomputed with the C library's log1p (RowStreams)
-
-
-def plain_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 log_softmax(logits / temperature), no truncation."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
-
-
-def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """-inf below the k-th largest score per row (ties kept); k <= 0 or k >= V is a no-op."""
-    if k <= 0 or k >= scores.shape[-1]:
-        return scores
-    kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-    return scores.masked_fill(scores < kth, NEG_INF)
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filter, HF ``TopPLogitsWarper``: drop the tail whose mass is <= 1 - top_p."""
-    if top_p >= 1.0:
-        return scores
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1.0 - top_p)
-    drop[..., -1] = False  # always keep the most likely token
-    return scores.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
-
-
-def _truncates(params: SamplingParams, vocab: int) -> bool:
-    """True when top-k/top-p remove tokens (top_k >= V is a no-op, as in :func:`top_k_filter`)."""
-    return 0 < params.top_k < vocab or params.top_p < 1.0
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) logits -> (B, V) float32 log-probs of the distribution actually sampled from.
-
-    Temperature, then top-k, then top-p, renormalised; removed tokens are -inf. For greedy the
-    distribution is a point mass on the argmax (log-prob 0 there, -inf elsewhere).
-    """
-    if params.greedy:
-        out = torch.full_like(logits, NEG_INF, dtype=torch.float32)
-        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
-    scores = logits.float() / params.temperature
-    scores = top_p_filter(top_k_filter(scores, params.top_k), params.top_p)
-    return torch.log_softmax(scores, dim=-1)
 
 
 class StepBuffers:
@@ -465,23 +420,25 @@ def _check_finite(log_z: torch.Tensor) -> None:
 
 
 def sample_step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                buffers: StepBuffers | None = None):
+                buffers: StepBuffers | None = None, seen: np.ndarray | None = None):
     """One decode step on (B, V) logits: (ids, processed log-probs, plain log-probs, top-k or None).
 
-    Without top-k/top-p the processed distribution is the plain one, and one pass both draws
-    the token and gives its log-prob, scores - log Z with Z the race's total mass. ``buffers``
-    (one per decode loop) lets consecutive steps reuse their scratch memory.
+    Without processors (:func:`refit.rollout.processors.processes`) the processed distribution is the plain
+    one, and one pass both draws the token and gives its log-prob, scores - log Z with Z the race's total mass.
+    ``buffers`` (one per decode loop) lets consecutive steps reuse their scratch memory. ``seen`` (B, V) bool: the
+    tokens each row has seen (:class:`refit.rollout.processors.SeenTokens`), which a repetition penalty acts on.
+    The plain log-probs are always softmax(logits / temperature)'s, the learner's view.
     """
     buffers = buffers or StepBuffers()
     scores = _scaled(logits, params.temperature, buffers)  # (B, V)
     top = None
-    if params.greedy or _truncates(params, logits.shape[-1]):
+    if params.greedy or processes(params, logits.shape[-1]):
         log_z = _log_partition(scores, buffers)  # (B, 1)
         if params.greedy:
-            ids = logits.argmax(-1)
+            ids = repetition_penalty(logits, seen, params.repetition_penalty).argmax(-1)
             proc = torch.zeros(ids.shape)
         else:
-            processed = process_logits(logits, params)
+            processed = process_logits(logits, params, seen)
             ids = _race(processed, generator, buffers)[0]
             proc = processed.gather(-1, ids[:, None]).squeeze(-1)
     else:

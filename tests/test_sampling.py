@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.rollout.sampling import (RACE_BLOCK, StepBuffers, chosen_logprobs, one_thread, plain_logprobs, process_logits,
-                                    sample, sample_step, top_k_filter, top_p_filter)
+from refit.rollout.processors import plain_logprobs, process_logits, top_k_filter, top_p_filter
+from refit.rollout.sampling import RACE_BLOCK, StepBuffers, chosen_logprobs, one_thread, sample, sample_step
 from refit.rollout.types import RolloutBatch, SamplingParams
 
 
