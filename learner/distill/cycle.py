@@ -198,10 +198,12 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     train, held = load_examples(cfg)
     stop_ids = end_of_turn_ids(tok)  # a chat template's end of turn: generation stops there, completions end there
     what = cfg.data.dataset or cfg.dataset_file or cfg.data.task
-    prompt_ids = encode_prompts(tok, [p for p, _ in train], s_info.max_positions, cfg.max_new_tokens, what)
+    chat = cfg.data.chat_template_kwargs
+    prompt_ids = encode_prompts(tok, [p for p, _ in train], s_info.max_positions, cfg.max_new_tokens, what, chat)
     end = stop_ids[0] if stop_ids else tok.eos_token_id
     completion_ids = [tok(c, add_special_tokens=False).input_ids + [end] for _, c in train]
-    eval_ids = encode_prompts(tok, [p for p, _ in held], s_info.max_positions, cfg.max_new_tokens, f"{what} (eval)")
+    eval_ids = encode_prompts(tok, [p for p, _ in held], s_info.max_positions, cfg.max_new_tokens, f"{what} (eval)",
+                              chat)
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.max_new_tokens + 8
     rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     dist = dist or DistContext()

@@ -105,8 +105,10 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
     device = dist.device or pick_device(cfg.run.device)
     data, held = load_prompt_sets(cfg)
-    prompt_ids = encode_prompts(tok, data.prompts, info.max_positions, cfg.response_length, data.source)
-    eval_ids = encode_prompts(tok, held.prompts, info.max_positions, cfg.response_length, held.source) if held else []
+    chat = cfg.data.chat_template_kwargs
+    prompt_ids = encode_prompts(tok, data.prompts, info.max_positions, cfg.response_length, data.source, chat)
+    eval_ids = (encode_prompts(tok, held.prompts, info.max_positions, cfg.response_length, held.source, chat)
+                if held else [])
     if cfg.eval_steps and held is None:
         raise RefitError("eval_steps needs held-out prompts: set data.eval_split or data.eval_fraction with a dataset")
     max_len = max(len(p) for p in prompt_ids + eval_ids) + cfg.response_length + 8

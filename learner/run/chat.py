@@ -2,7 +2,8 @@
 
 A prompt is either text (used as is) or a list of chat messages ``[{"role": ..., "content": ...}, ...]``
 (TRL's "conversational" format), rendered with ``tokenizer.apply_chat_template(messages,
-add_generation_prompt=True)``. Either way the text is tokenized with ``add_special_tokens=False``: the
+add_generation_prompt=True, **chat_template_kwargs)`` (``data.chat_template_kwargs``: TRL's, e.g.
+``enable_thinking=False``; :func:`template_kwargs`). Either way the text is tokenized with ``add_special_tokens=False``: the
 template already wrote any BOS / turn markers, and adding them again would change the prompt the
 engine and the learner both see. The ids are the same on both sides, so the template's special tokens
 cannot move the log-prob contract (KL at step 0 stays exactly 0).
@@ -14,7 +15,10 @@ generation stops there as well as at EOS (:func:`end_of_turn_ids`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import yaml
 
 from refit.core.errors import RefitError
 
@@ -38,28 +42,60 @@ def check_prompt(prompt: Prompt, where: str) -> None:
                          f"{type(prompt).__name__} {str(prompt)[:60]!r}")
 
 
-def render(tok, prompt: Prompt, where: str = "prompt") -> str:
-    """Text of ``prompt``: as is, or the chat template with the generation prompt appended."""
+def template_kwargs(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``data.chat_template_kwargs`` (``KEY=VALUE`` strings, each value a YAML scalar) as apply_chat_template's
+    keywords; one line for a pair without ``=``."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = str(pair).partition("=")
+        if not eq or not key.strip():
+            raise RefitError(f"data.chat_template_kwargs: {pair!r} is not KEY=VALUE (e.g. enable_thinking=false)")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def as_pairs(kwargs: dict[str, Any] | None, owner: str = "chat_template_kwargs") -> tuple[str, ...]:
+    """A TRL ``chat_template_kwargs`` dict as ``data.chat_template_kwargs`` pairs (:func:`template_kwargs` reads
+    them back): each value written as JSON, which YAML reads as the same scalar; one line for a value that is not
+    a JSON scalar or list."""
+    pairs = []
+    for key, value in (kwargs or {}).items():
+        try:
+            text = json.dumps(value)
+        except TypeError:
+            raise RefitError(f"{owner}: {key}={value!r}: Refit takes text, numbers, booleans, None and lists "
+                             "of them") from None
+        if yaml.safe_load(text) != value:
+            raise RefitError(f"{owner}: {key}={value!r} does not survive the saved config")
+        pairs.append(f"{key}={text}")
+    return tuple(pairs)
+
+
+def render(tok, prompt: Prompt, where: str = "prompt", kwargs: dict[str, Any] | None = None) -> str:
+    """Text of ``prompt``: as is, or the chat template with the generation prompt appended (``kwargs``: more
+    keywords for apply_chat_template, TRL's ``chat_template_kwargs``)."""
     if isinstance(prompt, str):
         return prompt
     if not getattr(tok, "chat_template", None):
         raise RefitError(f"{where} is a list of chat messages but the tokenizer has no chat_template; give text "
                          "prompts or a tokenizer with a template")
     try:
-        return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 - a template error (role order, ...) is the user's, one line
         raise RefitError(f"{where}: the chat template failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
 def encode_prompts(tok, prompts: list[Prompt], max_positions: int | None, response_length: int,
-                   what: str = "dataset") -> list[list[int]]:
-    """Token ids of every prompt (rendered, ``add_special_tokens=False``); one line naming the row when a
-    prompt is empty, not a prompt, or too long for the model with ``response_length`` new tokens."""
+                   what: str = "dataset", chat_kwargs: tuple[str, ...] = ()) -> list[list[int]]:
+    """Token ids of every prompt (rendered, ``add_special_tokens=False``; ``chat_kwargs``: the
+    ``data.chat_template_kwargs`` pairs); one line naming the row when a prompt is empty, not a prompt, or too
+    long for the model with ``response_length`` new tokens."""
     out = []
+    kwargs = template_kwargs(chat_kwargs)
     for i, p in enumerate(prompts):
         where = f"{what} row {i}"
         check_prompt(p, where)
-        ids = tok(render(tok, p, where), add_special_tokens=False).input_ids
+        ids = tok(render(tok, p, where, kwargs), add_special_tokens=False).input_ids
         if not ids:
             raise RefitError(f"{where}: the prompt tokenizes to nothing")
         if max_positions is not None and len(ids) + response_length > max_positions:

@@ -98,6 +98,9 @@ class DataSection:
     prompt_column: str = _f("prompt", "the column holding prompts: text, or a list of {role, content} messages "
                                       "rendered with the tokenizer's chat template (add_generation_prompt=True)")
     dataset_text_field: str = _f("", "TRL SFT's name for the prompt column; overrides prompt_column when set")
+    chat_template_kwargs: tuple[str, ...] = _f((), "KEY=VALUE pairs passed to the tokenizer's apply_chat_template "
+                                                    "when chat prompts are rendered (TRL's chat_template_kwargs), "
+                                                    "e.g. enable_thinking=false; values read as YAML scalars")
     eval_split: str = _f("", "held-out split ('test', 'train[90%:]'); empty: none (PPO) or the last eval_size rows "
                              "(distill), unless eval_fraction")
     eval_fraction: float = _f(0.0, "hold out this share of the training split (seeded) when there is no eval_split")

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
 from refit.learner.builtin.demo import build_policy
+from refit.learner.run.chat import as_pairs
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.config import SCHEDULES
 from refit.learner.run.optim import rates
@@ -114,6 +115,33 @@ def scheduler_kwargs_of(v: Any) -> tuple[str, ...]:
     if not isinstance(v, dict | type(None)):
         raise RefitError(f"lr_scheduler_kwargs={v!r}: a dict, or its JSON string")
     return tuple(f"{k}={json.dumps(x)}" for k, x in (v or {}).items())
+
+
+SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # generation_kwargs -> sampling.*
+
+
+def generation_values(a: TrlConfig, length_key: str, length: int) -> dict[str, Any]:
+    """TRL's sampling fields as Refit's ``sampling`` values (and ``length`` new tokens at ``length_key``), with
+    ``generation_kwargs`` over them as TRL updates its ``GenerationConfig``: its temperature, top_k, top_p, min_p,
+    repetition_penalty and max_new_tokens replace the fields', do_sample=True is taken; any other key is one line
+    naming it. ``chat_template_kwargs`` becomes ``data.chat_template_kwargs``."""
+    name = type(a).__name__
+    gen = {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p,
+           "repetition_penalty": a.repetition_penalty, length_key: length}
+    for k, v in dict(a.generation_kwargs or {}).items():
+        if k in SAMPLER_KEYS:
+            gen[k] = v
+        elif k == "max_new_tokens":
+            gen[length_key] = int(v)
+        elif k != "do_sample" or v is not True:
+            what = "do_sample=False: the engine samples (greedy rollouts give a group one completion)" if (
+                k == "do_sample") else f"{k!r} is not supported"
+            raise RefitError(f"{name}: generation_kwargs {what}; Refit's engine sampler takes "
+                             f"{', '.join(SAMPLER_KEYS)}, max_new_tokens (and do_sample=True)")
+    gen["top_k"] = gen["top_k"] or 0  # None: no top-k
+    gen["min_p"] = gen["min_p"] or 0.0  # None: no min-p
+    gen["repetition_penalty"] = 1.0 if gen["repetition_penalty"] is None else gen["repetition_penalty"]
+    return {**gen, "data.chat_template_kwargs": as_pairs(a.chat_template_kwargs, f"{name}: chat_template_kwargs")}
 
 
 def eval_every(a: TrlConfig, steps: int, per: int) -> int:

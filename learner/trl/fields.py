@@ -178,6 +178,13 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
 _OLDER = {"no_cuda", "logging_dir", "overwrite_output_dir", "save_safetensors", "warmup_ratio", "refit"}
 
 _GEN = "generation runs on Refit's engine: rollout.backend via refit={'rollout.backend': ...}"
+# the sampler's logit processors: the engine samples with them and returns the processed log-probs; the learner
+# scores at the temperature alone, as TRL (mismatch_correction tis weights by the processed distribution)
+_MIN_P = "sampling.min_p (None: 0, off), the engine sampler's; the learner scores at temperature, as TRL"
+_REP = ("sampling.repetition_penalty (prompt and completion tokens), the engine sampler's; the learner scores at "
+        "temperature, as TRL")
+_GEN_KW = ("over the sampling fields as TRL's GenerationConfig update: temperature, top_k, top_p, min_p, "
+           "repetition_penalty, max_new_tokens, do_sample=True; any other key refused in one line")
 _NO_VLLM = "use_vllm is refused: " + _GEN
 _VLLM = ("vllm_mode", "colocate"), ("vllm_model_impl", "vllm"), ("vllm_enable_sleep_mode", False), (
     "vllm_structured_outputs_regex", None), ("vllm_server_base_url", None), ("vllm_server_host", "0.0.0.0"), (
@@ -187,7 +194,8 @@ _ONLINE = {  # the generation options GRPO, RLOO and Distillation share
     **{k: _a(d, _NO_VLLM) for k, d in _VLLM},
     "cache_implementation": _a(None, _GEN),
     "pad_to_multiple_of": _a("auto", _NO_EFFECT),
-    "chat_template_kwargs": _r(None, "the chat template is rendered as saved, add_generation_prompt=True"),
+    "chat_template_kwargs": _h(None, "data.chat_template_kwargs: apply_chat_template's keywords when chat prompts "
+                                     "are rendered (enable_thinking=False, ...)"),
 }
 _TRANSFORMERS_GEN = {k: _a(d, _GEN) for k, d in (("use_transformers_continuous_batching", False),
                                                  ("transformers_continuous_batching_config", None),
@@ -214,6 +222,10 @@ GRPO_ARGS: dict[str, TrlField] = {
     "temperature": _h(1.0, "sampling.temperature"),
     "top_p": _h(1.0, "sampling.top_p"),
     "top_k": _h(0, "sampling.top_k (None: 0, no top-k)"),
+    "min_p": _h(None, _MIN_P),
+    "repetition_penalty": _h(1.0, _REP),
+    "generation_kwargs": _h(None, _GEN_KW + "; a temperature there is the sampler's and the learner's (TRL's learner "
+                                            "keeps temperature)"),
     "refit": _h(None, "Refit's own: any PPOConfig field by dotted path ({'rollout.backend': 'torch'})"),
     "log_completions": _a(False, _LOGS),
     "num_completions_to_print": _a(None, _LOGS),
@@ -240,9 +252,6 @@ GRPO_ARGS: dict[str, TrlField] = {
     "top_entropy_quantile": _h(1.0, "top_entropy_quantile: the loss on each accumulation slice's top-entropy "
                                     "tokens (quantile over the slice, as TRL's micro-batch)"),
     "delta": _h(None, "delta: two-sided clipping (the unclipped ratio capped at delta)"),
-    "min_p": _r(None, "not supported: top_k, top_p"),
-    "repetition_penalty": _r(1.0, "not supported"),
-    "generation_kwargs": _r(None, "not supported: temperature, top_k, top_p"),
     "sync_ref_model": _h(False, "sync_ref_model: every ref_model_sync_steps optimizer steps ref = alpha x policy + "
                                 "(1 - alpha) x ref, an engine reference pushed the mix (refit.learner.ppo.refsync); "
                                 "refused with peft_config or beta 0, as TRL"),
@@ -329,9 +338,10 @@ DISTILLATION_ARGS: dict[str, TrlField] = {
     "ds3_gather_for_generation": _a(True, "no DeepSpeed"),
     "log_unique_prompts": _a(False, _LOGS),
     "shuffle_dataset": _a(True, "Refit draws prompts in a seeded order"),
-    "generation_kwargs": _r(None, "not supported: temperature, top_k, top_p"),
-    "min_p": _r(None, "not supported: top_k, top_p"),
-    "repetition_penalty": _r(1.0, "not supported"),
+    "generation_kwargs": _h(None, _GEN_KW + "; a temperature there is the sampler's (loss_temperature keeps "
+                                            "temperature, as TRL)"),
+    "min_p": _h(None, _MIN_P),
+    "repetition_penalty": _h(1.0, _REP),
     "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
 }
 

@@ -41,7 +41,10 @@ order, as TRL's buffer does.
 Departures kept visible: without ``num_generations_eval`` the evaluation generates one greedy completion per
 held-out prompt (TRL samples ``num_generations`` then); with it, that many sampled completions (as TRL); TRL also
 logs an ``eval_loss``. The off-policy mask compares the current log-probs with the learner's old ones (TRL's path
-without vLLM); the engine's own mismatch is Refit's ``mismatch_correction``.
+without vLLM); the engine's own mismatch is Refit's ``mismatch_correction``. ``generation_kwargs`` with a
+``temperature``: TRL samples at it and keeps scoring at ``temperature``; Refit samples and scores at it (one
+temperature, the engine/learner contract). ``min_p`` and ``repetition_penalty`` are the engine sampler's and the
+learner scores at the temperature alone, as TRL does (docs/design.md, "Logit processors and the learner").
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ from refit.learner.api import run_ppo
 from refit.learner.losses.grpo import LOSS_TYPES
 from refit.learner.ppo.config import PPOConfig, TRL_HINTS
 from refit.learner.ppo.rewards import spec_of
-from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, lora_values, lr_schedule, resolve_model,
-                                      shared_values, staged_dataset, steps_of)
+from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, generation_values, lora_values,
+                                      lr_schedule, resolve_model, shared_values, staged_dataset, steps_of)
 from refit.learner.trl.events import grpo_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
@@ -172,10 +175,9 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         **shared_values(a, steps, per), "run.steps": steps, "run.batch_size": shape["prompts"],
         "model.model_dir": model_dir, "num_generations": a.num_generations, "advantage_estimator": a.ESTIMATOR,
         "scale_rewards": _scale_rewards(a.scale_rewards), "num_ppo_epochs": a.num_iterations,
-        "num_mini_batches": shape["num_mini_batches"], "response_length": a.max_completion_length,
+        "num_mini_batches": shape["num_mini_batches"], **generation_values(a, "response_length", a.max_completion_length),
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
         **loss_values(a),
-        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or 0,
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
         "sync_ref_model": bool(a.sync_ref_model), "ref_model_mixup_alpha": a.ref_model_mixup_alpha,
         "ref_model_sync_steps": a.ref_model_sync_steps, "num_generations_eval": a.num_generations_eval or 0,
