@@ -174,11 +174,21 @@ def check_grpo_dapo(d: dict, out: Path) -> None:
     assert d["log_history"][-1]["train_loss"] == pytest.approx(mean([r["loss"] for r in rows]), abs=1e-6)
 
 
+def check_grpo_sampling(d: dict, out: Path) -> None:
+    check_common(d, 2, 1e-3)
+    assert len(d["lengths"]) == 2 and all(len(c) == 8 for c in d["lengths"])  # 2 prompts x 4 generations a call
+    assert all(1 <= n <= 6 for c in d["lengths"] for n in c)  # generation_kwargs' max_new_tokens, not 16
+    for r, got in zip(steps(d), d["lengths"]):
+        assert r["reward"] == pytest.approx(mean([1.0 / (1.0 + n) for n in got]), rel=1e-5)
+
+
 CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
           "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
-          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim}
+          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim,
+          "grpo_sampling": check_grpo_sampling}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo"}
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo",
+        "grpo_sampling"}
 # 20-40 s each on a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here;
 # grpo_checkpoints trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 

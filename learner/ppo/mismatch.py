@@ -13,9 +13,10 @@ log-probs (``rollout_plain_logprobs``) and the learner's (``old_logprobs``) sits
   them, on purpose; corrected by the importance weights (tis) and not a fault (each push is checked on the probe
   batch instead).
 
-Truncated sampling (top-k/top-p) is not a mismatch of the two models: it makes the sampled
-distribution differ from the policy, which biases k1 computed from the sampler's log-probs.
-Its size is ``truncation_gap`` = mean(rollout_logprobs - rollout_plain_logprobs) >= 0.
+The sampler's logit processors (top-k/top-p/min-p, a repetition penalty; refit.rollout.processors) are not a
+mismatch of the two models: they make the sampled distribution differ from the policy, which biases k1 computed
+from the sampler's log-probs. Its size is ``truncation_gap`` = mean(rollout_logprobs - rollout_plain_logprobs)
+(>= 0 under truncation alone; a repetition penalty can push it either way).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def explain_negative_kl(k1_mean: float, exact_kl_mean: float | None, stats: dict
     if cause is not None:
         reasons.append(describe(cause))
     if truncates:
-        reasons.append(f"samples come from a top-k/top-p truncated distribution (truncation gap "
+        reasons.append(f"samples come from a truncated or penalised distribution (top-k/top-p/min-p, repetition "
+                       f"penalty; truncation gap "
                        f"{stats.get('mismatch/truncation_gap', float('nan')):.3g} nats/token), so the mean of "
                        "log pi - log ref over them is not KL(pi||ref); use kl_estimator=exact or k3, or tis")
     if exact_kl_mean is not None and exact_kl_mean < 1e-3 and not reasons:
@@ -110,7 +112,8 @@ def warn_small_tis_weights(run, step: int, stats: dict[str, float], sampling, lo
     if scale is None or scale >= run.cfg.tis_warn_below or run.tis_warned:
         return
     run.tis_warned = True
-    why = (f"top_k={sampling.top_k}, top_p={sampling.top_p} truncate the sampler" if sampling.truncates
+    why = (f"top_k={sampling.top_k}, top_p={sampling.top_p}, min_p={sampling.min_p}, repetition_penalty="
+           f"{sampling.repetition_penalty} process the sampler" if sampling.truncates
            else "the engine and the learner disagree")
     log(f"step {step}: warning: mean truncated importance weight {scale:.3g} < tis_warn_below "
         f"{run.cfg.tis_warn_below:g}: the policy gradient is scaled by ~{scale:.3g} ({why}); widen or drop the "
