@@ -82,7 +82,7 @@ FINITE = Rule()
 RULES: dict[str, Rule] = {
     # sampling (generate, ppo, distill, bench)
     "temperature": POSITIVE, "loss_temperature": POSITIVE,
-    "top_p": PROBABILITY, "top_k": COUNT0,
+    "top_p": PROBABILITY, "top_k": COUNT0, "min_p": UNIT, "repetition_penalty": POSITIVE,
     "max_new_tokens": COUNT, "response_length": COUNT, "new_tokens": COUNT, "prompt_len": COUNT,
     "n": COUNT, "num_generations": COUNT,
     # sizes and counts

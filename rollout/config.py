@@ -36,11 +36,6 @@ class Sampling:
                                          "HF's RepetitionPenaltyLogitsProcessor). Like top-k/top-p/min-p it is the "
                                          "sampler's alone: the learner scores at the temperature, as TRL")
 
-    def __post_init__(self):
-        check([(not 0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0: off), got {self.min_p}"),
-               (not self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1: off), got "
-                                                 f"{self.repetition_penalty}")])
-
     def params(self, max_new_tokens: int, **kw) -> SamplingParams:
         """The engine's :class:`SamplingParams` for this section; ``kw`` sets the call's own fields (``seed``,
         ``n``, ``stop_ids``, ``return_topk``, ``greedy``)."""
