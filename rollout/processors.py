@@ -70,7 +70,7 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | np.ndarray | N
     x = logits.float()
     if penalty == 1.0 or seen is None:
         return x
-    seen = torch.from_numpy(seen) if isinstance(seen, np.ndarray) else seen
+    seen = (torch.from_numpy(seen) if isinstance(seen, np.ndarray) else seen).to(x.device)
     return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
 
 
@@ -119,8 +119,8 @@ class SeenTokens:
             if 0 <= start < self.vocab:
                 self.mask[slots, start] = True
             return
-        r, c = np.nonzero(mask.numpy() != 0)
-        tok = ids.numpy()[r, c]
+        r, c = np.nonzero(mask.cpu().numpy() != 0)
+        tok = ids.cpu().numpy()[r, c]
         keep = tok < self.vocab
         self.mask[slots[r[keep]], tok[keep]] = True
 
@@ -135,7 +135,9 @@ class SeenTokens:
 def seen_per_position(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, vocab: int,
                       spec: ModelSpec) -> torch.Tensor:
     """(B, Tr, V) bool: the tokens seen before each response position (what :class:`SeenTokens` holds when that
-    position is sampled): the prompt's (as :meth:`SeenTokens.reset`) and the response's earlier tokens."""
+    position is sampled): the prompt's (as :meth:`SeenTokens.reset`) and the response's earlier tokens. On the host
+    (:func:`repetition_penalty` moves it to the logits' device)."""
+    prompt_ids, prompt_mask, response_ids = prompt_ids.cpu(), prompt_mask.cpu(), response_ids.cpu()
     b, tr = response_ids.shape
     start = SeenTokens(b, vocab)
     start.reset(np.arange(b), prompt_ids, prompt_mask, spec)
