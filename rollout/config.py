@@ -1,5 +1,5 @@
-"""The rollout's config sections: ``Sampling`` (temperature, top-k, top-p, min-p, repetition penalty), shared by ``refit generate``, ``refit ppo``
-and ``refit distill``, and the one place a job's :class:`~refit.rollout.types.SamplingParams` is made; and
+"""The rollout's config sections: ``Sampling`` (temperature, top-k, top-p, min-p, repetition penalty), shared by
+``refit generate``, ``refit ppo`` and ``refit distill``, and the one place a job's :class:`~refit.rollout.types.SamplingParams` is made; and
 ``RolloutSection``, the jobs' engines (backend, threads, weight pushes and the probe after each).
 
 Every job holds ``Sampling`` as a :data:`refit.core.parsing.FLAT` section, so its fields are spelled without a prefix:

@@ -20,8 +20,8 @@ race did not).
 Per step on (B, V) the untruncated path reads the logits twice (max, then exp into a reused
 buffer) and sums the blocks: the plain log-partition is the sum of the block masses, so no
 log_softmax is materialised and the token's processed and plain log-probs are one number.
-The processors (top-k/top-p/min-p, a repetition penalty) add their work and one log_softmax of the processed scores. With :class:`RowStreams` the
-float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at small shapes a
+The processors (top-k/top-p/min-p, a repetition penalty) add their work and one log_softmax of the processed
+scores. With :class:`RowStreams` the float64 race itself runs in numpy (:func:`_race_np`, same tokens and log-probs bit for bit): at small shapes a
 step is ~25 tiny ops, where torch's per-op dispatch outweighs the arithmetic.
 """
 

@@ -3,7 +3,8 @@
 A prompt is either text (used as is) or a list of chat messages ``[{"role": ..., "content": ...}, ...]``
 (TRL's "conversational" format), rendered with ``tokenizer.apply_chat_template(messages,
 add_generation_prompt=True, **chat_template_kwargs)`` (``data.chat_template_kwargs``: TRL's, e.g.
-``enable_thinking=False``; :func:`template_kwargs`). Either way the text is tokenized with ``add_special_tokens=False``: the
+``enable_thinking=False``; :func:`template_kwargs`). Either way the text is tokenized with
+``add_special_tokens=False``: the
 template already wrote any BOS / turn markers, and adding them again would change the prompt the
 engine and the learner both see. The ids are the same on both sides, so the template's special tokens
 cannot move the log-prob contract (KL at step 0 stays exactly 0).
