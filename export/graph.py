@@ -195,3 +195,25 @@ def write_graph(proto, weights: Mapping[str, torch.Tensor], path: Path) -> None:
             offset += raw.nbytes
             del t, raw
     onnx.save_model(proto, str(path))
+
+
+def foldable_weights(model, names) -> dict[str, str]:
+    """{initializer: first op} for each of ``names`` that a consumer reads with constants only (from the graph alone).
+
+    A node whose inputs are all initializers, ``Constant`` outputs or outputs of such nodes computes a constant: a
+    builder may evaluate it once (TensorRT's constant folding) and keep the result, not the initializer, so a refit of
+    that initializer would change nothing (TensorRT then drops it from ``Refitter.get_all_weights``). Listed here, by
+    the op that reads it: the weights whose path to the first op with a runtime input is constant-only. The Q/DQ
+    export's int8 twins and scales are such weights by design (``DequantizeLinear`` of two constants,
+    export/quantize.py); a plain export has none. Top-level graph only (the exports have no subgraphs)."""
+    const = {t.name for t in model.graph.initializer}
+    first: dict[str, str] = {}
+    wanted = set(names)
+    for node in model.graph.node:  # ONNX nodes are in topological order
+        ins = [x for x in node.input if x]
+        if node.op_type == "Constant" or (ins and all(x in const for x in ins)):
+            const.update(o for o in node.output if o)
+            for x in ins:
+                if x in wanted:
+                    first.setdefault(x, node.op_type)
+    return dict(sorted(first.items()))

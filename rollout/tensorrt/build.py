@@ -256,13 +256,15 @@ def _up_to_date(engine_dir: Path, manifest: Manifest, trt_version: str, device: 
 
 
 def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, strict: bool = True,
-                  force: bool = False) -> dict[str, TrtPlan]:
+                  force: bool = False, gate: bool | None = None) -> dict[str, TrtPlan]:
     """Build ``<graph>.plan`` for every graph of ``engine_dir``; record them in the manifest.
 
     Sets the manifest's ``tensorrt`` section to ``{graph: TrtPlan}`` and returns it.
     With ``strict`` (default) a mapped weight that TensorRT made non-refittable is an error and
     nothing is written; otherwise it is listed under ``not_refittable`` (and refit refuses it).
-    Plans already built for this graph, TensorRT version and GPU architecture are reused.
+    Plans already built for this graph, TensorRT version and GPU architecture are reused. New plans pass
+    :func:`refit.rollout.tensorrt.gate.plan_parity_gate` (``gate`` None: where the plans run on a GPU, not on a
+    host stand-in) or are removed again, the manifest's ``tensorrt`` section with them.
     """
     trt = require_tensorrt()
     engine_dir = Path(engine_dir)
@@ -301,4 +303,19 @@ def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, 
     finally:
         for tmp, _ in tmp_plans:
             tmp.unlink(missing_ok=True)
+    host = bool(getattr(trt, "HOST_EXECUTION", False))
+    if gate if gate is not None else not host:
+        _gate_or_remove(engine_dir, manifest, records, "cpu" if host else "cuda", log)
     return records
+
+
+def _gate_or_remove(engine_dir: Path, manifest: Manifest, records: dict, device: str, log) -> None:
+    from refit.rollout.tensorrt.gate import plan_parity_gate
+
+    try:
+        plan_parity_gate(engine_dir, device=device, log=log)
+    except Exception:
+        replace(manifest, tensorrt=None).write(engine_dir)
+        for rec in records.values():
+            (engine_dir / rec.plan).unlink(missing_ok=True)
+        raise

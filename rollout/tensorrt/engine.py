@@ -10,19 +10,19 @@ TensorRT execution instead of ONNX Runtime:
   cache; ``decode``: one token per row). A multi-token ``extend`` with a cache (``score`` chunks)
   fits neither manifest profile, so it is fed one token at a time through ``decode``;
 - buffers are torch CUDA tensors on one dedicated stream: ``set_input_shape`` +
-  ``set_tensor_address`` per input, outputs allocated from ``get_tensor_shape``, then
-  ``execute_async_v3``. present K/V of one step are the next step's past, on the device; only
-  the logits come back to the host (the shared sampler runs on CPU with a CPU generator);
-- ``update_weights`` maps HF names through the weight map (tied aliases folded, transpose
-  applied, on the device; a quantized engine's weights re-quantized there into their int8 twin
-  and scale, export/quantize.py) and refits with ``trt.Refitter``: ``set_named_weights(name, Weights,
-  TensorLocation.DEVICE)``, then ``get_missing_weights`` (weights TensorRT fused with a pushed
-  one) are supplied from the held set, and anything still missing fails loudly before any engine
-  is touched; ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
+  ``set_tensor_address`` per input (every address 256-byte aligned, as TensorRT requires; the bool checked),
+  outputs allocated from ``get_tensor_shape``, then ``execute_async_v3``. present K/V of one step are the next
+  step's past, on the device; only the logits come back to the host (the shared sampler runs on CPU);
+- ``update_weights`` first makes the engine's stream wait for the stream the learner wrote the tensors on, maps HF
+  names through the weight map (tied aliases folded, transpose applied, a stored-dtype target cast as the export
+  cast it, on the device; a quantized engine's weights re-quantized there into their int8 twin and scale,
+  export/quantize.py) and refits through one ``trt.Refitter`` per graph, kept for the engine's life (prototypes
+  read once, weight validation off), ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
 
-The held set: every mapped weight as the engine currently has it (the ``.onnx.data`` bytes at
-start, then what was pushed, kept on the device), so a partial push can still supply the
-weights TensorRT asks for. ``tensorrt`` is imported on construction only.
+The held set (``hold_weights=True``, the default): one device buffer per mapped weight, in the plan's weight dtype,
+filled from the ``.onnx.data`` bytes and set into the Refitter once; a push copies into them, so a partial push
+refits with the weights TensorRT fused with it, and anything the map does not feed fails loudly before any engine
+is touched. ``hold_weights=False``: no copy; whole-model pushes only. ``tensorrt`` is imported on construction only.
 """
 
 from __future__ import annotations
