@@ -81,10 +81,10 @@ def keep_freed_memory() -> bool:
 
 def installed_distributions() -> set[str]:
     """Names of the installed Python distributions, lower case, ``_``/``.`` as ``-`` (PEP 503)."""
+    import importlib.metadata
     import re
-    from importlib import metadata
 
-    return {re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "").lower()) for d in metadata.distributions()}
+    return {re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "").lower()) for d in importlib.metadata.distributions()}
 
 
 ORT_GPU_HINT = ("pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu (one wheel: the CPU "

@@ -256,16 +256,19 @@ def test_check_engine_folder_names_a_planted_foldable_weight(engine_dirs, fresh_
 # ------------------------------------------------------------------------------ 12. the built plans' gate
 
 def test_built_plans_are_gated_against_pytorch_or_removed(engine_dirs, fresh_copy, monkeypatch):
-    """The gate runs where plans run on a GPU (``gate=None``); here it is asked for on the stand-in: it passes within
-    the tolerance, and a gate that fails removes the plans and the manifest's record of them."""
+    """``refit export --backend tensorrt`` builds through ``build_gated``: the gate runs where plans run on a GPU
+    (``gate=None``); here it is asked for on the stand-in: it passes within the tolerance, and a gate that fails
+    removes the plans and the manifest's record of them."""
     import refit.rollout.tensorrt.gate as gate
 
     use_stand_in(monkeypatch)
     d = fresh_copy(engine_dirs["tiny-gpt2"], "g")
     logs = []
-    tb.build_engines(d, log=logs.append, gate=True)
+    gate.build_gated(d, log=logs.append)
+    assert not any("gated" in x for x in logs), "a host stand-in is not gated unless asked"
+    gate.build_gated(d, log=logs.append, gate=True, force=True)
     assert "gated against PyTorch" in logs[-1] and Manifest.read(d).tensorrt is not None
     monkeypatch.setitem(gate.PLAN_GATE_TOL, "fp32", -1.0)
     with pytest.raises(RefitError, match="TensorRT plan gate failed"):
-        tb.build_engines(d, log=logs.append, gate=True, force=True)
+        gate.build_gated(d, log=logs.append, gate=True, force=True)
     assert Manifest.read(d).tensorrt is None and not list(d.glob("*.plan"))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
+from refit.export.graph import installed_distributions
 from refit.export.quantize import QDQ
 
 INSTALL_HINT = ("pip install refit[gpu] (CUDA 13 torch; refit[gpu-cu12] for CUDA 12) on an NVIDIA machine with a CUDA "
@@ -58,8 +59,6 @@ def cuda_major_mismatch(torch_cuda: str | None = None, dists: set[str] | None = 
     if not torch_cuda:
         return None
     if dists is None:
-        from refit.export.graph import installed_distributions
-
         dists = installed_distributions()
     majors = sorted(m for m in ("12", "13") if f"tensorrt-cu{m}" in dists or f"tensorrt-cu{m}-libs" in dists)
     want = torch_cuda.split(".")[0]
@@ -256,15 +255,14 @@ def _up_to_date(engine_dir: Path, manifest: Manifest, trt_version: str, device: 
 
 
 def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, strict: bool = True,
-                  force: bool = False, gate: bool | None = None) -> dict[str, TrtPlan]:
+                  force: bool = False) -> dict[str, TrtPlan]:
     """Build ``<graph>.plan`` for every graph of ``engine_dir``; record them in the manifest.
 
     Sets the manifest's ``tensorrt`` section to ``{graph: TrtPlan}`` and returns it.
     With ``strict`` (default) a mapped weight that TensorRT made non-refittable is an error and
     nothing is written; otherwise it is listed under ``not_refittable`` (and refit refuses it).
-    Plans already built for this graph, TensorRT version and GPU architecture are reused. New plans pass
-    :func:`refit.rollout.tensorrt.gate.plan_parity_gate` (``gate`` None: where the plans run on a GPU, not on a
-    host stand-in) or are removed again, the manifest's ``tensorrt`` section with them.
+    Plans already built for this graph, TensorRT version and GPU architecture are reused. The parity gate of the
+    plans against PyTorch: :func:`refit.rollout.tensorrt.gate.build_gated` (what ``refit export`` runs).
     """
     trt = require_tensorrt()
     engine_dir = Path(engine_dir)
@@ -303,19 +301,4 @@ def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, 
     finally:
         for tmp, _ in tmp_plans:
             tmp.unlink(missing_ok=True)
-    host = bool(getattr(trt, "HOST_EXECUTION", False))
-    if gate if gate is not None else not host:
-        _gate_or_remove(engine_dir, manifest, records, "cpu" if host else "cuda", log)
     return records
-
-
-def _gate_or_remove(engine_dir: Path, manifest: Manifest, records: dict, device: str, log) -> None:
-    from refit.rollout.tensorrt.gate import plan_parity_gate
-
-    try:
-        plan_parity_gate(engine_dir, device=device, log=log)
-    except Exception:
-        replace(manifest, tensorrt=None).write(engine_dir)
-        for rec in records.values():
-            (engine_dir / rec.plan).unlink(missing_ok=True)
-        raise

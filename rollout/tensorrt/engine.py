@@ -410,9 +410,10 @@ class TrtEngine(LoopEngine):
         with _on(self.stream):
             staged = self._stage(named)
             keep = {}  # not held: the tensors TensorRT reads during the refit
+            for g, new in (staged.items() if self.weights is None else ()):  # every graph checked before any is set
+                self._check_complete(g, new)
             for g, new in staged.items():
                 if self.weights is None:
-                    self._check_complete(g, new)
                     keep[g] = {n: t.to(self._refit[g].protos[n][1]).contiguous() for n, t in new.items()}
                     for n, t in keep[g].items():
                         self._refit[g].set(n, t)

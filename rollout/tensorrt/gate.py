@@ -11,13 +11,20 @@ this machine is not gated either (both said in the log).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from refit.core.contract import DTYPES
 from refit.core.errors import RefitError
+from refit.core.hf_folder import load_model
 from refit.core.manifest import Manifest
+from refit.rollout.engine import pad_prompts
+from refit.rollout.parity import PARITY_PROMPTS, engine_greedy_logits, log_softmax, torch_reference_logits
+from refit.rollout.tensorrt import build as trt_build  # through the module: a test patches in a stand-in
+from refit.rollout.tensorrt.engine import TrtEngine
+from refit.rollout.types import ModelSpec
 
 # max |log-prob diff| against PyTorch (tests/conftest.py ATOL["tensorrt"]): GPU kernels, TF32 off for fp32
 PLAN_GATE_TOL = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 1e-1}
@@ -27,12 +34,6 @@ def plan_parity_gate(engine_dir: str | Path, device: str = "cuda", n_decode: int
     """Max |log-prob diff| of the folder's TensorRT plans against PyTorch, or None where not gated; RefitError above
     :data:`PLAN_GATE_TOL` for the folder's dtype."""
     from transformers import AutoTokenizer
-
-    from refit.core.hf_folder import load_model
-    from refit.rollout.engine import pad_prompts
-    from refit.rollout.parity import PARITY_PROMPTS, engine_greedy_logits, log_softmax, torch_reference_logits
-    from refit.rollout.tensorrt.engine import TrtEngine
-    from refit.rollout.types import ModelSpec
 
     engine_dir = Path(engine_dir)
     manifest = Manifest.read(engine_dir)
@@ -58,3 +59,23 @@ def plan_parity_gate(engine_dir: str | Path, device: str = "cuda", n_decode: int
                          "vs PyTorch); the plans do not compute what PyTorch computes and were removed")
     log(f"refit export: TensorRT plans gated against PyTorch: max |logprob diff| {dlogp:.3e} (tol {tol:g})")
     return dlogp
+
+
+def build_gated(engine_dir: str | Path, log=print, gate: bool | None = None, **kw) -> dict:
+    """:func:`refit.rollout.tensorrt.build.build_engines` (``kw``), then, for new plans, :func:`plan_parity_gate`;
+    a plan that fails it is removed with the manifest's ``tensorrt`` record. ``gate`` None: gate where the plans run
+    on a GPU (not on a host stand-in of TensorRT). Plans reused as up to date were gated when they were built."""
+    engine_dir = Path(engine_dir)
+    before = Manifest.read(engine_dir).tensorrt
+    records = trt_build.build_engines(engine_dir, log=log, **kw)
+    host = bool(getattr(trt_build.require_tensorrt(), "HOST_EXECUTION", False))
+    if records == before or not (gate if gate is not None else not host):
+        return records
+    try:
+        plan_parity_gate(engine_dir, device="cpu" if host else "cuda", log=log)
+    except Exception:
+        replace(Manifest.read(engine_dir), tensorrt=None).write(engine_dir)
+        for rec in records.values():
+            (engine_dir / rec.plan).unlink(missing_ok=True)
+        raise
+    return records
