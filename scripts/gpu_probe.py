@@ -119,7 +119,7 @@ def _export(env: Env, arch: str, dtype: str, quantize: str = "none") -> Path:
     return build(env.model(arch), out, opts=opts, log=lambda *_: None)
 
 
-def check_build(env: Env, arch: str, dtype: str, quantize: str = "none") -> Path:
+def check_build(env: Env, arch: str, dtype: str, quantize: str = "none") -> dict:
     from refit.core.manifest import Manifest
     from refit.export.graph import foldable_weights
     from refit.rollout.tensorrt.build import build_engines, mapped_trt_names
@@ -135,10 +135,9 @@ def check_build(env: Env, arch: str, dtype: str, quantize: str = "none") -> Path
                   "precision": r.precision, "build_seconds": r.build_seconds, "plan_mib": round(r.plan_bytes / 2**20, 2)}
               for g, r in m.tensorrt.items()}
     ok = all(not v["n_not_refittable"] for v in graphs.values())
-    emit("build", ok=ok, arch=arch, dtype=dtype, quantize=quantize, graphs=graphs,
-         export_and_build_seconds=round(time.perf_counter() - t0, 2))
     env.folders[(arch, dtype, quantize)] = d
-    return d
+    return emit("build", ok=ok, arch=arch, dtype=dtype, quantize=quantize, graphs=graphs,
+                export_and_build_seconds=round(time.perf_counter() - t0, 2))
 
 
 def check_align(env: Env, folder: Path) -> dict:
