@@ -79,19 +79,40 @@ def keep_freed_memory() -> bool:
     return _heap_kept
 
 
-def default_providers(device: str = "cpu") -> list[str]:
-    """Execution providers in preference order; CUDA/TensorRT only when asked for and present."""
-    import onnxruntime as ort
+def installed_distributions() -> set[str]:
+    """Names of the installed Python distributions, lower case, ``_``/``.`` as ``-`` (PEP 503)."""
+    import importlib.metadata
+    import re
 
-    have = ort.get_available_providers()
+    return {re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "").lower()) for d in importlib.metadata.distributions()}
+
+
+ORT_GPU_HINT = ("pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu (one wheel: the CPU "
+                "`onnxruntime` and `onnxruntime-gpu` both install the module `onnxruntime` and cannot be installed "
+                "together)")
+
+
+def default_providers(device: str = "cpu", have: list[str] | None = None, dists: set[str] | None = None) -> list[str]:
+    """Execution providers in preference order for ``device`` "cpu" or "cuda" (the two :class:`OrtEngine` runs).
+
+    ``have``: ``onnxruntime.get_available_providers()`` (read when None); ``dists``: installed distributions (read
+    when CUDA is missing, to say why: the CPU and GPU wheels installed together leave the CUDA provider out)."""
+    if device not in ("cpu", "cuda"):
+        raise RefitError(f"onnxruntime: device must be 'cpu' or 'cuda', got {device!r} (TensorRT: --backend tensorrt)")
     if device == "cpu":
         return ["CPUExecutionProvider"]
-    wanted = ["TensorrtExecutionProvider", "CUDAExecutionProvider"] if device == "tensorrt" else ["CUDAExecutionProvider"]
-    chosen = [p for p in wanted if p in have]
-    if not chosen:
-        raise RefitError(f"onnxruntime has no {' or '.join(wanted)} here (available: {', '.join(have)}); "
-                         "install refit[gpu] on a CUDA machine or use --device cpu")
-    return chosen + ["CPUExecutionProvider"]
+    if have is None:
+        import onnxruntime as ort
+
+        have = ort.get_available_providers()
+    if "CUDAExecutionProvider" in have:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    dists = installed_distributions() if dists is None else dists
+    if {"onnxruntime", "onnxruntime-gpu"} <= dists:
+        raise RefitError("onnxruntime has no CUDAExecutionProvider here because both `onnxruntime` and "
+                         f"`onnxruntime-gpu` are installed: {ORT_GPU_HINT}")
+    raise RefitError(f"onnxruntime has no CUDAExecutionProvider here (available: {', '.join(have)}); on a CUDA "
+                     f"machine: {ORT_GPU_HINT}; or use --device cpu")
 
 
 def ort_value(x):
@@ -174,3 +195,25 @@ def write_graph(proto, weights: Mapping[str, torch.Tensor], path: Path) -> None:
             offset += raw.nbytes
             del t, raw
     onnx.save_model(proto, str(path))
+
+
+def foldable_weights(model, names) -> dict[str, str]:
+    """{initializer: first op} for each of ``names`` that a consumer reads with constants only (from the graph alone).
+
+    A node whose inputs are all initializers, ``Constant`` outputs or outputs of such nodes computes a constant: a
+    builder may evaluate it once (TensorRT's constant folding) and keep the result, not the initializer, so a refit of
+    that initializer would change nothing (TensorRT then drops it from ``Refitter.get_all_weights``). Listed here, by
+    the op that reads it: the weights whose path to the first op with a runtime input is constant-only. The Q/DQ
+    export's int8 twins and scales are such weights by design (``DequantizeLinear`` of two constants,
+    export/quantize.py); a plain export has none. Top-level graph only (the exports have no subgraphs)."""
+    const = {t.name for t in model.graph.initializer}
+    first: dict[str, str] = {}
+    wanted = set(names)
+    for node in model.graph.node:  # ONNX nodes are in topological order
+        ins = [x for x in node.input if x]
+        if node.op_type == "Constant" or (ins and all(x in const for x in ins)):
+            const.update(o for o in node.output if o)
+            for x in ins:
+                if x in wanted:
+                    first.setdefault(x, node.op_type)
+    return dict(sorted(first.items()))

@@ -33,6 +33,7 @@ from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weig
 from refit.export.quantize import scheme_for
 from refit.rollout.parity import int8_parity_gate, parity_gate
 from refit.rollout.tensorrt import build as trt_build  # its functions through the module: a test patches in a stand-in
+from refit.rollout.tensorrt.gate import build_gated
 
 TORCH_BACKENDS = ("torch", "hf")  # backends that open the HF checkpoint folder
 
@@ -80,7 +81,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     else:
         export_onnx(model_dir, engine_dir, opts, log=log, gate=parity_gate, int8_gate=int8_parity_gate)
     if backend == "tensorrt":
-        trt_build.build_engines(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU
+        build_gated(engine_dir, log=log)  # reuses plans built for the same graphs, TensorRT and GPU; gates new ones
     share_folder(lock)  # written and complete: from here on only read
     return engine_dir
 

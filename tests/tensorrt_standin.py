@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx.numpy_helper
@@ -34,9 +35,11 @@ class _DataType(enum.Enum):
 
 
 _ONNX_DT = {1: _DataType.FLOAT, 10: _DataType.HALF, 7: _DataType.INT64, 6: _DataType.INT32, 9: _DataType.BOOL,
-            3: _DataType.INT8}
+            3: _DataType.INT8, 16: _DataType.BF16}
+# bf16: numpy has none; its bytes are read as ml_dtypes.bfloat16 (what onnx.numpy_helper gives a bf16 initializer)
 _NP_DT = {_DataType.FLOAT: np.float32, _DataType.HALF: np.float16, _DataType.INT64: np.int64,
-          _DataType.INT32: np.int32, _DataType.BOOL: np.bool_, _DataType.INT8: np.int8}
+          _DataType.INT32: np.int32, _DataType.BOOL: np.bool_, _DataType.INT8: np.int8, _DataType.BF16: ml_dtypes.bfloat16}
+ALIGN = 256  # IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment." (NvInferRuntime.h)
 
 
 def _read(ptr: int, shape, dt) -> np.ndarray:
@@ -69,7 +72,7 @@ class _Profile:
 
 class _Config:
     def __init__(self):
-        self.flags, self.profiles = set(), []
+        self.flags, self.profiles = {"TF32"}, []  # kTF32: "Enabled by default" (NvInfer.h, BuilderFlag)
 
     def set_memory_pool_limit(self, pool, size):
         assert pool == "WORKSPACE" and size > 0
@@ -107,7 +110,8 @@ class _Builder:
         inputs = [i.name for i in graph.input]
         if not config.profiles or any(set(p) != set(inputs) for p in config.profiles):
             return None  # TensorRT refuses a dynamic input without a profile shape
-        return json.dumps({"onnx": network.onnx, "profiles": config.profiles}).encode()
+        return json.dumps({"onnx": network.onnx, "profiles": config.profiles, "flags": sorted(config.flags),
+                           "strongly_typed": bool(network.flags & 1)}).encode()
 
 
 class _OnnxParser:
@@ -126,6 +130,7 @@ class _Engine:
 
     def __init__(self, state, plan: dict):
         self.state, self.path, self.profiles = state, plan["onnx"], plan["profiles"]
+        self.flags, self.strongly_typed = set(plan["flags"]), plan["strongly_typed"]
         model = onnx.load(self.path, load_external_data=False)
         inits = {t.name for t in model.graph.initializer}
         external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
@@ -178,7 +183,13 @@ class _Context:
         return len(shape) == len(lo) and all(a <= d <= b for d, a, b in zip(shape, lo, hi))
 
     def set_tensor_address(self, n, ptr):
+        """Refuses (False, and forgets the name's address) a pointer without TensorRT's 256-byte alignment."""
+        self.e.state.addresses.append(ptr)
+        if ptr % ALIGN:
+            self.addr.pop(n, None)
+            return False
         self.addr[n] = ptr
+        return True
 
     def _compute(self):
         if self.result is None:
@@ -186,10 +197,16 @@ class _Context:
             self.result = self.e.run(feeds)
         return self.result
 
+    def _bound(self) -> bool:
+        return all(n in self.addr for n in self.shapes) and all(n in self.addr for n, (m, _) in self.e.io.items()
+                                                                 if m == "OUTPUT")
+
     def get_tensor_shape(self, n):
         return self.shapes[n] if self.e.io[n][0] == "INPUT" else self._compute()[n].shape
 
     def execute_async_v3(self, stream):
+        if not self._bound():  # TensorRT: "each input must have a non-null address"
+            return False
         for n, arr in self._compute().items():
             arr = np.ascontiguousarray(arr)
             ctypes.memmove(self.addr[n], arr.ctypes.data, arr.nbytes)
@@ -198,25 +215,32 @@ class _Context:
 
 
 class _Refitter:
-    """Refit by name; weights in a ``fuse`` group are reported missing unless all are set."""
+    """Refit by name; weights in a ``fuse`` group are reported missing unless all are set. As TensorRT's, a set
+    weight stays set (its memory is read at each refit) until unset."""
 
     def __init__(self, engine, logger):
-        self.e, self.pending = engine, {}
+        self.e, self.pending, self.weights_validation = engine, {}, True
+        engine.state.refitters.append(self)
 
     def get_all_weights(self):
         return list(self.e.refittable)
 
     def get_weights_prototype(self, n):
-        w = self.e.weights[n]
-        return _Weights({np.float32: _DataType.FLOAT, np.float16: _DataType.HALF, np.int8: _DataType.INT8}[w.dtype.type],
-                        0, w.size)
+        self.e.state.prototypes += 1
+        return _Weights(self._dtype(n), 0, self.e.weights[n].size)
+
+    def _dtype(self, n):
+        return {np.dtype(v): k for k, v in _NP_DT.items()}[self.e.weights[n].dtype]
 
     def set_named_weights(self, n, w, location="HOST"):
         assert location == "HOST", "host buffers only in the stand-in"
-        if n not in self.e.refittable or w.size != self.e.weights[n].size:
+        if n not in self.e.refittable or w.size != self.e.weights[n].size or w.dtype != self._dtype(n):
             return False
-        self.pending[n] = _read(w.ptr, self.e.weights[n].shape, _NP_DT[w.dtype])
+        self.pending[n] = (w.ptr, _NP_DT[w.dtype])
         return True
+
+    def unset_named_weights(self, n):
+        return self.pending.pop(n, None) is not None
 
     def get_missing_weights(self):
         return sorted({m for g in self.e.state.fuse if g & set(self.pending) for m in g} - set(self.pending))
@@ -224,9 +248,9 @@ class _Refitter:
     def refit_cuda_engine_async(self, stream):
         if self.get_missing_weights():
             return False
-        self.e.state.calls.append(("refit", sorted(self.pending)))
-        self.e.weights.update(self.pending)
-        self.e.session, self.pending = None, {}
+        self.e.state.calls.append(("refit", sorted(self.pending), self.weights_validation))
+        self.e.weights.update({n: _read(p, self.e.weights[n].shape, dt) for n, (p, dt) in self.pending.items()})
+        self.e.session = None
         return True
 
 
@@ -235,11 +259,12 @@ def make_stand_in(fold: set[str] = frozenset(), fuse: list[set[str]] = ()):
 
     ``fold``: weight names the "builder" makes non-refittable (constant-folded). ``fuse``: groups
     of weights the refitter reports missing unless all are set together. ``calls`` records
-    profile switches and refits.
+    profile switches and refits (``("refit", names, weights_validation)``); ``addresses`` every tensor address
+    bound; ``refitters`` every Refitter made; ``prototypes`` the prototype look-ups.
     """
     ns = SimpleNamespace
     trt = ns(__version__="10.0.0-stand-in", HOST_EXECUTION=True, DataType=_DataType, fold=set(fold),
-             fuse=[set(g) for g in fuse], calls=[], Logger=_Logger, Weights=_Weights, Builder=_Builder,
+             fuse=[set(g) for g in fuse], calls=[], addresses=[], refitters=[], prototypes=0, Logger=_Logger, Weights=_Weights, Builder=_Builder,
              OnnxParser=_OnnxParser, Refitter=_Refitter,
              BuilderFlag=ns(FP16="FP16", BF16="BF16", REFIT="REFIT", TF32="TF32"),
              NetworkDefinitionCreationFlag=ns(STRONGLY_TYPED=0), MemoryPoolType=ns(WORKSPACE="WORKSPACE"),

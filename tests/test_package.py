@@ -59,3 +59,27 @@ def test_public_face_is_lazy_and_complete():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.strip()) >= 12
+
+
+def test_gpu_extras_install_one_onnxruntime_and_a_capped_tensorrt_per_cuda_major():
+    """onnxruntime-gpu beside the base onnxruntime leaves CUDA out of the providers (both are the module
+    `onnxruntime`), so no extra adds it; TensorRT is named per CUDA major (the `tensorrt` metapackage picks one of its
+    own) and capped below the major read against; nothing required is imported nowhere (cuda-python)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {Requirement(r).name for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    assert {"gpu", "gpu-cu12"} <= set(extras)
+    for name in ("gpu", "gpu-cu12"):
+        reqs = [Requirement(r) for r in extras[name]]
+        names = base | {r.name for r in reqs}
+        assert not {"onnxruntime", "onnxruntime-gpu"} <= names, (name, names)
+        assert "cuda-python" not in names and "tensorrt" not in names, names
+        trt = [r for r in reqs if r.name.startswith("tensorrt-cu")]
+        assert len(trt) == 1, reqs
+        assert any(s.operator == "<" for s in trt[0].specifier), f"{trt[0]} has no upper bound"
+        assert not trt[0].specifier.contains("11.0.0.114") and trt[0].specifier.contains("10.16.1.11"), trt[0]
+    assert [r.split(">")[0] for r in extras["gpu"]] == ["tensorrt-cu13"]

@@ -21,7 +21,8 @@ def _run(script, *args, timeout=600):
 
 
 @pytest.mark.parametrize("script", ["export.sh", "train_ppo.sh", "setup.sh", "test.sh", "bench_latency.sh",
-                                    "distill_batch.sh", "family_table.sh", "cuda_check.sh", "quiet_bench.sh"])
+                                    "distill_batch.sh", "family_table.sh", "cuda_check.sh", "quiet_bench.sh",
+                                    "gpu_check.sh"])
 def test_help(script):
     r = _run(script, "--help")
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
@@ -140,6 +141,18 @@ def test_cuda_check_without_a_gpu_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"cuda_check": {"skipped": "no CUDA device visible to torch"}}
     assert json.loads((tmp_path / "out" / "versions.json").read_text())["gpu"] is None
+
+
+def test_gpu_check_without_a_gpu_says_so():
+    """scripts/gpu_check.sh on a machine without CUDA: its quick CPU-side checks pass, then one JSON line says no GPU."""
+    if torch_cuda():
+        pytest.skip("a CUDA device is here: the script would run its probe")
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])["gpu_check"]
+    assert last["gpu"] is None and "no CUDA GPU" in last["skipped"] and " passed" in last["cpu_checks"]
+    assert "failed" not in last["cpu_checks"]
 
 
 def test_quiet_bench_pins_each_job_to_its_own_cores(tmp_path):

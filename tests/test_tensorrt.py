@@ -395,9 +395,8 @@ def test_update_weights_rejects_bad_pushes(trt_env, model_dirs):
 
 
 def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_copy, model_dirs, monkeypatch):
-    """Weights TensorRT fused with a pushed one come from the held set; none held -> a loud error."""
-    from refit.core.hf_folder import load_model
-    from refit.export.weight_map import canonical_params
+    """Weights TensorRT fused with a pushed one come from the held buffers (set once, refitted with every push); a
+    partner the map does not feed -> a loud error before anything is refitted."""
     from refit.rollout.tensorrt.engine import TrtEngine
 
     d = fresh_copy(engine_dirs["tiny-llama"], "l")
@@ -406,14 +405,24 @@ def test_partial_push_supplies_fused_weights_or_fails_loudly(engine_dirs, fresh_
     fake = use_stand_in(monkeypatch, fuse=[{q, k}])
     tb.build_engines(d, log=lambda *_: None)
     eng = TrtEngine(d, device="cpu")
-    params, _ = canonical_params(load_model(model_dirs["tiny-llama"]))
-    push = {"model.layers.0.self_attn.q_proj.weight": params["model.layers.0.self_attn.q_proj.weight"].detach() * 2}
+    params = dict(_canonical(model_dirs["tiny-llama"]))
+    push = {"model.layers.0.self_attn.q_proj.weight": params["model.layers.0.self_attn.q_proj.weight"] * 2}
     eng.update_weights(push)
-    assert fake.calls[-1] == ("refit", sorted([q, k])) and eng.weights_version == 1
-    del eng.weights["decoder"][k]
-    with pytest.raises(RefitError, match=f"incomplete.*{k}"):
+    assert fake.calls[-1][0] == "refit" and {q, k} <= set(fake.calls[-1][1]) and eng.weights_version == 1
+    torch.testing.assert_close(eng.weights["decoder"][q], push["model.layers.0.self_attn.q_proj.weight"].t(), atol=0,
+                               rtol=0)
+    fake.fuse.append({q, "an.unmapped.constant"})
+    with pytest.raises(RefitError, match="incomplete.*an.unmapped.constant"):
         eng.update_weights(push)
-    assert eng.weights_version == 1
+    assert eng.weights_version == 1 and fake.calls[-1][0] == "refit"
+
+
+def _canonical(model_dir):
+    from refit.core.hf_folder import load_model
+    from refit.export.weight_map import canonical_params
+
+    params, _ = canonical_params(load_model(model_dir))
+    return {n: p.detach() for n, p in params.items()}
 
 
 # ================================================================ int8 through Q/DQ (--backend tensorrt --quantize int8)

@@ -39,9 +39,33 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
+from refit.export.graph import installed_distributions
 from refit.export.quantize import QDQ
 
-INSTALL_HINT = "pip install refit[gpu] on an NVIDIA machine with a CUDA GPU, or use --backend onnxruntime"
+INSTALL_HINT = ("pip install refit[gpu] (CUDA 13 torch; refit[gpu-cu12] for CUDA 12) on an NVIDIA machine with a CUDA "
+                "GPU, or use --backend onnxruntime")
+
+
+def cuda_major_mismatch(torch_cuda: str | None = None, dists: set[str] | None = None) -> str | None:
+    """None, or one line when the TensorRT wheels here are built for another CUDA major than torch's.
+
+    The ``tensorrt`` metapackage picks ``tensorrt-cu12`` or ``tensorrt-cu13`` on its own; TensorRT then loads
+    one CUDA runtime and torch another. ``torch_cuda``: ``torch.version.cuda`` (read when None); ``dists``: the
+    installed distribution names (read when None, :func:`refit.export.graph.installed_distributions`)."""
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    if not torch_cuda:
+        return None
+    if dists is None:
+        dists = installed_distributions()
+    majors = sorted(m for m in ("12", "13") if f"tensorrt-cu{m}" in dists or f"tensorrt-cu{m}-libs" in dists)
+    want = torch_cuda.split(".")[0]
+    if majors and want not in majors:
+        return (f"TensorRT here is built for CUDA {'/'.join(majors)} but torch for CUDA {torch_cuda}: install "
+                f"refit[gpu] (tensorrt-cu13) or refit[gpu-cu12] to match torch")
+    return None
 
 
 def tensorrt_unavailable_reason() -> str | None:
@@ -51,6 +75,9 @@ def tensorrt_unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising OSError
         first = (str(e).splitlines() or [type(e).__name__])[0][:160]
         return f"TensorRT is not installed here: {INSTALL_HINT} (import tensorrt: {first})"
+    mismatch = cuda_major_mismatch()
+    if mismatch is not None:
+        return mismatch
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -117,20 +144,24 @@ def _device() -> TrtDevice:
 
 
 def _precision(trt, config, dtype: str, strongly_typed: bool, qdq: bool = False) -> str:
-    """Set the builder's precision for the manifest dtype; returns what was chosen, for the manifest."""
-    if qdq:  # int8 weights through DequantizeLinear into fp32 matmuls: TF32 would break parity as for plain fp32
-        if hasattr(trt.BuilderFlag, "TF32"):
-            config.clear_flag(trt.BuilderFlag.TF32)
+    """Set the builder's precision for the manifest dtype; returns what was chosen, for the manifest.
+
+    TF32 is "Enabled by default" (NvInfer.h, ``BuilderFlag::kTF32``, TensorRT 10 and 11) for weakly and strongly typed
+    networks alike, and an fp32 engine must compute in fp32 (token parity with the reference), so it is cleared for
+    every fp32 engine (and the Q/DQ one's fp32 matmuls), in every mode; TensorRT 11 has strong typing only."""
+    tf32 = getattr(trt.BuilderFlag, "TF32", None)
+    if tf32 is not None and (qdq or dtype == "fp32"):
+        config.clear_flag(tf32)
+    if qdq:  # int8 weights through DequantizeLinear into fp32 matmuls
         return "strongly-typed Q/DQ (int8 weights, fp32 matmuls, TF32 off)"
     if strongly_typed:
-        return "strongly-typed (graph dtypes)"
+        return "strongly-typed (graph dtypes, TF32 off)" if dtype == "fp32" else "strongly-typed (graph dtypes)"
     if dtype == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
         return "weak+FP16"
     if dtype == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
         return "weak+BF16"
-    config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: TF32 matmuls would break token parity
     return "weak+FP32 (TF32 off)"
 
 
@@ -230,7 +261,8 @@ def build_engines(engine_dir: str | Path, workspace_gb: float = 4.0, log=print, 
     Sets the manifest's ``tensorrt`` section to ``{graph: TrtPlan}`` and returns it.
     With ``strict`` (default) a mapped weight that TensorRT made non-refittable is an error and
     nothing is written; otherwise it is listed under ``not_refittable`` (and refit refuses it).
-    Plans already built for this graph, TensorRT version and GPU architecture are reused.
+    Plans already built for this graph, TensorRT version and GPU architecture are reused. The parity gate of the
+    plans against PyTorch: :func:`refit.rollout.tensorrt.gate.build_gated` (what ``refit export`` runs).
     """
     trt = require_tensorrt()
     engine_dir = Path(engine_dir)

@@ -14,7 +14,8 @@ stale after a refit):
   its int8 twin and its scale (the ``quantization`` record), each once;
 - :func:`check_qdq`: the Q/DQ graph: every ``DequantizeLinear`` reads an int8 constant (a twin of
   the record) and a float scale of one value per output column on ``axis=1``, no zero point, and
-  feeds the weight input of a MatMul / Gemm (``transB=0``); every twin has one.
+  feeds the weight input of a MatMul / Gemm (``transB=0``); every twin has one;
+- :func:`check_foldable`: no mapped weight (Q/DQ twins aside) is read by a constant-only op TensorRT may fold.
 
 ``python -m refit.rollout.tensorrt.check ENGINE_DIR`` runs them all and exits 1 on any problem.
 """
@@ -29,7 +30,9 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, ShapeRange
+from refit.export.graph import foldable_weights
 from refit.export.quantize import QDQ
+from refit.rollout.tensorrt.build import mapped_trt_names, quantized_twins
 
 # Ops TensorRT's ONNX parser converts ("Y" rows of the support matrix), TensorRT 10.0/10.1:
 # https://github.com/onnx/onnx-tensorrt/blob/10.1-GA/docs/operators.md (commit 96e7811).
@@ -274,7 +277,7 @@ def check_weight_map(manifest: Manifest, onnx_path: str | Path, graph: str | Non
     if hf_shapes is None:
         hf_shapes = _hf_shapes(manifest) or {}
     want_type = _ONNX_ELEM.get(manifest.dtype)
-    twins = dict(manifest.quantization.weights.get(graph, {})) if manifest.quantization else {}
+    twins = quantized_twins(manifest, graph)
     problems, owners = [], Counter()
     for hf_name, targets in manifest.weight_map.items():
         implied = set()
@@ -414,6 +417,15 @@ def check_qdq(manifest: Manifest, onnx_path: str | Path, graph: str | None = Non
     return problems
 
 
+def check_foldable(manifest: Manifest, onnx_path: str | Path, graph: str) -> list[str]:
+    """Mapped weights a constant-only op reads (:func:`refit.export.graph.foldable_weights`), other than the Q/DQ
+    twins and scales (TensorRT's pre-quantized weight form; the build's refittable check guards those)."""
+    twins = {n for tw in quantized_twins(manifest, graph).values() for n in (tw.weight, tw.scale)}
+    found = foldable_weights(load_graph(onnx_path), set(mapped_trt_names(manifest, graph)) - twins)
+    return [f"{graph}: weight {n} is read by a constant-only {op} (TensorRT may fold it: refit could not reach it)"
+            for n, op in found.items()]
+
+
 # ------------------------------------------------------------------------------------- folder
 
 def check_engine_folder(engine_dir: str | Path) -> list[str]:
@@ -446,6 +458,7 @@ def check_engine_folder(engine_dir: str | Path) -> list[str]:
             problems += check_profiles(manifest, path, graph)
             problems += check_weight_map(manifest, path, graph, hf_shapes)
             problems += check_qdq(manifest, path, graph)
+            problems += check_foldable(manifest, path, graph)
         except RefitError as e:
             problems.append(f"{graph}: {e}")
     return problems + _check_plans(engine_dir, manifest)
@@ -470,19 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("engine_dir", help="engine folder written by `refit export`")
     a = p.parse_args(argv)
     problems = check_engine_folder(a.engine_dir)
-    for line in problems:
-        print(f"  - {line}")
     if problems:
+        print("\n".join(f"  - {line}" for line in problems))
         print(f"trt_check: {a.engine_dir}: {len(problems)} problem(s)")
         return 1
     m = Manifest.read(a.engine_dir)
-    n_w = sum(len(v) for v in m.weight_map.values())
-    q = m.quantization
-    quant = (f", {sum(len(v) for v in q.weights.values())} int8 weights through DequantizeLinear ({q.scheme})"
-             if q is not None else "")
-    print(f"trt_check: {a.engine_dir}: ok ({len(m.graphs)} graph(s), "
-          f"{sum(len(v) for v in m.profiles.values())} profile(s), {n_w} mapped weights{quant}, ops per "
-          f"{TRT_OPS_SOURCE})")
+    q, n_w = m.quantization, sum(len(v) for v in m.weight_map.values())
+    quant = f", {sum(len(v) for v in q.weights.values())} int8 weights through DequantizeLinear ({q.scheme})" if q else ""
+    print(f"trt_check: {a.engine_dir}: ok ({len(m.graphs)} graph(s), {sum(len(v) for v in m.profiles.values())} "
+          f"profile(s), {n_w} mapped weights{quant}, ops per {TRT_OPS_SOURCE})")
     return 0
 
 

@@ -10,29 +10,31 @@ TensorRT execution instead of ONNX Runtime:
   cache; ``decode``: one token per row). A multi-token ``extend`` with a cache (``score`` chunks)
   fits neither manifest profile, so it is fed one token at a time through ``decode``;
 - buffers are torch CUDA tensors on one dedicated stream: ``set_input_shape`` +
-  ``set_tensor_address`` per input, outputs allocated from ``get_tensor_shape``, then
-  ``execute_async_v3``. present K/V of one step are the next step's past, on the device; only
-  the logits come back to the host (the shared sampler runs on CPU with a CPU generator);
-- ``update_weights`` maps HF names through the weight map (tied aliases folded, transpose
-  applied, on the device; a quantized engine's weights re-quantized there into their int8 twin
-  and scale, export/quantize.py) and refits with ``trt.Refitter``: ``set_named_weights(name, Weights,
-  TensorLocation.DEVICE)``, then ``get_missing_weights`` (weights TensorRT fused with a pushed
-  one) are supplied from the held set, and anything still missing fails loudly before any engine
-  is touched; ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
+  ``set_tensor_address`` per input (every address 256-byte aligned, as TensorRT requires; the bool checked),
+  outputs allocated from ``get_tensor_shape``, then ``execute_async_v3``. present K/V of one step are the next
+  step's past, on the device; only the logits come back to the host (the shared sampler runs on CPU);
+- ``update_weights`` first makes the engine's stream wait for the stream the learner wrote the tensors on, maps HF
+  names through the weight map (tied aliases folded, transpose applied, a stored-dtype target cast as the export
+  cast it, on the device; a quantized engine's weights re-quantized there into their int8 twin and scale,
+  export/quantize.py) and refits through one ``trt.Refitter`` per graph, kept for the engine's life (prototypes
+  read once, weight validation off), ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
 
-The held set: every mapped weight as the engine currently has it (the ``.onnx.data`` bytes at
-start, then what was pushed, kept on the device), so a partial push can still supply the
-weights TensorRT asks for. ``tensorrt`` is imported on construction only.
+The held set (``hold_weights=True``, the default): one device buffer per mapped weight, in the plan's weight dtype,
+filled from the ``.onnx.data`` bytes and set into the Refitter once; a push copies into them, so a partial push
+refits with the weights TensorRT fused with it, and anything the map does not feed fails loudly before any engine
+is touched. ``hold_weights=False``: no copy; whole-model pushes only. ``tensorrt`` is imported on construction only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from refit.core.contract import DTYPES
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest, ShapeRange
 from refit.core.padding import position_ids_from_mask
@@ -49,6 +51,31 @@ def _trt_to_torch(trt) -> dict:
     return {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
             trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64, trt.DataType.BOOL: torch.bool,
             trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
+
+
+# IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment." (NvInferRuntime.h, TensorRT
+# 10.x and 11.x). A fresh CUDA tensor of torch's caching allocator is 512-byte aligned; a view (the last c columns of
+# a batch-1 position_ids row) or a host tensor (64-byte aligned) need not be.
+ALIGN = 256
+
+
+def aligned_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised tensor whose first byte is ``ALIGN``-aligned (over-allocated only where torch's is not)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.data_ptr() % ALIGN == 0:
+        return t
+    size = torch.Size(shape)
+    n = math.prod(size) * t.element_size()
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8, device=device)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + n].view(dtype).view(size)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if contiguous and ``ALIGN``-aligned, else an aligned contiguous copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
+        return t
+    return aligned_empty(t.shape, t.dtype, t.device).copy_(t)
 
 
 def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
@@ -98,9 +125,18 @@ class _HostStream:
     def synchronize(self) -> None:
         pass
 
+    def wait_stream(self, stream) -> None:  # host buffers: every write already happened
+        pass
+
 
 def _make_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else _HostStream()
+
+
+def _producer_streams(tensors) -> list:
+    """The current stream of every CUDA device ``tensors`` live on: the learner's, where its optimizer step was queued."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return [torch.cuda.current_stream(d) for d in sorted(devices, key=str)]
 
 
 def _on(stream):
@@ -126,7 +162,7 @@ class _TrtGraph:
         self.dtypes = {n: to_torch[self.engine.get_tensor_dtype(n)] for n in io}
         self.context = self.engine.create_execution_context()
         self.current = 0  # a fresh context runs profile 0
-        self._dummy = torch.empty(64, dtype=torch.uint8, device=device)  # address for zero-size tensors
+        self._dummy = aligned_empty((ALIGN,), torch.uint8, device)  # address for zero-size tensors
 
     def _use_profile(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         """Switch to the first profile whose box holds ``shapes``; False when none does."""
@@ -144,9 +180,15 @@ class _TrtGraph:
     def _addr(self, t: torch.Tensor) -> int:
         return t.data_ptr() if t.numel() else self._dummy.data_ptr()
 
+    def _bind(self, name: str, t: torch.Tensor) -> None:
+        if not self.context.set_tensor_address(name, self._addr(t)):
+            raise RefitError(f"TensorRT {self.name}: set_tensor_address({name}) refused address {self._addr(t):#x} "
+                             f"(TensorRT wants {ALIGN}-byte alignment; see the TensorRT log)")
+
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Inputs (any device/dtype) -> outputs on the device; call under ``_on(self.stream)``."""
-        feeds = {n: feeds[n].to(device=self.device, dtype=self.dtypes[n]).contiguous() for n in self.inputs}
+        """Inputs (any device/dtype) -> outputs on the device; call under ``_on(self.stream)``. Every address bound
+        is ``ALIGN``-aligned (a view that is not, such as a batch-1 slice of position ids, is copied)."""
+        feeds = {n: aligned(feeds[n].to(device=self.device, dtype=self.dtypes[n])) for n in self.inputs}
         shapes = {n: tuple(t.shape) for n, t in feeds.items()}
         if not self._use_profile(shapes):
             raise RefitError(f"TensorRT {self.name}: no optimization profile of {self.profile_names} holds the shapes "
@@ -157,14 +199,14 @@ class _TrtGraph:
             if not ctx.set_input_shape(n, shapes[n]):
                 raise RefitError(f"TensorRT {self.name}: input {n} shape {list(shapes[n])} rejected by profile "
                                  f"{self.profile_names[self.current]}")
-            ctx.set_tensor_address(n, self._addr(t))
+            self._bind(n, t)
         outs = {}
         for n in self.outputs:
             shape = tuple(ctx.get_tensor_shape(n))
             if any(d < 0 for d in shape):
                 raise RefitError(f"TensorRT {self.name}: output {n} has unresolved shape {shape}")
-            outs[n] = torch.empty(shape, dtype=self.dtypes[n], device=self.device)
-            ctx.set_tensor_address(n, self._addr(outs[n]))
+            outs[n] = aligned_empty(shape, self.dtypes[n], self.device)
+            self._bind(n, outs[n])
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RefitError(f"TensorRT {self.name}: execute_async_v3 failed (see the TensorRT log)")
         return outs
@@ -244,8 +286,15 @@ class _TrtSeq2SeqState:
 class TrtEngine(LoopEngine):
     """Engine over an engine folder's TensorRT plans (``refit export --backend tensorrt``)."""
 
-    def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING"):
-        """``threads`` is accepted for a constructor shared with the other backends and unused (GPU work)."""
+    def __init__(self, engine_dir, device: str = "cuda", threads: int | None = None, log_level: str = "WARNING",
+                 hold_weights: bool = True):
+        """``threads`` is accepted for a constructor shared with the other backends and unused (GPU work).
+
+        ``hold_weights`` (default): every mapped weight lives in one device buffer of the plan's weight dtype, set
+        into the graph's Refitter once; a push copies into them and refits (partial pushes included: TensorRT's
+        fused partners are in the buffers). ``False``: no copy of the weights beside the plans (one model less on
+        the GPU); a push must then carry every weight of each graph it touches (a training job's whole-model push),
+        its tensors are set for the refit and released after it."""
         trt = trt_build.require_tensorrt()
         self.device = torch.device(device)
         # Host buffers only for a TensorRT stand-in that declares it executes on the host (the CPU tests).
@@ -264,7 +313,10 @@ class TrtEngine(LoopEngine):
                                     self.device)
                        for g, rec in self.manifest.tensorrt.items()}
         self._runtime = runtime
-        self.weights = read_held_weights(self.engine_dir, self.manifest)  # {graph: {trt_name: tensor}}
+        self._shapes = _weight_shapes(self.engine_dir, self.manifest)  # {graph: {trt_name: shape}}, no data read
+        self._refit = {g: _GraphRefit(trt, self.graphs[g].engine, self.logger, list(self._shapes[g]),
+                                      set(self.manifest.tensorrt[g].not_refittable)) for g in self.graphs}
+        self.weights = self._hold() if hold_weights else None  # {graph: {trt_name: device buffer}} or None
         # axis 0 is the batch on every input of rank >= 2 (logits_index (K,) has none); a call with more rows runs in
         # static batches and row ranges of max_batch (LoopEngine)
         self.max_batch = min(p[n].max[0] for g in self.graphs.values() for p in g.profiles for n in p
@@ -294,9 +346,21 @@ class TrtEngine(LoopEngine):
 
     # ------------------------------------------------------------------------------ refit
 
-    def _stage(self, named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """{graph: {trt_name: device tensor}} in engine layout; shapes checked against the held set.
+    def _hold(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The held buffers, from the ``.onnx.data`` bytes, each set into its graph's Refitter once."""
+        host = read_held_weights(self.engine_dir, self.manifest)
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for g, r in self._refit.items():
+            held[g] = {n: host[g][n].to(device=self.device, dtype=r.protos[n][1]).contiguous() for n in r.protos}
+            for n, t in held[g].items():
+                r.set(n, t)
+        return held
 
+    def _stage(self, named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """{graph: {trt_name: device tensor}} in engine layout (views where the layout allows); shapes checked.
+
+        Each target is converted as the export converted it (export/weight_map.py ``_engine_tensor``): one stored in
+        its own dtype (T5's fp32 ``wo`` in an fp16 engine) is cast straight to it, not rounded through the engine's.
         A quantized engine (export/quantize.py, ``int8-qdq``): each quantized weight is re-quantized from the
         pushed fp32 tensor, on the device, into its int8 twin and scale (both refitted); the fp32 name is staged
         only where the graph still reads it (``keep_float``)."""
@@ -307,75 +371,121 @@ class TrtEngine(LoopEngine):
             for hf_name, targets in refit_targets(self.manifest, g).items():
                 if hf_name not in named:
                     continue
-                src = named[hf_name].detach().to(device=self.device, dtype=self._dtype)
                 for trt_name, target in targets:
-                    t = apply_transform(src, target).contiguous()
+                    own = target.stored_dtype is not None and target.transform in ("identity", "transpose")
+                    dtype = DTYPES[target.stored_dtype] if own else self._dtype
+                    t = apply_transform(named[hf_name].detach().to(device=self.device, dtype=dtype), target)
                     tw = twins.get(target.engine)
                     out = {} if tw is not None and not tw.keep_float else {trt_name: t}
                     if tw is not None:
-                        q, scale = quantize_weight(kn(t, tw.layout))
+                        q, scale = quantize_weight(kn(t.contiguous(), tw.layout))
                         out[trt_weight_name(tw.weight)], out[trt_weight_name(tw.scale)] = q, scale
                     for name, v in out.items():
                         if name in folded:
                             raise RefitError(f"update_weights: {hf_name} -> {g}:{name} was constant-folded by "
                                              "TensorRT at build time and cannot be refitted")
-                        held = self.weights[g].get(name)
-                        if held is None or tuple(held.shape) != tuple(v.shape):
-                            raise RefitError(f"update_weights: {hf_name} -> {g}:{name} expects "
-                                             f"{None if held is None else tuple(held.shape)}, got {tuple(v.shape)}")
-                        # own the bytes: TensorRT reads them during the refit, the learner may change its copy
-                        staged.setdefault(g, {})[name] = v.clone() if v.data_ptr() == named[hf_name].data_ptr() else v
+                        want = self._shapes[g].get(name)
+                        if want is None or want != tuple(v.shape):
+                            raise RefitError(f"update_weights: {hf_name} -> {g}:{name} expects {want}, got "
+                                             f"{tuple(v.shape)}")
+                        staged.setdefault(g, {})[name] = v
         return staged
 
-    def _weights(self, refitter, name: str, t: torch.Tensor, keep: list):
-        """A ``trt.Weights`` view of ``t`` in the prototype's dtype; ``keep`` holds the buffer alive."""
-        trt = self.trt
-        proto = refitter.get_weights_prototype(name)
-        want = _trt_to_torch(trt).get(proto.dtype, t.dtype)
-        t = t.to(want).contiguous()
-        if t.numel() != proto.size:
-            raise RefitError(f"update_weights: {name} has {t.numel()} values, the engine holds {proto.size}")
-        keep.append(t)
-        return trt.Weights(proto.dtype, t.data_ptr(), t.numel()), (
-            trt.TensorLocation.DEVICE if t.device.type == "cuda" else trt.TensorLocation.HOST)
-
-    def _prepare_refit(self, g: str, new: dict[str, torch.Tensor], keep: list):
-        """A Refitter for graph ``g`` with ``new`` set and every missing weight supplied from the held set."""
-        refitter = self.trt.Refitter(self.graphs[g].engine, self.logger)
-        for name, t in new.items():
-            w, loc = self._weights(refitter, name, t, keep)
-            if not refitter.set_named_weights(name, w, loc):
-                raise RefitError(f"update_weights: TensorRT rejected weights {g}:{name} (see the TensorRT log)")
-        for name in refitter.get_missing_weights():  # weights TensorRT fused with a pushed one
-            held = self.weights[g].get(name)
-            if held is None:
-                continue
-            w, loc = self._weights(refitter, name, held, keep)
-            if not refitter.set_named_weights(name, w, loc):
-                raise RefitError(f"update_weights: TensorRT rejected held weights {g}:{name}")
-        missing = list(refitter.get_missing_weights())
+    def _check_complete(self, g: str, new) -> None:
+        missing = sorted(set(self._refit[g].protos) - set(new))
         if missing:
-            raise RefitError(f"update_weights: refit of {g} is incomplete, TensorRT still needs {len(missing)} "
-                             f"weights the map does not feed, e.g. {missing[:5]}; nothing was changed")
-        return refitter
+            raise RefitError(f"update_weights: the engine over {self.engine_dir} holds no copy of its weights "
+                             f"(hold_weights=False), so a push must carry every weight of each graph it touches; this "
+                             f"one leaves out {len(missing)} of {g}'s {len(self._refit[g].protos)}, e.g. {missing[:3]}")
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Push HF-named tensors into the plans with ``trt.Refitter``; all graphs or none; version += 1."""
+        """Push HF-named tensors into the plans with each graph's Refitter; all graphs or none; version += 1.
+
+        The engine's stream first waits for the stream the tensors were written on (the learner's optimizer step,
+        queued and perhaps not yet run), so nothing is read half-updated. Held buffers: ``copy_`` into them, then
+        ``refit_cuda_engine_async``. Not held: the staged tensors are set, refitted, and unset."""
         named = resolve_names(named_tensors, set(self.manifest.weight_map), self.manifest.tied)
-        keep: list[torch.Tensor] = []
+        for producer in _producer_streams(named.values()):
+            self.stream.wait_stream(producer)
         with _on(self.stream):
             staged = self._stage(named)
-            refitters = {g: self._prepare_refit(g, new, keep) for g, new in staged.items()}  # validate all first
-            for g, refitter in refitters.items():
-                if not refitter.refit_cuda_engine_async(self.stream.cuda_stream):
+            keep = {}  # not held: the tensors TensorRT reads during the refit
+            for g, new in (staged.items() if self.weights is None else ()):  # every graph checked before any is set
+                self._check_complete(g, new)
+            for g, new in staged.items():
+                if self.weights is None:
+                    keep[g] = {n: t.to(self._refit[g].protos[n][1]).contiguous() for n, t in new.items()}
+                    for n, t in keep[g].items():
+                        self._refit[g].set(n, t)
+                missing = self._refit[g].missing()
+                if missing:
+                    for x, tensors in keep.items():
+                        self._refit[x].unset(tensors)
+                    raise RefitError(f"update_weights: refit of {g} is incomplete, TensorRT still needs {len(missing)} "
+                                     f"weights the map does not feed, e.g. {missing[:5]}; nothing was changed")
+            for g, new in staged.items():
+                if self.weights is not None:
+                    for n, t in new.items():
+                        self.weights[g][n].copy_(t)
+                if not self._refit[g].refitter.refit_cuda_engine_async(self.stream.cuda_stream):
                     raise RefitError(f"update_weights: TensorRT refit of {g} failed; the engine may hold mixed "
                                      "weights now, push the full set again")
             self.stream.synchronize()
-        for g, new in staged.items():
-            self.weights[g].update(new)
+            for g, tensors in keep.items():
+                self._refit[g].unset(tensors)
         self._version = next_version(self._version, version)
 
     def close(self) -> None:
         if getattr(self, "stream", None) is not None:
             self.stream.synchronize()
-        self.graphs, self.weights = {}, {}
+        self.graphs, self.weights, self._refit = {}, {}, {}
+
+
+def _weight_shapes(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{graph: {trt_name: shape}} of every mapped weight, from the graphs' initializer records (no data read)."""
+    import onnx
+
+    out = {}
+    for graph, spec in manifest.graphs.items():
+        wanted = set(mapped_trt_names(manifest, graph))
+        inits = onnx.load(str(engine_dir / spec.file), load_external_data=False).graph.initializer
+        out[graph] = {trt_weight_name(i.name): tuple(i.dims) for i in inits if trt_weight_name(i.name) in wanted}
+    return out
+
+
+class _GraphRefit:
+    """One graph's ``trt.Refitter``, kept for the engine's life: "There is no need to set the same weights repeatedly
+    for multiple refit calls as the weights memory can be updated directly instead" (NvInferRuntime.h,
+    ``IRefitter::refitCudaEngine``). Each weight's prototype (TensorRT dtype, count) is read once, and TensorRT's
+    weight validation is off ("Set the flag to false for faster refitting performance", ``setWeightsValidation``):
+    names, shapes and counts are checked here, before anything is set."""
+
+    def __init__(self, trt, engine, logger, names: list[str], folded: set[str]):
+        self.trt = trt
+        self.refitter = trt.Refitter(engine, logger)
+        if hasattr(self.refitter, "weights_validation"):
+            self.refitter.weights_validation = False
+        to_torch = _trt_to_torch(trt)
+        self.protos: dict[str, tuple] = {}  # {name: (trt dtype, torch dtype, count)}
+        for n in names:
+            if n in folded:
+                continue
+            p = self.refitter.get_weights_prototype(n)
+            if p.dtype not in to_torch:
+                raise RefitError(f"TensorRT weight {n} has type {p.dtype}, which refit cannot feed")
+            self.protos[n] = (p.dtype, to_torch[p.dtype], p.size)
+
+    def set(self, name: str, t: torch.Tensor) -> None:
+        dt, want, size = self.protos[name]
+        if t.dtype != want or t.numel() != size or not t.is_contiguous():
+            raise RefitError(f"update_weights: {name} is {t.dtype} x {t.numel()}, the engine holds {want} x {size}")
+        loc = self.trt.TensorLocation.DEVICE if t.device.type == "cuda" else self.trt.TensorLocation.HOST
+        if not self.refitter.set_named_weights(name, self.trt.Weights(dt, t.data_ptr(), t.numel()), loc):
+            raise RefitError(f"update_weights: TensorRT rejected weights {name} (see the TensorRT log)")
+
+    def unset(self, names) -> None:
+        for n in names:
+            self.refitter.unset_named_weights(n)
+
+    def missing(self) -> list[str]:
+        return list(self.refitter.get_missing_weights())
