@@ -9,6 +9,7 @@ weights, the ``gpu`` extra, the providers, and mapped weights TensorRT could con
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -272,3 +273,21 @@ def test_built_plans_are_gated_against_pytorch_or_removed(engine_dirs, fresh_cop
     with pytest.raises(RefitError, match="TensorRT plan gate failed"):
         gate.build_gated(d, log=logs.append, gate=True, force=True)
     assert Manifest.read(d).tensorrt is None and not list(d.glob("*.plan"))
+
+
+def test_jobs_open_tensorrt_engines_without_a_held_copy_unless_lora(monkeypatch, tmp_path):
+    """#8: a job pushes the whole model, so its TensorRT engine keeps no device copy of the weights
+    (hold_weights=False); a LoRA run's TensorRT pushes refit the merged targeted layers, which need the held
+    partners, so it keeps them."""
+    import refit.learner.run.engines as je
+    from refit.learner.ppo.config import PPOConfig
+
+    seen = []
+    monkeypatch.setattr(je, "engine_source", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(je, "check_batch_memory", lambda *a, **k: None)
+    monkeypatch.setattr(je, "make_engine", lambda cfg, src, out, share, **kw: seen.append(kw))
+    for r in (0, 8):
+        cfg = PPOConfig.from_flat(model_dir="m", output_dir=str(tmp_path / "run"), backend="tensorrt")
+        lora = cfg.lora if not r else dataclasses.replace(cfg.lora, r=r)
+        je.engine_for_model(cfg, "m", tmp_path / "e", 4, 64, lora=lora)
+    assert seen[0].get("hold_weights") is False and "hold_weights" not in seen[1]

@@ -124,7 +124,7 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     LoraSection with r > 0): the engine is LoRA-ready for its target modules (export/lora.py), exported from the base
     the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
     # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
-    lora_ready = lora is not None and lora.enabled and cfg.rollout.backend != "tensorrt"
+    lora_ready = lora_of(lora) and cfg.rollout.backend != "tensorrt"
     check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
                         getattr(cfg.rollout, "quantize", "none"), lora=tuple(lora.target_modules) if lora_ready else (),
@@ -132,13 +132,21 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
-    lean = {"hold_weights": False} if cfg.rollout.backend == "onnxruntime" else {}
-    if lean and getattr(cfg.rollout, "quantize", "none") == "none":
+    # (TensorRT: none on the GPU either, issue 45 #8), but for a LoRA run's TensorRT pushes of the merged targeted
+    # layers, whose refit needs the held partners
+    ort = cfg.rollout.backend == "onnxruntime"
+    lean = {"hold_weights": False} if ort or (cfg.rollout.backend == "tensorrt" and not lora_of(lora)) else {}
+    if ort and getattr(cfg.rollout, "quantize", "none") == "none":
         lean["push_via"] = cfg.rollout.push_via
-    if lean and cfg.rollout.engine_shards > 1:
+    if ort and cfg.rollout.engine_shards > 1:
         lean["shards"] = cfg.rollout.engine_shards
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
                        **lean)
+
+
+def lora_of(lora) -> bool:
+    """True for a LoraSection that trains an adapter (r > 0)."""
+    return lora is not None and lora.enabled
 
 
 class CountingEngine:
