@@ -6,7 +6,8 @@ lazily), so ``refit export --help`` never imports the learner, nothing imports `
 every arrow is visible to ``tests/test_layout.py``. A :class:`refit.core.errors.RefitError` becomes one line on
 stderr and exit status 2; nothing half-written is left behind by the jobs themselves. Any other exception is
 one line too (:mod:`refit.core.explain`: files, graphs, the disk; else "unexpected", with a hint); ``--debug``
-(anywhere on the line) re-raises it with its traceback instead.
+(anywhere on the line) re-raises it with its traceback instead. ``--verbose`` (anywhere on the line) prints the
+resolved config and the libraries' notes that are otherwise kept off the terminal (:mod:`refit.core.noise`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 
 from refit.core.errors import RefitError
 from refit.core.explain import explain, unexpected
+from refit.core.noise import quiet
 
 
 def _build_model(argv: list[str]) -> int:
@@ -23,14 +25,22 @@ def _build_model(argv: list[str]) -> int:
     return main(argv)
 
 
+# A command that loads torch, transformers or onnxruntime is reached in two steps: its line is parsed and checked
+# first (the flags, the YAML, the folders it names) by a module that imports none of them, so a mistake is answered
+# in well under a second; only then is the command's module imported and run (tests/test_cli_fast.py).
+
 def _export(argv: list[str]) -> int:
-    from refit.rollout.build import main
-    return main(argv)
+    from refit.rollout.config import parse_export
+    job = parse_export(argv)
+    from refit.rollout.build import run_export
+    return run_export(job)
 
 
 def _generate(argv: list[str]) -> int:
-    from refit.rollout.cli import main
-    return main(argv)
+    from refit.rollout.config import parse_generate
+    job = parse_generate(argv)
+    from refit.rollout.cli import run_generate
+    return run_generate(*job)
 
 
 def _bench(argv: list[str]) -> int:
@@ -39,13 +49,17 @@ def _bench(argv: list[str]) -> int:
 
 
 def _ppo(argv: list[str]) -> int:
-    from refit.learner.ppo.cli import main
-    return main(argv)
+    from refit.learner.ppo.config import parse_ppo
+    job = parse_ppo(argv)
+    from refit.learner.ppo.cli import run
+    return run(*job)
 
 
 def _distill(argv: list[str]) -> int:
-    from refit.learner.distill.cli import main
-    return main(argv)
+    from refit.learner.distill.config import parse_distill
+    job = parse_distill(argv)
+    from refit.learner.distill.cli import run
+    return run(*job)
 
 
 def _demo(argv: list[str]) -> int:
@@ -69,14 +83,16 @@ def _usage() -> str:
     lines = ["usage: refit <command> [options]", "", "Refit: RLHF and distillation with generation on exported engines.",
              "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run 'refit <command> --help' for the options of a command."]
+    lines += ["", "Run 'refit <command> --help' for the options of a command. Any command also takes --verbose (the",
+              "resolved config and the libraries' notes on the terminal) and --debug (a traceback, not one line)."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
+    debug, verbose = "--debug" in argv, "--verbose" in argv
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]
+    quiet(verbose)  # before any command imports torch or transformers: they read these settings at import
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

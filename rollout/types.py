@@ -23,41 +23,7 @@ import torch
 
 from refit.core.manifest import Manifest
 from refit.core.padding import check_left_padded, check_right_padded, native_padding_side
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to decode. Processing order follows HF: temperature, then top-k, then top-p."""
-
-    max_new_tokens: int = 32  # response length cap (Tr <= max_new_tokens)
-    temperature: float = 1.0  # logits / temperature before any truncation; > 0
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p (top token always kept); 1 = off
-    greedy: bool = False  # argmax of the logits; rollout_logprobs are then 0.0 (a point mass)
-    stop_ids: tuple[int, ...] = ()  # extra stop token ids besides the model's EOS
-    n: int = 1  # samples per prompt; rows are prompt-major
-    seed: int | None = None  # torch.Generator seed; None = nondeterministic
-    return_topk: int = 0  # k > 0: also return the top-k plain log-probs/ids per generated position
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
-        problems = [
-            (self.max_new_tokens < 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (not self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
-            (self.top_k < 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.n < 1, f"n (samples per prompt) must be >= 1, got {self.n}"),
-            (self.return_topk < 0, f"return_topk must be >= 0, got {self.return_topk}"),
-            (any(s < 0 for s in self.stop_ids), f"stop_ids must be token ids >= 0, got {self.stop_ids}"),
-        ]
-        for bad, msg in problems:
-            if bad:
-                raise ValueError(msg)
-
-    @property
-    def truncates(self) -> bool:
-        """True when the sampled distribution differs from plain softmax(logits / temperature)."""
-        return self.greedy or self.top_k > 0 or self.top_p < 1.0
+from refit.rollout.config import SamplingParams  # noqa: F401 - the request record, kept torch-free in config.py
 
 
 @dataclass
