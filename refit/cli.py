@@ -12,6 +12,7 @@ resolved config and the libraries' notes that are otherwise kept off the termina
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -72,10 +73,21 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "build-model": (_build_model, "build a small random-weight HF checkpoint (tiny-gpt2, gpt2-small, ...) locally"),
     "export": (_export, "export an HF checkpoint folder to an engine folder (ONNX, or TensorRT on NVIDIA)"),
     "generate": (_generate, "generate from an engine folder with padded batches and per-token log-probs"),
-    "bench": (_bench, "benchmarks: 'generate' latency, 'refit' weight push, 'ppo' iteration"),
+    # the benches named as refit.bench.cli.HELP lists them (tests/test_cli_fast.py), without importing it for --help
+    "bench": (_bench, "benchmarks: generate, refit, ppo, grpo, workers, inflight, lora ('refit bench --help')"),
     "ppo": (_ppo, "PPO-KL training cycle: export -> rollouts -> update -> weight push"),
     "distill": (_distill, "knowledge distillation (GKD, supervised KD, sequence-level KD)"),
     "demo": (_demo, "the embedded default: a small verifiable task trained with PPO on CPU"),
+}
+
+
+# REFIT_TOUR_SHORT=1 (the README tour, run as written by tests/test_readme_tour.py): flags appended to a command's
+# own, so the last one wins, that make every training command of the tour a few small steps
+TOUR_SHORT = {
+    "ppo": ["--run.steps", "2", "--run.batch_size", "4", "--ckpt.save_steps", "2", "--eval_steps", "0"],
+    "distill": ["--run.steps", "2", "--run.batch_size", "4", "--teacher_sft_steps", "4", "--eval_every", "2",
+                "--eval_size", "4", "--ckpt.save_steps", "2"],
+    "demo": ["--steps", "2", "--sft_steps", "4", "--batch_size", "4"],
 }
 
 
@@ -100,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"refit: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if os.environ.get("REFIT_TOUR_SHORT", "") not in ("", "0"):
+        rest = rest + TOUR_SHORT.get(name, [])
     try:
         return int(COMMANDS[name][0](rest) or 0)
     except RefitError as e:

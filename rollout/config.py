@@ -146,7 +146,7 @@ class ExportConfig:
     dtype: Literal["bf16", "fp16", "fp32"] = opt("fp32", "engine weight/activation precision")
     max_batch: int = opt(64, "largest batch (rows) the engine accepts")
     max_len: int = opt(512, "largest prompt + response length the engine accepts")
-    parity_tol: float | None = opt(None, "max |log-prob| difference engine vs PyTorch (default: 1e-4 fp32, "
+    parity_tol: float | None = opt(None, "max |log-prob| difference engine vs PyTorch (unset: 1e-4 fp32, "
                                          "5e-2 fp16, 1e-1 bf16)")
     attention: Literal["auto", "fused", "plain"] = opt(
         "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
