@@ -1,8 +1,9 @@
 """The rollout's config sections: ``Sampling`` (temperature, top-k, top-p), shared by ``refit generate``, ``refit ppo``
 and ``refit distill``, and the one place a job's :class:`SamplingParams` is made (the engine's request record,
 defined here rather than in ``rollout/types.py`` so that every config imports without torch: a wrong flag is
-answered before the heavy imports); and ``RolloutSection``, the jobs' engines (backend, threads, weight pushes and
-the probe after each).
+answered before the heavy imports); ``RolloutSection``, the jobs' engines (backend, threads, weight pushes and
+the probe after each); and the lines of ``refit export`` and ``refit generate`` (``ExportConfig``, ``GenerateConfig``),
+parsed and checked here without torch (:func:`parse_export`, :func:`parse_generate`).
 
 Every job holds ``Sampling`` as a :data:`refit.core.parsing.FLAT` section, so its fields are spelled without a prefix:
 ``--temperature 0.7 --top_k 20`` on the command line, ``temperature: 0.7`` in YAML and in a saved
