@@ -26,9 +26,11 @@ QUIET_ENV = (
 # loggers lowered to errors: the ONNX exporter's registry says "torchvision is not installed. Skipping ..." for each
 # torchvision op it knows, 4 lines per export, though no language model uses one
 QUIET_LOGGERS = ("torch.onnx._internal.exporter._registration",)
-# Python warnings filtered: PEFT's notes on wrapping a model (fan_in_fan_out set for GPT-2's Conv1D, the tied head,
-# ...), said again for each of the learner's two PEFT models; Refit's LoRA settings are checked by its own config
-QUIET_WARNINGS = (r"peft(\..*)?",)
+# Python warnings filtered, (category, module): PEFT's notes on wrapping a model ("fan_in_fan_out is set to False but
+# the target module is `Conv1D`", "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"),
+# said again for each PEFT model a run builds, and transformers' deprecations of its own names that PEFT calls
+# ("`is_gradient_checkpointing` is deprecated"): nothing a Refit user can act on
+QUIET_WARNINGS = ((UserWarning, r"peft(\..*)?"), (FutureWarning, r"transformers(\..*)?"))
 
 
 def quiet(verbose: bool = False) -> None:
@@ -40,8 +42,8 @@ def quiet(verbose: bool = False) -> None:
         os.environ.setdefault(name, value)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    for module in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", module=module)
+    for category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
 
 
 def verbose() -> bool:

@@ -132,8 +132,14 @@ import json, logging, os, sys
 from refit.core.noise import quiet, verbose
 quiet(sys.argv[1] == "verbose")
 from transformers.utils import logging as tl
+import warnings
+with warnings.catch_warnings(record=True) as shown:  # the filters quiet() set, kept; what passes them, recorded
+    warnings.warn_explicit("peft's note", UserWarning, "layer.py", 1, module="peft.tuners.lora.layer")
+    warnings.warn_explicit("a deprecation", FutureWarning, "m.py", 1, module="transformers.modeling_utils")
+    warnings.warn_explicit("Refit's own", UserWarning, "lora.py", 1, module="refit.learner.run.lora")
 print(json.dumps([verbose(), tl.get_verbosity(), tl.is_progress_bar_enabled(),
-                  logging.getLogger("torch.onnx._internal.exporter._registration").getEffectiveLevel()]))
+                  logging.getLogger("torch.onnx._internal.exporter._registration").getEffectiveLevel(),
+                  [str(w.message) for w in shown]]))
 """
     got = {}
     for mode in ("quiet", "verbose"):
@@ -141,5 +147,6 @@ print(json.dumps([verbose(), tl.get_verbosity(), tl.is_progress_bar_enabled(),
                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         assert r.returncode == 0, r.stderr[-1000:]
         got[mode] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["quiet"] == [False, logging.ERROR, False, logging.ERROR]
+    assert got["quiet"] == [False, logging.ERROR, False, logging.ERROR, ["Refit's own"]]
     assert got["verbose"][:3] == [True, logging.WARNING, True] and got["verbose"][3] < logging.ERROR
+    assert got["verbose"][4] == ["peft's note", "a deprecation", "Refit's own"]
