@@ -33,9 +33,9 @@ class Machine:
 class Source:
     """The benchmark model and its engine."""
 
-    model: str = opt("", "HF checkpoint folder (default: build --geometry locally)")
+    model: str = opt("", "HF checkpoint folder (empty: build --geometry locally)")
     geometry: str = opt("gpt2-small", "local geometry to build when --model is not given")
-    engine: str = opt("", "engine folder (default: exported into --work_dir)")
+    engine: str = opt("", "engine folder (empty: exported into --work_dir)")
     repeats: int = opt(3, "timed repeats (median reported)")
 
 
@@ -118,13 +118,13 @@ class BenchGRPO(OnMachine):
 
     vs: str = opt("hf", "the baseline: 'trl' (TRL 1.16's GRPOTrainer, installed on first use into --trl_venv) or "
                         "'hf' (refit ppo with --rollout.backend hf)")
-    model_dir: str = opt("", "local HF folder, decoder-only, with a chat template (default: --geometry built locally)")
+    model_dir: str = opt("", "local HF folder, decoder-only, with a chat template (empty: --geometry built locally)")
     geometry: str = opt("small-gpt2", "built when --model_dir is not given (random weights, chat tokenizer): a local "
                                       "geometry (small-gpt2, tiny-gpt2, ...) or a published one by name "
                                       "(qwen2.5-0.5b, llama-3.2-1b, smollm2-135m, ...)")
     layers: int = opt(0, "a published geometry cut to this many layers (0: its published depth)")
     dataset: str = opt("", "jsonl with a prompt column and the reward's answer column "
-                           "(default: examples/trl_chat/data.jsonl)")
+                           "(empty: examples/trl_chat/data.jsonl)")
     prompts_per_step: int = opt(16, "prompts per optimizer step (one generation, one update)")
     num_generations: int = opt(8, "completions per prompt (the GRPO group)")
     max_completion_length: int = opt(128, "new tokens per completion at most")
@@ -156,12 +156,15 @@ class BenchGRPO(OnMachine):
 
 BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "grpo": BenchGRPO, "workers": BenchWorkers,
            "inflight": BenchInflight}
+# every bench by name -> its one-line help: the usage line, the list below it and "unknown bench" are made from this
+# (lora has its own parser, bench/lora.py: its stages run in child processes)
+HELP = {**{name: cls.__doc__.splitlines()[0] for name, cls in BENCHES.items()},
+        "lora": "LoRA at published geometries, full depth: export, adapter vs full push, GRPO steps"}
 
 
 def _usage() -> str:
-    lines = ["usage: refit bench {" + ",".join(BENCHES) + "} [options]", "", __doc__.splitlines()[0], "", "benches:"]
-    lines += [f"  {name:<10} {cls.__doc__.splitlines()[0]}" for name, cls in BENCHES.items()]
-    lines += [f"  {'lora':<10} LoRA at published geometries, full depth: export, adapter vs full push, GRPO steps"]
+    lines = ["usage: refit bench {" + ",".join(HELP) + "} [options]", "", __doc__.splitlines()[0], "", "benches:"]
+    lines += [f"  {name:<10} {help_}" for name, help_ in HELP.items()]
     return "\n".join(lines + ["", "Run 'refit bench <bench> --help' for its options."])
 
 
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "lora":  # its own argument parser: stages in child processes (bench/lora.py)
         return lora_main(argv[1:])
     if argv[0] not in BENCHES:
-        raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(BENCHES)}")
+        raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(HELP)}")
     which = argv[0]
     a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
     m = a.machine

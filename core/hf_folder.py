@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +28,32 @@ class ModelInfo:
     padding_side: str  # prompt / encoder padding side: left (decoder-only) or the tokenizer's own
 
 
+# owner/name as the Hub spells a repository id (Qwen/Qwen2.5-0.5B); a one-word id (gpt2) is told nothing more
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def looks_like_hub_id(name: str | Path) -> bool:
+    """``owner/name`` that is not on disk, and whose owner is not a local folder either (``models/tiny``, not
+    built yet, is a path)."""
+    s = str(name)
+    return bool(HUB_ID.fullmatch(s)) and not Path(s).exists() and not Path(s.partition("/")[0]).is_dir()
+
+
+def download_hint(name: str | Path) -> str:
+    """What to do with a model name that is not a local folder, said alike by the CLI and the TRL facade: Refit
+    downloads nothing; a Hub id also gets the command that fetches it on a connected machine."""
+    text = "Refit downloads nothing; give a save_pretrained folder (config.json, weights, tokenizer)"
+    if looks_like_hub_id(name):
+        local = f"models/{str(name).rpartition('/')[2]}"
+        text += f"; on a connected machine `hf download {name} --local-dir {local}` fetches one (huggingface_hub)"
+    return text
+
+
 def read_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
-        raise RefitError(f"model folder {path} does not exist")
+        hub = f" (a Hugging Face Hub id?): {download_hint(path)}" if looks_like_hub_id(path) else ""
+        raise RefitError(f"model folder {path} does not exist{hub}")
     if not path.is_dir():
         raise RefitError(f"{path} is not a folder (expected an HF checkpoint folder)")
     cfg_file = path / "config.json"

@@ -64,7 +64,8 @@ def _first(cfg, *names, default=0):
 def _params(model_dir: Path, text) -> int:
     """Parameters from the checkpoint files' size (safetensors or .bin) and the config's dtype."""
     size = sum(f.stat().st_size for pat in ("*.safetensors", "*.bin") for f in model_dir.glob(pat))
-    dtype = str(getattr(text, "torch_dtype", None) or getattr(text, "dtype", None) or "float32")
+    # dtype first: reading torch_dtype is deprecated in transformers 5 (a warning at each read)
+    dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
     return size // (2 if ("16" in dtype) else 4)
 
 

@@ -16,6 +16,13 @@ from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    print(build_model_cli(a.geometry, Path(a.out), a.seed, a.chat, a.overwrite))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """``refit build-model``'s flags (tests/test_readme_tour.py parses the tour's lines with it)."""
     p = argparse.ArgumentParser(prog="refit build-model", description=build_model.__doc__)
     p.add_argument("geometry", choices=sorted(GEOMETRIES), help="named model geometry")
     p.add_argument("-o", "--out", required=True, help="output checkpoint folder")
@@ -24,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "<|im_end|> added as special tokens)")
     p.add_argument("--overwrite", action="store_true", help="replace an HF model already in OUT (an engine or a run "
                                                             "folder is never written over)")
-    a = p.parse_args(argv)
-    print(build_model_cli(a.geometry, Path(a.out), a.seed, a.chat, a.overwrite))
-    return 0
+    return p
 
 
 def build_model_cli(geometry: str, out: Path, seed: int, chat: bool, overwrite: bool) -> Path:

@@ -17,20 +17,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dataclasses import dataclass
-from typing import Annotated, Literal
-
-import tyro
-
 from refit.core.errors import RefitError
 from refit.core.hf_folder import model_info
 from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_folder
 from refit.core.manifest import MANIFEST, Manifest
 from refit.core.memory import F32, available, engine_terms, geometry, refuse_if_over
-from refit.core.parsing import opt, parse
 from refit.export.guard import guard_engine, require_only_engine_files, require_tokenizer
 from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
 from refit.export.quantize import scheme_for
+from refit.rollout.config import ExportConfig, parse_export
 from refit.rollout.parity import int8_parity_gate, parity_gate
 from refit.rollout.tensorrt import build as trt_build  # its functions through the module: a test patches in a stand-in
 from refit.rollout.tensorrt.gate import build_gated
@@ -205,49 +200,12 @@ def plain_twin(model_dir: str | Path, engine_dir: str | Path, out: str | Path | 
 
 # ------------------------------------------------------------------------------------ refit export
 
-@dataclass(frozen=True)
-class ExportConfig:
-    """Export an HF checkpoint folder (any AutoModelForCausalLM or AutoModelForSeq2SeqLM whose forward keeps a
-    transformers Cache: GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, Phi, OPT, T5, BART, Marian, ...) to an engine
-    folder: ONNX graphs with a KV cache, refittable external weights, and manifest.json (I/O names, shape
-    profiles, HF->engine weight map, hashes, parity figures, what the probe found). A model without a capability
-    the engines need is refused in one line, before anything is written. Re-exporting the same weights with the
-    same options reuses the folder."""
-
-    model_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL_DIR")] = opt(
-        help_="HF checkpoint folder (config.json + model.safetensors + tokenizer)")
-    out: Annotated[str, tyro.conf.arg(aliases=["-o"])] = opt(
-        help_="engine folder to write (atomically: temp folder, then rename)")
-    backend: Literal["onnxruntime", "tensorrt", "onnx"] = opt(
-        "onnxruntime", "onnxruntime: ONNX graphs for ONNX Runtime; tensorrt: also build refittable TensorRT engines "
-                       "(needs TensorRT and an NVIDIA GPU); onnx: the old name of onnxruntime (deprecated)")
-    dtype: Literal["bf16", "fp16", "fp32"] = opt("fp32", "engine weight/activation precision")
-    max_batch: int = opt(64, "largest batch (rows) the engine accepts")
-    max_len: int = opt(512, "largest prompt + response length the engine accepts")
-    parity_tol: float | None = opt(None, "max |log-prob| difference engine vs PyTorch (default: 1e-4 fp32, "
-                                         "5e-2 fp16, 1e-1 bf16)")
-    attention: Literal["auto", "fused", "plain"] = opt(
-        "auto", "decoder attention: fused (ONNX Runtime GroupQueryAttention over one preallocated KV buffer per "
-                "layer, written in place), plain (standard ops; what TensorRT builds from), auto (fused where it "
-                "applies and passes the parity gate, else plain; recorded in the manifest)")
-    lora: tuple[str, ...] = opt((), "LoRA-ready engine: the layers these PEFT target_modules name ('all-linear' or "
-                                    "module names) take an adapter as bound inputs (off until pushed); empty: none")
-    quantize: Literal["none", "int8"] = opt(
-        "none", "int8: linear layers in int8 (ONNX Runtime CPU: MatMulInteger, per-column int8 weights, per-row int8 "
-                "activations; --backend tensorrt: weight-only int8 through DequantizeLinear, fp32 matmuls), weight "
-                "pushes re-quantized; parity-gated against PyTorch on the same quantized weights, the gap to fp32 "
-                "recorded in the manifest")
-    round_weights: Literal["none", "bf16"] = opt(
-        "none", "bf16: the checkpoint's weights rounded to bf16 values before the export (graphs stay --dtype): the "
-                "engine of a LoRA run with lora.base_dtype bf16, whose learner holds that base")
-    overwrite: bool = opt(False, "replace an engine folder exported from other weights (without it: refused); an "
-                                 "HF model or a run folder is never written over")
-
-
 def main(argv: list[str] | None = None) -> int:
-    a, _ = parse(ExportConfig, argv, "refit export")
-    if not a.out:
-        raise RefitError("give the engine folder to write: -o OUT_DIR")
+    return run_export(parse_export(argv))
+
+
+def run_export(a: ExportConfig) -> int:
+    """``refit export`` after :func:`~refit.rollout.config.parse_export` checked its command line (no torch)."""
     model_info(Path(a.model_dir))  # not a checkpoint, an unknown model type: said before the tokenizer
     require_tokenizer(a.model_dir)
     guard_engine(a.model_dir, a.out, a.overwrite)  # another model's engine, a model or a run: refused

@@ -9,55 +9,14 @@ JSON document on one line instead.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
-
-import tyro
 
 from refit.core.errors import RefitError
-from refit.core.integrity import read_text
 from refit.core.manifest import Manifest
-from refit.core.parsing import FLAT, opt, parse
 from refit.export.guard import require_intact
 from refit.export.onnx_export import weights_hash
-from refit.rollout.config import Sampling
+from refit.rollout.config import GenerateConfig, SamplingParams, parse_generate
 from refit.rollout.engine import create_engine
-
-
-@dataclass(frozen=True)
-class GenerateConfig:
-    """Sample completions from an engine folder (padded batch, per-token log-probs); prints each completion with
-    its mean log-prob under the policy at --temperature."""
-
-    engine_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="ENGINE_DIR")] = opt(
-        help_="engine folder written by `refit export` (manifest.json, graphs, tokenizer/)")
-    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction, tyro.conf.arg(metavar="TEXT")] = opt(
-        (), "a prompt; repeat the flag for a padded batch of several prompts")
-    prompts_file: Annotated[str, tyro.conf.arg(metavar="F")] = opt(
-        "", "a text file with one prompt per line (blank lines skipped)")
-    backend: Literal["onnxruntime", "torch", "tensorrt"] = opt(
-        "onnxruntime", "generation backend: onnxruntime (the engine's ONNX graphs), torch (reference: the HF source "
-                       "model of the engine), tensorrt (NVIDIA only)")
-    device: Literal["cpu", "cuda"] = opt("cpu", "onnxruntime execution device")
-    max_new_tokens: int = opt(32, "most tokens generated per completion")
-    sampling: Annotated[Sampling, FLAT] = opt(help_="", factory=Sampling)  # --temperature, --top_k, --top_p
-    greedy: bool = opt(False, "take the most likely token at every step (no sampling)")
-    n: int = opt(1, "completions per prompt")
-    seed: int | None = opt(None, "sampling seed (same seed, same tokens); default: random")
-    json: bool = opt(False, "print one JSON line with every completion instead of text")
-
-
-def _prompts(a) -> list[str]:
-    texts = list(a.prompt)
-    if a.prompts_file:
-        f = Path(a.prompts_file)
-        if not f.is_file():
-            raise RefitError(f"prompts file {f} does not exist")
-        texts += [line.rstrip("\n") for line in read_text(f, "prompts file").splitlines() if line.strip()]
-    if not texts:
-        raise RefitError("no prompts: give --prompt TEXT (repeatable) or --prompts-file F")
-    return texts
 
 
 def _tokenizer(engine_dir: Path):
@@ -100,15 +59,13 @@ def _records(batch, texts: list[str], tok) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a, _ = parse(GenerateConfig, argv, "refit generate")
-    engine_dir = Path(a.engine_dir)
-    try:
-        sampling = a.sampling.params(a.max_new_tokens, greedy=a.greedy, n=a.n, seed=a.seed)
-    except ValueError as e:
-        raise RefitError(str(e)) from None
-    texts = _prompts(a)
+    return run_generate(*parse_generate(argv))
 
-    m = Manifest.read(engine_dir)  # one clear line when the folder is not an engine
+
+def run_generate(a: GenerateConfig, sampling: SamplingParams, texts: list[str]) -> int:
+    """``refit generate`` after :func:`~refit.rollout.config.parse_generate` checked its command line (no torch)."""
+    engine_dir = Path(a.engine_dir)
+    m = Manifest.read(engine_dir)
     check_engine_for_generate(engine_dir, m, a.backend)
     tok = _tokenizer(engine_dir)
     kw = {"device": a.device} if a.backend == "onnxruntime" else {}

@@ -23,49 +23,7 @@ import torch
 
 from refit.core.manifest import Manifest
 from refit.core.padding import check_left_padded, check_right_padded, native_padding_side
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to decode. Processing order follows HF: the repetition penalty, then temperature, top-k, top-p, min-p
-    (refit.rollout.processors)."""
-
-    max_new_tokens: int = 32  # response length cap (Tr <= max_new_tokens)
-    temperature: float = 1.0  # logits / temperature before any truncation; > 0
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p (top token always kept); 1 = off
-    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability (after top-k/top-p); 0 = off
-    repetition_penalty: float = 1.0  # HF's: a seen token's logit x -> x / penalty (x > 0) or x * penalty; 1 = off
-    greedy: bool = False  # argmax of the logits; rollout_logprobs are then 0.0 (a point mass)
-    stop_ids: tuple[int, ...] = ()  # extra stop token ids besides the model's EOS
-    n: int = 1  # samples per prompt; rows are prompt-major
-    seed: int | None = None  # torch.Generator seed; None = nondeterministic
-    return_topk: int = 0  # k > 0: also return the top-k plain log-probs/ids per generated position
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
-        problems = [
-            (self.max_new_tokens < 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (not self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
-            (self.top_k < 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 = off), got {self.min_p}"),
-            (not self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got "
-                                              f"{self.repetition_penalty}"),
-            (self.n < 1, f"n (samples per prompt) must be >= 1, got {self.n}"),
-            (self.return_topk < 0, f"return_topk must be >= 0, got {self.return_topk}"),
-            (any(s < 0 for s in self.stop_ids), f"stop_ids must be token ids >= 0, got {self.stop_ids}"),
-        ]
-        for bad, msg in problems:
-            if bad:
-                raise ValueError(msg)
-
-    @property
-    def truncates(self) -> bool:
-        """True when the sampled distribution differs from plain softmax(logits / temperature): greedy, or a logit
-        processor on (top-k, top-p, min-p, a repetition penalty)."""
-        return (self.greedy or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-                or self.repetition_penalty != 1.0)
+from refit.rollout.config import SamplingParams  # noqa: F401 - the request record, kept torch-free in config.py
 
 
 @dataclass

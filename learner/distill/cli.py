@@ -26,14 +26,12 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.parsing import with_values
-from refit.learner.distill.config import DistillConfig
+from refit.learner.distill.config import DistillConfig, parse_distill
 from refit.learner.distill.cycle import run_distill
 from refit.learner.distill.evaluate import summary
 from refit.learner.builtin.distill_pair import build_all, build_models
-from refit.learner.run.config import _f, flat_names, parse_job
+from refit.learner.run.config import flat_names
 
-BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "
-                                            "this folder, print their paths as one JSON line and exit"))
 
 def report(s: dict) -> str:
     ratio = s["kl_end"] / s["kl_start"] if s.get("kl_start") else float("nan")
@@ -44,7 +42,11 @@ def report(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, opts = parse_job(DistillConfig, argv, "refit distill", options=(BUILD_MODELS,))
+    return run(*parse_distill(argv))
+
+
+def run(cfg: DistillConfig, opts) -> int:
+    """``refit distill`` after :func:`~refit.learner.distill.config.parse_distill` checked its line (no torch)."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.perf_counter()
     if opts.build_models:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
+from refit.core.hf_folder import read_config
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat)
+                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat, parse_job)
 from refit.rollout.config import RolloutSection, Sampling
 
 DISTILL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "ce", "topk_kl")
@@ -107,3 +109,17 @@ class DistillConfig:
             (self.scale.workers < 1, "scale.workers must be >= 1"),
             (self.scale.worker_cpus <= 0, "scale.worker_cpus must be > 0"),
         ])
+
+
+BUILD_MODELS = ("build_models", str, _f("", "only build the embedded teacher and student and their engines into "
+                                            "this folder, print their paths as one JSON line and exit"))
+
+
+def parse_distill(argv: list[str] | None) -> tuple[DistillConfig, SimpleNamespace]:
+    """``refit distill``'s flags and YAML, and the teacher and student folders it names read as checkpoints, all
+    without torch (the front door answers a wrong flag before the heavy imports)."""
+    cfg, opts = parse_job(DistillConfig, argv, "refit distill", options=(BUILD_MODELS,))
+    for section in (cfg.teacher, cfg.student):
+        if section.model_dir:
+            read_config(section.model_dir)  # missing, not a checkpoint, a Hub id: one line
+    return cfg, opts

@@ -6,10 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from refit.core.errors import RefitError
-from refit.learner.ppo.config import PPOConfig
+from refit.learner.ppo.config import PPOConfig, parse_ppo
 from refit.learner.ppo.cycle import run_ppo
-from refit.learner.run.config import parse_job
 from refit.learner.run.metrics import read_metrics
 
 
@@ -37,9 +35,11 @@ def summary(run_dir) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, opts = parse_job(PPOConfig, argv, "refit ppo")
-    if not cfg.model.model_dir:
-        raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
+    return run(*parse_ppo(argv))
+
+
+def run(cfg: PPOConfig, opts) -> int:
+    """``refit ppo`` after :func:`~refit.learner.ppo.config.parse_ppo` checked its line (no torch)."""
     run_dir = run_ppo(cfg, resume=opts.resume, overwrite=opts.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # [dist] under torchrun one summary line, from rank 0
         print(json.dumps(summary(run_dir)))

@@ -18,12 +18,15 @@ is refused with the field that does it (:data:`TRL_HINTS`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Annotated, ClassVar, Literal
 
+from refit.core.errors import RefitError
+from refit.core.hf_folder import read_config
 from refit.core.parsing import FLAT
 from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
-                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat)
+                                      OptimSection, RunSection, ScaleSection, _f, check, from_flat, parse_job)
 from refit.rollout.config import RolloutSection, Sampling
 
 
@@ -294,3 +297,14 @@ class PPOConfig:
              "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "
              "auto or torch: the policy with its adapter off)"),
         ])
+
+
+def parse_ppo(argv: list[str] | None) -> tuple[PPOConfig, SimpleNamespace]:
+    """``refit ppo``'s flags and YAML, and its policy folder read as a checkpoint (config.json, weights), all
+    without torch: the front door answers a wrong flag, bad YAML or a missing folder before the heavy imports,
+    and before a run folder is made."""
+    cfg, opts = parse_job(PPOConfig, argv, "refit ppo")
+    if not cfg.model.model_dir:
+        raise RefitError("--model.model_dir is required (a policy HF checkpoint folder); `refit demo` builds one for you")
+    read_config(cfg.model.model_dir)  # missing, not a checkpoint, a Hub id: one line
+    return cfg, opts

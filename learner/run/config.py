@@ -81,7 +81,7 @@ class ModelSection:
     """A model: its HF checkpoint folder and its engine folder."""
 
     model_dir: str = _f("", "HF checkpoint folder")
-    engine_dir: str = _f("", "engine folder (default: under OUTPUT_DIR; exported, or reused if from the same "
+    engine_dir: str = _f("", "engine folder (empty: under OUTPUT_DIR; exported, or reused if from the same "
                              "weights)")
 
 

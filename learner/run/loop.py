@@ -34,6 +34,7 @@ from typing import Any, Callable
 from refit.core.errors import RefitError
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.core.integrity import fault_point
+from refit.core.noise import verbose
 from refit.core.validate import validate
 from refit.learner.run.config import save_config
 from refit.learner.run.folder import claim, guard_engines, write_record
@@ -151,7 +152,9 @@ def _run_job(job: Job, cfg, resume: bool, log, overwrite: bool, hooks: StepHooks
             write_record(run_dir, record)  # a run that fails in setup leaves a folder known as a run (--overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     if main:
-        log(f"refit {job.name}: resolved config\n" + save_config(cfg, run_dir / "config.yaml").rstrip())
+        text = save_config(cfg, run_dir / "config.yaml").rstrip()  # the resolved config: on screen with --verbose
+        log(f"refit {job.name}: resolved config\n{text}" if verbose() else
+            f"refit {job.name}: resolved config in {run_dir / 'config.yaml'} (--verbose prints it)")
     state = job.setup(cfg, resume, log, dist)
     if main:
         write_record(run_dir, record)  # the folder is this run's from here on

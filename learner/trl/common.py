@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
+from refit.core.hf_folder import download_hint
 from refit.learner.builtin.demo import build_policy
 from refit.learner.run.chat import as_pairs
 from refit.learner.run.checkpoint import latest_checkpoint
@@ -194,8 +195,8 @@ def resolve_model(model: Any, processing_class: Any, folder: Path, role: str = "
     if isinstance(model, (str, Path)):
         path = Path(model)
         if not (path / "config.json").is_file():
-            raise RefitError(f"{role} {str(model)!r} is not a local checkpoint folder (no config.json): Refit "
-                             f"downloads nothing; give a save_pretrained folder, or {DEMO_CHAT_MODEL!r}")
+            raise RefitError(f"{role} {str(model)!r} is not a local checkpoint folder (no config.json): "
+                             f"{download_hint(model)}; or {DEMO_CHAT_MODEL!r}")
         if processing_class is not None:
             _same_tokenizer(processing_class, path)
         return str(path)
