@@ -23,6 +23,14 @@ def _run(model_dirs, engine_dirs, tmp_path, name: str, **over):
     return setup(PPOConfig.from_flat(**(base | over)), resume=False, log=lambda *_: None)
 
 
+def step_difference(w0, w1, w2) -> tuple[float, float]:
+    """(the largest element of step 1 (w1 - w0), the distance of the two steps relative to it in norm:
+    |(w1 - w0) - (w2 - w0)| / |w1 - w0| over every weight)."""
+    d1 = torch.cat([(a - z).flatten() for a, z in zip(w1, w0)])
+    d2 = torch.cat([(b - z).flatten() for b, z in zip(w2, w0)])
+    return float(d1.abs().max()), float((d1 - d2).norm() / d1.norm())
+
+
 def _step(run):
     """Step 1 of ``run``: (metrics, the policy's weights after it, policy forwards during it)."""
     calls = []
@@ -70,13 +78,13 @@ def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
     assert m1["ppo/ratio_max"] == 1.0  # the old log-probs ARE the update's (detached)
     if over.get("kl_coef"):
         assert abs(m1["kl/k1"]) <= 1e-6 and abs(m1["kl/exact"]) <= 1e-6  # KL(0): policy == reference at step 1
-    diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2))
-    moved = max(float((a - b).abs().max()) for a, b in zip(w1, [p.detach() for p in _run(
-        model_dirs, engine_dirs, tmp_path, "fresh", **over).policy.parameters()]))
+    w0 = [p.detach() for p in _run(model_dirs, engine_dirs, tmp_path, "fresh", **over).policy.parameters()]
+    moved, off = step_difference(w0, w1, w2)
     # the same (non-zero) step: oneDNN's fp32 sums (run.cpu_matmul auto) depend on a matmul's rows, so the scoring
     # pass (8 rows) and the micro-batches (2) differ in the last bits, which Adam's first step (g / (|g| + eps))
-    # magnifies on near-zero gradients: 1.2e-3 of the step measured; a wrong step differs by O(moved)
-    assert moved > 1e-4 and diff < 5e-3 * moved
+    # magnifies on near-zero gradients (one element's max difference: 1.2e-3 of the step on an AMD EPYC, 7.3e-3 on an
+    # Intel Xeon); the steps' relative distance in norm is the measure, a wrong step differs by O(1)
+    assert moved > 1e-4 and off < 1e-2, (moved, off)
 
 
 def test_reference_always_logs_kl_at_zero_coef(model_dirs, engine_dirs, tmp_path):
@@ -148,9 +156,12 @@ def test_uneven_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path
     """3 rows per forward over 8 rows (3 + 3 + 2): the loss is normalised by the batch's tokens, so the step is the
     two-pass step's."""
     over = dict(kl_coef=0.1, kl_estimator="k3", gradient_accumulation_steps=1, micro_batch_rows=3)  # both paths
-    m1, w1, n1 = _step(_run(model_dirs, engine_dirs, tmp_path, "uneven", **over))
+    first = _run(model_dirs, engine_dirs, tmp_path, "uneven", **over)
+    w0 = [p.detach().clone() for p in first.policy.parameters()]
+    m1, w1, n1 = _step(first)
     m2, w2, _ = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
     for key in ("ppo/pg_loss", "ppo/entropy", "kl/k3", "ppo/kl_loss"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
-    assert max(float((a - b).abs().max()) for a, b in zip(w1, w2)) < 1e-6
+    moved, off = step_difference(w0, w1, w2)  # (max element difference 1.16e-6 on an Intel Xeon, 1e-6 before)
+    assert moved > 1e-4 and off < 1e-2, (moved, off)
     assert n1 == 3  # three forwards (the push is checked on the next rollout: probe_on_rollout)
