@@ -186,6 +186,7 @@ def _check_side(side: dict, phases: set[str], steps: int = 2, rounds: int = 1, m
     assert side["peak_rss_gb"] > 0.1 and len(side["peak_rss_gb_by_round"]) == rounds  # a Python with torch
 
 
+@pytest.mark.slow  # CI's budget: two training runs in child processes, 39 s in CI; the bench's aligned flags stay in the fast suite
 def test_bench_grpo_vs_hf_json(tmp_path):
     """Without --vs trl: refit ppo (GRPO, engine rollouts) against the same learner with HF generate() rollouts,
     each a child process; the engine is exported once and reused by the Refit run."""

@@ -247,6 +247,7 @@ def test_distill_default_end_to_end_short(default_run):
     assert (out / "models" / "teacher_engine" / "manifest.json").exists()
 
 
+@pytest.mark.slow  # CI's budget: a script's whole default run (the slow suite smoke-runs it); 89 s in CI
 def test_distill_batch_script_smoke(default_run, tmp_path):
     """All five default configs, 2 steps each, on the default run's teacher/student and engines (no rebuild)."""
     out = tmp_path / "batch"

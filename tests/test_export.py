@@ -68,7 +68,8 @@ def test_capabilities_found_by_the_probe(engine_dirs, arch):
     assert ("final_logits_bias" in m.weight_map) == caps.final_logits_bias
 
 
-@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in ("tiny-bart", "tiny-marian") else a
+                                  for a in FAMILY_ARCHS])  # CI's budget: T5 stands for the encoder-decoders there
 def test_trt_cpu_checks_pass(plain_engine_dirs, arch):
     """refit.rollout.tensorrt.check on each family's graphs: supported ops, covered profiles, 1:1 weight map (the
     standard-op graphs TensorRT builds from; the default decoder-only export is the fused one)."""

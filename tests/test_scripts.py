@@ -28,6 +28,7 @@ def test_help(script):
     assert r.returncode == 0 and ("usage" in r.stdout.lower() or "install" in r.stdout.lower()), r.stdout + r.stderr
 
 
+@pytest.mark.slow  # CI's budget: a script's whole default run (the slow suite smoke-runs it); 45 s in CI
 def test_export_script_default(tmp_path):
     r = _run("export.sh", "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -36,6 +37,7 @@ def test_export_script_default(tmp_path):
         assert m["parity"]["max_abs_logprob_diff"] < 1e-4
 
 
+@pytest.mark.slow  # CI's budget: a script's whole default run (the slow suite smoke-runs it); 22 s in CI
 def test_train_ppo_script_default(tmp_path):
     r = _run("train_ppo.sh", "-o", str(tmp_path), "--run.steps", "2", "--run.batch_size", "4", "--num_generations", "2",
              "--advantage_estimator", "gae",
@@ -67,6 +69,7 @@ def test_unknown_argument_is_one_line(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--bogus" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # CI's budget: a script's whole default run (the slow suite smoke-runs it); 19 s in CI
 def test_bench_latency_script_tiny(tmp_path):
     r = _run("bench_latency.sh", "--batch-sizes", "1", "--geometry", "tiny-gpt2", "--work-dir", str(tmp_path),
              "--new-tokens", "3", "--prompt-len", "4", "--repeats", "1")

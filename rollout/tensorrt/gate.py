@@ -69,7 +69,8 @@ def build_gated(engine_dir: str | Path, log=print, gate: bool | None = None, **k
     before = Manifest.read(engine_dir).tensorrt
     records = trt_build.build_engines(engine_dir, log=log, **kw)
     host = bool(getattr(trt_build.require_tensorrt(), "HOST_EXECUTION", False))
-    if records == before or not (gate if gate is not None else not host):
+    built = kw.get("force", False) or records != before  # forced plans are new even when their record reads the same
+    if not built or not (gate if gate is not None else not host):
         return records
     try:
         plan_parity_gate(engine_dir, device="cpu" if host else "cuda", log=log)
