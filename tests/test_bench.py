@@ -63,6 +63,7 @@ def test_bench_generate_encoder_decoder(tmp_path):
     assert out["onnxruntime_attention"] == "fused"
 
 
+@pytest.mark.slow  # CI's budget (22 s in CI); bench generate and bench ppo stay in the fast suite
 def test_bench_generate_quantized_json(tmp_path):
     """--quantize int8: the int8 engine vs the fp32 engine vs HF generate(), the log-prob gap, the push times."""
     out = _bench(tmp_path, "generate", "--batch-sizes", "1,2", "--new-tokens", "4", "--prompt-len", "8",
@@ -113,6 +114,7 @@ def test_bench_ppo_grpo_with_shards_json(tmp_path):
     assert set(out["phases_s"]) == {"onnxruntime", "hf"}
 
 
+@pytest.mark.slow  # CI's budget (17 s in CI); bench generate and bench ppo stay in the fast suite
 def test_bench_inflight_json(tmp_path):
     out = _bench(tmp_path, "inflight", "--rows", "12", "--slots", "4", "--new-tokens", "12", "--prompt-len", "6",
                  "--stop-frac", "0.2")
