@@ -30,22 +30,13 @@ import threading
 import time
 from pathlib import Path
 
+from refit.bench.trl_best import status_gb  # the /proc memory reader both child watches use
+
 STAGES = ("export", "push", "grpo", "full")
 
 
 def _slug(name: str) -> str:
     return name.lower().replace(" ", "-").replace(".", "")
-
-
-def _anon_gb(pid: int) -> float:
-    """A process's anonymous resident memory (RssAnon), GB; 0 when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
 
 
 def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[int, float, float, str]:
@@ -57,7 +48,7 @@ def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[
 
     def watch():
         while proc.poll() is None:
-            if cap_gb is not None and _anon_gb(proc.pid) > cap_gb:
+            if cap_gb is not None and status_gb(proc.pid, "RssAnon") > cap_gb:
                 capped.append(True)
                 proc.kill()
                 return

@@ -41,11 +41,12 @@ def candidates(rows: int, fp32: bool) -> list[tuple[str, dict]]:
     return out
 
 
-def _rss_gb(pid: int) -> float:
-    """The resident set of process ``pid`` in GB (0 when it is gone)."""
+def status_gb(pid: int, field: str) -> float:
+    """A memory figure of process ``pid`` from ``/proc/PID/status`` (``VmRSS``, ``RssAnon``, ...), GB; 0 when it is
+    gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
@@ -62,7 +63,7 @@ def run_capped(cmd: list[str], log_file: Path, env: dict, memory_gb: float) -> t
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            if _rss_gb(proc.pid) > memory_gb:
+            if status_gb(proc.pid, "VmRSS") > memory_gb:
                 over = True
                 proc.send_signal(signal.SIGKILL)
             time.sleep(0.5)
