@@ -257,7 +257,8 @@ def test_ppo_with_lora_kl0_adapter_only_checkpoint_and_exact_resume(model_dirs, 
     """KL(0) <= 1e-6 with the reference on the engine's adapter-off view; the optimizer holds only the adapter;
     a checkpoint holds the adapter folder only; a run stopped at step 2 and resumed logs what the uninterrupted
     run logs."""
-    from refit.learner.ppo.cycle import experience, run_ppo, setup
+    from refit.learner.ppo.cycle import run_ppo, setup
+    from refit.learner.ppo.route import experience
 
     run = setup(_cfg(model_dirs, tmp_path / "s"), resume=False, **QUIET)
     assert run.ref_engine is not None and run.ref_engine.sessions is run.engine.sessions.raw  # one copy of the base
@@ -308,7 +309,8 @@ def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
     its engine (final_engine)."""
     from transformers import AutoModelForCausalLM
 
-    from refit.learner.ppo.cycle import experience, run_ppo, setup
+    from refit.learner.ppo.cycle import run_ppo, setup
+    from refit.learner.ppo.route import experience
     from refit.learner.run.lora import AdapterOff, fp32_compute
 
     kw = {"lora.base_dtype": "bf16", "lora.target_modules": ("all-linear", "lm_head"),

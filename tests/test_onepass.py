@@ -1,7 +1,7 @@
 """The one-pass update (learner/ppo/onepass.py) against the two-pass update it replaces: the same step taken from
 the same rollout (metrics, loss terms, updated weights) within fp32 summation noise, with gradient accumulation,
-with and without a reference, with the reference scored ahead on the engine's threads or inline; KL(0) = 0; and the
-rule that says when a step may run in one pass."""
+with and without a reference, with the reference scored ahead on the engine's threads or inline; KL(0) = 0; the
+rule that says when a run streams, and the update route (refit.learner.ppo.route) setup picks, with its reason line."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import torch
 
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import setup, train_step, update_settings
-from refit.learner.ppo.onepass import streamable
+from refit.learner.ppo.route import ScoreThenUpdate, SinglePassUpdate, StreamingUpdate, choose_route
 
 
-def _run(model_dirs, engine_dirs, tmp_path, name: str, **over):
+def _run(model_dirs, engine_dirs, tmp_path, name: str, log=lambda *_: None, **over):
     base = dict(model_dir=str(model_dirs["tiny-gpt2"]), engine_dir=str(engine_dirs["tiny-gpt2"]),
                 output_dir=str(tmp_path / name), steps=2, batch_size=4, num_generations=2,
                 advantage_estimator="grpo", num_mini_batches=1, num_ppo_epochs=1, response_length=6, probe_size=2,
                 progress=False, tensorboard=False, plots=False, num_prompts=16, max_operand=9, learning_rate=1e-3,
                 kl_coef=0.0, kl_penalty="loss", gradient_accumulation_steps=4,
                 reward="refit.learner.builtin.tasks:length_reward")  # varied rewards: a non-zero step
-    return setup(PPOConfig.from_flat(**(base | over)), resume=False, log=lambda *_: None)
+    return setup(PPOConfig.from_flat(**(base | over)), resume=False, log=log)
 
 
 def step_difference(w0, w1, w2) -> tuple[float, float]:
@@ -58,10 +58,14 @@ def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
     """The same step through one pass (old log-probs from the update's forward, 4 micro-batches) and through a
     scoring pass + the update: equal metrics and weights, GA + chunks forwards fewer, ratio exactly 1."""
     over = CASES[case]
-    one = _run(model_dirs, engine_dirs, tmp_path, "one", **over)
-    assert streamable(one.cfg, update_settings(one.cfg, one.kl.value, False), False, one.kl.value)
+    lines = []
+    one = _run(model_dirs, engine_dirs, tmp_path, "one", log=lines.append, **over)
+    assert isinstance(one.route, StreamingUpdate)
+    assert [ln for ln in lines if "update route" in ln] == [f"refit ppo: update route one-pass streaming ({one.route.why})"]
+    two = _run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over)
+    assert isinstance(two.route, ScoreThenUpdate) and two.route.why == "single_pass false"
     m1, w1, n1 = _step(one)
-    m2, w2, n2 = _step(_run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over))
+    m2, w2, n2 = _step(two)
     assert n1 == 4 and n2 == 5  # two-pass: one scoring forward (8 rows, one chunk) more than the 4 micro-batches
     assert m1["time/score"] == 0.0 and m2["time/score"] > 0.0
     keys = ["ppo/pg_loss", "ppo/approx_kl", "ppo/clipfrac", "ppo/entropy", "policy/entropy", "reward/mean",
@@ -113,8 +117,53 @@ def test_streamable_rule(over, expected):
                                       num_ppo_epochs=1, kl_coef=0.0, kl_penalty="loss",
                                       gradient_accumulation_steps=4) | over))
     s = update_settings(cfg, cfg.kl_coef, False)
-    assert streamable(cfg, s, False, cfg.kl_coef) is expected
-    assert not streamable(cfg, s, True, cfg.kl_coef)  # torchrun: never
+    assert isinstance(choose_route(cfg, s, False, cfg.kl_coef), StreamingUpdate) is expected
+    assert isinstance(choose_route(cfg, s, True, cfg.kl_coef), ScoreThenUpdate)  # torchrun: never one pass
+
+
+ROUTES = {  # config -> (route, its reason line as setup logs it)
+    "demo": (ScoreThenUpdate, "refit ppo: update route score-then-update (2 PPO epochs, 2 minibatches)"),
+    "grpo": (StreamingUpdate, "refit ppo: update route one-pass streaming (grpo: no value head, 1 epoch, 1 minibatch, "
+                              "no reference scored at kl_coef 0)"),
+    "gae": (SinglePassUpdate, "refit ppo: update route single pass (1 epoch, 1 minibatch, no accumulation; not "
+                              "streamed: a value head (gae: the advantages need every row's values), the KL penalty "
+                              "in the reward at 0.05)"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_route_chosen_once_with_its_reason(name):
+    """The route setup picks (and the line it logs) for the demo's PPO config (GAE, 2 epochs x 2 minibatches), TRL's
+    GRPOConfig defaults through the facade (beta 0, num_iterations 1) and a PPO config with a value head at one
+    epoch and one minibatch (PPOConfig's defaults otherwise: the KL penalty in the reward)."""
+    from pathlib import Path
+
+    from refit.learner.builtin.demo import DemoConfig, ppo_config
+    from refit.learner.trl.grpo import GRPOConfig, to_ppo_config
+
+    cfg = {"demo": lambda: ppo_config(DemoConfig(), Path("policy")),
+           "grpo": lambda: to_ppo_config(GRPOConfig(output_dir="out", max_steps=10), "model"),
+           "gae": lambda: PPOConfig.from_flat(advantage_estimator="gae", num_ppo_epochs=1, num_mini_batches=1)}[name]()
+    route = choose_route(cfg, update_settings(cfg, cfg.kl_coef, False), False, cfg.kl_coef)
+    kind, line = ROUTES[name]
+    assert type(route) is kind and f"refit ppo: update route {route.name} ({route.why})" == line
+
+
+def test_route_declines_a_step_it_cannot_take():
+    """Step-time conditions: the single pass declines a batch over one forward's rows; streaming with an adaptive KL
+    coefficient in the reward declines once the coefficient is not 0; the others take every step."""
+    from dataclasses import replace
+
+    gae = PPOConfig.from_flat(advantage_estimator="gae", num_ppo_epochs=1, num_mini_batches=1)
+    s = replace(update_settings(gae, gae.kl_coef, False), micro_rows=8)
+    single = choose_route(gae, s, False, gae.kl_coef)
+    assert single.declines(s, 8, gae.kl_coef) is None and "16 rows" in single.declines(s, 16, gae.kl_coef)
+    assert choose_route(gae, replace(s, gradient_accumulation_steps=2), False, 0.05).declines(s, 16, 0.05) is None
+    rloo = PPOConfig.from_flat(advantage_estimator="rloo", num_generations=2, num_ppo_epochs=1, num_mini_batches=1,
+                               kl_coef=0.0, adap_kl_ctrl=True)
+    stream = choose_route(rloo, update_settings(rloo, 0.0, False), False, 0.0)
+    assert isinstance(stream, StreamingUpdate) and "adaptive KL re-checked each step" in stream.why
+    assert stream.declines(s, 64, 0.0) is None and "adaptive KL coefficient is 0.01" in stream.declines(s, 64, 0.01)
 
 
 def test_micro_rows_at_qwen25_05b_full_depth(tmp_path):

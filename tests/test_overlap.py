@@ -155,9 +155,9 @@ def test_staleness_bound_is_enforced(model_dirs, engine_dirs, tmp_path):
             with pytest.raises(RefitError, match=rf"stale rollout: .* {lag} pushes behind, rollout.max_staleness "
                                                  r"allows 0 to 1"):
                 train_step(run, 1, log=lambda *_: None)
-            run.data_position = 0
+            run.state.data_position = 0
         assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))  # nothing updated
-        run.cfg = replace(run.cfg, rollout=replace(run.cfg.rollout, max_staleness=2))
+        run = replace(run, cfg=replace(run.cfg, rollout=replace(run.cfg.rollout, max_staleness=2)))
         run.ahead.restore(1, replace(batch, weights_version=run.sync.version - 2))
         assert train_step(run, 1, log=lambda *_: None)["mismatch/version_lag"] == 2
     finally:

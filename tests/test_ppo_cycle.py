@@ -6,13 +6,15 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from refit.core.errors import RefitError
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.ppo.cycle import experience, run_ppo, setup, train_step
+from refit.learner.ppo.cycle import run_ppo, setup, train_step
+from refit.learner.ppo.route import experience
 from refit.learner.run.metrics import read_metrics
 from refit.learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
 from refit.learner.ppo.update import UpdateSettings, ppo_update, score_batch
@@ -262,7 +264,7 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
     def nan_reward(prompts, completions):
         return [float("nan")] * len(completions)
 
-    run.reward_fn = nan_reward
+    run = replace(run, reward_fn=nan_reward)  # the run's fixed part is frozen: a new one around the same state
     with pytest.raises(RefitError, match="reward function 'nan_reward' returned nan for row 0"):
         train_step(run, 2, log=lambda *_: None)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]

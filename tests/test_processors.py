@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from refit.learner.ppo.cycle import experience, setup
+from refit.learner.ppo.cycle import setup
+from refit.learner.ppo.route import experience
 from refit.learner.run.policy import response_forward
 from refit.rollout.engine import create_engine, pad_prompts
 from refit.rollout.processors import (SeenTokens, min_p_filter, process_logits, repetition_penalty,

@@ -187,7 +187,8 @@ def _ppo_cfg(model_dirs, engine_dir, out, **kw):
 def test_kl_is_zero_at_step_zero_with_int8_policy_engine(int8_dirs, model_dirs, tmp_path, ref_backend):
     """The rollout runs in int8, the reference and the KL in fp32 (PyTorch, or an fp32 engine beside the int8 one):
     every KL estimator is 0 within 1e-6 at step 0, the mismatch is named 'precision', TIS is on by default."""
-    from refit.learner.ppo.cycle import experience, setup
+    from refit.learner.ppo.cycle import setup
+    from refit.learner.ppo.route import experience
     from refit.learner.ppo.mismatch import name_mismatch
 
     cfg = _ppo_cfg(model_dirs, int8_dirs["tiny-gpt2"], tmp_path / "run", batch_size=8, ref_backend=ref_backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def test_classifier_reward_enters_ppo(model_dirs, engine_dirs, classifier_dir, t
     assert isinstance(named.fn, ClassifierReward) and named.name == "classifier"
     seen = []
     inner = named.fn
-    run.reward_fn = lambda p, r: seen.append((p, r, inner(p, r))) or seen[-1][2]
+    run = replace(run, reward_fn=lambda p, r: seen.append((p, r, inner(p, r))) or seen[-1][2])
     m = train_step(run, 1, log=lambda *_: None)
     (prompts, responses, scores), = seen
     assert scores == pytest.approx(_one_by_one(classifier_dir, [p + r for p, r in zip(prompts, responses)]), abs=1e-5)

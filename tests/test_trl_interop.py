@@ -185,7 +185,8 @@ def _chat_cfg(chat_model_dir, chat_engine_dir, data, out, **kw):
 
 
 def test_kl_zero_at_step_zero_with_chat_template_and_top_p(chat_model_dir, chat_engine_dir, tmp_path, chat_tok):
-    from refit.learner.ppo.cycle import experience, setup
+    from refit.learner.ppo.cycle import setup
+    from refit.learner.ppo.route import experience
     from refit.rollout.types import SamplingParams
 
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(8))
@@ -206,7 +207,8 @@ def test_grpo_experience_advantages_are_the_group_formula(chat_model_dir, chat_e
     """At step 0 policy == reference, so the KL penalty is 0 and the advantage of every token of a row is
     GRPO's (score - group mean) / (group std + 1e-4); no value head is used."""
     from refit.learner.losses import grpo_advantages
-    from refit.learner.ppo.cycle import experience, setup
+    from refit.learner.ppo.cycle import setup
+    from refit.learner.ppo.route import experience
     from refit.rollout.types import SamplingParams
 
     data = _write_jsonl(tmp_path / "d.jsonl", _chat_rows(8))

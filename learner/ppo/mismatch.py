@@ -109,9 +109,9 @@ def warn_small_tis_weights(run, step: int, stats: dict[str, float], sampling, lo
     ``tis_warn_below``: with top-k/top-p the sampler's probabilities exceed the policy's, so the weights
     ``pi/q`` are small by construction and the update is scaled down by their mean."""
     scale = stats.get("mismatch/tis_grad_scale")
-    if scale is None or scale >= run.cfg.tis_warn_below or run.tis_warned:
+    if scale is None or scale >= run.cfg.tis_warn_below or run.state.tis_warned:
         return
-    run.tis_warned = True
+    run.state.tis_warned = True
     why = (f"top_k={sampling.top_k}, top_p={sampling.top_p}, min_p={sampling.min_p}, repetition_penalty="
            f"{sampling.repetition_penalty} process the sampler" if sampling.truncates
            else "the engine and the learner disagree")

@@ -31,11 +31,12 @@ def overlap_threads(cfg: PPOConfig, log=print) -> tuple[PPOConfig, int]:
     return replace(cfg, rollout=replace(cfg.rollout, engine_threads=engine_threads)), learner_threads
 
 
-def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, device, main: bool):
+def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, device, main: bool, kl_coef: float):
     """The PyTorch reference: for the loss's exact KL, and for scoring when no reference engine does (``main``: the
     process that scores); a LoRA policy's is itself with the adapter off (the base, held once). None when no step
-    scores a reference (kl_coef 0 under reference auto: TRL's GRPO at beta 0 loads none either) or an engine does."""
-    wanted = needs_reference(cfg, cfg.kl_coef) and ((cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact")
+    scores a reference (``kl_coef`` 0, the run's starting coefficient, under reference auto: TRL's GRPO at beta 0
+    loads none either) or an engine does."""
+    wanted = needs_reference(cfg, kl_coef) and ((cfg.kl_penalty == "loss" and cfg.kl_estimator == "exact")
                                                     or (main and not ref_on_engine(cfg)))
     if not wanted:
         return None

@@ -3,8 +3,9 @@ micro-batch, and the reference is scored per micro-batch (on a thread one micro-
 
 With one epoch and one minibatch the update's forward of a row runs before the only optimizer step, so its
 log-probs ARE the pre-update ("old") ones: TRL's GRPO takes them the same way (``old_per_token_logps =
-per_token_logps.detach()`` at ``num_iterations`` 1). :func:`streamable` says when a step can run so, written case by
-case; everything else keeps the separate scoring pass (:func:`refit.learner.ppo.update.make_experience`):
+per_token_logps.detach()`` at ``num_iterations`` 1). The run takes this route when its config allows it
+(refit.learner.ppo.route.StreamingUpdate, chosen once by ``choose_route``); everything else keeps the separate scoring
+pass (:func:`refit.learner.ppo.update.make_experience`):
 
 - a value head (GAE): the advantages need every row's values before any row's loss;
 - several epochs or minibatches: later passes need the pre-update log-probs of rows already stepped on;
@@ -32,16 +33,7 @@ from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, corr
 from refit.learner.run.policy import response_forward, vocab_size
 
 
-def streamable(cfg, s: UpdateSettings, distributed: bool, kl_coef: float) -> bool:
-    """True when the step can take its old log-probs from the update's forward, micro-batch by micro-batch (the
-    cases in this module's docstring)."""
-    return (cfg.single_pass and s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and not s.use_critic
-            and not (cfg.kl_penalty == "reward" and needs_reference(cfg, kl_coef))
-            and cfg.correction != "seq_mask" and not cfg.lora.dropout > 0 and not distributed
-            and not s.autocast_bf16 and _streamable_loss(s))
-
-
-def _streamable_loss(s: UpdateSettings) -> bool:
+def streamable_loss(s: UpdateSettings) -> bool:
     """The loss splits over any rows in batch order: not TRL's ``bnpo``, entropy mask or entropy bonus, whose
     normalisers are those of TRL's gradient-accumulation slices (learner/ppo/objective.py)."""
     return s.loss_type == "token" or (s.loss_type != "bnpo" and s.top_entropy_quantile >= 1 and not s.entropy_coef)
@@ -50,17 +42,18 @@ def _streamable_loss(s: UpdateSettings) -> bool:
 class ReferenceAhead:
     """The reference's logits of each micro-batch, scored one micro-batch ahead of the learner: on a thread when the
     reference is an engine (ONNX Runtime releases the GIL, so it runs on the engine's threads while the learner's
-    forward and backward run on PyTorch's), inline for a PyTorch reference (one thread pool; nothing to overlap)."""
+    forward and backward run on PyTorch's), inline for a PyTorch reference (one thread pool; nothing to overlap).
+    Scored at the temperature the rollout was sampled at (``rollout.sampling``)."""
 
-    def __init__(self, ref, rollout, rows: list[slice], temperature: float, vocab: int, ahead: bool):
-        self.ref, self.rollout, self.rows, self.temperature, self.vocab = ref, rollout, rows, temperature, vocab
+    def __init__(self, ref, rollout, rows: list[slice], vocab: int, ahead: bool):
+        self.ref, self.rollout, self.rows, self.vocab = ref, rollout, rows, vocab
         threaded = ahead and not isinstance(ref, torch.nn.Module)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="refit-ref") if threaded else None
         self.pending: dict[int, Future] = {}
         self._submit(0)
 
     def _score(self, j: int) -> torch.Tensor:
-        return reference_logits(self.ref, self.rollout, self.rows[j], self.temperature, self.vocab)
+        return reference_logits(self.ref, self.rollout, self.rows[j], self.vocab)
 
     def _submit(self, j: int) -> None:
         if self.pool is not None and j < len(self.rows):
@@ -98,7 +91,7 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     exp, adv_stats = _experience_shell(cfg, rollout, scores, per_func)
     rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
     with_ref = needs_reference(cfg, kl_coef)
-    refs = (ReferenceAhead(ref, rollout, rows, s.temperature, vocab_size(model), cfg.reference_ahead)
+    refs = (ReferenceAhead(ref, rollout, rows, vocab_size(model), cfg.reference_ahead)
             if with_ref else None)
     n_tokens = exp.mask.sum().clamp(min=1.0)
     norm = n_tokens if s.loss_type == "token" else Norm(tokens=n_tokens, dapo_tokens=n_tokens, seqs=b,
@@ -159,4 +152,4 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None 
     return exp, {**{f"advantage/{k}": float(v) for k, v in gstats.items()}, **trunc_stats}
 
 
-__all__ = ["ReferenceAhead", "onepass_update", "streamable"]
+__all__ = ["ReferenceAhead", "onepass_update", "streamable_loss"]

@@ -52,15 +52,16 @@ class Scored:
     exact_kl: torch.Tensor | None  # KL(pi || ref) over the full vocabulary; >= 0 by construction
 
 
-def engine_ref_logprobs(ref_engine, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
-    """(b, Tr, V) reference log-probs of rows ``s`` at ``temperature``, scored on a frozen reference engine.
+def engine_ref_logprobs(ref_engine, batch, s: slice, vocab: int) -> torch.Tensor:
+    """(b, Tr, V) reference log-probs of rows ``s`` at the batch's sampling temperature, scored on a frozen reference
+    engine.
 
     ``Engine.score`` with ``topk = V`` returns every token's plain log-prob in vocabulary order (no sort,
     see :class:`refit.rollout.types.ScoreResult`). Same padding and positions as the learner's forward (the
     engine's padding rule), so at step 0 they equal the policy's up to the engine's parity (1e-4 gate; ~1e-7 in fp32).
     """
     out = ref_engine.score(batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
-                           batch.response_mask[s], temperature=temperature, topk=vocab)
+                           batch.response_mask[s], temperature=batch.sampling.temperature, topk=vocab)
     return out.topk_logprobs
 
 
@@ -70,10 +71,12 @@ def score_chunks(rows: int, chunk: int = SCORE_ROWS) -> list[slice]:
 
 
 @torch.no_grad()
-def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: float, chunk: int = SCORE_ROWS,
+def score_batch(model, value_head: ValueHead, ref_model, batch, chunk: int = SCORE_ROWS,
                 policy_out: ForwardOut | None = None, ref_ahead=None) -> Scored:
     """Everything the PPO step needs from the learner, from ONE policy and ONE reference forward per chunk.
 
+    ``batch``: a :class:`refit.rollout.types.RolloutBatch`; scored at the temperature it was sampled at
+    (``batch.sampling.temperature``: the learner's log-probs are the sampler's distribution before truncation).
     Same inputs (padding, positions, temperature) as :func:`learner_view`, which it equals
     field by field; the exact KL is taken from the same logits instead of two extra forwards.
     ``ref_model`` is the frozen reference as a PyTorch module, or an Engine over the reference's
@@ -86,6 +89,7 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
     (refit.learner.ppo.onepass.ReferenceAhead over :func:`score_chunks`; ``take(j)``: chunk ``j``'s).
     """
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "v", "ent", "ref", "kl")}
+    temperature = batch.sampling.temperature
     for j, s in enumerate(score_chunks(batch.num_rows, chunk)):
         args = (batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s], batch.is_seq2seq, temperature)
         if policy_out is None:
@@ -96,7 +100,7 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
         ref = None
         if ref_model is not None:  # scored beside the policy's forward already (ref_ahead), else now
             ref = (ref_ahead.take(j) if ref_ahead is not None
-                   else reference_logits(ref_model, batch, s, temperature, pol.logits.shape[-1])).to(pol.logits.device)
+                   else reference_logits(ref_model, batch, s, pol.logits.shape[-1])).to(pol.logits.device)
         ids = batch.response_ids[s].to(pol.logits.device)
         st = L.token_stats(pol.logits, ids, ref)  # token-chunked: (b, chunk, V) temporaries only
         parts["lp"].append(st.logprobs.cpu())
@@ -111,13 +115,13 @@ def score_batch(model, value_head: ValueHead, ref_model, batch, temperature: flo
 
 
 @torch.no_grad()
-def reference_logits(ref_model, batch, s: slice, temperature: float, vocab: int) -> torch.Tensor:
-    """(b, Tr, V) reference logits of rows ``s`` at ``temperature``: a PyTorch reference's forward, or an engine's
-    full-vocabulary log-probs (:func:`engine_ref_logprobs`; log_softmax of log-probs is themselves)."""
+def reference_logits(ref_model, batch, s: slice, vocab: int) -> torch.Tensor:
+    """(b, Tr, V) reference logits of rows ``s`` at the batch's sampling temperature: a PyTorch reference's forward,
+    or an engine's full-vocabulary log-probs (:func:`engine_ref_logprobs`; log_softmax of log-probs is themselves)."""
     if isinstance(ref_model, torch.nn.Module):
         return response_forward(ref_model, batch.prompt_ids[s], batch.prompt_mask[s], batch.response_ids[s],
-                                batch.is_seq2seq, temperature).logits
-    return engine_ref_logprobs(ref_model, batch, s, temperature, vocab)
+                                batch.is_seq2seq, batch.sampling.temperature).logits
+    return engine_ref_logprobs(ref_model, batch, s, vocab)
 
 
 def needs_reference(cfg, kl_coef: float) -> bool:
@@ -415,7 +419,7 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
     advantages; (experience, stats).
 
-    ``cfg``: the PPO config (temperature, estimators, correction); ``value_head``: the critic (None: rloo / grpo);
+    ``cfg``: the PPO config (estimators, correction; the temperature is the rollout's, ``rollout.sampling``); ``value_head``: the critic (None: rloo / grpo);
     ``ref``: the frozen reference (an engine or a PyTorch model; scored only when :func:`needs_reference`);
     ``kl_coef``: the KL penalty's coefficient now; ``policy_out``: the update's forward, already run (single pass);
     else the policy is scored here; ``ref_ahead``: the reference's chunks, already being scored (score_batch)."""
@@ -424,7 +428,7 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     response, trunc_stats = loss_mask(cfg, rollout)
     # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
     sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
-                     cfg.sampling.temperature, policy_out=policy_out, ref_ahead=ref_ahead)
+                     policy_out=policy_out, ref_ahead=ref_ahead)
     old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
     is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), response.clone())
     stats.update(trunc_stats)
