@@ -77,22 +77,23 @@ g = torch.Generator().manual_seed(0)
 v = pol.config.vocab_size
 batch = types.SimpleNamespace(prompt_ids=torch.randint(4, v, (b, 16), generator=g).to(device),
     prompt_mask=torch.ones(b, 16, dtype=torch.long, device=device), response_ids=torch.randint(4, v, (b, tr), generator=g).to(device),
-    response_mask=torch.ones(b, tr, device=device), is_seq2seq=False, num_rows=b)
+    response_mask=torch.ones(b, tr, device=device), is_seq2seq=False, num_rows=b,
+    sampling=types.SimpleNamespace(temperature=1.0))
 cuda = device.type == "cuda"
 if cuda:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
 cuda_before = torch.cuda.memory_allocated() if cuda else 0
 t0 = time.perf_counter()
-s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.01, 1.0, 1.0, kl_coef=0.05, kl_in_loss=True, kl_estimator="exact")
+s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.01, 1.0, kl_coef=0.05, kl_in_loss=True, kl_estimator="exact")
 opt = torch.optim.SGD(list(pol.parameters()) + list(vh.parameters()), lr=1e-6)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 def status(key):
     return int([l for l in open("/proc/self/status") if l.startswith(key + ":")][0].split()[1]) // 1024
 before = status("VmRSS")
 fwd = policy_forward(pol, vh, batch, s)
-sc = score_batch(pol, vh, ref, batch, 1.0, policy_out=fwd)
+sc = score_batch(pol, vh, ref, batch, policy_out=fwd)
 exp = Experience(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, sc.logprobs, sc.ref_logprobs,
-                 sc.values, torch.randn(b, tr, generator=g).to(device), torch.zeros(b, tr, device=device), None)
+                 sc.values, torch.randn(b, tr, generator=g).to(device), torch.zeros(b, tr, device=device), None, 1.0)
 st = ppo_update(pol, vh, opt, sched, exp, s, torch.Generator().manual_seed(1), ref_model=ref, forward=fwd)
 if cuda:
     torch.cuda.synchronize()

@@ -37,7 +37,7 @@ def setup(model_dirs):
     adv = L.grpo_advantages(rewards, 4, "group")[0]
     z = torch.zeros(B, TR)
     exp = Experience(prompt, torch.ones(B, TP, dtype=torch.long), response, mask, old, z, z,
-                     adv[:, None] * mask, z, None)
+                     adv[:, None] * mask, z, None, 1.0)
     return policy, exp, rewards
 
 
@@ -73,7 +73,7 @@ def _trl_grads(policy, exp, perm, ga: int, **kw):
 
 
 def _settings(ga: int, micro_rows: int = 0, **kw) -> UpdateSettings:
-    return UpdateSettings(1, 1, ga, 0.2, 0.2, 0.0, kw.pop("entropy_coef", 0.0), 1e9, 1.0, use_critic=False,
+    return UpdateSettings(1, 1, ga, 0.2, 0.2, 0.0, kw.pop("entropy_coef", 0.0), 1e9, use_critic=False,
                           micro_rows=micro_rows, max_completion_length=TR, **kw)
 
 
@@ -133,7 +133,7 @@ def test_replay_keeps_one_order_over_the_iterations(setup):
     try:
         for order in ("replay", "reshuffle"):
             seen.clear()
-            s = UpdateSettings(2, 2, 1, 0.2, 0.2, 0.0, 0.0, 1e9, 1.0, use_critic=False, loss_type="dapo",
+            s = UpdateSettings(2, 2, 1, 0.2, 0.2, 0.0, 0.0, 1e9, use_critic=False, loss_type="dapo",
                                minibatch_order=order)
             _our_grads(policy, exp, s, seed=5)
             assert (seen[:2] == seen[2:]) == (order == "replay"), (order, seen)
@@ -157,7 +157,8 @@ def test_truncated_completions_keep_their_reward_in_the_group_baseline():
     response = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 0, 0], [5, 6, 7]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
     rollout = SimpleNamespace(prompt_ids=torch.ones(4, 2, dtype=torch.long), prompt_mask=torch.ones(4, 2),
-                              response_ids=response, response_mask=mask, stop_set=lambda: {2})
+                              response_ids=response, response_mask=mask, stop_set=lambda: {2},
+                              sampling=SimpleNamespace(temperature=1.0))
     cfg = SimpleNamespace(mask_truncated_completions=True, reward_clip_range=(), advantage_estimator="grpo",
                           num_generations=4, scale_rewards="group", normalize_advantages=False, correction="none")
     scores = torch.tensor([1.0, 0.0, 0.5, 2.0])

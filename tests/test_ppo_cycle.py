@@ -131,11 +131,11 @@ def test_reference_beside_the_policy_forward_equals_it_in_turn(model_dirs, engin
     with torch.no_grad():
         for p in run.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2))
-    turn = score_batch(run.policy, run.value_head, run.ref_engine, rollout, 0.7, chunk=5)
-    ahead = ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows, 5), 0.7, vocab_size(run.policy),
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2, temperature=0.7))
+    turn = score_batch(run.policy, run.value_head, run.ref_engine, rollout, chunk=5)  # at the rollout's 0.7
+    ahead = ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows, 5), vocab_size(run.policy),
                            ahead=True)
-    beside = score_batch(run.policy, run.value_head, run.ref_engine, rollout, 0.7, chunk=5, ref_ahead=ahead)
+    beside = score_batch(run.policy, run.value_head, run.ref_engine, rollout, chunk=5, ref_ahead=ahead)
     ahead.close()
     assert float(turn.exact_kl[rollout.response_mask.bool()].mean()) > 1e-4
     for a, b in ((turn.ref_logprobs, beside.ref_logprobs), (turn.exact_kl, beside.exact_kl)):
@@ -151,8 +151,8 @@ def test_one_pass_scoring_equals_separate_forwards(model_dirs, engine_dirs, tmp_
         for p in run.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
         run.value_head.summary.weight.normal_()
-    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2))
-    sc = score_batch(run.policy, run.value_head, run.ref, rollout, 0.7, chunk=5)
+    rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2, temperature=0.7))
+    sc = score_batch(run.policy, run.value_head, run.ref, rollout, chunk=5)  # at the temperature it was sampled at
     lp, values, ent = learner_view(run.policy, run.value_head, rollout, 0.7)
     ref = learner_view(run.ref, None, rollout, 0.7)[0]
     kl = _exact_kl_reference(run.policy, run.ref, rollout, 0.7)
@@ -201,7 +201,7 @@ def test_microbatch_split_gives_same_update(model_dirs, engine_dirs, tmp_path):
         policy, vh = copy.deepcopy(run.policy), copy.deepcopy(run.value_head)
         opt = torch.optim.SGD(list(policy.parameters()) + list(vh.parameters()), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        s = UpdateSettings(1, 1, accum, 0.2, 0.2, 0.1, 0.01, 1e9, 1.0)
+        s = UpdateSettings(1, 1, accum, 0.2, 0.2, 0.1, 0.01, 1e9)
         logged.append(ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0)))
         results.append(torch.cat([p.detach().flatten() for p in list(policy.parameters()) + list(vh.parameters())]))
     moved = (results[0] - torch.cat([p.detach().flatten() for p in list(run.policy.parameters())

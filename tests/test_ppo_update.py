@@ -40,7 +40,7 @@ def _experience(policy, ref, temperature: float) -> Experience:
     ref_lp = _hand_logprobs(ref, prompt, response, temperature)[0]
     z = torch.zeros(B, TR)
     return Experience(prompt, torch.ones(B, TP, dtype=torch.long), response, mask, old, ref_lp, z,
-                      torch.linspace(-1, 1, B * TR).view(B, TR), z, None)
+                      torch.linspace(-1, 1, B * TR).view(B, TR), z, None, temperature)
 
 
 def _hand_logprobs(model, prompt, response, temperature):
@@ -66,14 +66,14 @@ def test_loss_mode_kl_term_equals_hand_computation(models, kind):
     policy, ref, vh = models
     t = 0.8
     exp = _experience(policy, ref, t)
-    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0, t, kl_coef=0.5, kl_in_loss=True, kl_estimator=kind)
+    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0, kl_coef=0.5, kl_in_loss=True, kl_estimator=kind)
     idx = torch.arange(B)
     loss, stats = _micro_loss(policy, vh, exp, idx, exp.mask.sum(), s, ref_model=ref)
     want = _hand_kl(policy, ref, exp, kind, t)
     assert abs(want) > 1e-4  # policy != reference: the term is not trivially 0
     assert float(stats["kl_loss"]) == pytest.approx(want, rel=1e-4, abs=1e-6)
     # and it entered the loss with the coefficient: the same call without the term differs by 0.5 * KL
-    base, _ = _micro_loss(policy, vh, exp, idx, exp.mask.sum(), UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0, t))
+    base, _ = _micro_loss(policy, vh, exp, idx, exp.mask.sum(), UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0))
     assert float((loss - base).detach()) == pytest.approx(0.5 * want, rel=1e-4, abs=1e-6)
 
 
@@ -82,7 +82,7 @@ def test_exact_kl_in_loss_without_reference_is_one_line(models):
 
     policy, ref, vh = models
     exp = _experience(policy, ref, 1.0)
-    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0, 1.0, kl_coef=0.5, kl_in_loss=True, kl_estimator="exact")
+    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.0, 0.0, 1.0, kl_coef=0.5, kl_in_loss=True, kl_estimator="exact")
     with pytest.raises(RefitError, match="needs ref_model"):
         _micro_loss(policy, vh, exp, torch.arange(B), exp.mask.sum(), s)
 
@@ -93,7 +93,7 @@ def _bf16_update(policy, vh, exp, autocast: bool) -> tuple[dict, list[torch.dtyp
     policy, vh = copy.deepcopy(policy), copy.deepcopy(vh)
     opt = torch.optim.SGD(list(policy.parameters()) + list(vh.parameters()), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9, 1.0, autocast_bf16=autocast)
+    s = UpdateSettings(1, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9, autocast_bf16=autocast)
     stats = ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0))
     hook.remove()
     return stats, seen
@@ -184,13 +184,13 @@ def test_precomputed_forward_needs_single_pass_settings(models):
     exp = _experience(policy, ref, 1.0)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    s = UpdateSettings(2, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9, 1.0)
+    s = UpdateSettings(2, 1, 1, 0.2, 0.2, 0.1, 0.0, 1e9)
     from types import SimpleNamespace
 
     from refit.learner.ppo.update import policy_forward
 
     rows = SimpleNamespace(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask, response_ids=exp.response_ids,
-                           is_seq2seq=False)
+                           is_seq2seq=False, sampling=SimpleNamespace(temperature=1.0))
     fwd = policy_forward(policy, vh, rows, s)
     with pytest.raises(RefitError, match="single_pass"):
         ppo_update(policy, vh, opt, sched, exp, s, torch.Generator().manual_seed(0), forward=fwd)

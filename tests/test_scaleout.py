@@ -226,7 +226,7 @@ def test_overlapped_ppo_cycle_with_two_rollout_workers(pools, model_dirs, engine
 # ----------------------------------------------------------------------------- DDP learner
 
 DDP_SETTINGS = dict(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=2, cliprange=0.2,
-                    cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01, max_grad_norm=1.0, temperature=1.0)
+                    cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01, max_grad_norm=1.0)
 
 
 def _learner(model_dir):
@@ -265,7 +265,7 @@ def _fixed_experience(model_dir):
     old, values, _ = learner_view(policy, vh, batch, 1.0)
     adv = torch.randn(b, tr, generator=g) * mask
     returns = (values + torch.randn(b, tr, generator=g)) * mask
-    return Experience(pids, pmask, rids, mask, old * mask, old * mask, values * mask, adv, returns, None)
+    return Experience(pids, pmask, rids, mask, old * mask, old * mask, values * mask, adv, returns, None, 1.0)
 
 
 def _ddp_rank(rank, world, port, model_dir, exp_path, out_path):

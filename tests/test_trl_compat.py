@@ -130,7 +130,7 @@ def test_grpo_loss_with_beta_is_trls_dapo_loss(model_dirs):
 
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])[:, None] * mask
     exp = Experience(prompt, torch.ones(b, tp, dtype=torch.long), resp, mask, lp(old), lp(ref), torch.zeros(b, tr),
-                     adv, torch.zeros(b, tr), None)
+                     adv, torch.zeros(b, tr), None, cfg.sampling.temperature)  # the rollout's: TRL's temperature 0.9
     n = mask.sum()  # one generation, one minibatch: TRL's dapo normaliser is its token count
     norm = Norm(tokens=n, dapo_tokens=n, seqs=b, micro_tokens=n, scale=1)
     loss, _ = _micro_loss(policy, None, exp, torch.arange(b), norm, s, ref_model=ref)

@@ -8,6 +8,8 @@
 - :mod:`refit.learner.losses.chunked`: log-prob, entropy and exact KL in one pass chunked over tokens (large vocabularies)
 
 Everything is re-exported here, so ``from learner import losses as L`` reads ``L.kl_k3``, ``L.compute_gae``.
+A ``temperature`` here is a plain float argument, as every other number of a pure tensor function; the jobs pass
+the temperature the engine sampled at (``RolloutBatch.sampling``, the PPO ``Experience``), never one of their own.
 """
 
 from refit.learner.losses.common import *  # noqa: F401,F403

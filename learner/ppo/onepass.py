@@ -103,7 +103,7 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     try:
         for j, r in enumerate(rows):
             out = response_forward(model, exp.prompt_ids[r], exp.prompt_mask[r], exp.response_ids[r],
-                                   rollout.is_seq2seq, s.temperature)
+                                   rollout.is_seq2seq, exp.temperature)
             ids = exp.response_ids[r].to(out.logits.device)
             ref_logits = refs.take(j).to(out.logits.device) if refs is not None else None
             st = L.token_stats(out.logits, ids, ref_logits)
@@ -148,7 +148,8 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None 
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
                      mask=mask, old_logprobs=zeros.clone(), ref_logprobs=zeros.clone(), values=zeros.clone(),
                      advantages=adv, returns=zeros.clone(),
-                     is_weights=zeros.clone() if cfg.correction == "tis" else None)
+                     is_weights=zeros.clone() if cfg.correction == "tis" else None,
+                     temperature=rollout.sampling.temperature)
     return exp, {**{f"advantage/{k}": float(v) for k, v in gstats.items()}, **trunc_stats}
 
 

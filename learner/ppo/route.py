@@ -139,7 +139,7 @@ def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSett
                           gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
                           cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
                           entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
-                          temperature=cfg.sampling.temperature, kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
+                          kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
                           autocast_bf16=cfg.run.bf16 and on_cuda, loss_type=cfg.loss_type,
                           cliprange_high=cfg.cliprange_high, delta=cfg.delta,

@@ -39,6 +39,7 @@ class Experience:
     advantages: torch.Tensor  # whitened GAE advantages, or the RLOO / GRPO sequence advantage on every token
     returns: torch.Tensor  # GAE returns (value targets); 0 without a critic
     is_weights: torch.Tensor | None  # truncated importance weights (tis) or None
+    temperature: float  # the rollout's sampling temperature (RolloutBatch.sampling): each learner forward's
 
 
 @dataclass
@@ -182,7 +183,6 @@ class UpdateSettings:
     vf_coef: float
     entropy_coef: float
     max_grad_norm: float
-    temperature: float
     kl_coef: float = 0.0  # used only when kl_in_loss
     kl_in_loss: bool = False  # GRPO-style: KL to the reference as a loss term (instead of a reward penalty)
     kl_estimator: str = "k3"  # the loss term's estimator: k1 | k2 | k3 | exact (exact needs ref_model)
@@ -231,15 +231,16 @@ def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -
 
 
 def policy_forward(model, value_head, batch, s: UpdateSettings) -> ForwardOut:
-    """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`)."""
+    """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`), at the temperature
+    the batch was sampled at."""
     return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
-                            s.temperature, value_head if s.use_critic else None)
+                            batch.sampling.temperature, value_head if s.use_critic else None)
 
 
 def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
                  logits: torch.Tensor | None = None, ref_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || ref) (B, Tr) for the loss, by ``kind``; ``exact`` sums over the vocabulary and
-    needs both models' logits (B, Tr, V) at the update's temperature (the others only the sampled tokens')."""
+    needs both models' logits (B, Tr, V) at the rows' temperature (the others only the sampled tokens')."""
     if kind == "exact":
         if logits is None or ref_logits is None:
             raise RefitError("kl_estimator=exact in the loss needs the reference model's logits")
@@ -252,7 +253,7 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
     """The micro-batch's loss and stats; ``out``: its forward, already run (rows ``idx``), else run here."""
     dev_type = next(model.parameters()).device.type
     ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
-    args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), s.temperature)
+    args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), exp.temperature)
     if out is None:
         with ctx:
             out = response_forward(model, *args, value_head if s.use_critic else None)
@@ -419,7 +420,8 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     """The :class:`Experience` of a rollout: learner log-probs, KL by every estimator, mismatch figures, rewards and
     advantages; (experience, stats).
 
-    ``cfg``: the PPO config (estimators, correction; the temperature is the rollout's, ``rollout.sampling``); ``value_head``: the critic (None: rloo / grpo);
+    ``cfg``: the PPO config (estimators, correction; the temperature is the rollout's: ``rollout.sampling``);
+    ``value_head``: the critic (None: rloo / grpo);
     ``ref``: the frozen reference (an engine or a PyTorch model; scored only when :func:`needs_reference`);
     ``kl_coef``: the KL penalty's coefficient now; ``policy_out``: the update's forward, already run (single pass);
     else the policy is scored here; ``ref_ahead``: the reference's chunks, already being scored (score_batch)."""
@@ -448,7 +450,8 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
         stats.update({f"advantage/{k}": float(v) for k, v in gstats.items()})
     exp = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, response_ids=rollout.response_ids,
                      mask=mask, old_logprobs=old_lp, ref_logprobs=ref_lp if ref_lp is not None else
-                     torch.zeros_like(old_lp), values=values, advantages=adv, returns=returns, is_weights=is_weights)
+                     torch.zeros_like(old_lp), values=values, advantages=adv, returns=returns, is_weights=is_weights,
+                     temperature=rollout.sampling.temperature)
     return exp, stats
 
 
