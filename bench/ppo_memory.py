@@ -67,7 +67,8 @@ import json, sys, time, types
 import torch
 torch.set_num_threads(2)
 from transformers import AutoModelForCausalLM
-from refit.learner.ppo.update import Experience, UpdateSettings, policy_forward, ppo_update, score_batch
+from refit.learner.ppo.experience import score_batch
+from refit.learner.ppo.update import Experience, UpdateSettings, policy_forward, ppo_update
 from refit.learner.run.policy import ValueHead, hidden_size
 model_dir, b, tr, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), torch.device(sys.argv[4])
 pol = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(device)

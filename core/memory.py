@@ -36,7 +36,7 @@ from refit.core.errors import RefitError
 
 F32 = 4  # bytes per value: the learner and the engines' logits are fp32
 SCORE_CHUNK = 64  # positions per scoring forward (refit.rollout.engine.DEFAULT_SCORE_CHUNK)
-SCORE_ROWS = 16  # rows per scoring forward of PPO's two-pass step (refit.learner.ppo.update.score_batch)
+SCORE_ROWS = 16  # rows per scoring forward of PPO's two-pass step (refit.learner.ppo.experience.score_batch)
 GiB = 2 ** 30
 
 

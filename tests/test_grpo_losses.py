@@ -236,7 +236,7 @@ def trl_rloo(per_token_logps, old_per_token_logps, rewards, mask, g, beta=0.0, r
 @pytest.mark.parametrize("normalize,clip", [(False, None), (True, (-0.5, 1.0))])
 def test_rloo_loss_advantages_normalize_and_reward_clip(normalize, clip):
     from refit.learner.ppo.objective import clip_scores
-    from refit.learner.ppo.update import group_advantages, per_token_rewards
+    from refit.learner.ppo.experience import group_advantages, per_token_rewards
 
     logp, old, _, mask, _, ref = batch()
     old = logp.detach() + 0.02 * torch.randn(B, T, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

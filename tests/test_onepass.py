@@ -61,7 +61,8 @@ def test_onepass_equals_two_passes(model_dirs, engine_dirs, tmp_path, case):
     lines = []
     one = _run(model_dirs, engine_dirs, tmp_path, "one", log=lines.append, **over)
     assert isinstance(one.route, StreamingUpdate)
-    assert [ln for ln in lines if "update route" in ln] == [f"refit ppo: update route one-pass streaming ({one.route.why})"]
+    routed = [ln for ln in lines if "update route" in ln]
+    assert routed == [f"refit ppo: update route one-pass streaming ({one.route.why})"]
     two = _run(model_dirs, engine_dirs, tmp_path, "two", single_pass=False, **over)
     assert isinstance(two.route, ScoreThenUpdate) and two.route.why == "single_pass false"
     m1, w1, n1 = _step(one)
@@ -127,7 +128,7 @@ ROUTES = {  # config -> (route, its reason line as setup logs it)
                               "no reference scored at kl_coef 0)"),
     "gae": (SinglePassUpdate, "refit ppo: update route single pass (1 epoch, 1 minibatch, no accumulation; not "
                               "streamed: a value head (gae: the advantages need every row's values), the KL penalty "
-                              "in the reward at 0.05)"),
+                              "in the reward at kl_coef 0.05)"),
 }
 
 

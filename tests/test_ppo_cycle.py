@@ -17,7 +17,8 @@ from refit.learner.ppo.cycle import run_ppo, setup, train_step
 from refit.learner.ppo.route import experience
 from refit.learner.run.metrics import read_metrics
 from refit.learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
-from refit.learner.ppo.update import UpdateSettings, ppo_update, score_batch
+from refit.learner.ppo.experience import score_batch
+from refit.learner.ppo.update import UpdateSettings, ppo_update
 from refit.learner.run.sync import probe_check
 from refit.learner.run.policy import learner_view
 from refit.rollout.types import SamplingParams
@@ -116,7 +117,7 @@ def test_reference_beside_the_policy_forward_equals_it_in_turn(model_dirs, engin
     chunks scored on a thread beside the policy's forward give the same numbers as scored in turn, and a step of
     each kind logs the same metrics."""
     from refit.learner.ppo.onepass import ReferenceAhead
-    from refit.learner.ppo.update import score_chunks
+    from refit.learner.ppo.experience import score_chunks
     from refit.learner.run.policy import vocab_size
 
     runs = [setup(_cfg(model_dirs, engine_dirs, "tiny-gpt2", tmp_path / f"r{ahead}", batch_size=8, kl_coef=0.1,

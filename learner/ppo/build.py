@@ -24,7 +24,8 @@ from refit.learner.ppo.overlap import PENDING_FILE, RolloutAhead
 from refit.learner.ppo.refsync import RefSync, reference_sync, restore_reference
 from refit.learner.ppo.rewards import NamedReward, RewardLog, load_rewards
 from refit.learner.ppo.route import UpdateRoute, choose_route, on_cuda, update_settings
-from refit.learner.ppo.update import KLCoef, needs_reference
+from refit.learner.ppo.experience import needs_reference
+from refit.learner.ppo.update import KLCoef
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet

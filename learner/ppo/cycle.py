@@ -226,7 +226,8 @@ def evaluate(run: Run, step: int = 0) -> dict[str, float]:
         prompts, completions, tokens = prompts + p, completions + c, tokens + float(out.response_mask.sum())
         for k, v in x.items():
             extra.setdefault(k, []).extend(v)
-    hooks = run.reward_log.kwargs(trainer_state(run.cfg, len(run.prompts), run.state.data_position, step, evaluating=True))
+    hooks = run.reward_log.kwargs(trainer_state(run.cfg, len(run.prompts), run.state.data_position, step,
+                                                evaluating=True))
     total, stats = score_rewards(as_rewards(run.reward_fn), prompts, completions, {**extra, **hooks},
                                  prefix="eval/reward")
     logged, _ = run.reward_log.flush(prefix="eval/")

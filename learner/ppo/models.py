@@ -11,7 +11,7 @@ import torch
 from refit.core.hf_folder import ModelInfo, load_model, text_config
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
-from refit.learner.ppo.update import needs_reference
+from refit.learner.ppo.experience import needs_reference
 from refit.learner.run.lora import AdapterOff
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.optim import adamw, schedule

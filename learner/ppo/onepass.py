@@ -5,7 +5,7 @@ With one epoch and one minibatch the update's forward of a row runs before the o
 log-probs ARE the pre-update ("old") ones: TRL's GRPO takes them the same way (``old_per_token_logps =
 per_token_logps.detach()`` at ``num_iterations`` 1). The run takes this route when its config allows it
 (refit.learner.ppo.route.StreamingUpdate, chosen once by ``choose_route``); everything else keeps the separate scoring
-pass (:func:`refit.learner.ppo.update.make_experience`):
+pass (:func:`refit.learner.ppo.experience.make_experience`):
 
 - a value head (GAE): the advantages need every row's values before any row's loss;
 - several epochs or minibatches: later passes need the pre-update log-probs of rows already stepped on;
@@ -27,9 +27,9 @@ import torch
 
 from refit.learner import losses as L
 from refit.learner.ppo.objective import Norm, clip_scores, loss_mask
-from refit.learner.ppo.update import (Experience, UpdateSettings, _combine, corrections,
-                                      experience_stats, group_advantages, micro_objective, needs_reference,
-                                      per_token_rewards, reference_logits)
+from refit.learner.ppo.experience import (corrections, experience_stats, group_advantages, needs_reference,
+                                          per_token_rewards, reference_logits)
+from refit.learner.ppo.update import Experience, UpdateSettings, _combine, micro_objective
 from refit.learner.run.policy import response_forward, vocab_size
 
 

@@ -1,6 +1,6 @@
 """The update route: how a PPO step goes from its scored rollout to the optimizer step, chosen once by
-:func:`choose_route` (in :func:`refit.learner.ppo.cycle.setup`) from the config, the model and the process layout,
-held by the run and logged in one line with the reason (``refit ppo: update route ... (...)``).
+:func:`choose_route` (in refit.learner.ppo.build's ``setup``) from the config, the model and the process layout, held
+by the run and logged in one line with its reason, e.g. ``refit ppo: update route single pass (1 epoch, ...)``.
 
 - :class:`StreamingUpdate` (one-pass streaming, refit.learner.ppo.onepass): the old log-probs come from the update's
   own forward, micro-batch by micro-batch; the reference is scored per micro-batch. No value head, no KL in the
@@ -32,8 +32,8 @@ import torch
 
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable_loss
-from refit.learner.ppo.update import (Experience, UpdateSettings, distributed_ppo_update, make_experience,
-                                      needs_reference, policy_forward, score_chunks)
+from refit.learner.ppo.experience import make_experience, needs_reference, score_chunks
+from refit.learner.ppo.update import Experience, UpdateSettings, distributed_ppo_update, policy_forward
 from refit.learner.run.lora import adapter_dropout
 from refit.learner.run.policy import ForwardOut, vocab_size
 from refit.rollout.types import RolloutBatch
@@ -166,7 +166,8 @@ def stream_blockers(cfg, s: UpdateSettings, kl_coef: float) -> list[str]:
     """What keeps a one-pass step from streaming micro-batch by micro-batch (refit.learner.ppo.onepass)."""
     return [why for bad, why in (
         (s.use_critic, "a value head (gae: the advantages need every row's values)"),
-        (cfg.kl_penalty == "reward" and needs_reference(cfg, kl_coef), f"the KL penalty in the reward at {kl_coef:g}"),
+        (cfg.kl_penalty == "reward" and needs_reference(cfg, kl_coef),
+         f"the KL penalty in the reward at kl_coef {kl_coef:g}"),
         (cfg.correction == "seq_mask", "seq_mask (the loss's tokens need every row's drop)"),
         (not streamable_loss(s), f"loss_type {s.loss_type} with its normalisers or entropy terms")) if bad]
 
@@ -179,7 +180,7 @@ def scoring_reference(run):
 def experience(run, rollout: RolloutBatch, scores: torch.Tensor, policy_out: ForwardOut | None = None,
                ref_ahead: ReferenceAhead | None = None, per_func: list | None = None
                ) -> tuple[Experience, dict[str, float]]:
-    """:func:`refit.learner.ppo.update.make_experience` on the run's models at the current KL coefficient."""
+    """:func:`refit.learner.ppo.experience.make_experience` on the run's models at the current KL coefficient."""
     critic = run.cfg.advantage_estimator == "gae"
     return make_experience(run.cfg, run.policy, run.value_head if critic else None, scoring_reference(run), rollout,
                            scores, run.state.kl.value, policy_out, ref_ahead, per_func)
@@ -217,4 +218,5 @@ def score_then_update(run, rollout: RolloutBatch, scores: torch.Tensor, s: Updat
     return stats, upd
 
 
-__all__ = ["UpdateRoute", "update_settings", "StreamingUpdate", "SinglePassUpdate", "ScoreThenUpdate", "choose_route", "experience"]
+__all__ = ["UpdateRoute", "StreamingUpdate", "SinglePassUpdate", "ScoreThenUpdate", "choose_route", "update_settings",
+           "experience"]
