@@ -62,7 +62,13 @@ def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     elsewhere bf16 matmuls are emulated and slower than fp32's."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    try:  # oneDNN's own check of the CPU's bf16 instructions (a private op; a torch without it: not known, no warning)
+    # the CPU's own flags, as torch's cpuinfo reads them: oneDNN's `_is_mkldnn_bf16_supported` answers True on any
+    # AVX-512 core, where it runs bf16 by conversion (measured on an Intel Xeon with AVX-512 but no AVX512-BF16:
+    # a bf16 GEMM at 22 GFLOP/s against fp32's 90; scripts/learner_gflops.py)
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if caps:
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    try:  # a torch without cpuinfo's capabilities: oneDNN's check (a private op; without it: not known, no warning)
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return True
