@@ -52,6 +52,7 @@ from refit.learner.run.lora import adapter_dropout, apply_lora
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.optim import neftune
 from refit.learner.run.loop import Job, check_finite, due, run_job
+from refit.learner.run.precision import mixed_bf16, settle_precision
 from refit.learner.run.policy import ForwardOut, ValueHead, hidden_size, vocab_size
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
 from refit.rollout.engine import Engine
@@ -104,6 +105,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     tok = load_tokenizer(cfg.model.model_dir, info)
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
     device = dist.device or pick_device(cfg.run.device)
+    cfg = settle_precision(cfg, device, log)  # run.precision, lora.base_dtype, rollout.quantize: auto resolved, one line
     data, held = load_prompt_sets(cfg)
     chat = cfg.data.chat_template_kwargs
     prompt_ids = encode_prompts(tok, data.prompts, info.max_positions, cfg.response_length, data.source, chat)
@@ -213,14 +215,14 @@ def on_cuda(model: torch.nn.Module) -> bool:
 
 
 def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSettings:
-    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast only ``on_cuda``."""
+    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast as ``cfg`` resolved it."""
     return UpdateSettings(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
                           gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
                           cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
                           entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
                           temperature=cfg.sampling.temperature, kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
-                          autocast_bf16=cfg.run.bf16 and on_cuda, loss_type=cfg.loss_type,
+                          autocast_bf16=mixed_bf16(cfg), loss_type=cfg.loss_type,
                           cliprange_high=cfg.cliprange_high, delta=cfg.delta,
                           importance_sampling_level=cfg.importance_sampling_level,
                           top_entropy_quantile=cfg.top_entropy_quantile,

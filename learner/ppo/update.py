@@ -22,6 +22,7 @@ from refit.learner import losses as L
 from refit.learner.ppo.mismatch import mismatch_stats
 from refit.learner.ppo.objective import clip_scores, loss_mask, slice_norms, trl_objective
 from refit.learner.run.distributed import reduce_stats
+from refit.learner.run.precision import autocast
 from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
 
 
@@ -219,17 +220,25 @@ def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -
     """True when the update's one forward can also serve as the scoring forward: one epoch, one minibatch
     and no accumulation (the only forward of every row runs before the only optimizer step, so its
     log-probs, values and entropy ARE the pre-update ones), one process (under torchrun rank 0 scores rows
-    that other ranks update), no bf16 autocast (the contract's old log-probs are fp32, as the reference's) and
-    the batch's ``rows`` within one forward's memory (``s.micro_rows``)."""
+    that other ranks update) and the batch's ``rows`` within one forward's memory (``s.micro_rows``). Under bf16
+    autocast the old log-probs and the reference are scored under the same autocast (:func:`make_experience`), so
+    the update's forward serves as well."""
     fits = rows is None or not s.micro_rows or rows <= s.micro_rows
     return (s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and s.gradient_accumulation_steps == 1
-            and not distributed and not s.autocast_bf16 and fits)
+            and not distributed and fits)
 
 
 def policy_forward(model, value_head, batch, s: UpdateSettings) -> ForwardOut:
-    """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`)."""
-    return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
-                            s.temperature, value_head if s.use_critic else None)
+    """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`), under the update's
+    bf16 autocast when it has one."""
+    with _autocast(model, s):
+        return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
+                                s.temperature, value_head if s.use_critic else None)
+
+
+def _autocast(model, s: UpdateSettings):
+    """bf16 autocast on ``model``'s device when ``s.autocast_bf16`` (full fine-tuning in mixed precision)."""
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
 
 
 def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
@@ -246,8 +255,7 @@ def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
 def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings, ref_model=None,
                 out: ForwardOut | None = None):
     """The micro-batch's loss and stats; ``out``: its forward, already run (rows ``idx``), else run here."""
-    dev_type = next(model.parameters()).device.type
-    ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
+    ctx = _autocast(model, s)
     args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), s.temperature)
     if out is None:
         with ctx:
@@ -422,9 +430,11 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     critic = value_head is not None
     scores = clip_scores(cfg, scores)
     response, trunc_stats = loss_mask(cfg, rollout)
-    # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
-    sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
-                     cfg.sampling.temperature, policy_out=policy_out, ref_ahead=ref_ahead)
+    # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective); under bf16
+    # autocast both, as the update's forward is: KL(0) = 0 and the first ratio is 1 (refit.learner.run.precision)
+    with autocast(cfg, next(policy.parameters()).device):
+        sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
+                         cfg.sampling.temperature, policy_out=policy_out, ref_ahead=ref_ahead)
     old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
     is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), response.clone())
     stats.update(trunc_stats)
