@@ -137,6 +137,7 @@ def _run_cfg(model_dirs, out, **kw) -> PPOConfig:
 
 
 def _run(cfg):
+
     from refit.core.manifest import Manifest
     from refit.learner.ppo.cycle import run_ppo
     from refit.learner.run.metrics import read_metrics
@@ -145,9 +146,10 @@ def _run(cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_dir = run_ppo(cfg, log=lines.append)
-    return read_metrics(run_dir), [x for x in lines if "precision:" in x], Manifest.read(run_dir / "engine")
+    return read_metrics(run_dir), [x for x in lines if "precision:" in x], Manifest.read(cfg.model.engine_dir or run_dir / "engine")
 
 
+@pytest.mark.slow  # the int8 LoRA-ready export's trace: ~20 s of its ~28 s on a loaded 2-core box
 def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(model_dirs, tmp_path):
     """``refit ppo`` with LoRA at its defaults on this CPU (VNNI, no bf16 units): the int8 engine (the base
     quantized once at export, the adapter fp32 on top), the learner fp32, TIS on, KL at step 1 exactly 0 by every
@@ -167,17 +169,19 @@ def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(model_dirs, tmp_p
         assert "mismatch/tis_grad_scale" in rows[0]
 
 
-def test_forced_bf16_full_fine_tuning_keeps_kl0(model_dirs, tmp_path):
+@pytest.mark.parametrize("kl", ["loss", pytest.param("reward", marks=pytest.mark.slow)])
+def test_forced_bf16_full_fine_tuning_keeps_kl0(kl, model_dirs, default_engine_dirs, tmp_path):
     """``--run.precision bf16`` on full fine-tuning (emulated here): bf16 autocast over fp32 masters; the reference
     and the old log-probs under the same autocast, so KL at step 1 is exactly 0; TIS on; the fp32 probe passes at the
-    fp32 tolerance; the masters stay fp32. Both update paths: the one-pass (KL in the loss) and the two-pass (KL in
+    fp32 tolerance; the engine stays fp32. Both update paths: the one-pass (KL in the loss) and the two-pass (KL in
     the reward)."""
-    for name, kw in (("reward", {}), ("loss", {"kl_penalty": "loss", "kl_estimator": "k3"})):
-        rows, line, manifest = _run(_run_cfg(model_dirs, tmp_path / name, **{"run.precision": "bf16"}, **kw))
-        assert "learner bf16 autocast, fp32 master weights (run.precision bf16" in line[0] and "TIS on" in line[0]
-        assert manifest.quantization is None
-        for k in ("k1", "k3", "exact"):
-            assert rows[0][f"kl/{k}"] == 0.0, (name, k, rows[0][f"kl/{k}"])
-        assert rows[-1]["kl/exact"] > 0 and "mismatch/tis_grad_scale" in rows[0]
-        assert 0 < rows[0]["mismatch/max_abs_diff"] < 0.5  # the bf16 forward differs from the fp32 engine a little
-        assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in rows) < 1e-3
+    kw = {"kl_penalty": "loss", "kl_estimator": "k3"} if kl == "loss" else {}
+    rows, line, manifest = _run(_run_cfg(model_dirs, tmp_path / kl, **{"run.precision": "bf16"}, **kw,
+                                         **{"model.engine_dir": str(default_engine_dirs["tiny-gpt2"])}))
+    assert "learner bf16 autocast, fp32 master weights (run.precision bf16" in line[0] and "TIS on" in line[0]
+    assert manifest.quantization is None
+    for k in ("k1", "k3", "exact"):
+        assert rows[0][f"kl/{k}"] == 0.0, (k, rows[0][f"kl/{k}"])
+    assert rows[-1]["kl/exact"] > 0 and "mismatch/tis_grad_scale" in rows[0]
+    assert 0 < rows[0]["mismatch/max_abs_diff"] < 0.5  # the bf16 forward differs from the fp32 engine a little
+    assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in rows) < 1e-3

@@ -368,7 +368,7 @@ def test_peft_lora_config_maps_to_the_lora_section(model_dirs):
 
 def test_model_init_kwargs_bf16_holds_the_lora_base_in_bf16(model_dirs):
     """TRL's way to hold a LoRA base in bf16 (model_init_kwargs dtype bfloat16) is lora.base_dtype bf16; float32 /
-    "auto" / none keep fp32; bf16 without LoRA and other dtypes are one line."""
+    explicitly fp32; "auto" / none leave Refit's auto; bf16 without LoRA and other dtypes are one line."""
     import peft
 
     gpt2, lora = str(model_dirs["tiny-gpt2"]), peft.LoraConfig(r=4, target_modules="all-linear")
@@ -377,9 +377,10 @@ def test_model_init_kwargs_bf16_holds_the_lora_base_in_bf16(model_dirs):
             c = to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={key: dtype}), gpt2,
                               peft_config=lora)
             assert c.lora.base_dtype == "bf16"
-    for kw in (None, {"dtype": "auto"}, {"dtype": torch.float32}, {"attn_implementation": "eager"}):
+    for kw, want in ((None, "auto"), ({"dtype": "auto"}, "auto"), ({"dtype": torch.float32}, "fp32"),
+                     ({"attn_implementation": "eager"}, "auto")):
         assert to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs=kw), gpt2,
-                             peft_config=lora).lora.base_dtype == "fp32"
+                             peft_config=lora).lora.base_dtype == want
     with pytest.raises(RefitError, match="model_init_kwargs dtype bfloat16 without peft_config") as e:
         to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={"dtype": "bfloat16"}), gpt2)
     assert "\n" not in str(e.value)
