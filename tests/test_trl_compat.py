@@ -327,12 +327,15 @@ def test_training_arguments_a_cpu_script_sets_are_honoured_accepted_or_refused()
     assert (c.run.device, c.log.progress, c.log.tensorboard, c.ckpt.save_steps) == ("cpu", False, False, 4)
     assert _ppo(max_steps=1, no_cuda=True).run.device == "cpu" and _ppo(max_steps=1).run.device == "auto"
     assert _ppo(max_steps=1, report_to="tensorboard").log.tensorboard
+    # TRL's bf16: None leaves run.precision auto; True forces bf16 (a CPU included); False: the learner in fp32
+    assert [(c.run.precision, c.run.bf16) for c in (_ppo(max_steps=1), _ppo(max_steps=1, bf16=True, use_cpu=True),
+                                                     _ppo(max_steps=1, bf16=False))] == [
+        ("auto", True), ("bf16", True), ("auto", False)]
     args = GRPOConfig(output_dir="o", dataloader_num_workers=4, max_steps=1)
     assert args.ignored == {"dataloader_num_workers": 4} and args.dataloader_num_workers == 4  # callbacks read it
     assert to_ppo_config(args, "m") == to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), "m")  # changes nothing
     for kw, msg in ((dict(push_to_hub=True), "push_to_hub=True: nothing leaves the machine"),
-                    (dict(fp16=True), "fp16=True: fp32, or bf16 autocast on CUDA"),
-                    (dict(bf16=True, use_cpu=True), "bf16=True with use_cpu: Refit's CPU learner runs fp32"),
+                    (dict(fp16=True), "fp16=True: fp32, or bf16"),
                     (dict(report_to="wandb"), "report_to='wandb': nothing leaves the machine"),
                     (dict(save_strategy="epoch"), "save_strategy='epoch': Refit saves by steps"),
                     (dict(logging_strategy="epoch"), "logging_strategy='epoch'")):

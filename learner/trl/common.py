@@ -42,9 +42,6 @@ class TrlConfig:
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
             raise RefitError(f"{name}: optim={self.optim!r}: Refit's optimizer is torch's AdamW ('adamw_torch_fused' "
                              "or 'adamw_torch')")
-        if self.bf16 and self.on_cpu:
-            raise RefitError(f"{name}: bf16=True with use_cpu: Refit's CPU learner runs fp32 (bf16 autocast is CUDA "
-                             "only); leave bf16 unset or False")
 
     @property
     def on_cpu(self) -> bool:
@@ -87,6 +84,7 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
     values = {
         "run.output_dir": a.output_dir, "run.seed": a.seed, "run.device": "cpu" if a.on_cpu else "auto",
         "run.bf16": True if a.bf16 is None else bool(a.bf16), "log.progress": not a.disable_tqdm,
+        **({"run.precision": "bf16"} if a.bf16 else {}),  # TRL's mixed precision, asked for: run.precision bf16
         "log.tensorboard": bool({"tensorboard", "all"} & set(report)),
         # not capped at steps (the last step always saves): a resumed run with a larger max_steps keeps its value
         "ckpt.save_steps": math.ceil(save / per) if save > 0 else steps,
