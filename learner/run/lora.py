@@ -22,7 +22,6 @@ engine holds as exported).
 
 from __future__ import annotations
 
-import platform
 import warnings
 from contextlib import contextmanager
 
@@ -32,6 +31,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import lora_push_names
 from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
+from refit.learner.run.precision import bf16_is_fast
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
@@ -56,22 +56,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
-    """Whether ``device`` has bf16 matmul units (CUDA: Ampere and later; CPU: AVX512-BF16 or AMX, through oneDNN);
-    elsewhere bf16 matmuls are emulated and slower than fp32's."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    x86 = getattr(torch, "cpu", None)
-    if platform.machine().lower() in ("x86_64", "amd64") and hasattr(x86, "_is_avx512_bf16_supported"):
-        # the instructions themselves: oneDNN's "bf16 supported" below is also true on a plain AVX-512 CPU, where it
-        # converts to fp32 and multiplies there (an Intel Xeon with avx512_vnni but no avx512_bf16: emulated)
-        return bool(x86._is_avx512_bf16_supported() or x86._is_amx_tile_supported())
-    try:  # oneDNN's own check of the CPU's bf16 instructions (a private op; a torch without it: not known, no warning)
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ class HardwareFacts:
     """What the choice reads of the machine (:func:`hardware_facts`; tests build their own)."""
 
     device: str = "cpu"  # the learner's device type: "cpu" | "cuda"
-    bf16_units: bool = False  # the learner's device runs bf16 matmuls in hardware (refit.learner.run.lora.bf16_is_fast)
+    bf16_units: bool = False  # the learner's device runs bf16 matmuls in hardware (:func:`bf16_is_fast`)
     bf16_isa: str = ""  # what gives it, for the line: "AMX-BF16", "AVX512-BF16", a GPU's name
     int8_isa: str = ""  # the CPU's int8 dot-product instructions ("AVX512-VNNI", "AMX-int8", "dotprod"); "": none
 
@@ -97,11 +97,27 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def bf16_is_fast(device="cpu") -> bool:
+    """Whether ``device`` has bf16 matmul units (CUDA: Ampere and later; CPU: AVX512-BF16 or AMX, through oneDNN);
+    elsewhere bf16 matmuls are emulated and slower than fp32's."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    x86 = getattr(torch, "cpu", None)
+    if platform.machine().lower() in ("x86_64", "amd64") and hasattr(x86, "_is_avx512_bf16_supported"):
+        # the instructions themselves: oneDNN's "bf16 supported" below is also true on a plain AVX-512 CPU, where it
+        # converts to fp32 and multiplies there (an Intel Xeon with avx512_vnni but no avx512_bf16: emulated)
+        return bool(x86._is_avx512_bf16_supported() or x86._is_amx_tile_supported())
+    try:  # oneDNN's own check of the CPU's bf16 instructions (a private op; a torch without it: not known, no warning)
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
 def hardware_facts(device) -> HardwareFacts:
     """The facts of this machine for a learner on ``device`` (a torch device or its name)."""
     import torch
-
-    from refit.learner.run.lora import bf16_is_fast
 
     dev = torch.device(device)
     flags = _cpu_flags()
@@ -206,5 +222,5 @@ def settle_precision(cfg, device, log=print, job: str = "ppo", facts: HardwareFa
     return out
 
 
-__all__ = ["HardwareFacts", "Precision", "autocast", "hardware_facts", "mixed_bf16", "resolve_precision",
+__all__ = ["HardwareFacts", "Precision", "autocast", "bf16_is_fast", "hardware_facts", "mixed_bf16", "resolve_precision",
            "settle_precision", "with_precision"]
