@@ -185,3 +185,26 @@ def test_forced_bf16_full_fine_tuning_keeps_kl0(kl, model_dirs, default_engine_d
     assert rows[-1]["kl/exact"] > 0 and "mismatch/tis_grad_scale" in rows[0]
     assert 0 < rows[0]["mismatch/max_abs_diff"] < 0.5  # the bf16 forward differs from the fp32 engine a little
     assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in rows) < 1e-3
+
+
+def test_distill_forced_bf16_full_fine_tuning(model_dirs, engine_dirs, tmp_path):
+    """``refit distill`` under ``run.precision bf16`` (full fine-tuning, emulated here): the student's forward under
+    bf16 autocast, its fp32 masters trained, every push checked by the fp32 probe at the fp32 tolerance; the line
+    says so, the engines stay fp32."""
+    from conftest import tiny_distill_config
+
+    from refit.learner.distill.cycle import run_distill
+    from refit.learner.run.metrics import read_metrics
+
+    out, lines = tmp_path / "d", []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_distill(tiny_distill_config(model_dirs, engine_dirs, out, lmbda=1.0, **{"run.precision": "bf16"}),
+                    log=lines.append)
+    line = [x for x in lines if "precision:" in x]
+    assert line == ["refit distill: precision: learner bf16 autocast, fp32 master weights (run.precision bf16, "
+                    "forced: this CPU has no bf16 units (AVX512-BF16/AMX): emulated, slower than fp32), engine fp32 "
+                    "(full fine-tuning: every push would re-quantize the whole model)"]
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert rows and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert max(r["probe/max_abs_logprob_diff"] for r in rows if "probe/max_abs_logprob_diff" in r) < 1e-4
