@@ -150,23 +150,27 @@ def _run(cfg):
 
 
 @pytest.mark.slow  # the int8 LoRA-ready export's trace: ~20 s of its ~28 s on a loaded 2-core box
-def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(model_dirs, tmp_path):
-    """``refit ppo`` with LoRA at its defaults on this CPU (VNNI, no bf16 units): the int8 engine (the base
-    quantized once at export, the adapter fp32 on top), the learner fp32, TIS on, KL at step 1 exactly 0 by every
-    estimator, every push's probe passed."""
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(precision, model_dirs, tmp_path):
+    """``refit ppo`` with LoRA at its defaults on this CPU: the int8 engine where the CPU has VNNI (the base quantized
+    once at export, the adapter fp32 on top), TIS on, KL at step 1 exactly 0 by every estimator, every push's probe
+    passed. ``bf16``: what auto picks on a CPU with bf16 units (forced here): the base held in bf16 and the int8
+    engine exported from the same rounded base."""
     from refit.learner.run.precision import hardware_facts
 
     facts = hardware_facts("cpu")
-    rows, line, manifest = _run(_run_cfg(model_dirs, tmp_path / "lora", **{"lora.r": 4, "lora.alpha": 8.0}))
+    rows, line, manifest = _run(_run_cfg(model_dirs, tmp_path / "lora", **{"lora.r": 4, "lora.alpha": 8.0,
+                                                                            "run.precision": precision}))
     assert len(line) == 1 and line[0].startswith("refit ppo: precision: learner ")
     int8 = bool(facts.int8_isa)
     assert (manifest.quantization is not None) == int8 and ("engine int8 weights" in line[0]) == int8
-    assert line[0].endswith("TIS on") == int8 or facts.bf16_units
+    assert line[0].endswith("TIS on") == (int8 or precision == "bf16")
+    if precision == "bf16":
+        assert "learner bf16 base, fp32 adapter" in line[0] and manifest.options["round_weights"] == "bf16"
     for k in ("k1", "k2", "k3", "exact"):
         assert rows[0][f"kl/{k}"] == 0.0, (k, rows[0][f"kl/{k}"])
     assert rows[-1]["kl/exact"] > 0  # it trained
-    if int8:
-        assert "mismatch/tis_grad_scale" in rows[0]
+    assert ("mismatch/tis_grad_scale" in rows[0]) == (int8 or precision == "bf16")
 
 
 @pytest.mark.parametrize("kl", ["loss", pytest.param("reward", marks=pytest.mark.slow)])
