@@ -149,8 +149,7 @@ def _run(cfg):
     return read_metrics(run_dir), [x for x in lines if "precision:" in x], Manifest.read(cfg.model.engine_dir or run_dir / "engine")
 
 
-@pytest.mark.slow  # the int8 LoRA-ready export's trace: ~20 s of its ~28 s on a loaded 2-core box
-@pytest.mark.parametrize("precision", ["auto", "bf16"])
+@pytest.mark.parametrize("precision", ["auto", pytest.param("bf16", marks=pytest.mark.slow)])  # each: an int8 export
 def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(precision, model_dirs, tmp_path):
     """``refit ppo`` with LoRA at its defaults on this CPU: the int8 engine where the CPU has VNNI (the base quantized
     once at export, the adapter fp32 on top), TIS on, KL at step 1 exactly 0 by every estimator, every push's probe
