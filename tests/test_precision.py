@@ -186,6 +186,7 @@ def test_forced_bf16_full_fine_tuning_keeps_kl0(kl, model_dirs, default_engine_d
     for k in ("k1", "k3", "exact"):
         assert rows[0][f"kl/{k}"] == 0.0, (k, rows[0][f"kl/{k}"])
     assert rows[-1]["kl/exact"] > 0 and "mismatch/tis_grad_scale" in rows[0]
+    assert rows[0]["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-6)  # old log-probs from the same bf16 arithmetic
     assert 0 < rows[0]["mismatch/max_abs_diff"] < 0.5  # the bf16 forward differs from the fp32 engine a little
     assert max(r.get("probe/max_abs_logprob_diff", 0.0) for r in rows) < 1e-3
 
