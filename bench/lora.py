@@ -89,8 +89,8 @@ def stage_push(a) -> dict:
     from refit.core.manifest import Manifest
     from refit.export.weight_map import canonical_params
     from refit.learner.run.config import LoraSection
-    from refit.learner.run.sync import probe_check
-    from refit.learner.run.lora import adapter_tensors, apply_lora
+    from refit.learner.run.sync import Contract, WeightSync
+    from refit.learner.run.lora import apply_lora
     from refit.rollout.engine import create_engine
     from refit.rollout.types import SamplingParams
 
@@ -101,7 +101,9 @@ def stage_push(a) -> dict:
                                                                                      base_dtype=a.base_dtype))
     eng = create_engine("onnxruntime", a.engine_dir, threads=a.threads, hold_weights=False)
     probe = eng.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14]], SamplingParams(max_new_tokens=8, greedy=True))
-    run_dir = Path(a.engine_dir).parent
+    # the run's sync room: the push carries the adapter only (the engine is LoRA-ready), checked on the probe batch
+    sync = WeightSync(eng, probe, Contract(temperature=1.0, probe_tol=1e-3, int8_manifest=int8),
+                      Path(a.engine_dir).parent)
 
     def push_adapter(seed: int) -> tuple[float, float]:
         g = torch.Generator().manual_seed(seed)
@@ -109,10 +111,8 @@ def stage_push(a) -> dict:
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        t = time.perf_counter()
-        eng.update_weights(adapter_tensors(model))
-        s = time.perf_counter() - t
-        return s, probe_check(eng, model, probe, 1.0, 1e-3, run_dir, int8_manifest=int8)
+        pushed = sync.push_now(model)  # push_s: the adapter's tensors gathered and update_weights, as before
+        return pushed.push_s, pushed.probe_diff
 
     adapter = [push_adapter(s) for s in range(a.repeats)]
     out = {"adapter_push_s": statistics.median(s for s, _ in adapter),

@@ -34,7 +34,7 @@ from refit.core.hf_folder import load_model, model_info
 from refit.core.manifest import Manifest
 from refit.core.padding import native_padding_side
 from refit.export.weight_map import canonical_params
-from refit.learner.run.sync import probe_learner_side
+from refit.learner.run.sync import Contract, WeightSync
 from refit.rollout.engine import create_engine
 from refit.rollout.types import SamplingParams
 
@@ -65,7 +65,7 @@ def push_seconds(engine, params: dict[str, torch.Tensor], repeats: int) -> tuple
 def push_check(int8, model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict:
     """Push ``model``'s tensors moved by 0.1 x their std x N(0, 1) into ``int8``: how far the engine's log-probs move
     on a batch it sampled, and how far they then are from the quantize-dequantize reference holding the same tensors
-    (the learner's push-probe side, ``probe_learner_side``), against the export gate's tolerances. ``model`` is
+    (the learner's push-probe side, ``WeightSync.learner_side``), against the export gate's tolerances. ``model`` is
     left holding the perturbed tensors."""
     b = int8.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=12))
     m = b.response_mask.bool()
@@ -78,8 +78,11 @@ def push_check(int8, model: torch.nn.Module, prompts: list[list[int]], new_token
                 p.add_(0.1 * p.std() * torch.randn(p.shape, generator=gen))
     int8.update_weights(canonical_params(model)[0])
     after = score()
-    ref = probe_learner_side(int8, model, b, 1.0, int8.manifest)[0][m]
     q = int8.manifest.quantization
+    # the sync room's learner half, with batch b as its probe batch (the comparison is made here, against the gate)
+    sync = WeightSync(int8, b, Contract(temperature=1.0, probe_tol=q.tolerance_logprob, int8_manifest=int8.manifest),
+                      int8.engine_dir.parent)
+    ref = sync.learner_side(model).logprobs[m]
     d = (after - ref).abs()
     out = {"tokens": int(m.sum()), "moved_max_abs": float((after - before).abs().max()),
            "vs_reference_max_abs": float(d.max()), "vs_reference_mean_abs": float(d.mean()),

@@ -35,7 +35,7 @@ the demo's policy (2 layers, 128 wide) once gave 1.13e-3 on its push probe (4 x 
 So the gate measures that rounding floor first (:func:`refit.core.int8.rounding_floor`: the reference against itself,
 inputs perturbed by ``FLOOR_JITTER``, three seeds) and allows twice it (at least :data:`GATE_TOL_MIN`), on
 the max and on the mean. The learner's push probe does the same on its own batch
-(``refit.learner.run.sync.probe_check`` with ``int8_manifest``): within the probe tolerance, passed; else
+(``refit.learner.run.sync.WeightSync.check_now``, the contract's ``int8_manifest`` set): within the probe tolerance, passed; else
 the floor is measured on the probe batch and the engine must be within twice it. A push that changes the
 output by less than the floor cannot be told from rounding; a push not taken after one PPO step is caught
 (tests/test_quantize.py).

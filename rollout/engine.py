@@ -23,6 +23,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.manifest import Manifest
 from refit.core.padding import check_left_padded, check_right_padded, pad_batch
 from refit.rollout.decode import (StepEvent, StepHook, StepState, decode_loop, on_threads, row_keys, schedule,
                                   shard_bounds)
@@ -44,11 +45,34 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Load HF-named tensors; ``weights_version`` becomes ``version`` (a resumed run restores the
-        checkpoint's) or, by default, the current one + 1."""
+        checkpoint's) or, by default, the current one + 1 (:func:`next_version`). A push that raises leaves
+        ``weights_version`` as it was."""
         ...
 
     @property
-    def weights_version(self) -> int: ...
+    def weights_version(self) -> int:
+        """The version of the weights the engine holds, stamped on every batch it generates: 0 as exported, then
+        set by each push (:meth:`update_weights`). The learner's sync room reads it; it counts none of its own."""
+        ...
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The engine folder's manifest (dtype, quantization, LoRA inputs, weight map): what the learner's probe
+        compares with (an fp16/bf16 engine: the learner's weights rounded to its dtype). None for an engine over a
+        PyTorch model (``torch``, ``hf``): fp32 weights and arithmetic, no folder."""
+        ...
+
+    @property
+    def adapter(self) -> object | None:
+        """A LoRA-ready engine's adapter inputs, bound into every run (onnxruntime: ``ort_adapter.AdapterSlots``): a
+        LoRA policy's push then carries its adapter's tensors only (``<module>.lora_A`` / ``lora_B``). None: pushes
+        carry whole weights by HF name (a LoRA policy's adapted layers merged in: TensorRT, a Ray pool)."""
+        ...
+
+    def adapter_off(self) -> Engine:
+        """This engine with its LoRA adapter off (the base) over the same weights, taking no pushes: PPO's frozen
+        reference on a LoRA run. One RefitError line for an engine whose :attr:`adapter` is None."""
+        ...
 
     def close(self) -> None: ...
 
@@ -199,6 +223,8 @@ class LoopEngine:
     inflight: bool = True  # with slots: refill a slot as soon as its row stops; False: static batches
     max_batch: int | None = None  # most rows one run of the model takes; more are split within it; None: no limit
     shards: int = 1  # generate() decodes its rows in this many shards, one thread each (decode.schedule)
+    manifest: Manifest | None = None  # the engine folder's (Engine.manifest); None: a PyTorch model, no folder
+    adapter: object | None = None  # a LoRA-ready engine's adapter inputs (Engine.adapter); None: whole weights
 
     def _new_state(self, capacity: int = 0) -> StepState:
         raise NotImplementedError
@@ -212,6 +238,10 @@ class LoopEngine:
     @property
     def weights_version(self) -> int:
         return self._version
+
+    def adapter_off(self) -> Engine:
+        """Engine.adapter_off: refused here, the backend has no adapter inputs (a LoRA-ready one overrides it)."""
+        raise RefitError(f"adapter_off: this {type(self).__name__} takes no LoRA adapter inputs (its adapter is None)")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
                  on_step: StepHook | None = None) -> RolloutBatch:

@@ -31,13 +31,16 @@ import hashlib
 import math
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.manifest import MANIFEST, Manifest
 from refit.rollout import engine as _engine
-from refit.rollout.engine import DEFAULT_SCORE_CHUNK, check_prompts, create_engine, next_version, register_backend
+from refit.rollout.engine import (DEFAULT_SCORE_CHUNK, Engine, check_prompts, create_engine, next_version,
+                                  register_backend)
 from refit.rollout.types import RolloutBatch, SamplingParams, ScoreResult
 
 DEFAULT_CHUNK = 8  # prompts per generate() chunk: the unit of sharding and of seeding
@@ -195,6 +198,8 @@ class RayEnginePool:
             raise RefitError(f"RayEnginePool: need workers >= 1 and chunk >= 1 (got {workers}, {chunk})")
 
         self.backend, self.path, self.chunk = backend, str(path), chunk
+        # Engine.manifest: the workers' engine folder's; None over a model folder (torch, hf workers)
+        self.manifest = Manifest.read(path) if (Path(path) / MANIFEST).is_file() else None
         self._target = _engine._BACKENDS.get(backend)
         if self._target is None:
             raise RefitError(f"unknown backend {backend!r}; known: {', '.join(_engine.backends())}")
@@ -299,6 +304,13 @@ class RayEnginePool:
                              f"expects {self._version}; refusing it (push weights again)")
 
     # --- Engine protocol
+
+    manifest: Manifest | None = None  # the workers' engine folder's manifest (set in __init__); None: a model folder
+    adapter = None  # the workers' adapter inputs are not in this process: a LoRA policy's push carries merged layers
+
+    def adapter_off(self) -> Engine:
+        """Engine.adapter_off: refused, a pool's workers keep their adapters in their own processes."""
+        raise RefitError("adapter_off: a Ray engine pool has no adapter-off view (its workers hold the adapters)")
 
     @property
     def workers(self) -> int:

@@ -236,7 +236,7 @@ def test_learner_probe_after_push_into_fp16_engine(exports, model_dirs, prompts,
     """The learner's probe with an fp16 engine: compared with its fp32 model's weights rounded to fp16, at
     least the fp16 gate's tolerance; a push that took passes, an engine left stale fails in one line."""
     from refit.core.hf_folder import load_model
-    from refit.learner.run.sync import engine_dtype, probe_check, push_weights
+    from refit.learner.run.sync import Contract, WeightSync, engine_dtype
     from refit.rollout.ort_backend import OrtEngine
     from refit.rollout.torch_backend import TorchEngine
     from refit.rollout.types import SamplingParams
@@ -249,14 +249,15 @@ def test_learner_probe_after_push_into_fp16_engine(exports, model_dirs, prompts,
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    version, diff = push_weights(eng, model, probe, 1.0, 1e-3, tmp_path)
-    assert version == 1 and diff <= PARITY_TOL["fp16"]
+    sync = WeightSync(eng, probe, Contract(temperature=1.0, probe_tol=1e-3), tmp_path)
+    pushed = sync.push_now(model)
+    assert pushed.version == 1 == sync.version and pushed.probe_diff <= PARITY_TOL["fp16"]
     stale = copy.deepcopy(model)
     with torch.no_grad():
         stale.get_input_embeddings().weight.add_(0.5 * torch.randn(stale.get_input_embeddings().weight.shape,
                                                                    generator=g))
     with pytest.raises(RefitError, match="parity probe failed after weight push"):
-        probe_check(eng, stale, probe, 1.0, 1e-3, tmp_path)
+        sync.check_now(stale)
 
 
 REAL_CASES = [("smollm2-135m", "fp16", "fused"), ("smollm2-135m", "bf16", "plain"), ("qwen2.5-0.5b", "bf16", "plain"),

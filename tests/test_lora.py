@@ -15,7 +15,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.export.onnx_export import ExportOptions
 from refit.learner.run.config import LoraSection
-from refit.learner.run.sync import int8_reference, probe_check, push_tensors
+from refit.learner.run.sync import Contract, WeightSync, push_tensors
 from refit.learner.run.lora import AdapterOff, adapter_tensors, apply_lora
 from refit.learner.run.policy import learner_view
 from refit.rollout.build import build
@@ -24,6 +24,11 @@ from refit.rollout.types import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]  # four lengths: padding exercised
 QUIET = dict(log=lambda *_: None)
+
+
+def _room(eng, probe, run_dir, tol=1e-4, int8=None) -> WeightSync:
+    """The sync room a run would hold over ``eng`` with ``probe`` (temperature 1)."""
+    return WeightSync(eng, probe, Contract(temperature=1.0, probe_tol=tol, int8_manifest=int8), run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +122,13 @@ def test_stale_adapter_is_caught_by_the_probe_and_a_push_fixes_it(model_dirs, lo
     model = _peft(model_dirs["tiny-gpt2"])
     eng = create_engine("onnxruntime", lora_engines("tiny-gpt2"), hold_weights=False)
     probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-4
+    sync = _room(eng, probe, tmp_path)
+    assert sync.check_now(model) < 1e-4
     _perturb_adapter(model)
     with pytest.raises(RefitError, match="parity probe failed after weight push"):
-        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path)  # the engine still runs the old adapter
+        sync.check_now(model)  # the engine still runs the old adapter
     eng.update_weights(push_tensors(model))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-4
+    assert sync.check_now(model) < 1e-4
     # another rank: new buffers bound; rank 0 unbinds (off: the base again)
     other = _peft(model_dirs["tiny-gpt2"], r=2, alpha=4.0)
     _perturb_adapter(other, seed=3)
@@ -147,9 +153,11 @@ def test_int8_base_with_fp32_adapter(model_dirs, lora_engines, tmp_path):
     eng.update_weights(adapter_tensors(model))
     assert eng.last_push_s["quantize"] == 0.0
     probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m) <= 2e-3
-    ref = int8_reference(model, m)
-    assert int8_reference(model, m) is ref  # made once, shares the policy's parameters
+    sync = _room(eng, probe, tmp_path, int8=m)
+    assert sync.check_now(model) <= 2e-3
+    ref = sync.int8_reference(model)
+    assert sync.int8_reference(model) is ref  # made once, held by the room, shares the policy's parameters
+    assert not hasattr(model, "_refit_int8_reference")  # nothing set on the PEFT model
     assert {id(p) for p in ref.parameters()} <= {id(p) for p in model.parameters()} | {
         id(p) for p in ref.parameters() if p.dtype == torch.int8 or not p.requires_grad}
     from refit.core.int8 import Int8Linear
@@ -173,15 +181,16 @@ def test_bf16_base_on_the_learner(arch, model_dirs, lora_engines, tmp_path):
     assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
     eng = create_engine("onnxruntime", lora_engines(arch, round_weights="bf16"), hold_weights=False)
     probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-5  # the adapter's B is 0: the rounded base
+    sync = _room(eng, probe, tmp_path)
+    assert sync.check_now(model) < 1e-5  # the adapter's B is 0: the rounded base
     plain = create_engine("onnxruntime", lora_engines(arch), hold_weights=False)
     with fp32_compute(model):
         assert _diff(plain, model, probe) > 1e-4  # the checkpoint's own weights: not the base the learner holds
     _perturb_adapter(model)
     with pytest.raises(RefitError, match="parity probe failed after weight push"):
-        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path)  # the engine still runs the old adapter
+        sync.check_now(model)  # the engine still runs the old adapter
     eng.update_weights(push_tensors(model, eng))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path) < 1e-5
+    assert sync.check_now(model) < 1e-5
     assert 1e-4 < _diff(eng, model, probe) < 0.1  # the bf16 forward: the engine's numbers up to bf16 rounding
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}  # fp32_compute undone
 
@@ -195,11 +204,12 @@ def test_bf16_base_with_an_int8_engine(model_dirs, lora_engines, tmp_path):
     model = _peft(model_dirs["tiny-llama"], base_dtype="bf16")
     eng = create_engine("onnxruntime", folder, hold_weights=False)
     probe = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    sync = _room(eng, probe, tmp_path, int8=m)
     _perturb_adapter(model)
     with pytest.raises(RefitError, match="parity probe failed after weight push"):
-        probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m)
+        sync.check_now(model)
     eng.update_weights(adapter_tensors(model))
-    assert probe_check(eng, model, probe, 1.0, 1e-4, tmp_path, int8_manifest=m) <= 2e-3
+    assert sync.check_now(model) <= 2e-3
 
 
 def test_bad_lora_settings_are_one_line(model_dirs, tmp_path):

@@ -149,3 +149,18 @@ def test_switched_layers_are_still_found_by_the_int8_reference():
     use_cpu_matmul(conv), use_cpu_matmul(lin)
     assert type(conv) is DnnConv1D and torch.equal(_module_kn(conv), conv.weight)
     assert type(lin) is DnnLinear and torch.equal(_module_kn(lin), lin.weight.t())
+
+
+def test_bf16_is_fast_reads_the_cpus_bf16_flags():
+    """bf16 counts as fast on a CPU only with AVX512-BF16 or AMX-BF16 (the kernel's /proc/cpuinfo flags, read here
+    independently); oneDNN's own check says yes on any AVX-512 core, where bf16 runs by conversion, 4x slower."""
+    from pathlib import Path
+
+    from refit.learner.run.lora import bf16_is_fast
+
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines() if ln.startswith("flags")),
+                     []))
+    assert bf16_is_fast("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -16,7 +16,6 @@ from refit.learner.ppo.cycle import experience, run_ppo, setup, train_step
 from refit.learner.run.metrics import read_metrics
 from refit.learner.ppo.mismatch import explain_negative_kl, mismatch_stats, name_mismatch
 from refit.learner.ppo.update import UpdateSettings, ppo_update, score_batch
-from refit.learner.run.sync import probe_check
 from refit.learner.run.policy import learner_view
 from refit.rollout.types import SamplingParams
 
@@ -228,7 +227,7 @@ def test_probe_stops_a_run_whose_engine_got_wrong_weights(model_dirs, engine_dir
         assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))  # no update from it
     run.engine.update_weights = push
     push({n: p for n, p in run.policy.named_parameters()})
-    assert probe_check(run.engine, run.policy, run.sync.probe, 1.0, 1e-3, run.run_dir) < 1e-4
+    assert run.sync.check_now(run.policy) < 1e-4
 
 
 def test_resume_reproduces_uninterrupted_metrics(model_dirs, engine_dirs, tmp_path):

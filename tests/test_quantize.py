@@ -230,7 +230,7 @@ def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, promp
     the push fails the probe; once pushed, it passes (against the learner quantized as the engine is)."""
     from refit.core.hf_folder import load_model
     from refit.export.weight_map import canonical_params
-    from refit.learner.run.sync import probe_check
+    from refit.learner.run.sync import Contract, WeightSync
 
     m = Manifest.read(int8_dirs["tiny-gpt2"])
     eng = OrtEngine(int8_dirs["tiny-gpt2"])
@@ -240,10 +240,11 @@ def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, promp
         for p in model.parameters():
             p.add_(1e-3 * torch.sign(torch.randn(p.shape, generator=gen)))
     probe = eng.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    sync = WeightSync(eng, probe, Contract(temperature=1.0, probe_tol=1e-3, int8_manifest=m), tmp_path)
     with pytest.raises(RefitError, match="parity probe failed after weight push"):
-        probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m)
+        sync.check_now(model)
     eng.update_weights(canonical_params(model)[0])
-    assert probe_check(eng, model, probe, 1.0, 1e-3, tmp_path, int8_manifest=m) <= 1e-3
+    assert sync.check_now(model) <= 1e-3
 
 
 # ----------------------------------------------------------------------------- TensorRT's scheme: weight-only Q/DQ

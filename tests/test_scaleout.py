@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from refit.core.errors import RefitError
+from refit.rollout.engine import Engine
 from refit.rollout.types import SamplingParams
 
 from conftest import tiny_distill_config
@@ -90,6 +91,8 @@ def assert_same_rollout(a, b):
 
 def test_two_workers_give_the_tokens_of_one(pools, local_engine):
     one, two = pools
+    # what the learner reads of an engine (the protocol): the workers' folder's manifest, no adapter in this process
+    assert isinstance(two, Engine) and two.manifest.dtype == local_engine.manifest.dtype and two.adapter is None
     a, b = one.generate(PROMPTS, SAMPLING), two.generate(PROMPTS, SAMPLING)
     assert_same_rollout(a, b)
     assert a.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]

@@ -359,7 +359,7 @@ def test_lora_policy_refits_its_merged_layers(trt_env, model_dirs, arch, tmp_pat
     passes, and it caught the stale engine before the push."""
     from refit.core.hf_folder import load_model
     from refit.learner.run.config import LoraSection
-    from refit.learner.run.sync import probe_check, push_tensors
+    from refit.learner.run.sync import Contract, WeightSync, push_tensors
     from refit.learner.run.lora import apply_lora
 
     model = apply_lora(load_model(model_dirs[arch]), LoraSection(r=4, alpha=8.0))
@@ -369,12 +369,13 @@ def test_lora_policy_refits_its_merged_layers(trt_env, model_dirs, arch, tmp_pat
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     trt_eng = trt_env.folders.open(trt_env.dirs[arch])
     probe = trt_eng.generate(PROMPTS, GREEDY)
+    sync = WeightSync(trt_eng, probe, Contract(temperature=1.0, probe_tol=trt_env.atol), tmp_path)
     with pytest.raises(RefitError, match="parity probe failed"):
-        probe_check(trt_eng, model, probe, 1.0, trt_env.atol, tmp_path)
+        sync.check_now(model)
     pushed = push_tensors(model, trt_eng)
     assert pushed and all(n.endswith(".weight") and "lora" not in n for n in pushed)
     trt_eng.update_weights(pushed)
-    assert probe_check(trt_eng, model, probe, 1.0, trt_env.atol, tmp_path) <= trt_env.atol
+    assert sync.check_now(model) <= trt_env.atol
     trt_eng.close()
 
 

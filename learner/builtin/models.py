@@ -113,6 +113,10 @@ GEOMETRIES: dict[str, Geometry] = {
     "small-t5": Geometry("t5", n_layer=3, d_model=128, n_head=4, d_ff=256),
     # GPT-2-small geometry (124M parameters) with random weights, for benchmarks.
     "gpt2-small": Geometry("gpt2", n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=50257, max_positions=1024),
+    # A Llama of GPT-2-small's width (12 x 768, 12 heads, 4 KV heads, vocab 32000): the int8 engine against
+    # CTranslate2 int8 (refit bench generate --quantize int8 --geometry llama-small).
+    "llama-small": Geometry("llama", n_layer=12, d_model=768, n_head=12, d_ff=2048, n_kv_head=4, vocab_size=32000,
+                            max_positions=1024),
     # T5-small geometry (60M parameters, 6 + 6 layers, 32128 tokens) with random weights, for benchmarks.
     "t5-small": Geometry("t5", n_layer=6, d_model=512, n_head=8, d_ff=2048, vocab_size=32128, max_positions=512),
     # One tiny checkpoint per further family the exporter is tested on (refit.bench.export_families).

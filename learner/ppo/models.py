@@ -116,7 +116,8 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
     an fp32 engine exported beside the policy's (``<engine>-fp32``) under ``onnxruntime``."""
     if not ref_on_engine(cfg):
         return None
-    if cfg.lora.enabled and cfg.rollout.quantize != "int8" and hasattr(policy_engine, "adapter_off"):
+    on_adapter = policy_engine is not None and policy_engine.adapter is not None  # a LoRA-ready policy engine
+    if cfg.lora.enabled and cfg.rollout.quantize != "int8" and on_adapter:
         return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
     folder = Path(cfg.model.engine_dir or run_dir / "engine")
     if cfg.rollout.quantize == "int8":

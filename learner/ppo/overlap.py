@@ -16,8 +16,10 @@ The protocol (one engine, one background thread that runs its jobs in the order 
 The background thread runs the generation of batch s+1, then the push (update_weights from the snapshot, which is
 then freed), then the probe's engine half and the comparison, then batch s+2 (queued at step s+1's take): a push
 never meets a generation, and each batch gets the version it got when the learner pushed in the foreground (batch
-s+1 from the weights pushed at step s-1). The learner numbers a push when it queues it (the engine's version + 1,
-by the Engine protocol; the worker refuses the push in one line if the engine reports another), so the staleness
+s+1 from the weights pushed at step s-1). The job is the sync room's (refit.learner.run.sync.WeightSync: the
+update_weights call and the probe are its own; this thread only runs them in order). The room numbers a push when it
+queues it, by the engine's rule (rollout.engine.next_version of the engine's version, settled once the earlier
+pushes are collected; the job refuses the push in one line if the engine reports another), so the staleness
 check of batch s+1 needs no wait. The push's probe is known during step s+1: its diff is logged on step s+1's row
 (``probe/max_abs_logprob_diff``, ``time/push_engine``, ``time/probe_engine``), its failure raised on the learner
 thread when it takes a batch, collects the push, waits (evaluation) or saves, before step s+1's row and any
@@ -60,11 +62,12 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from refit.core.errors import RefitError
+from refit.learner.run.sync import Pushed
 from refit.rollout.types import RolloutBatch, SamplingParams
 
 PENDING_FILE = "pending_rollout.pt"  # the checkpoint's batch in flight and queued pushes, done:
@@ -108,28 +111,6 @@ def _timed_generate(engine, prompts: list[list[int]], sampling: SamplingParams) 
     return batch, time.perf_counter() - t0
 
 
-class Pushed(NamedTuple):
-    """A queued push, done: what the learner logs on the row after the push's own."""
-
-    version: int  # the engine's weights_version after it
-    probe_diff: float  # max |engine - learner log-prob| on the probe batch (within rollout.probe_tol)
-    push_s: float  # the engine's update_weights, on the background thread
-    probe_s: float  # the probe's engine half and the comparison, on the background thread
-
-
-def _timed_push(engine, snapshot: list[dict[str, torch.Tensor]], version: int, check: Callable[[], float]) -> Pushed:
-    """The queued push, on the background thread: ``snapshot`` (a one-item list, emptied here so that the copy is
-    freed once the engine has taken it in) into ``engine``, then ``check()`` (the probe's engine half)."""
-    t0 = time.perf_counter()
-    engine.update_weights(snapshot.pop())
-    if engine.weights_version != version:
-        raise RefitError(f"weight push: the engine reports weights_version {engine.weights_version} after the push "
-                         f"the learner numbered {version}; was it pushed behind the learner's back?")
-    t1 = time.perf_counter()
-    diff = check()
-    return Pushed(version, diff, t1 - t0, time.perf_counter() - t1)
-
-
 def _done(result) -> Future:
     fut: Future = Future()
     fut.set_result(result)
@@ -156,10 +137,10 @@ class RolloutAhead:
             raise RefitError(f"rollout for step {self._pending[0]} is still in flight; cannot start step {step}'s")
         self._pending = (step, self._pool.submit(_timed_generate, self.engine, prompts, sampling))
 
-    def push(self, weights: dict[str, torch.Tensor], version: int, check: Callable[[], float]) -> None:
-        """Queue a push of ``weights`` (the learner's copy, handed over: nothing else may hold it) behind the
-        generation in flight, then ``check()`` (its probe); the engine's weights_version must become ``version``."""
-        self._pushes.append(self._pool.submit(_timed_push, self.engine, [weights], version, check))
+    def push(self, job: Callable[[], Pushed]) -> None:
+        """Queue ``job``, the sync room's push and probe (refit.learner.run.sync.WeightSync: it holds the learner's
+        copy of the weights, its update_weights call and the probe's engine half), behind the generation in flight."""
+        self._pushes.append(self._pool.submit(job))
 
     def pushed(self) -> list[Pushed]:
         """The queued pushes, waited for (not the generation queued after them) and forgotten; a failed push's or

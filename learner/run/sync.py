@@ -2,47 +2,48 @@
 
 The contract between the engine and the learner (the temperature both score at, the tolerance a push may leave,
 an int8 engine's manifest) is one frozen record, :class:`Contract`; the push-and-check cycle is one object,
-:class:`WeightSync`, that both jobs hold (PPO, distillation):
+:class:`WeightSync`, that both jobs hold (PPO, distillation) and that speaks in that record:
 
     push          the policy's weights (a LoRA policy: its adapter only, :func:`push_tensors`) into the engine;
-                  the engine's ``weights_version`` becomes the one every later rollout must come from
+                  the engine's ``weights_version`` after it is the one every later rollout must come from (the
+                  engine owns the number, :attr:`WeightSync.version` reads it)
     check         at once: a fixed probe batch, generated once at setup, scored by the engine and by the learner's
-                  PyTorch model with the same padding, positions and temperature (:func:`probe_check`);
-                  or on the next rollout (``Contract.check_on_rollout``, PPO's ``probe_on_rollout``): its
-                  engine log-probs against the learner's, before any update uses it
-    overlapped    PPO with ``rollout.max_staleness`` >= 1: the push queued on the engine's background thread behind
-                  the generation in flight, the probe's learner half computed first (refit.learner.ppo.overlap)
+                  PyTorch model with the same padding, positions and temperature (:meth:`WeightSync.check_now`, the
+                  learner's half a :class:`LearnerSide`); or on the next rollout (``Contract.check_on_rollout``,
+                  PPO's ``probe_on_rollout``): its engine log-probs against the learner's, before any update uses it
+    overlapped    PPO with ``rollout.max_staleness`` >= 1: the room's push-and-probe job queued on the engine's
+                  background thread behind the generation in flight (:class:`PushQueue`), the probe's learner half
+                  computed first (refit.learner.ppo.overlap: the protocol)
     finish        the queued pushes waited for and their errors raised before the run closes
 
 A disagreement stops the run in one line naming the last checkpoint: an engine that did not take the new weights
-would otherwise sample from a stale policy silently.
+would otherwise sample from a stale policy silently. What the room reads of the engine (``weights_version``,
+``manifest``, ``adapter``) is declared by the Engine protocol (refit.rollout.engine).
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from refit.core.contract import DTYPES, PARITY_TOL, canonical_params
 from refit.core.errors import RefitError
 from refit.core.int8 import reference_model, rounding_floor
-from refit.core.manifest import MANIFEST, Manifest
+from refit.core.manifest import Manifest
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.lora import (adapter_tensors, adapts_tied_head, fp32_compute, holds_low_precision, is_lora,
                                     merged_tensors)
 from refit.learner.run.policy import learner_view
-from refit.rollout.engine import Engine, check_version
+from refit.rollout.engine import Engine, check_version, next_version
 from refit.rollout.types import RolloutBatch, SamplingParams
-
-if TYPE_CHECKING:  # the overlapped push's thread (PPO only); typing, not a dependency
-    from refit.learner.ppo.overlap import RolloutAhead
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,56 @@ class Contract:
     label: str = "engine"  # what a failed check's line calls the engine
 
 
+@dataclass(frozen=True)
+class LearnerSide:
+    """The learner's half of a probe (:meth:`WeightSync.learner_side`): what the engine's log-probs are compared with.
+    It needs only the weights about to be pushed, so an overlapped run computes it before the push."""
+
+    logprobs: torch.Tensor  # (B, Tr) the compared model's log-probs of the probe batch's responses (0 on padding)
+    floor: float  # the least tolerance the comparison needs: an fp16/bf16 engine's gate tolerance, 0.0 for fp32
+    model: torch.nn.Module  # the model compared: the policy, or (an int8 engine) the policy quantized as the engine is
+
+
+class Pushed(NamedTuple):
+    """A push into the engine, done and checked on the probe batch (an overlapped run logs it on a later row)."""
+
+    version: int  # the engine's weights_version after it
+    probe_diff: float  # max |engine - learner log-prob| on the probe batch (within the contract's tolerance)
+    push_s: float  # seconds of the push: the engine's update_weights (pushed now: with gathering the tensors)
+    probe_s: float  # seconds of the probe's engine half and the comparison
+
+
+class PushQueue(Protocol):
+    """The engine's background thread of an overlapped run (refit.learner.ppo.overlap.RolloutAhead), as the room
+    uses it: jobs run in the order queued, behind the generation in flight."""
+
+    def push(self, job: Callable[[], Pushed]) -> None: ...  # queue ``job``: the room's push and probe
+
+    def pushed(self) -> list[Pushed]: ...  # the queued pushes waited for, forgotten; a failed one's error raised
+
+    def wait(self) -> float: ...  # nothing in flight afterwards
+
+
 class WeightSync:
-    """One engine's pushes and their checks under ``contract`` (the module's docstring: the cycle)."""
+    """One engine's pushes and their checks under ``contract`` (the module's docstring: the cycle).
+
+    The engine owns the weights version: its ``weights_version`` after a push is the version every later rollout
+    must come from (:attr:`version`); the room counts nothing of its own."""
 
     def __init__(self, engine: Engine, probe: RolloutBatch, contract: Contract, run_dir: Path,
-                 ahead: RolloutAhead | None = None, unchecked: bool = False):
+                 ahead: PushQueue | None = None, unchecked: bool = False):
         self.engine, self.probe, self.contract, self.run_dir, self.ahead = engine, probe, contract, run_dir, ahead
-        self.version = engine.weights_version  # the engine weights_version a rollout must come from (the learner's)
         self.unchecked = unchecked  # a push whose check is the next rollout's (Contract.check_on_rollout)
         self.told: set[str] = set()  # engine/learner mismatch causes named once per run (int8 precision, version lag)
+        self._queued: int | None = None  # overlapped: the version the engine gives the push queued, until collected
+        # an int8 engine's reference of a LoRA policy, made once per policy (:meth:`int8_reference`)
+        self._int8_refs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def version(self) -> int:
+        """The weights_version a rollout must come from: the engine's, or, while a push waits on the engine's thread
+        (overlapped), the one the engine gives it when it runs (rollout.engine.next_version, the engine's rule)."""
+        return self.engine.weights_version if self._queued is None else self._queued
 
     # ------------------------------------------------------------------ checks
 
@@ -72,11 +114,36 @@ class WeightSync:
         """One line when ``rollout`` came from other weights than the last push's."""
         check_version(rollout, self.version)
 
+    def learner_side(self, model: torch.nn.Module) -> LearnerSide:
+        """The learner's half of the probe for ``model``'s weights: its log-probs on the probe batch, compared as the
+        engine computes (an fp16/bf16 engine: :func:`probe_reference`; an int8 one: :meth:`int8_reference`; a bf16
+        LoRA base: its weights in fp32 arithmetic, as the engine runs the same rounded base)."""
+        low_base = holds_low_precision(model)
+        if self.contract.int8_manifest is not None:
+            model = self.int8_reference(model)
+        ref, floor = probe_reference(model, engine_dtype(self.engine))
+        with fp32_compute(ref) if low_base else nullcontext():
+            return LearnerSide(learner_view(ref, None, self.probe, self.contract.temperature)[0], floor, model)
+
     def check_now(self, model: torch.nn.Module) -> float:
         """The probe batch scored on both sides; the max |log-prob diff|, or one line above the tolerance."""
-        c = self.contract
-        return probe_check(self.engine, model, self.probe, c.temperature, c.probe_tol, self.run_dir, c.label,
-                           c.int8_manifest)
+        return self._probe(self.learner_side(model))
+
+    def _probe(self, side: LearnerSide) -> float:
+        """The probe's engine half against ``side``: the max |log-prob diff|, or one line above the tolerance (at
+        least ``side.floor``). An int8 engine above it: the int8 rounding floor on this batch is measured and the
+        engine must be within twice it (export/quantize.py, Exactness)."""
+        p, c = self.probe, self.contract
+        eng = self.engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask,
+                                temperature=c.temperature).logprobs
+        diff = float(((eng - side.logprobs).abs() * p.response_mask).max())
+        tol = max(c.probe_tol, side.floor)
+        if c.int8_manifest is not None and diff > tol:
+            with fp32_compute(side.model) if holds_low_precision(side.model) else nullcontext():
+                floor = rounding_floor(side.model, lambda m: learner_view(m, None, p, c.temperature)[0],
+                                       lambda j: float(((j - side.logprobs).abs() * p.response_mask).max()))
+            tol = max(tol, 2 * floor)
+        return check_parity(diff, tol, self.engine.weights_version, self.run_dir, c.label, "the probe batch")
 
     def check_rollout(self, rollout: RolloutBatch, diff: float) -> float | None:
         """After an unchecked push: ``diff`` (the rollout's max |engine - learner log-prob|) within the tolerance,
@@ -94,6 +161,21 @@ class WeightSync:
         self.told.add(cause)
         return True
 
+    def int8_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as the int8 engine computes it (core/int8.py ``reference_model``, the contract's manifest). A LoRA
+        policy's is made once and held here: it shares every parameter of the policy (the adapter as it trains, the
+        frozen base) and quantizes the base's linear layers at each forward (``Int8Linear(lazy=True)``), so it follows
+        each step without being made again and costs no copy of the base, fp32 or int8."""
+        manifest = self.contract.int8_manifest
+        if not is_lora(model):
+            return reference_model(model, manifest)
+        peft_model = getattr(model, "module", model)
+        ref = self._int8_refs.get(peft_model)
+        if ref is None:
+            ref = self._int8_refs[peft_model] = reference_model(peft_model.get_base_model(), manifest,
+                                                                 share_parameters=True)
+        return ref
+
     # ------------------------------------------------------------------ pushes
 
     def push(self, model: torch.nn.Module, last: bool = False) -> float | None:
@@ -101,12 +183,30 @@ class WeightSync:
         the ``last`` push: no rollout follows it; None), else on the probe batch now (its diff)."""
         if self.contract.check_on_rollout and not last:
             self.engine.update_weights(push_tensors(model, self.engine))
-            self.version, self.unchecked = self.engine.weights_version, True
+            self.unchecked = True
             return None
-        c = self.contract
-        self.version, diff = push_weights(self.engine, model, self.probe, c.temperature, c.probe_tol, self.run_dir,
-                                          c.label, c.int8_manifest)
-        return diff
+        return self.push_now(model).probe_diff
+
+    def push_now(self, model: torch.nn.Module) -> Pushed:
+        """Push ``model``'s weights (:func:`push_tensors`) into the engine and check them on the probe batch now."""
+        t = time.perf_counter()
+        weights = [push_tensors(model, self.engine)]
+        return self._push_job(weights, None, None, time.perf_counter() - t, model)
+
+    def _push_job(self, weights: list[dict[str, torch.Tensor]], side: LearnerSide | None, numbered: int | None,
+                  gathered_s: float = 0.0, model: torch.nn.Module | None = None) -> Pushed:
+        """The push and its probe: ``weights`` (a one-item list, emptied here so that an overlapped push's copy is
+        freed once the engine holds it) into the engine, whose ``weights_version`` must then be ``numbered`` (when
+        the room numbered the push it queued), then the probe against ``side`` (None: ``model``'s, computed now).
+        An overlapped run's job on the engine's thread; it reads the policy only through ``side``."""
+        t0 = time.perf_counter()
+        self.engine.update_weights(weights.pop())
+        if numbered is not None and self.engine.weights_version != numbered:
+            raise RefitError(f"weight push: the engine reports weights_version {self.engine.weights_version} after "
+                             f"the push numbered {numbered}; was it pushed behind the learner's back?")
+        t1 = time.perf_counter()
+        diff = self._probe(side if side is not None else self.learner_side(model))
+        return Pushed(self.engine.weights_version, diff, gathered_s + t1 - t0, time.perf_counter() - t1)
 
     def after_update(self, model: torch.nn.Module, due: bool, last: bool, stats: dict[str, float],
                      timings: dict[str, float]) -> None:
@@ -121,6 +221,17 @@ class WeightSync:
             stats["probe/max_abs_logprob_diff"] = max(diff, stats.get("probe/max_abs_logprob_diff", 0.0))
         timings["time/weight_push"] = time.perf_counter() - t if due else 0.0
 
+    def _collect(self, stats: dict[str, float], timings: dict[str, float]) -> None:
+        """The pushes queued at earlier steps, waited for: their probe diffs and engine times on this row."""
+        t = time.perf_counter()
+        done = self.ahead.pushed()  # a failed probe is raised here: before this row and any later checkpoint
+        self._queued = None  # done: the engine's version is the one it gave them
+        timings["time/push_wait"] += time.perf_counter() - t
+        for p in done:
+            stats["probe/max_abs_logprob_diff"] = max(p.probe_diff, stats.get("probe/max_abs_logprob_diff", 0.0))
+            timings["time/push_engine"] += p.push_s
+            timings["time/probe_engine"] += p.probe_s
+
     def _push_overlapped(self, model: torch.nn.Module, due: bool, last: bool, stats: dict[str, float],
                          timings: dict[str, float]) -> None:
         """Collect the push queued at an earlier step (its probe diff on this row), then, when a push is ``due``,
@@ -132,35 +243,21 @@ class WeightSync:
         (update_weights) and ``time/probe_engine`` (the probe's engine half) of the pushes collected on this row."""
         timings.update({k: 0.0 for k in ("time/weight_push", "time/probe_learner", "time/push_wait",
                                          "time/push_engine", "time/probe_engine")})
-
-        def collect() -> None:
-            t = time.perf_counter()
-            done = self.ahead.pushed()  # a failed probe is raised here: before this row and any later checkpoint
-            timings["time/push_wait"] += time.perf_counter() - t
-            for p in done:
-                stats["probe/max_abs_logprob_diff"] = max(p.probe_diff, stats.get("probe/max_abs_logprob_diff", 0.0))
-                timings["time/push_engine"] += p.push_s
-                timings["time/probe_engine"] += p.probe_s
-
-        collect()
+        self._collect(stats, timings)
         if not due:
             return
-        c = self.contract
         t = time.perf_counter()  # a copy: the next optimizer step changes the weights in place, the push runs later
-        snapshot = {n: p.detach().clone() for n, p in push_tensors(model, self.engine).items()}
+        snapshot = [{n: p.detach().clone() for n, p in push_tensors(model, self.engine).items()}]
         timings["time/weight_push"] = time.perf_counter() - t
         t = time.perf_counter()
-        learner_side = probe_learner_side(self.engine, model, self.probe, c.temperature, c.int8_manifest)
+        side = self.learner_side(model)
         timings["time/probe_learner"] = time.perf_counter() - t
-        # learner_side[2]: the model compared (the policy, or a copy of it quantized or rounded as the engine is); the
-        # engine thread reads the policy only through it, and only for an int8 engine's rounding floor (a copy)
-        check = partial(probe_check, self.engine, learner_side[2], self.probe, c.temperature, c.probe_tol,
-                        self.run_dir, c.label, c.int8_manifest, learner_side)
-        self.version += 1  # the Engine protocol: a push without a version is the engine's + 1
-        self.ahead.push(snapshot, self.version, check)
+        # nothing is queued now (collected above): the engine's version is settled, and this push gets the next one
+        self._queued = next_version(self.engine.weights_version, None)
+        self.ahead.push(partial(self._push_job, snapshot, side, self._queued))
         del snapshot  # the engine thread holds the only reference: freed once pushed
         if last:  # nothing left to overlap it with
-            collect()
+            self._collect(stats, timings)
 
     def finish(self, log=print) -> None:
         """A run that reached its last step: overlapped, the engine's queued jobs waited for, a failed push's or
@@ -171,6 +268,7 @@ class WeightSync:
         self.ahead.wait()
         for p in self.ahead.pushed():
             log(f"last weight push (version {p.version}): probe max |engine - learner log-prob| {p.probe_diff:.3g}")
+        self._queued = None
 
 
 def make_probe(engine: Engine, prompt_ids: list[list[int]], rollout, response_length: int,
@@ -191,13 +289,10 @@ def push_checkpoint(engine: Engine, model: torch.nn.Module, version: int | None)
     engine.update_weights(push_tensors(model, engine), version=version)
 
 
-def engine_dtype(engine) -> str:
-    """The dtype of ``engine``'s weights and activations: its manifest's (ONNX Runtime, TensorRT, a pool or a
-    counting wrapper over one), "fp32" for the PyTorch backends."""
-    m = getattr(engine, "manifest", None)
-    if m is None and getattr(engine, "path", None) is not None and (Path(engine.path) / MANIFEST).exists():
-        m = Manifest.read(engine.path)
-    return getattr(m, "dtype", None) or "fp32"
+def engine_dtype(engine: Engine) -> str:
+    """The dtype of ``engine``'s weights and activations: its manifest's (an engine folder's: ONNX Runtime,
+    TensorRT, a pool or a counting wrapper over one), "fp32" for an engine over a PyTorch model (no manifest)."""
+    return engine.manifest.dtype if engine.manifest is not None else "fp32"
 
 
 def probe_reference(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, float]:
@@ -219,45 +314,6 @@ def probe_reference(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module
     return rounded, PARITY_TOL[dtype]
 
 
-def probe_learner_side(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float,
-                       int8_manifest=None) -> tuple[torch.Tensor, float, torch.nn.Module]:
-    """The learner's half of :func:`probe_check`: (its log-probs on ``probe``, the tolerance floor, the model
-    compared). It needs only the weights about to be pushed, so an overlapped PPO run computes it while the engine
-    still generates (refit.learner.ppo.overlap), before the push."""
-    low_base = holds_low_precision(model)
-    if int8_manifest is not None:
-        model = int8_reference(model, int8_manifest)
-    ref, floor = probe_reference(model, engine_dtype(engine))
-    # a bf16 LoRA base (lora.base_dtype): its weights in fp32 arithmetic, as the engine runs the same rounded base
-    with fp32_compute(ref) if low_base else nullcontext():
-        return learner_view(ref, None, probe, temperature)[0], floor, model
-
-
-def probe_check(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                run_dir: Path, label: str = "engine", int8_manifest=None, learner_side=None) -> float:
-    """Score ``probe`` on ``engine`` and on ``model``; the max |log-prob diff|, or one line when above ``tol``
-    (for an fp16/bf16 engine: against ``model``'s weights in that dtype, ``tol`` at least the dtype's gate
-    tolerance, :func:`probe_reference`).
-
-    ``int8_manifest``: the engine is int8 (export/quantize.py): the learner side is ``model`` quantized as the engine
-    quantizes it (``reference_model``); above ``tol``, the int8 rounding floor on this batch is measured and the
-    engine must be within twice it (export/quantize.py, Exactness).
-
-    ``learner_side``: :func:`probe_learner_side`'s result, computed already (for the weights pushed)."""
-    p = probe
-    eng = engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask, temperature=temperature).logprobs
-    mine, floor, model = learner_side or probe_learner_side(engine, model, p, temperature, int8_manifest)
-    dist = lambda other: float(((eng - other).abs() * p.response_mask).max())  # noqa: E731
-    diff = dist(mine)
-    tol = max(tol, floor)
-    if int8_manifest is not None and diff > tol:
-        with fp32_compute(model) if holds_low_precision(model) else nullcontext():
-            floor = rounding_floor(model, lambda m: learner_view(m, None, p, temperature)[0],
-                                   lambda j: float(((j - mine).abs() * p.response_mask).max()))
-        tol = max(tol, 2 * floor)
-    return check_parity(diff, tol, engine.weights_version, run_dir, label, "the probe batch")
-
-
 def check_parity(diff: float, tol: float, version: int, run_dir: Path, label: str = "engine",
                  where: str = "the probe batch") -> float:
     """``diff`` (max |engine - learner log-prob| after a push) if within ``tol``, else one RefitError line."""
@@ -275,34 +331,10 @@ def push_tensors(model: torch.nn.Module, engine: Engine | None = None) -> dict[s
     by canonical HF name."""
     if not is_lora(model):
         return canonical_params(model)[0]
-    if engine is None or getattr(engine, "adapter", None) is not None:
+    if engine is None or engine.adapter is not None:
         return adapter_tensors(model)
     if adapts_tied_head(model):  # merged, the head would be refit into the one weight it shares with the embeddings
         raise RefitError("lora: an adapter on an output head tied to the input embeddings cannot be merged into an "
                          "engine without adapter inputs (TensorRT refits one weight for both); leave lm_head out of "
                          "lora.target_modules or use rollout.backend onnxruntime")
     return merged_tensors(model)
-
-
-def int8_reference(model: torch.nn.Module, manifest: Manifest) -> torch.nn.Module:
-    """``model`` as an int8 engine computes it (core/int8.py ``reference_model``). For a LoRA policy the
-    reference is made once and kept on the model: it shares every parameter of the policy (the adapter as it
-    trains, the frozen base) and quantizes the base's linear layers at each forward (``Int8Linear(lazy=True)``),
-    so it follows each step without being made again and costs no copy of the base, fp32 or int8."""
-    if not is_lora(model):
-        return reference_model(model, manifest)
-    peft_model = getattr(model, "module", model)
-    ref = getattr(peft_model, "_refit_int8_reference", None)
-    if ref is None:
-        ref = reference_model(peft_model.get_base_model(), manifest, share_parameters=True)
-        object.__setattr__(peft_model, "_refit_int8_reference", ref)
-    return ref
-
-
-def push_weights(engine: Engine, model: torch.nn.Module, probe: RolloutBatch, temperature: float, tol: float,
-                 run_dir: Path, label: str = "engine", int8_manifest=None, learner_side=None) -> tuple[int, float]:
-    """Push ``model``'s weights into ``engine``, then :func:`probe_check`; (the new weights_version, probe diff).
-    ``learner_side``: the probe's learner half for these weights, computed already (:func:`probe_learner_side`)."""
-    engine.update_weights(push_tensors(model, engine))
-    return engine.weights_version, probe_check(engine, model, probe, temperature, tol, run_dir, label, int8_manifest,
-                                               learner_side)
