@@ -111,8 +111,11 @@ class RolloutSection:
     sync_every: int = opt(1, "push weights into the engine every N steps (on-policy batches lag by at most N-1 "
                              "updates)")
     probe_tol: float = opt(1e-3, "max |logprob diff| engine vs learner on the probe batch after a push")
-    quantize: Literal["none", "int8"] = opt(
-        "none", "rollout engine precision: int8 runs the engine's linear layers in int8 (export --quantize int8; "
+    quantize: Literal["auto", "none", "int8"] = opt(
+        "auto", "rollout engine precision: auto is int8 for a LoRA run (the frozen base quantized once at export, the "
+                "adapter fp32 on top) on the onnxruntime backend where the CPU has int8 dot-product units (VNNI, "
+                "AMX-int8, arm64 dotprod), else none; run.precision fp32 makes auto none (refit.learner.run.precision). "
+                "int8 runs the engine's linear layers in int8 (export --quantize int8; "
                 "onnxruntime: int8 matmuls; tensorrt: int8 weights through Q/DQ, fp32 matmuls), pushes re-quantized; the probe then compares the engine with the learner's "
                 "weights quantized the same way, the reference and KL stay fp32, and PPO's mismatch_correction "
                 "'auto' becomes tis")

@@ -178,6 +178,22 @@ def chat_engine_dir(tmp_path_factory, chat_model_dir):
                  opts=ExportOptions(max_batch=16, max_len=128), log=lambda *_: None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_learner_by_default():
+    """The suite's learners compute in fp32 on any CPU: ``run.precision auto`` (refit.learner.run.precision) sees no
+    bf16 units, so a box with AVX512-BF16/AMX (or a CUDA GPU) runs the expectations written for fp32 learners, as a
+    box without does. The bf16 paths are tested by asking for them (``run.precision bf16``: tests/test_precision.py,
+    tests/test_lora.py); the engine's int8 default follows the real CPU."""
+    from dataclasses import replace
+
+    from refit.learner.run import precision
+
+    real = precision.hardware_facts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precision, "hardware_facts", lambda device: replace(real(device), bf16_units=False, bf16_isa=""))
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models: one intra-op thread is faster, and immune to a busy machine's oversubscription

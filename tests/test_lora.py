@@ -243,7 +243,8 @@ def _cfg(model_dirs, out, **kw):
             "run.batch_size": 4, "num_generations": 2, "advantage_estimator": "grpo", "response_length": 4,
             "ckpt.save_steps": 2, "rollout.probe_size": 4, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "data.max_operand": 9, "data.num_prompts": 32, "optim.learning_rate": 5e-3,
-            "export_final": False, "lora.r": 4, "lora.alpha": 8.0, "num_ppo_epochs": 1, "num_mini_batches": 1}
+            "export_final": False, "lora.r": 4, "lora.alpha": 8.0, "num_ppo_epochs": 1, "num_mini_batches": 1,
+            "rollout.quantize": "none"}  # the fp32 LoRA engine's paths (the int8 default: tests/test_precision.py)
     base.update(kw)
     return PPOConfig.from_flat(**base)
 

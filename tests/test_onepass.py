@@ -109,6 +109,7 @@ RULE = [  # (overrides, one pass?): each case of the module docstring
     (dict(kl_penalty="loss", kl_coef=0.05), True),
     (dict(mismatch_correction="seq_mask"), False),
     (dict(mismatch_correction="tis"), True),
+    ({"run.precision": "bf16"}, True),  # bf16 autocast: the old log-probs and the reference under it too
 ]
 
 

@@ -339,8 +339,10 @@ def test_each_demo_variant_has_its_own_run_folder():
     from refit.learner.builtin.demo import DemoConfig, run_folder
 
     got = [run_folder(DemoConfig(out="d", **kw)).name for kw in (
-        {}, {"lora": 16}, {"quantize": "int8"}, {"lora": 8, "quantize": "int8", "chat": True}, {"backend": "torch"})]
-    assert got == ["ppo", "ppo-lora16", "ppo-int8", "ppo-lora8-int8-chat", "ppo-torch"]
+        {}, {"lora": 16}, {"quantize": "int8"}, {"lora": 8, "quantize": "int8", "chat": True}, {"backend": "torch"},
+        {"lora": 16, "quantize": "none"}, {"precision": "fp32"}, {"lora": 16, "precision": "bf16"})]
+    assert got == ["ppo", "ppo-lora16", "ppo-int8", "ppo-lora8-int8-chat", "ppo-torch", "ppo-lora16-fp32engine",
+                   "ppo-fp32", "ppo-lora16-bf16"]
 
 
 def test_kl_in_loss_tis_and_adaptive_kl(model_dirs, engine_dirs, tmp_path):

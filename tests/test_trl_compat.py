@@ -327,12 +327,15 @@ def test_training_arguments_a_cpu_script_sets_are_honoured_accepted_or_refused()
     assert (c.run.device, c.log.progress, c.log.tensorboard, c.ckpt.save_steps) == ("cpu", False, False, 4)
     assert _ppo(max_steps=1, no_cuda=True).run.device == "cpu" and _ppo(max_steps=1).run.device == "auto"
     assert _ppo(max_steps=1, report_to="tensorboard").log.tensorboard
+    # TRL's bf16: None leaves run.precision auto; True forces bf16 (a CPU included); False: the learner in fp32
+    assert [(c.run.precision, c.run.bf16) for c in (_ppo(max_steps=1), _ppo(max_steps=1, bf16=True, use_cpu=True),
+                                                     _ppo(max_steps=1, bf16=False))] == [
+        ("auto", True), ("bf16", True), ("auto", False)]
     args = GRPOConfig(output_dir="o", dataloader_num_workers=4, max_steps=1)
     assert args.ignored == {"dataloader_num_workers": 4} and args.dataloader_num_workers == 4  # callbacks read it
     assert to_ppo_config(args, "m") == to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), "m")  # changes nothing
     for kw, msg in ((dict(push_to_hub=True), "push_to_hub=True: nothing leaves the machine"),
-                    (dict(fp16=True), "fp16=True: fp32, or bf16 autocast on CUDA"),
-                    (dict(bf16=True, use_cpu=True), "bf16=True with use_cpu: Refit's CPU learner runs fp32"),
+                    (dict(fp16=True), "fp16=True: fp32, or bf16"),
                     (dict(report_to="wandb"), "report_to='wandb': nothing leaves the machine"),
                     (dict(save_strategy="epoch"), "save_strategy='epoch': Refit saves by steps"),
                     (dict(logging_strategy="epoch"), "logging_strategy='epoch'")):
@@ -368,7 +371,7 @@ def test_peft_lora_config_maps_to_the_lora_section(model_dirs):
 
 def test_model_init_kwargs_bf16_holds_the_lora_base_in_bf16(model_dirs):
     """TRL's way to hold a LoRA base in bf16 (model_init_kwargs dtype bfloat16) is lora.base_dtype bf16; float32 /
-    "auto" / none keep fp32; bf16 without LoRA and other dtypes are one line."""
+    explicitly fp32; "auto" / none leave Refit's auto; bf16 without LoRA and other dtypes are one line."""
     import peft
 
     gpt2, lora = str(model_dirs["tiny-gpt2"]), peft.LoraConfig(r=4, target_modules="all-linear")
@@ -377,9 +380,10 @@ def test_model_init_kwargs_bf16_holds_the_lora_base_in_bf16(model_dirs):
             c = to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={key: dtype}), gpt2,
                               peft_config=lora)
             assert c.lora.base_dtype == "bf16"
-    for kw in (None, {"dtype": "auto"}, {"dtype": torch.float32}, {"attn_implementation": "eager"}):
+    for kw, want in ((None, "auto"), ({"dtype": "auto"}, "auto"), ({"dtype": torch.float32}, "fp32"),
+                     ({"attn_implementation": "eager"}, "auto")):
         assert to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs=kw), gpt2,
-                             peft_config=lora).lora.base_dtype == "fp32"
+                             peft_config=lora).lora.base_dtype == want
     with pytest.raises(RefitError, match="model_init_kwargs dtype bfloat16 without peft_config") as e:
         to_ppo_config(GRPOConfig(output_dir="o", max_steps=1, model_init_kwargs={"dtype": "bfloat16"}), gpt2)
     assert "\n" not in str(e.value)

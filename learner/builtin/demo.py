@@ -87,10 +87,14 @@ class DemoConfig:
     seed: int = opt(0, "seed for everything")
     progress: bool = opt(True, "show a progress bar (--no_progress or --no-progress: none)")
     policy_only: bool = opt(False, "only build the warmed-up policy (OUT/policy, an HF folder) and print its path")
-    quantize: Literal["none", "int8"] = opt("none", "rollout engine precision (rollout.quantize): int8 linear layers, "
-                                                    "the learner and its reference in fp32")
+    quantize: Literal["auto", "none", "int8"] = opt(
+        "auto", "rollout engine precision (rollout.quantize): int8 linear layers; auto: int8 with --lora where the CPU "
+                "has int8 dot-product units, else none (refit.learner.run.precision)")
+    precision: Literal["auto", "fp32", "bf16"] = opt(
+        "auto", "the learner's precision (run.precision): auto bf16 where the hardware has bf16 units, else fp32; "
+                "fp32 also keeps --quantize auto at none (the defaults before)")
     mismatch_correction: Literal["auto", "none", "tis", "seq_mask"] = opt(
-        "auto", "PPO's rollout/learner mismatch correction (auto: tis with --quantize int8, else none)")
+        "auto", "PPO's rollout/learner mismatch correction (auto: tis with an int8 engine or a bf16 learner, else none)")
     chat: bool = opt(False, "a chat policy: the tokenizer has a chat template and the warm-up sees templated user "
                             "turns (with --policy_only, e.g. for examples/trl_chat)")
     lora: int = opt(0, "LoRA rank: train a LoRA adapter (alpha 2r) over the frozen warmed-up policy instead of "
@@ -107,8 +111,11 @@ class DemoConfig:
 
 def run_folder(a: DemoConfig) -> Path:
     """The PPO run's folder in OUT, one per variant, so a variant never replaces another's run: OUT/ppo,
-    OUT/ppo-lora16, OUT/ppo-int8, OUT/ppo-torch, OUT/ppo-chat (combined in that order)."""
-    parts = ["ppo"] + ([f"lora{a.lora}"] if a.lora else []) + (["int8"] if a.quantize != "none" else []) + (
+    OUT/ppo-lora16, OUT/ppo-int8 (OUT/ppo-fp32engine: --quantize none), OUT/ppo-fp32 / OUT/ppo-bf16 (--precision),
+    OUT/ppo-torch, OUT/ppo-chat (combined in that order)."""
+    engine = {"auto": [], "int8": ["int8"], "none": ["fp32engine"]}[a.quantize]
+    learner = [] if a.precision == "auto" else [a.precision]
+    parts = ["ppo"] + ([f"lora{a.lora}"] if a.lora else []) + engine + learner + (
         ["torch"] if a.backend != "onnxruntime" else []) + (["chat"] if a.chat else [])
     return Path(a.out) / "-".join(parts)
 
@@ -116,7 +123,8 @@ def run_folder(a: DemoConfig) -> Path:
 def ppo_config(a: DemoConfig, policy: Path) -> PPOConfig:
     """The demo's PPO run: the demo's settings on top of PPOConfig's defaults."""
     return PPOConfig(
-        run=RunSection(output_dir=str(run_folder(a)), seed=a.seed, steps=a.steps, batch_size=a.batch_size),
+        run=RunSection(output_dir=str(run_folder(a)), seed=a.seed, steps=a.steps, batch_size=a.batch_size,
+                       precision=a.precision),
         model=ModelSection(model_dir=str(policy)), data=DataSection(max_operand=a.max_operand),
         rollout=RolloutSection(backend=a.backend, engine_threads=a.threads, quantize=a.quantize),
         optim=OptimSection(learning_rate=3e-4),

@@ -62,6 +62,7 @@ from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
 from refit.learner.run.engines import CountingEngine, engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora
+from refit.learner.run.precision import autocast as precision_autocast, settle_precision
 from refit.learner.run.final import write_final
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.optim import adamw, neftune, schedule
@@ -208,6 +209,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     rows = max(cfg.run.batch_size, cfg.eval_size, cfg.rollout.probe_size)
     dist = dist or DistContext()
     device = dist.device or pick_device(cfg.run.device)
+    cfg = settle_precision(cfg, device, log, "distill")  # run.precision, lora.base_dtype, rollout.quantize resolved
     seq2seq = s_info.kind == "seq2seq"
     if not dist.is_main:  # [dist] the student, its optimizer and schedule; no engines, no teacher
         student = student_model(cfg, s_info, device)
@@ -305,7 +307,7 @@ def update(run: Run, b: DistillBatch) -> dict[str, float]:
     model = ctx.policy_ddp if ctx.enabled else run.student
     n_tokens = b.response_mask.sum().clamp(min=1.0)  # the whole batch's: every rank holds it
     dev = next(run.student.parameters()).device
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.run.bf16 and dev.type == "cuda")
+    autocast = precision_autocast(cfg, dev)  # bf16 autocast over fp32 master weights where run.precision resolved so
     # the student stays in eval mode: no dropout, as TRL's disable_dropout=True (and the engine has none)
     run.optimizer.zero_grad(set_to_none=True)
     total, acc = 0.0, {}

@@ -34,6 +34,7 @@ from refit.learner.run.engines import engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.policy import ValueHead, hidden_size
+from refit.learner.run.precision import settle_precision
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
 from refit.rollout.engine import Engine
 from refit.rollout.types import RolloutBatch
@@ -122,6 +123,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     tok = load_tokenizer(cfg.model.model_dir, info)
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
     device = dist.device or pick_device(cfg.run.device)
+    cfg = settle_precision(cfg, device, log)  # run.precision, lora.base_dtype, rollout.quantize: auto resolved, one line
     p = prompt_sets(cfg, tok, info)
     cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
     state = StepState(kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon))

@@ -27,6 +27,7 @@ from refit.core.parsing import FLAT
 from refit.core.validate import validate
 from refit.learner.run.config import (CheckpointSection, DataSection, LogSection, LoraSection, ModelSection,
                                       OptimSection, RunSection, ScaleSection, _f, check, from_flat, parse_job)
+from refit.learner.run.precision import mixed_bf16
 from refit.rollout.config import RolloutSection, Sampling
 
 
@@ -167,8 +168,8 @@ class PPOConfig:
         "auto", "rollout/learner mismatch correction: tis (truncated importance sampling, weights "
                 "min(pi_learner / pi_engine, tis_cap)), seq_mask (drop sequences that disagree by more than "
                 "seq_mask_threshold), none; auto: tis with a quantized engine (rollout.quantize), overlapped "
-                "generation (rollout.max_staleness >= 1: the batch comes from older weights) or a bf16 LoRA base "
-                "(lora.base_dtype), else none")
+                "generation (rollout.max_staleness >= 1: the batch comes from older weights) or a bf16 learner "
+                "(lora.base_dtype, run.precision), else none")
     tis_cap: float = _f(2.0, "truncated importance sampling cap C")
     tis_warn_below: float = _f(0.5, "tis: warn (once) when the mean truncated importance weight, the factor that "
                                     "scales the policy gradient, falls below this")
@@ -217,12 +218,13 @@ class PPOConfig:
     def correction(self) -> str:
         """``mismatch_correction`` resolved: 'auto' is 'tis' with a quantized rollout engine or with overlapped
         generation (``rollout.max_staleness`` >= 1: the engine's log-probs are the behaviour policy's, the
-        learner's old log-probs the proximal policy's, AReaL's decoupled PPO) or with a bf16 LoRA base on the learner
-        (``lora.base_dtype``: the engine computes in fp32), else 'none'."""
+        learner's old log-probs the proximal policy's, AReaL's decoupled PPO) or with a bf16 learner (a LoRA base held
+        in bf16, ``lora.base_dtype``, or full fine-tuning under bf16 autocast, ``run.precision``: the engine computes
+        in fp32), else 'none'. An unresolved ``rollout.quantize auto`` reads as none (refit.learner.run.precision)."""
         if self.mismatch_correction != "auto":
             return self.mismatch_correction
-        return ("tis" if self.rollout.quantize != "none" or self.rollout.max_staleness > 0 or self.lora.bf16_base
-                else "none")
+        return ("tis" if self.rollout.quantize == "int8" or self.rollout.max_staleness > 0 or self.lora.bf16_base
+                or mixed_bf16(self) else "none")
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's bool: True is "group", False is "none"
@@ -296,6 +298,10 @@ class PPOConfig:
              f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine computes in fp32, the "
              "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "
              "auto or torch: the policy with its adapter off)"),
+            (mixed_bf16(self) and self.ref_backend == "onnxruntime",
+             "ref_backend onnxruntime with run.precision bf16: the engine computes in fp32, the policy under bf16 "
+             "autocast, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend auto or "
+             "torch), or run.precision fp32"),
         ])
 
 

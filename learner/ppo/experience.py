@@ -23,6 +23,7 @@ from refit.learner.ppo.mismatch import mismatch_stats
 from refit.learner.ppo.objective import clip_scores, loss_mask
 from refit.learner.ppo.update import Experience
 from refit.learner.run.policy import ForwardOut, ValueHead, response_forward
+from refit.learner.run.precision import autocast
 
 
 @dataclass
@@ -168,9 +169,11 @@ def make_experience(cfg, policy: torch.nn.Module, value_head: ValueHead | None, 
     critic = value_head is not None
     scores = clip_scores(cfg, scores)
     response, trunc_stats = loss_mask(cfg, rollout)
-    # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective)
-    sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
-                     policy_out=policy_out, ref_ahead=ref_ahead)
+    # one policy forward (or none: policy_out) + one reference forward (or none: no KL in the objective); under bf16
+    # autocast both, as the update's forward is: KL(0) = 0 and the first ratio is 1 (refit.learner.run.precision)
+    with autocast(cfg, next(policy.parameters()).device):
+        sc = score_batch(policy, value_head, ref if needs_reference(cfg, kl_coef) else None, rollout,
+                         policy_out=policy_out, ref_ahead=ref_ahead)
     old_lp, values, ref_lp = sc.logprobs, sc.values, sc.ref_logprobs
     is_weights, mask, stats = corrections(cfg, rollout, old_lp, slice(None), response.clone())
     stats.update(trunc_stats)

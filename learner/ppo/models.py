@@ -14,6 +14,7 @@ from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.experience import needs_reference
 from refit.learner.run.lora import AdapterOff
 from refit.learner.run.matmul import use_cpu_matmul
+from refit.learner.run.precision import mixed_bf16
 from refit.learner.run.optim import adamw, schedule
 from refit.rollout.build import ensure_engine
 from refit.rollout.decode import SHARD_MAX_LAYER_WEIGHTS, auto_decode_threads, auto_shards, layer_weights
@@ -98,10 +99,11 @@ def decode_threads(cfg: PPOConfig, log=print) -> PPOConfig:
 def ref_on_engine(cfg: PPOConfig) -> bool:
     """Whether the frozen reference scores on ONNX Runtime (:func:`reference_engine`) rather than in PyTorch."""
     engine_backend = cfg.rollout.backend in ("onnxruntime", "tensorrt")
-    quantized = cfg.rollout.quantize != "none"
-    # a bf16 learner base: the reference computes as the policy does (the policy with its adapter off), else KL(0) > 0
-    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or cfg.lora.bf16_base or
-                                                                             not engine_backend)))
+    quantized = cfg.rollout.quantize == "int8"
+    # a bf16 learner (a bf16 LoRA base, or bf16 autocast): the reference computes as the policy does (the policy with
+    # its adapter off, or a PyTorch copy under the same autocast), else KL(0) > 0
+    low = cfg.lora.bf16_base or mixed_bf16(cfg)
+    return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or low or not engine_backend)))
 
 
 def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int = 128,
@@ -116,10 +118,10 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
     if not ref_on_engine(cfg):
         return None
     on_adapter = policy_engine is not None and policy_engine.adapter is not None  # a LoRA-ready policy engine
-    if cfg.lora.enabled and cfg.rollout.quantize == "none" and on_adapter:
+    if cfg.lora.enabled and cfg.rollout.quantize != "int8" and on_adapter:
         return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
     folder = Path(cfg.model.engine_dir or run_dir / "engine")
-    if cfg.rollout.quantize != "none":
+    if cfg.rollout.quantize == "int8":
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
     # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine);
     # it scores in rollout.engine_shards row ranges at once, except beside an overlapped generation (its threads

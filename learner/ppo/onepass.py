@@ -12,7 +12,9 @@ pass (:func:`refit.learner.ppo.experience.make_experience`):
 - a KL penalty in the reward (``kl_penalty: reward`` at ``kl_coef`` > 0): the group advantages need every row's KL;
 - ``mismatch_correction: seq_mask``: the loss's token count needs every row's drop decision;
 - LoRA dropout > 0: the update's forward has dropout, the old log-probs must not;
-- bf16 autocast (the contract's old log-probs are fp32) and torchrun (rank 0 scores rows that other ranks update).
+- torchrun (rank 0 scores rows that other ranks update).
+
+Under bf16 autocast (refit.learner.run.precision) each micro-batch's forward and its reference run under it.
 
 The loss, gradients and metrics equal the two-pass update's within fp32 summation noise (tests/test_onepass.py), and
 the probe check of an unchecked push runs after every row's forward and before the optimizer step.
@@ -98,14 +100,16 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
                                                         micro_tokens=n_tokens, scale=1)
     ent, exact = torch.zeros_like(exp.old_logprobs), torch.zeros_like(exp.old_logprobs) if with_ref else None
     params = [p for p in model.parameters() if p.requires_grad]
+    dev = next(model.parameters()).device.type
     optimizer.zero_grad(set_to_none=True)
     mb: dict[str, list[float]] = {}
     try:
         for j, r in enumerate(rows):
-            out = response_forward(model, exp.prompt_ids[r], exp.prompt_mask[r], exp.response_ids[r],
-                                   rollout.is_seq2seq, exp.temperature)
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=s.autocast_bf16):  # the reference's too
+                out = response_forward(model, exp.prompt_ids[r], exp.prompt_mask[r], exp.response_ids[r],
+                                       rollout.is_seq2seq, exp.temperature)
+                ref_logits = refs.take(j).to(out.logits.device) if refs is not None else None
             ids = exp.response_ids[r].to(out.logits.device)
-            ref_logits = refs.take(j).to(out.logits.device) if refs is not None else None
             st = L.token_stats(out.logits, ids, ref_logits)
             old = st.logprobs.detach().cpu()
             exp.old_logprobs[r] = old

@@ -35,6 +35,7 @@ from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable
 from refit.learner.ppo.experience import make_experience, needs_reference, score_chunks
 from refit.learner.ppo.update import Experience, UpdateSettings, distributed_ppo_update, policy_forward
 from refit.learner.run.lora import adapter_dropout
+from refit.learner.run.precision import mixed_bf16
 from refit.learner.run.policy import ForwardOut, vocab_size
 from refit.rollout.types import RolloutBatch
 
@@ -134,14 +135,15 @@ def on_cuda(model: torch.nn.Module) -> bool:
 
 
 def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSettings:
-    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast only ``on_cuda``."""
+    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast as ``cfg`` resolved it
+    (refit.learner.run.precision)."""
     return UpdateSettings(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
                           gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
                           cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
                           entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.optim.max_grad_norm,
                           kl_coef=kl_coef, kl_in_loss=cfg.kl_penalty == "loss",
                           kl_estimator=cfg.kl_estimator, use_critic=cfg.advantage_estimator == "gae",
-                          autocast_bf16=cfg.run.bf16 and on_cuda, loss_type=cfg.loss_type,
+                          autocast_bf16=mixed_bf16(cfg), loss_type=cfg.loss_type,
                           cliprange_high=cfg.cliprange_high, delta=cfg.delta,
                           importance_sampling_level=cfg.importance_sampling_level,
                           top_entropy_quantile=cfg.top_entropy_quantile,
@@ -158,7 +160,6 @@ def one_pass_blockers(cfg, s: UpdateSettings, distributed: bool) -> list[str]:
         (s.num_ppo_epochs != 1, f"{s.num_ppo_epochs} PPO epochs"),  # later passes need the pre-update log-probs
         (s.num_mini_batches != 1, f"{s.num_mini_batches} minibatches"),
         (distributed, "torchrun (rank 0 scores rows that other ranks update)"),
-        (s.autocast_bf16, "bf16 autocast (the old log-probs are fp32)"),
         (cfg.lora.dropout > 0, f"LoRA dropout {cfg.lora.dropout:g} (the old log-probs have none)")) if bad]
 
 

@@ -86,18 +86,25 @@ def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -
     """True when the update's one forward can also serve as the scoring forward: one epoch, one minibatch
     and no accumulation (the only forward of every row runs before the only optimizer step, so its
     log-probs, values and entropy ARE the pre-update ones), one process (under torchrun rank 0 scores rows
-    that other ranks update), no bf16 autocast (the contract's old log-probs are fp32, as the reference's) and
-    the batch's ``rows`` within one forward's memory (``s.micro_rows``)."""
+    that other ranks update) and the batch's ``rows`` within one forward's memory (``s.micro_rows``). Under bf16
+    autocast the old log-probs and the reference are scored under the same autocast
+    (:func:`refit.learner.ppo.experience.make_experience`), so the update's forward serves as well."""
     fits = rows is None or not s.micro_rows or rows <= s.micro_rows
     return (s.num_ppo_epochs == 1 and s.num_mini_batches == 1 and s.gradient_accumulation_steps == 1
-            and not distributed and not s.autocast_bf16 and fits)
+            and not distributed and fits)
 
 
 def policy_forward(model, value_head, batch, s: UpdateSettings) -> ForwardOut:
     """The update's forward over a whole rollout batch, with autograd (for :func:`single_pass`), at the temperature
-    the batch was sampled at."""
-    return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
-                            batch.sampling.temperature, value_head if s.use_critic else None)
+    the batch was sampled at, under the update's bf16 autocast when it has one."""
+    with _autocast(model, s):
+        return response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.is_seq2seq,
+                                batch.sampling.temperature, value_head if s.use_critic else None)
+
+
+def _autocast(model, s: UpdateSettings):
+    """bf16 autocast on ``model``'s device when ``s.autocast_bf16`` (full fine-tuning in mixed precision)."""
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
 
 
 def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
@@ -114,8 +121,7 @@ def kl_loss_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
 def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSettings, ref_model=None,
                 out: ForwardOut | None = None):
     """The micro-batch's loss and stats; ``out``: its forward, already run (rows ``idx``), else run here."""
-    dev_type = next(model.parameters()).device.type
-    ctx = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=s.autocast_bf16)
+    ctx = _autocast(model, s)
     args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), exp.temperature)
     if out is None:
         with ctx:

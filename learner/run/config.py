@@ -7,8 +7,8 @@ each with per-job defaults where they legitimately differ:
 ==========  ========================  ======================================================================
 section     class                     fields
 ==========  ========================  ======================================================================
-``run``     :class:`RunSection`       output_dir (``-o``), seed, steps, batch_size, device, bf16,
-                                      max_steps_this_run
+``run``     :class:`RunSection`       output_dir (``-o``), seed, steps, batch_size, device, precision,
+                                      bf16, max_steps_this_run
 ``model``   :class:`ModelSection`     model_dir, engine_dir (distill has two: ``student`` and ``teacher``)
 ``data``    :class:`DataSection`      dataset, dataset_split, prompt_column, dataset_text_field, eval_split,
                                       eval_fraction (a local dataset); task, num_prompts, max_operand
@@ -69,7 +69,14 @@ class RunSection:
     steps: int = _f(20, "training steps (PPO: rollout + update; distill: one batch and one optimizer step)")
     batch_size: int = _f(32, "prompts per step")
     device: str = _f("auto", "learner device: auto (CUDA when present), cpu, cuda")
-    bf16: bool = _f(True, "bf16 autocast for the learner forward on CUDA (ignored on CPU)")
+    precision: Literal["auto", "fp32", "bf16"] = _f(
+        "auto", "the learner's arithmetic, and the engine's under rollout.quantize auto: auto (bf16 where the device "
+                "has bf16 units: a CPU with AVX512-BF16/AMX, a CUDA GPU with bf16; LoRA: the frozen base held in bf16, "
+                "full fine-tuning: bf16 autocast over fp32 master weights; else fp32), fp32 (the learner and the "
+                "engine in fp32, as before), bf16 (forced, also where bf16 is emulated: slower, with a warning); "
+                "KL(0) stays exactly 0 and TIS is on where the engine computes otherwise (refit.learner.run.precision)")
+    bf16: bool = _f(True, "false: the learner in fp32 where run.precision auto would pick bf16 (the older switch; "
+                          "run.precision says it in full)")
     cpu_matmul: Literal["auto", "onednn", "blas"] = _f(
         "auto", "a CPU learner's fp32 linear layers: oneDNN (auto on x86-64: a Qwen2.5-1.5B LoRA forward+backward "
                 "1.38x torch's BLAS here, same fp32 math) or torch's own BLAS; refit.learner.run.matmul")
@@ -134,11 +141,11 @@ class LoraSection:
     learning_rate: float = _f(0.0, "the adapter's AdamW learning rate (0: optim.learning_rate); LoRA wants about 10x "
                                    "full fine-tuning's (Schulman et al., 'LoRA Without Regret', 2025), a value head "
                                    "keeps optim.learning_rate")
-    base_dtype: Literal["fp32", "bf16"] = _f("fp32", "the frozen base's precision on the learner: bf16 halves its "
-                                                   "memory and runs its matmuls in bf16 (fast where the hardware has "
-                                                   "bf16 units: AVX512-BF16/AMX CPUs, Ampere+ GPUs); the adapter stays "
-                                                   "fp32 and the engine computes in its own precision over the same "
-                                                   "(bf16-rounded) base; docs/lora.md")
+    base_dtype: Literal["auto", "fp32", "bf16"] = _f(
+        "auto", "the frozen base's precision on the learner: bf16 halves its memory and runs its matmuls in bf16 (fast "
+                "where the hardware has bf16 units: AVX512-BF16/AMX CPUs, Ampere+ GPUs); the adapter stays fp32 and the "
+                "engine computes in its own precision over the same (bf16-rounded) base; auto: bf16 where "
+                "run.precision resolves to bf16, else fp32; docs/lora.md")
     init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
                                                          "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
                                                          "to the base at step 0, so KL(0) = 0")

@@ -62,7 +62,7 @@ def check_batch_memory(cfg, max_len: int | None = None) -> None:
     lora = getattr(getattr(cfg, "lora", None), "enabled", False)
     # a reference engine scores a micro-batch at a time (one-pass step) or SCORE_ROWS rows (two-pass)
     engine = {**engine_terms(g, _engine_rows(cfg, rows), length, score_rows=max(micro, SCORE_ROWS)),
-              "engine weights": engine_weight_bytes(g, getattr(getattr(cfg, "rollout", None), "quantize", "none"))}
+              "engine weights": engine_weight_bytes(g, engine_quantize(cfg))}
     # the learner's weights: a LoRA base (frozen, 4 bytes a parameter), or the policy with its gradient and Adam's
     # two moments (16); a reference engine reads its weights mapped from its files (page cache), not counted
     learner = {**learner_terms(g, micro, length, response, weight_copies=1 if lora else 4),
@@ -127,7 +127,7 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     lora_ready = lora_of(lora) and cfg.rollout.backend != "tensorrt"
     check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
     src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
-                        getattr(cfg.rollout, "quantize", "none"), lora=tuple(lora.target_modules) if lora_ready else (),
+                        engine_quantize(cfg), lora=tuple(lora.target_modules) if lora_ready else (),
                         round_weights="bf16" if lora is not None and lora.bf16_base else "none")
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
@@ -136,12 +136,18 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     # layers, whose refit needs the held partners
     ort = cfg.rollout.backend == "onnxruntime"
     lean = {"hold_weights": False} if ort or (cfg.rollout.backend == "tensorrt" and not lora_of(lora)) else {}
-    if ort and getattr(cfg.rollout, "quantize", "none") == "none":
+    if ort and engine_quantize(cfg) == "none":
         lean["push_via"] = cfg.rollout.push_via
     if ort and cfg.rollout.engine_shards > 1:
         lean["shards"] = cfg.rollout.engine_shards
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
                        **lean)
+
+
+def engine_quantize(cfg) -> str:
+    """``cfg.rollout.quantize`` as the engine takes it: "int8" or "none" (an unresolved ``auto``, before a job's setup
+    settles it, reads as none: refit.learner.run.precision)."""
+    return "int8" if getattr(getattr(cfg, "rollout", None), "quantize", "none") == "int8" else "none"
 
 
 def lora_of(lora) -> bool:

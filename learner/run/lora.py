@@ -31,6 +31,7 @@ from refit.core.errors import RefitError
 from refit.core.manifest import lora_push_names
 from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
+from refit.learner.run.precision import bf16_is_fast
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
@@ -55,23 +56,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
-    """Whether ``device`` has bf16 matmul units (CUDA: Ampere and later; CPU: AVX512-BF16 or AMX, through oneDNN);
-    elsewhere bf16 matmuls are emulated and slower than fp32's."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    # the CPU's own flags, as torch's cpuinfo reads them: oneDNN's `_is_mkldnn_bf16_supported` answers True on any
-    # AVX-512 core, where it runs bf16 by conversion (measured on an Intel Xeon with AVX-512 but no AVX512-BF16:
-    # a bf16 GEMM at 22 GFLOP/s against fp32's 90; scripts/learner_gflops.py)
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    if caps:
-        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-    try:  # a torch without cpuinfo's capabilities: oneDNN's check (a private op; without it: not known, no warning)
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
 
 
 @torch.no_grad()

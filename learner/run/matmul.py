@@ -11,8 +11,8 @@ trainable layer stays on BLAS (``g.T @ x``: as fast there as oneDNN in an ad hoc
 
 :func:`use_cpu_matmul` swaps the class of each ``nn.Linear``/``Conv1D`` of a learner model in place (parameters,
 names, state dicts and PEFT's wrapping are unchanged; ``isinstance`` still holds), so a run is switched with one
-call where its models are loaded, and :func:`restore` undoes it. A forward that is not fp32 on CPU (a bf16 base, a
-CUDA learner) or that is being traced or exported takes the layer's own forward.
+call where its models are loaded, and :func:`restore` undoes it. A forward that is not fp32 on CPU (a bf16 base, bf16
+autocast, a CUDA learner) or that is being traced or exported takes the layer's own forward.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class _DnnLinearFn(torch.autograd.Function):
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dim() >= 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")  # bf16 autocast (run.precision): the layer's own, cast, forward
             and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
             and not torch.compiler.is_compiling())
 

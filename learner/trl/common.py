@@ -42,9 +42,6 @@ class TrlConfig:
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
             raise RefitError(f"{name}: optim={self.optim!r}: Refit's optimizer is torch's AdamW ('adamw_torch_fused' "
                              "or 'adamw_torch')")
-        if self.bf16 and self.on_cpu:
-            raise RefitError(f"{name}: bf16=True with use_cpu: Refit's CPU learner runs fp32 (bf16 autocast is CUDA "
-                             "only); leave bf16 unset or False")
 
     @property
     def on_cpu(self) -> bool:
@@ -87,6 +84,7 @@ def shared_values(a: TrlConfig, steps: int, per: int) -> dict[str, Any]:
     values = {
         "run.output_dir": a.output_dir, "run.seed": a.seed, "run.device": "cpu" if a.on_cpu else "auto",
         "run.bf16": True if a.bf16 is None else bool(a.bf16), "log.progress": not a.disable_tqdm,
+        **({"run.precision": "bf16"} if a.bf16 else {}),  # TRL's mixed precision, asked for: run.precision bf16
         "log.tensorboard": bool({"tensorboard", "all"} & set(report)),
         # not capped at steps (the last step always saves): a resumed run with a larger max_steps keeps its value
         "ckpt.save_steps": math.ceil(save / per) if save > 0 else steps,
@@ -276,14 +274,17 @@ _LORA_NOTES = {"use_dora": "DoRA is not supported (plain LoRA)", "use_rslora": "
 
 def base_dtype_values(model_init_kwargs: dict | None, peft_config: Any, name: str) -> dict[str, Any]:
     """``model_init_kwargs``' dtype as Refit's ``lora.base_dtype``: bfloat16 with a ``peft_config`` holds the LoRA
-    base in bf16 on the learner, as TRL's model is then loaded; float32, "auto" or none: {} (Refit's learner loads
-    fp32). bfloat16 without LoRA and any other dtype are one line. Other keys change nothing (the folder is loaded
-    as saved)."""
+    base in bf16 on the learner, as TRL's model is then loaded; float32 with a ``peft_config``: the base in fp32 (an
+    explicit value wins over Refit's auto); "auto" or none: {} (lora.base_dtype auto: bf16 where the hardware has bf16
+    units, refit.learner.run.precision). bfloat16 without LoRA and any other dtype are one line. Other keys change
+    nothing (the folder is loaded as saved)."""
     kw = dict(model_init_kwargs or {})
     dtype = kw.get("dtype", kw.get("torch_dtype"))
     spelled = str(dtype).removeprefix("torch.") if dtype is not None else None
-    if spelled in (None, "float32", "auto"):
+    if spelled in (None, "auto") or (spelled == "float32" and peft_config is None):
         return {}
+    if spelled == "float32":
+        return {"lora.base_dtype": "fp32"}
     if spelled == "bfloat16" and peft_config is not None:
         return {"lora.base_dtype": "bf16"}
     if spelled == "bfloat16":

@@ -65,7 +65,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "warmup_ratio": _h(0.0, "optim.warmup_steps = ratio x optimizer steps"),
     "weight_decay": _h(0.0, "optim.weight_decay"),
     "max_grad_norm": _h(1.0, "optim.max_grad_norm"),
-    "bf16": _h(None, "run.bf16: autocast on CUDA; with use_cpu, True is refused (Refit's CPU learner runs fp32)"),
+    "bf16": _h(None, "None: run.precision auto (bf16 where the device has bf16 units, else fp32); True: run.precision "
+                     "bf16 (also where bf16 is emulated); False: run.bf16 false (the learner fp32)"),
     "report_to": _h("none", "'none' / [] : no TensorBoard; 'tensorboard' / 'all': log.tensorboard; a remote "
                             "tracker (wandb, ...) is refused: nothing leaves the machine"),
     "disable_tqdm": _h(False, "log.progress = not disable_tqdm"),
@@ -109,7 +110,7 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "hub_strategy": _a("every_save", "push_to_hub is refused"),
     "hub_private_repo": _a(None, "push_to_hub is refused"),
     "push_to_hub": _r(False, "nothing leaves the machine: OUTPUT_DIR/final is a save_pretrained folder"),
-    "fp16": _r(False, "fp32, or bf16 autocast on CUDA (bf16)"),
+    "fp16": _r(False, "fp32, or bf16 (bf16, run.precision)"),
     "data_seed": _a(None, "TRL 1.16's GRPO, RLOO and Distillation trainers draw their prompts with RepeatSampler("
                           "seed=args.seed): data_seed changes nothing there either; the data order follows seed"),
     "optim": _h("adamw_torch_fused", "'adamw_torch_fused' / 'adamw_torch': torch's AdamW (optim.* settings); any "
