@@ -31,8 +31,10 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 - ``max_steps`` / ``--run.steps``; ``seed`` / ``--run.seed``;
 - ``beta`` / ``--kl_coef`` with ``--kl_penalty loss --kl_estimator k3`` (TRL's GRPO KL term; 0 by default, TRL's
   default: TRL then loads no reference model, Refit still scores its reference engine and logs the KL);
-- fp32: ``bf16=False`` / ``--run.no_bf16`` (the default of both is bf16 autocast: TRL's GRPO everywhere, Refit's
-  on CUDA only);
+- precision: Refit's side at its defaults (``run.precision``, ``lora.base_dtype`` and ``rollout.quantize`` resolved
+  on this machine as ``refit ppo`` resolves them, :func:`at_defaults`, and said in one line: bf16 where the hardware
+  has bf16 units, an int8 engine under LoRA where the CPU has int8 dot-product units); TRL's side in fp32 unless
+  its search (below) finds its bf16 autocast faster;
 - the device: ``use_cpu`` / ``--run.device`` (``--device``, cpu by default);
 - threads: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in the TRL process, ``OMP_NUM_THREADS`` and
   ``--rollout.engine_threads`` in Refit's;
@@ -118,8 +120,24 @@ class Workload:
     lora_r: int  # 0: full fine-tuning
     lora_alpha: float  # the adapter's output scaled by lora_alpha / lora_r
     lora_target: str  # 'all-linear' or a comma list of module names
-    lora_base_dtype: str = "fp32"  # bf16: the frozen base held in bf16 on both learners (the adapter in fp32)
-    quantize: str = "none"  # int8: Refit's engine only (the rollout; TRL generates with its learner's model)
+    lora_base_dtype: str = "auto"  # bf16: the frozen base held in bf16 on both learners (the adapter in fp32)
+    quantize: str = "auto"  # int8: Refit's engine only (the rollout; TRL generates with its learner's model)
+    precision: str = "auto"  # Refit's run.precision (full fine-tuning: bf16 autocast where the hardware has it)
+
+
+def at_defaults(w: Workload) -> tuple[Workload, str]:
+    """``w`` with its ``auto`` settings made what ``refit ppo`` picks on this machine (refit.learner.run.precision:
+    the same function a run's setup calls), so the bench's export and run agree with Refit at its defaults; and the
+    line that says so. TRL's side holds the LoRA base in the dtype Refit's side resolved."""
+    from types import SimpleNamespace as NS
+
+    from refit.learner.run.precision import hardware_facts, resolve_precision
+
+    cfg = NS(run=NS(precision=w.precision, bf16=True), ref_backend="auto",
+             lora=NS(enabled=w.lora_r > 0, base_dtype=w.lora_base_dtype),
+             rollout=NS(quantize=w.quantize, backend="onnxruntime"))
+    p = resolve_precision(cfg, hardware_facts(w.device))
+    return replace(w, lora_base_dtype=p.base_dtype, quantize=p.quantize, precision=p.learner), p.line("bench grpo")
 
 
 def slug(name: str) -> str:
@@ -272,7 +290,7 @@ def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path 
            "--num_generations", str(w.num_generations), "--run.batch_size", str(w.prompts_per_step),
            "--response_length", str(w.max_completion_length), "--temperature", str(w.temperature),
            "--optim.learning_rate", str(w.learning_rate), "--optim.lr_scheduler_type", w.lr_scheduler,
-           "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device, "--run.no_bf16",
+           "--run.steps", str(w.steps), "--run.seed", str(seed), "--run.device", w.device, "--run.precision", w.precision,
            "--num_ppo_epochs", "1", "--num_mini_batches", "1",
            "--kl_coef", str(w.beta), "--kl_penalty", "loss", "--kl_estimator", "k3",
            "--rollout.backend", backend, "--rollout.engine_threads", str(w.threads), "--rollout.quantize", w.quantize,
@@ -411,6 +429,8 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
         raise RefitError("--lora_r with --vs hf: Refit's HF generate() baseline (rollout.backend hf) takes no adapter "
                          "push; compare LoRA with --vs trl")
     base = "trl" if vs == "trl" else "refit-hf"
+    w, line = at_defaults(w)
+    log(line.replace("refit bench grpo: precision:", "refit bench grpo: Refit's side at its defaults:"))
     runs_dir = work / "grpo-runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     py = trl_python(trl_venv, log) if vs == "trl" else None

@@ -234,15 +234,40 @@ def test_bench_grpo_aligns_both_sides(tmp_path):
     # one update per generation (TRL's num_iterations 1, one micro-batch of prompts x generations), k3 in the loss
     assert (flag(refit, "--num_ppo_epochs"), flag(refit, "--num_mini_batches")) == ("1", "1")
     assert (flag(refit, "--kl_penalty"), flag(refit, "--kl_estimator")) == ("loss", "k3")
-    assert "--run.no_bf16" in refit  # fp32 learners (TRL's side: bf16=False in trl_grpo_side.grpo_args)
+    assert flag(refit, "--run.precision") == w.precision  # as at_defaults resolved it (below)
     assert refit[-2:] == ["--rollout.max_staleness", "1"]
     assert flag(trl, "--trl_args") == '{"gradient_checkpointing": false}'
-    assert flag(refit, "--rollout.quantize") == "none"
+    assert flag(refit, "--rollout.quantize") == w.quantize
     # --quantize int8: Refit's engine only; TRL's side has no such argument (it generates with its learner's model)
     int8 = refit_command(replace(w, quantize="int8"), tmp_path / "r", 11, "onnxruntime", tmp_path / "e", "")
     assert flag(int8, "--rollout.quantize") == "int8" and "--lora.base_dtype" in int8
     assert trl_command(tmp_path / "py", replace(w, quantize="int8"), tmp_path / "t", 11, "") == trl_command(
         tmp_path / "py", w, tmp_path / "t", 11, "")
+
+
+@pytest.mark.parametrize("lora_r", [0, 8])
+def test_bench_grpo_runs_refit_at_the_defaults_refit_ppo_picks(lora_r):
+    """The bench's Refit side at its defaults: its auto settings resolve to what a `refit ppo` of the same shape
+    resolves on this machine (settle_precision on a real PPOConfig, the job's own setup step); explicit ones stay."""
+    from dataclasses import replace as rep
+
+    from refit.bench.grpo import Workload, at_defaults
+    from refit.learner.ppo.config import PPOConfig
+    from refit.learner.run.precision import settle_precision
+
+    w = Workload(model="m", dataset="d.jsonl", prompts_per_step=3, num_generations=5, max_completion_length=7,
+                 temperature=1.0, learning_rate=1e-5, lr_scheduler="constant", steps=2, beta=0.0, threads=2,
+                 device="cpu", lora_r=lora_r, lora_alpha=16.0, lora_target="all-linear")
+    got, line = at_defaults(w)
+    cfg = PPOConfig()
+    cfg = rep(cfg, lora=rep(cfg.lora, r=lora_r), rollout=rep(cfg.rollout, backend="onnxruntime"))
+    ref = settle_precision(cfg, "cpu", log=lambda *_: None)
+    assert (got.precision, got.quantize) == (ref.run.precision, ref.rollout.quantize), line
+    if lora_r:
+        assert got.lora_base_dtype == ref.lora.base_dtype
+    assert line.startswith("refit bench grpo: precision: learner ")
+    pinned, _ = at_defaults(rep(w, precision="fp32", quantize="none", lora_base_dtype="fp32"))
+    assert (pinned.precision, pinned.quantize, pinned.lora_base_dtype) == ("fp32", "none", "fp32")
 
 
 def test_grpo_reward_and_summaries_by_hand():
