@@ -8,7 +8,7 @@ from transformers import GPT2Config
 
 from refit.learner.builtin.published import published_config
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.ppo.cycle import resolve_shards
+from refit.learner.ppo.models import resolve_shards
 from refit.rollout.decode import auto_decode_threads, auto_shards, layer_weights
 
 SMALL_GPT2 = GPT2Config(n_layer=4, n_embd=128, n_head=4, n_inner=512)  # the bench's small-gpt2
