@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from refit.bench.ppo import PHASES
-from refit.learner.builtin.demo import build_policy
+from refit.learner.demo import build_policy
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.cycle import run_ppo
 from refit.learner.run.metrics import read_metrics

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 from refit.core.errors import RefitError
 from refit.core.parsing import with_values
 from refit.learner.distill.cycle import run_distill as run_cycle
-from refit.learner.builtin.distill_pair import build_models
+from refit.learner.distill.pair import build_models
 from refit.learner.ppo.cli import summary
 from refit.learner.ppo.cycle import ppo_job
 from refit.learner.ppo.rewards import load_rewards, spec_of

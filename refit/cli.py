@@ -66,7 +66,7 @@ def _distill(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from refit.learner.builtin.demo import main
+    from refit.learner.demo import main
     return main(argv)
 
 

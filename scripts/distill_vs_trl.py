@@ -71,7 +71,7 @@ def write_data(work: Path, n_train: int, n_held: int, max_operand: int) -> tuple
 
 def build_pair(work: Path) -> tuple[str, str]:
     from refit.learner.distill.config import DistillConfig
-    from refit.learner.builtin.distill_pair import build_models
+    from refit.learner.distill.pair import build_models
 
     paths = build_models(work / "models", DistillConfig())
     return paths["student_model_dir"], paths["teacher_model_dir"]

@@ -15,7 +15,7 @@ import pytest
 
 
 def _bench(tmp_path, *args, geometry: str = "tiny-gpt2"):
-    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", *args, "--geometry", geometry,
+    r = subprocess.run([sys.executable, "-m", "refit", "bench", *args, "--geometry", geometry,
                         "--work-dir", str(tmp_path), "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -127,7 +127,7 @@ def test_bench_inflight_json(tmp_path):
 def test_bench_workers_json(tmp_path):
     """A demo-sized PPO iteration with 1 and 2 Ray rollout workers (Ray starts and stops a local instance)."""
     pytest.importorskip("ray", reason="bench workers needs Ray: pip install 'refit[dist]'")
-    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", "workers", "--steps", "3", "--work-dir",
+    r = subprocess.run([sys.executable, "-m", "refit", "bench", "workers", "--steps", "3", "--work-dir",
                         str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -171,7 +171,7 @@ def test_bench_ppo_overlap_waits_for_a_slow_generation(model_dirs, engine_dirs, 
 
 
 def _bench_grpo(tmp_path, *args):
-    r = subprocess.run([sys.executable, "-m", "refit.learner.cli", "bench", "grpo", "--geometry", "tiny-gpt2",
+    r = subprocess.run([sys.executable, "-m", "refit", "bench", "grpo", "--geometry", "tiny-gpt2",
                         "--work-dir", str(tmp_path), "--prompts-per-step", "2", "--num-generations", "2",
                         "--max-completion-length", "6", "--steps", "2", "--rounds", "1", *args],
                        capture_output=True, text=True, timeout=900)

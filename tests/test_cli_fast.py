@@ -17,7 +17,7 @@ from refit import cli
 from refit.bench.cli import BENCHES, HELP, main as bench_main
 from refit.core.errors import RefitError
 from refit.core.hf_folder import download_hint, read_config
-from refit.learner.builtin.demo import DemoConfig
+from refit.learner.demo import DemoConfig
 from refit.learner.distill.config import DistillConfig
 from refit.learner.ppo.config import PPOConfig
 from refit.rollout.config import ExportConfig, GenerateConfig

@@ -15,7 +15,7 @@ from refit.core.errors import RefitError
 from refit.core.parsing import flat_leaves, leaves, parse
 from refit.cli import main as refit
 from refit.learner.distill.config import DistillConfig
-from refit.learner.builtin.demo import DemoConfig
+from refit.learner.demo import DemoConfig
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.run.config import flat_names, parse_job, save_config
 from refit.rollout.cli import GenerateConfig

@@ -1,7 +1,7 @@
 """Fault injection (issue 20): every bad value, damaged file, foreign folder and kill -9 ends in one line and
 loses nothing. Each test names the issue's case(s) it pins (#1 ... #14).
 
-Fast tests drive ``refit.learner.cli.main`` in-process (stderr is the line the user sees) or the layer that
+Fast tests drive ``refit.cli.main`` in-process (stderr is the line the user sees) or the layer that
 decides (claim, guard_engine, resume_latest); the kill -9 tests run ``refit ppo`` in a subprocess with
 ``REFIT_FAULT_POINT`` (refit.core.integrity.fault_point: os._exit at a named point) and are marked slow.
 """
@@ -432,7 +432,7 @@ def _ppo_argv(model, engine, run, steps=4):
 def _refit_subprocess(argv, fault=None):
     env = {**os.environ, "REFIT_FAULT_POINT": fault} if fault else {
         k: v for k, v in os.environ.items() if k != "REFIT_FAULT_POINT"}
-    return subprocess.run([sys.executable, "-m", "refit.learner.cli", *argv], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "refit", *argv], env=env, capture_output=True, text=True,
                           timeout=600)
 
 

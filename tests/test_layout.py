@@ -18,8 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"core": 0, "export": 1, "rollout": 2, "learner": 3, "bench": 4, "refit": 5}
 
-# Deprecation shims, the only arrows allowed up a floor: {shim module: the one module it forwards to}.
-SHIMS = {"refit.learner.cli": "refit.cli"}  # `python -m refit.learner.cli ...`, the old spelling of `refit ...`
+# Floors inside the learner, bottom to top: the pure losses and the builtin tasks and model builders; what the jobs
+# share (run/: config sections, checkpoints, the sync room); the two jobs (ppo/, distill/: side by side, neither
+# imports the other); what drives a job (the api, the demo, build-model); the TRL facade over all of it.
+LEARNER_FLOORS = {"losses": 0, "builtin": 0, "run": 1, "ppo": 2, "distill": 2, "api": 3, "demo": 3,
+                  "build_model": 3, "trl": 4}
 
 # Where importlib may take a module name from a string: the face's lazy names, the engine backends' lazy
 # registry (tensorrt is imported only when asked for), user reward functions named on the command line,
@@ -80,14 +83,52 @@ def _is_package(module: str, graph) -> bool:
 def test_no_import_points_up_a_floor():
     graph = _graph()
     commands = {"refit.learner.build_model", "refit.rollout.build", "refit.rollout.cli", "refit.bench.cli",
-                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.builtin.demo"}
+                "refit.learner.ppo.cli", "refit.learner.distill.cli", "refit.learner.demo"}
     assert commands <= graph["refit.cli"], \
         "the front door's table must reach each command by a plain import"
-    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a)
-                and SHIMS.get(a) != b)
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a))
     assert not up, f"{len(up)} import(s) run back up the floors: {up}"
-    for shim, target in SHIMS.items():  # a shim forwards and does nothing else
-        assert graph[shim] == {target}, (shim, graph[shim])
+
+
+def _learner_part(module: str) -> str | None:
+    """The learner folder (or top-level module) ``module`` belongs to: refit.learner.ppo.update -> "ppo"."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "learner" else None
+
+
+def learner_floor_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows between the learner's folders that point up :data:`LEARNER_FLOORS` or sideways between two
+    different folders on one floor (either makes a folder loop possible), and folders the table does not know."""
+    out = []
+    for a, deps in graph.items():
+        pa = _learner_part(a)
+        for b in deps:
+            pb = _learner_part(b)
+            if pa is None or pb is None or pa == pb:
+                continue
+            if pa not in LEARNER_FLOORS or pb not in LEARNER_FLOORS:
+                out.append(f"{a} -> {b} (a learner part LEARNER_FLOORS does not place)")
+            elif LEARNER_FLOORS[pb] >= LEARNER_FLOORS[pa]:
+                out.append(f"{a} -> {b} ({pa} on floor {LEARNER_FLOORS[pa]}, {pb} on {LEARNER_FLOORS[pb]})")
+    return sorted(out)
+
+
+def test_the_learner_folders_sit_on_floors():
+    """Inside learner/: the builtin tasks and models below the jobs, the demo above them, no folder loop."""
+    breaks = learner_floor_breaks(_graph())
+    assert not breaks, f"{len(breaks)} arrow(s) against the learner's floors: {breaks}"
+
+
+def test_the_learner_floor_check_catches_a_folder_loop():
+    """The check on a planted loop, as it stood before the demo left builtin/: a builtin module naming a job while
+    the job imports the builtin tasks, and two jobs importing each other."""
+    planted = {"refit.learner.builtin.demo": {"refit.learner.ppo.cycle"},
+               "refit.learner.ppo.data": {"refit.learner.builtin.tasks"},
+               "refit.learner.distill.batch": {"refit.learner.ppo.rewards"},
+               "refit.learner.ppo.rewards": {"refit.learner.builtin.tasks"}}
+    assert learner_floor_breaks(planted) == [
+        "refit.learner.builtin.demo -> refit.learner.ppo.cycle (builtin on floor 0, ppo on 2)",
+        "refit.learner.distill.batch -> refit.learner.ppo.rewards (distill on floor 2, ppo on 2)"]
 
 
 # internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers. Left: the

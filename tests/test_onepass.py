@@ -140,7 +140,7 @@ def test_route_chosen_once_with_its_reason(name):
     epoch and one minibatch (PPOConfig's defaults otherwise: the KL penalty in the reward)."""
     from pathlib import Path
 
-    from refit.learner.builtin.demo import DemoConfig, ppo_config
+    from refit.learner.demo import DemoConfig, ppo_config
     from refit.learner.trl.grpo import GRPOConfig, to_ppo_config
 
     cfg = {"demo": lambda: ppo_config(DemoConfig(), Path("policy")),

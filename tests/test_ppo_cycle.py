@@ -336,7 +336,7 @@ def test_demo_end_to_end_short(tmp_path):
 
 
 def test_each_demo_variant_has_its_own_run_folder():
-    from refit.learner.builtin.demo import DemoConfig, run_folder
+    from refit.learner.demo import DemoConfig, run_folder
 
     got = [run_folder(DemoConfig(out="d", **kw)).name for kw in (
         {}, {"lora": 16}, {"quantize": "int8"}, {"lora": 8, "quantize": "int8", "chat": True}, {"backend": "torch"},

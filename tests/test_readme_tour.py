@@ -21,7 +21,7 @@ import pytest
 from refit.cli import TOUR_SHORT
 from refit.core.parsing import parse
 from refit.learner.build_model import parser as build_model_parser
-from refit.learner.builtin.demo import DemoConfig
+from refit.learner.demo import DemoConfig
 from refit.learner.distill.config import BUILD_MODELS, DistillConfig
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.run.config import parse_job

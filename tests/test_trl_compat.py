@@ -1,4 +1,4 @@
-"""A TRL user's script on Refit: TRL's GRPO/RLOO names with TRL's meanings (refit.learner.trl_compat), the TRL-name
+"""A TRL user's script on Refit: TRL's GRPO/RLOO names with TRL's meanings (refit.learner.trl), the TRL-name
 hints of `refit ppo`'s YAML and flags, TRL's extra reward keywords, and examples/trl_chat/grpo.py for 2 steps."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.trl_compat import GRPOConfig, RLOOConfig, to_ppo_config
+from refit.learner.trl import GRPOConfig, RLOOConfig, to_ppo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,7 +206,7 @@ def _chat_dataset(n=8):
 
 
 def test_trl_reward_with_trainer_state_log_metric_log_extra(chat_model_dir, chat_engine_dir, tmp_path):
-    from refit.learner.trl_compat import GRPOTrainer
+    from refit.learner.trl import GRPOTrainer
 
     mod = tmp_path / "trl_rewards.py"
     mod.write_text(TRL_REWARD)

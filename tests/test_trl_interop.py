@@ -143,20 +143,18 @@ def test_module_function_and_legacy_signature(rewards_file):
         load_rewards([f"{rewards_file}:nope"], [])
 
 
-def test_the_old_examples_path_still_loads_with_a_deprecation_warning():
-    """``refit.learner.examples`` (renamed ``refit.learner.builtin``): a reward spec or an import that names it
-    reaches the same module, and says once that the name is deprecated."""
-    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            "try:\n    import refit.learner.examples\nexcept DeprecationWarning as e:\n    print(e)\n"
-            "warnings.simplefilter('ignore', DeprecationWarning)\n"
-            "from refit.learner.ppo.rewards import load_rewards\n"
-            "from refit.learner.builtin.tasks import length_reward\n"
-            "from refit.learner.examples.models import build_model\n"
-            "print(load_rewards(['refit.learner.examples.tasks:length_reward'], [])[0].fn is length_reward)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["refit.learner.examples is now refit.learner.builtin; the old name is deprecated",
-                                     "True"]
+def test_the_old_module_names_are_gone_and_a_reward_spec_naming_one_says_so():
+    """The deprecation shims are deleted (never in a release; docs/changelog.md): ``refit.learner.examples``,
+    ``refit.learner.cli`` and ``refit.learner.trl_compat`` no longer import, and a reward spec that still names the
+    old ``examples`` path fails in one line that names the spec, not with a traceback."""
+    import importlib
+
+    for old in ("refit.learner.examples", "refit.learner.cli", "refit.learner.trl_compat"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(RefitError, match=r"cannot import reward 'refit.learner.examples.tasks:length_reward'"):
+        load_rewards(["refit.learner.examples.tasks:length_reward"], [])
+    assert load_rewards(["refit.learner.builtin.tasks:length_reward"], [])[0].fn.__name__ == "length_reward"
 
 
 @pytest.mark.parametrize("body, msg", [

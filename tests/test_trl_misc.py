@@ -19,7 +19,7 @@ from refit.learner.ppo.models import make_optimizer
 from refit.learner.ppo.refsync import REFERENCE_FILE, RefSync, mix_into
 from refit.learner.run.config import DataSection, OptimSection
 from refit.learner.run.optim import neftune, neftune_noise, rates, schedule
-from refit.learner.trl_compat import GRPOConfig, RLOOConfig, to_ppo_config
+from refit.learner.trl import GRPOConfig, RLOOConfig, to_ppo_config
 
 TINY = dict(steps=2, batch_size=4, num_generations=2, num_mini_batches=1, num_ppo_epochs=1, response_length=4,
             save_steps=1, keep_checkpoints=0, probe_size=4, progress=False, tensorboard=False, plots=False,

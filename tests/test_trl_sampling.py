@@ -10,7 +10,7 @@ from refit.core.errors import RefitError
 from refit.learner.builtin.models import build_chat_tokenizer
 from refit.learner.run.chat import as_pairs, encode_prompts, template_kwargs
 from refit.learner.trl import DistillationConfig, to_distill_config
-from refit.learner.trl_compat import GRPOConfig, RLOOConfig, to_ppo_config
+from refit.learner.trl import GRPOConfig, RLOOConfig, to_ppo_config
 
 THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "

@@ -29,7 +29,7 @@ from refit.core.parsing import with_values
 from refit.learner.distill.config import DistillConfig, parse_distill
 from refit.learner.distill.cycle import run_distill
 from refit.learner.distill.evaluate import summary
-from refit.learner.builtin.distill_pair import build_all, build_models
+from refit.learner.distill.pair import build_all, build_models
 from refit.learner.run.config import flat_names
 
 

@@ -11,7 +11,7 @@ their defaults (run it with :func:`refit.learner.api.run_ppo`)::
 ``dataclasses.replace(cfg, num_generations=4)`` changes a job field and
 ``refit.core.parsing.with_values(cfg, **{"optim.learning_rate": 1e-4})`` a section field.
 ``PPOConfig.from_flat(learning_rate=...)`` takes the previous release's flat names (deprecated).
-TRL's GRPO/RLOO names, with their meanings, are taken by :mod:`refit.learner.trl_compat`; in YAML and flags each
+TRL's GRPO/RLOO names, with their meanings, are taken by :mod:`refit.learner.trl`; in YAML and flags each
 is refused with the field that does it (:data:`TRL_HINTS`).
 """
 
@@ -211,7 +211,7 @@ class PPOConfig:
     from_flat = classmethod(from_flat)
 
     # TRL names this config does not take -> the Refit field that does it, for the one-line refusal in YAML and
-    # flags (refit.core.parsing reads NAME_HINTS); refit.learner.trl_compat.GRPOConfig takes them with TRL's meanings
+    # flags (refit.core.parsing reads NAME_HINTS); refit.learner.trl.GRPOConfig takes them with TRL's meanings
     NAME_HINTS: ClassVar[dict[str, str]] = TRL_HINTS
 
     @property

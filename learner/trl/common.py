@@ -11,14 +11,14 @@ from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
 from refit.core.hf_folder import download_hint
-from refit.learner.builtin.demo import build_policy
+from refit.learner.demo import build_policy
 from refit.learner.run.chat import as_pairs
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.config import SCHEDULES
 from refit.learner.run.optim import rates
 from refit.learner.trl.fields import REFUSED, TrlField, check_values
 
-DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.builtin.demo on first use
+DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.demo on first use
 REPORTS = ("none", "tensorboard", "all")  # report_to values that keep everything on this machine
 
 
