@@ -140,6 +140,7 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
 
     return route.learn(run, rollout, scores, settings, update_gen, check, timings, per_func)
 
+
 def micro_rows(run: Run, rollout: RolloutBatch) -> int:
     """Rows per learner forward with autograd in this step's update (refit.learner.run.engines.learner_micro_rows:
     optim.micro_batch_rows, or what fits the memory); 0 (no cap) under torchrun, whose ranks split alike."""

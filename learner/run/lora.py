@@ -50,8 +50,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
         n, k, o = too_wide[0]
         raise RefitError(f"lora: r = {lora.r} is larger than layer {n} ({k} -> {o}); a rank above "
                          f"min(in, out) = {min(k, o)} is no longer low-rank (lower lora.r or the target_modules)")
-    if lora.base_dtype != "fp32":
-        hold_base(peft_model, DTYPES[lora.base_dtype])
+    base = lora.base_dtype
+    if base == "auto":  # a direct caller (the API, a test); a job's setup resolves it first (refit.learner.run.precision)
+        base = "bf16" if bf16_is_fast(next(model.parameters()).device) else "fp32"
+    if base != "fp32":
+        hold_base(peft_model, DTYPES[base])
     return peft_model
 
 
