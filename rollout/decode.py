@@ -11,7 +11,7 @@ decoding. vLLM's and SGLang's schedulers do this per step; here the slot count i
 batch, and the rows wait in prompt-major order.
 
 A row's result does not depend on the slot count or the arrival order: its random stream is keyed
-by (prompt, sample) (:class:`refit.rollout.sampling.RowStreams`), its KV positions are its own (a fused
+by (prompt, sample) (:class:`refit.rollout.row_streams.RowStreams`), its KV positions are its own (a fused
 engine's rows are compact, rollout/ort_fused.py), and its position ids are its own token count.
 The output is the same record as the static loop's (:func:`refit.rollout.engine.decode_loop`): rows in
 input order, responses right-padded to the longest, log-probs 0.0 on padding.
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from refit.rollout.processors import SeenTokens
-from refit.rollout.sampling import RowStreams, StepBuffers, one_thread, sample_step
+from refit.rollout.row_streams import RowStreams
+from refit.rollout.sampling import StepBuffers, one_thread, sample_step
 from refit.rollout.types import ModelSpec, SamplingParams
 
 
@@ -71,7 +72,7 @@ class _PhaseClock:
 
 
 def row_keys(index: torch.Tensor, n: int) -> list[tuple[int, int]]:
-    """(prompt, sample) of each prompt-major row: the key of its random stream (refit.rollout.sampling.RowStreams)."""
+    """(prompt, sample) of each prompt-major row: the key of its random stream (refit.rollout.row_streams.RowStreams)."""
     return [(int(p), i % n) for i, p in enumerate(index.tolist())]
 
 
@@ -90,7 +91,7 @@ def decode_loop(state: StepState, ids: torch.Tensor, mask: torch.Tensor, params:
 
     Returns response_ids/mask and both log-prob kinds (B, Tr), plus top-k (B, Tr, k) if asked.
     ``on_step`` gets a :class:`StepEvent` per response position (no clock is read without it).
-    ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.sampling.RowStreams).
+    ``keys`` (default: row i is (i, 0)) key each row's random stream (refit.rollout.row_streams.RowStreams).
     """
     b, steps = ids.shape[0], params.max_new_tokens
     clock = _PhaseClock(on_step) if on_step is not None else None

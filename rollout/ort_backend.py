@@ -3,7 +3,8 @@
 Weights. The engine holds every mapped weight as a torch tensor ``{graph: {engine_name: t}}``
 (the held set) and always hands them to ONNX Runtime with ``add_external_initializers``
 (:func:`refit.export.graph.open_session`), which copies them into the session as it opens; the
-``.onnx.data`` files are read once, at start-up, through the graph's external-data records.
+``.onnx.data`` files are read once, at start-up, through the graph's external-data records
+(:func:`refit.rollout.ort_weights.read_engine_weights`).
 Reading the engine's own files (rather than loading the source HF model and mapping it with
 ``engine_weights``) keeps the folder self-contained (the source model need not be on the
 rollout machine), costs no PyTorch model in memory, and starts from exactly the bytes the
@@ -17,7 +18,8 @@ Weight push. ``update_weights`` maps HF tensors through the manifest's ``weight_
 feeds and opens new ones over the same graph files straight from the mapped tensors, then
 copies those into the held set in place (the snapshot a later partial push needs). The other
 route, turning every initializer into a graph input bound per run, was measured and dropped:
-see docs/weight-push.md for the numbers.
+see docs/weight-push.md for the numbers. ``push_via="file"`` writes the push to scratch graph files instead
+(:func:`refit.rollout.ort_weights.write_pushed_graphs`) and opens the new sessions from them.
 
 Decoding uses IO binding: the present K/V ``OrtValue``s of one step are bound as the next
 step's past (and the encoder's cross K/V for the whole batch) without numpy round trips; only the
@@ -34,7 +36,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -43,55 +44,18 @@ import torch
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
-from refit.export.graph import default_providers, keep_freed_memory, open_session, write_graph
+from refit.export.graph import default_providers, keep_freed_memory, open_session
 from refit.export.quantize import QDQ, quantize_push
 from refit.export.weight_map import engine_weight_views, engine_weights
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 from refit.rollout.ort_adapter import AdapterSessions, AdapterSlots
 from refit.rollout.ort_fused import FusedDecoderState, FusedSeq2SeqState, KVPool
 from refit.rollout.ort_run import run_bound
+from refit.rollout.ort_weights import (engine_weight_shapes, push_scratch, read_engine_weights, remove_graph_pair,
+                                       write_pushed_graphs)
 from refit.rollout.sampling import one_thread
 
-_NP = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 11: np.float64, 3: np.int8,
-       16: np.int16}  # onnx TensorProto -> numpy; bf16 (16) read as its bytes, then viewed as torch.bfloat16
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}
-
-
-def _external_initializers(engine_dir: Path, manifest: Manifest):
-    """(graph, initializer proto, its external-data record) for every external initializer of every graph."""
-    import onnx
-
-    for graph, spec in manifest.graphs.items():
-        proto = onnx.load(str(engine_dir / spec.file), load_external_data=False)
-        for init in proto.graph.initializer:
-            if init.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            if init.data_type not in _NP:
-                raise RefitError(f"{spec.file}: weight {init.name} has ONNX dtype {init.data_type}, "
-                                 "which the onnxruntime backend cannot hold")
-            yield graph, init, {e.key: e.value for e in init.external_data}
-
-
-def engine_weight_shapes(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, tuple[int, ...]]]:
-    """{graph: {initializer: shape}} of every external initializer (the graphs' records only; no data read)."""
-    out: dict[str, dict[str, tuple[int, ...]]] = {g: {} for g in manifest.graphs}
-    for graph, init, _ in _external_initializers(engine_dir, manifest):
-        out[graph][init.name] = tuple(init.dims)
-    return out
-
-
-def read_engine_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
-    """{graph: {initializer: tensor}} for every external initializer, read from the ``.onnx.data`` files."""
-    out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in manifest.graphs}
-    for graph, init, ext in _external_initializers(engine_dir, manifest):
-        dt = np.dtype(_NP[init.data_type])
-        count = int(np.prod(init.dims)) if init.dims else 1
-        arr = np.fromfile(engine_dir / ext["location"], dtype=dt, count=count, offset=int(ext.get("offset", 0)))
-        if arr.size != count:
-            raise RefitError(f"{engine_dir / ext['location']} is truncated (weight {init.name})")
-        t = torch.from_numpy(arr.reshape(tuple(init.dims)))
-        out[graph][init.name] = t.view(torch.bfloat16) if init.data_type == 16 else t
-    return out
 
 
 def _logits(val) -> torch.Tensor:
@@ -153,33 +117,6 @@ class _OrtSeq2SeqState:
 
 def _frozen_view(*_, **__) -> None:
     raise RefitError("update_weights: this is an engine's adapter-off view (the frozen reference); it takes no push")
-
-
-def _remove_graph_pair(path: Path) -> None:
-    """A graph file and its ``.data`` file (push_via="file"'s scratch pairs)."""
-    path.unlink(missing_ok=True)
-    path.with_name(path.name + ".data").unlink(missing_ok=True)
-
-
-class _ShapeChecked(Mapping):
-    """A graph's lazily mapped weights, each passed to ``check(name, tensor)`` as it is made."""
-
-    def __init__(self, view, check):
-        self._view, self._check = view, check
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        t = self._view[name]
-        self._check(name, t)
-        return t
-
-    def __contains__(self, name) -> bool:
-        return name in self._view
-
-    def __iter__(self):
-        return iter(self._view)
-
-    def __len__(self) -> int:
-        return len(self._view)
 
 
 class OrtEngine(LoopEngine):
@@ -419,28 +356,14 @@ class OrtEngine(LoopEngine):
         """``push_via="file"``: each touched graph written (one mapped tensor at a time, shapes checked as they are
         written) to ``<scratch>/<graph>.v<N>.onnx`` + ``.data``; then its session closed and reopened from them; the
         previous pair removed. A bad push raises before any session is closed and leaves no file behind."""
-        import tempfile
-
-        import onnx
-
         views = engine_weight_views(named, self.manifest.weight_map, self._weight_dtype)
         for g, view in views.items():
             self._check_complete(g, view)
-        if self._scratch is None:  # absolute: the sessions open engine_dir / file, which must not prefix it again
-            # .NAME.push-XXXX.tmp-PID: a killed run's is removed by the next guard_engine (core/integrity.py)
-            self._scratch = Path(tempfile.mkdtemp(prefix=f".{self.engine_dir.name}.push-", suffix=f".tmp-{os.getpid()}",
-                                                  dir=self.engine_dir.parent)).resolve()
+        if self._scratch is None:
+            self._scratch = push_scratch(self.engine_dir)
         new_version = next_version(self._version, version)
-        written: dict[str, Path] = {}
-        try:
-            for g, view in views.items():
-                proto = onnx.load(str(self.engine_dir / self._graph_src[g]), load_external_data=False)
-                written[g] = self._scratch / f"{g}.v{new_version}.onnx"
-                write_graph(proto, _ShapeChecked(view, lambda n, t, g=g: self._check_shape(g, n, t)), written[g])
-        except BaseException:
-            for path in written.values():
-                _remove_graph_pair(path)
-            raise
+        written = write_pushed_graphs({g: self.engine_dir / self._graph_src[g] for g in views}, views, self._scratch,
+                                      new_version, self._check_shape)
         t1 = time.perf_counter()
         before = {g: self._files[g] for g in written}
         for g in written:
@@ -455,7 +378,7 @@ class OrtEngine(LoopEngine):
             raise
         for old in before.values():
             if Path(old).parent == self._scratch:  # an earlier push's pair, not the engine folder's own files
-                _remove_graph_pair(Path(old))
+                remove_graph_pair(Path(old))
         self._version = new_version
         self.last_push_s = {"map": 0.0, "quantize": 0.0, "write": t1 - t0, "open": time.perf_counter() - t1,
                             "copy": 0.0}

@@ -123,7 +123,7 @@ def check_build(env: Env, arch: str, dtype: str, quantize: str = "none") -> dict
     from refit.core.manifest import Manifest
     from refit.export.graph import foldable_weights
     from refit.rollout.tensorrt.build import build_engines, mapped_trt_names
-    from refit.rollout.tensorrt.check import load_graph
+    from refit.rollout.tensorrt.check_graph import load_graph
 
     t0 = time.perf_counter()
     d = _export(env, arch, dtype, quantize)
@@ -142,7 +142,7 @@ def check_build(env: Env, arch: str, dtype: str, quantize: str = "none") -> dict
 
 def check_align(env: Env, folder: Path) -> dict:
     """TensorRT's answer to an address 8 bytes off its 256-byte rule, and to an aligned one, on a real context."""
-    from refit.rollout.tensorrt.engine import aligned_empty
+    from refit.rollout.tensorrt.runner import aligned_empty
 
     eng = env.trt(folder)
     try:

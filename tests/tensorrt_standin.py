@@ -1,7 +1,7 @@
 """A host-side stand-in for the ``tensorrt`` module, and engine folders with plans for the tests.
 
-:func:`make_stand_in` implements the TensorRT 10 calls that :mod:`refit.rollout.tensorrt.build` and
-:mod:`refit.rollout.tensorrt.engine` make, on top of ONNX Runtime with host buffers. It checks our side of
+:func:`make_stand_in` implements the TensorRT 10 calls that :mod:`refit.rollout.tensorrt.build`,
+:mod:`refit.rollout.tensorrt.engine` and :mod:`refit.rollout.tensorrt.runner` make, on top of ONNX Runtime with host buffers. It checks our side of
 the contract (profiles recorded and chosen, shapes inside the chosen profile, I/O by address,
 refit by name with missing-weight handling) -- not TensorRT's numerics or its API, which only the
 GPU tests can. :class:`TrtFolders` builds plans (stand-in or real TensorRT) into copies of the

@@ -118,7 +118,7 @@ def check_graph_side(d, dtype: str) -> int:
     weight's bytes equal the checkpoint's fp32 tensor rounded to the dtype (and transformed as the map says),
     computed here with torch alone. Returns the number of weights compared."""
     from refit.core.hf_folder import load_model
-    from refit.rollout.tensorrt.check import check_weight_map
+    from refit.rollout.tensorrt.check_weights import check_weight_map
     from refit.export.weight_map import canonical_params
 
     m = Manifest.read(d)

@@ -262,7 +262,8 @@ def test_qdq_graph_structure(qdq_engine_dirs, arch):
     import onnx
 
     from refit.core.int8 import QDQ
-    from refit.rollout.tensorrt.check import check_engine_folder, check_qdq
+    from refit.rollout.tensorrt.check import check_engine_folder
+    from refit.rollout.tensorrt.check_weights import check_qdq
 
     d = qdq_engine_dirs[arch]
     m = Manifest.read(d)
@@ -296,7 +297,7 @@ def test_qdq_check_catches_planted_faults(qdq_engine_dirs, fresh_copy):
     import dataclasses
     import onnx
 
-    from refit.rollout.tensorrt.check import check_qdq, check_weight_map
+    from refit.rollout.tensorrt.check_weights import check_qdq, check_weight_map
 
     d = fresh_copy(qdq_engine_dirs["tiny-llama"], "l")
     m = Manifest.read(d)

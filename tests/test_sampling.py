@@ -1,4 +1,4 @@
-"""refit.rollout.sampling and refit.rollout.types: pure torch, no engine.
+"""refit.rollout.sampling, refit.rollout.row_streams and refit.rollout.types: pure torch, no engine.
 
 Four ways: hand-built cases, reference identities (HF's logits warpers,
 plain log_softmax), fast vs slow (the two-level exponential race draws from softmax and keeps
@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import refit.rollout.row_streams as row_streams
 from refit.rollout.processors import plain_logprobs, process_logits, top_k_filter, top_p_filter
+from refit.rollout.row_streams import RowStreams, row_seed
 from refit.rollout.sampling import RACE_BLOCK, StepBuffers, chosen_logprobs, one_thread, sample, sample_step
 from refit.rollout.types import RolloutBatch, SamplingParams
 
@@ -219,11 +221,9 @@ def test_rollout_batch_rows():
 
 def _per_row_reference(seed, keys, steps, logits, params):
     """The per-row streams as they were: one torch.Generator per row, one exponential_ call per row per step."""
-    import refit.rollout.sampling as S
+    gens = [make_generator(row_seed(seed, *k)) for k in keys]
 
-    gens = [make_generator(S.row_seed(seed, *k)) for k in keys]
-
-    class PerRow(S.RowStreams):  # the old draw, row by row, through the same race
+    class PerRow(RowStreams):  # the old draw, row by row, through the same race
         def exponential(self, n):
             out = torch.empty(len(gens), n, dtype=torch.float64)
             for i, g in enumerate(gens):
@@ -244,7 +244,7 @@ def test_vectorised_row_streams_keep_per_row_tokens(params, per_row_max, monkeyp
     EXACT_MARGIN forced to inf)."""
     import refit.rollout.sampling as S
 
-    monkeypatch.setattr(S, "PER_ROW_MAX", per_row_max)
+    monkeypatch.setattr(row_streams, "PER_ROW_MAX", per_row_max)
 
     keys = [(p, s) for p in range(9) for s in range(2)]
     v = 2 * RACE_BLOCK + 40
@@ -252,15 +252,15 @@ def test_vectorised_row_streams_keep_per_row_tokens(params, per_row_max, monkeyp
     want = _per_row_reference(3, keys, 6, logits, params)
     for margin in (S.EXACT_MARGIN, float("inf")):
         monkeypatch.setattr(S, "EXACT_MARGIN", margin)
-        streams, buf = S.RowStreams(3, keys), StepBuffers()
+        streams, buf = RowStreams(3, keys), StepBuffers()
         got = [sample_step(x, params, streams, buf)[0] for x in logits]
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    streams = S.RowStreams(11, keys)
-    gens = [make_generator(S.row_seed(11, *k)) for k in keys]
+    streams = RowStreams(11, keys)
+    gens = [make_generator(row_seed(11, *k)) for k in keys]
     for step, n in enumerate([258, 1, 700, 5, 624, 300]):
         if step == 2:  # a slot takes a new row (in-flight batching): its stream restarts
             streams.assign(4, (50, 1))
-            gens[4] = make_generator(S.row_seed(11, 50, 1))
+            gens[4] = make_generator(row_seed(11, 50, 1))
         fast = streams.exponential(n)
         ref = torch.stack([torch.empty(n, dtype=torch.float64).exponential_(generator=g) for g in gens])
         assert torch.equal(streams.exact(torch.arange(len(keys))), ref)
@@ -269,8 +269,6 @@ def test_vectorised_row_streams_keep_per_row_tokens(params, per_row_max, monkeyp
 
 def test_row_tokens_do_not_depend_on_the_batch():
     """A row's tokens are a function of (seed, its key, its logits): alone, or among other rows in any order."""
-    from refit.rollout.sampling import RowStreams
-
     keys = [(p, s) for p in range(6) for s in range(3)]
     logits = [torch.randn(len(keys), 300, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     params = SamplingParams(seed=7)
@@ -318,7 +316,7 @@ def test_numpy_race_is_the_torch_race_bit_for_bit(v, margin, monkeypatch):
         monkeypatch.setattr(S, "EXACT_MARGIN", margin)
     keys = [(p, s) for p in range(7) for s in range(3)]
     g = torch.Generator().manual_seed(v)
-    mine, ref, buf = S.RowStreams(5, keys), S.RowStreams(5, keys), StepBuffers()
+    mine, ref, buf = RowStreams(5, keys), RowStreams(5, keys), StepBuffers()
     for step in range(5):
         x = torch.randn(len(keys), v, generator=g) * (1 + 3 * step)
         x[torch.rand(x.shape, generator=g) < 0.3] = float("-inf")
@@ -327,7 +325,7 @@ def test_numpy_race_is_the_torch_race_bit_for_bit(v, margin, monkeypatch):
         x[2, 0], x[2, 1:] = 1.0, float("-inf")  # one finite token
         got, want = S._race(x, mine, buf), _torch_race(x, ref)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
-    mine, ref = S.RowStreams(9, keys), S.RowStreams(9, keys)
+    mine, ref = RowStreams(9, keys), RowStreams(9, keys)
     for t in (1.0, 0.7):
         x = torch.randn(len(keys), v, generator=g) * 2
         ids, proc, plain, _ = sample_step(x, SamplingParams(temperature=t), mine, buf)
@@ -345,7 +343,6 @@ def test_non_finite_logits_stop_sampling_in_one_line(params, bad):
     """A row with a NaN or +inf logit (a broken model or push) raises one line naming the rows, on every path; the
     finite rows of the same batch alone sample as before."""
     from refit.core.errors import RefitError
-    from refit.rollout.sampling import RowStreams, sample_step
 
     logits = torch.randn(4, 384, generator=torch.Generator().manual_seed(0))
     ok = sample_step(logits, params, RowStreams(0, [(i, 0) for i in range(4)]))

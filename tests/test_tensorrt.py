@@ -2,9 +2,9 @@
 
 Three layers, split by cost:
 
-1. CPU, always: :mod:`refit.rollout.tensorrt.check` on the tiny engines and on planted faults (an op the
-   parser lacks, an anonymous or uncovered dimension, a missing or doubled weight mapping), and
-   the one-line failures where TensorRT is absent.
+1. CPU, always: :mod:`refit.rollout.tensorrt.check` (its ``check_graph`` and ``check_weights`` checks) on the
+   tiny engines and on planted faults (an op the parser lacks, an anonymous or uncovered dimension, a missing or
+   doubled weight mapping), and the one-line failures where TensorRT is absent.
 2. CPU, always: ``build_engines`` and ``TrtEngine`` driven through the host *stand-in* of the
    ``tensorrt`` module (tests/tensorrt_standin.py): plans, profiles, refit by name.
 3. ``tensorrt``/``gpu`` markers: the same build and refit tests on real TensorRT plans; they
@@ -33,7 +33,9 @@ from onnx import TensorProto, helper
 import refit.rollout.tensorrt.build as tb
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.rollout.tensorrt.check import check_engine_folder, check_ops, check_profiles, check_weight_map
+from refit.rollout.tensorrt.check import check_engine_folder
+from refit.rollout.tensorrt.check_graph import check_ops, check_profiles
+from refit.rollout.tensorrt.check_weights import check_weight_map
 from refit.rollout.engine import create_engine
 from refit.rollout.types import SamplingParams
 

@@ -20,6 +20,7 @@ import torch
 
 import refit.rollout.tensorrt.build as tb
 import refit.rollout.tensorrt.engine as te
+import refit.rollout.tensorrt.runner as runner
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
 from refit.rollout.engine import create_engine
@@ -55,12 +56,12 @@ def _params(model_dir):
 
 def test_aligned_copies_only_what_is_off_the_boundary():
     base = torch.arange(600, dtype=torch.int64)
-    view = te.aligned_empty((600,), torch.int64, "cpu").copy_(base)[1:]  # 8 bytes past a 256-byte boundary
+    view = runner.aligned_empty((600,), torch.int64, "cpu").copy_(base)[1:]  # 8 bytes past a 256-byte boundary
     assert view.data_ptr() % ALIGN == 8
-    fixed = te.aligned(view)
+    fixed = runner.aligned(view)
     assert fixed.data_ptr() % ALIGN == 0 and torch.equal(fixed, base[1:])
-    assert te.aligned(fixed) is fixed
-    assert te.aligned_empty((0, 3), torch.float16, "cpu").data_ptr() % ALIGN == 0
+    assert runner.aligned(fixed) is fixed
+    assert runner.aligned_empty((0, 3), torch.float16, "cpu").data_ptr() % ALIGN == 0
 
 
 def test_batch1_generate_binds_only_aligned_addresses(llama, model_dirs):
@@ -94,8 +95,8 @@ def test_a_refused_address_is_one_line_not_a_silent_run(llama, monkeypatch):
 def test_push_waits_for_the_learner_stream_before_reading(llama, model_dirs, monkeypatch):
     eng = llama.folders.open(llama.dir)
     events, learner = [], object()
-    monkeypatch.setattr(te, "_producer_streams", lambda tensors: [learner])
-    monkeypatch.setattr(te._HostStream, "wait_stream", lambda self, s: events.append(("wait", s)), raising=False)
+    monkeypatch.setattr(te, "producer_streams", lambda tensors: [learner])
+    monkeypatch.setattr(runner.HostStream, "wait_stream", lambda self, s: events.append(("wait", s)), raising=False)
     real = te.apply_transform
     monkeypatch.setattr(te, "apply_transform", lambda t, tgt: events.append(("read", None)) or real(t, tgt))
     eng.update_weights(_params(model_dirs["tiny-llama"]))
@@ -157,7 +158,7 @@ def test_stored_dtype_push_is_not_rounded_through_fp16(t5_fp16, model_dirs, fres
 def test_bf16_is_in_both_dtype_tables():
     fake = make_stand_in()
     assert _ONNX_DT[16] is _DataType.BF16 and np.dtype(_NP_DT[_DataType.BF16]).itemsize == 2
-    assert te._trt_to_torch(fake)[fake.DataType.BF16] is torch.bfloat16
+    assert runner.trt_to_torch(fake)[fake.DataType.BF16] is torch.bfloat16
 
 
 # ------------------------------------------------------------------ 8/9. one Refitter, held weights or none

@@ -42,7 +42,7 @@ Pushes are checked on the fixed probe batch: the next rollout's log-probs come f
 learner's, so they cannot check the push (``probe_on_rollout`` applies to k = 0 only).
 
 Every step is deterministic as in the synchronous loop: a row's tokens are a function of (seed, prompt, sample,
-weights version) (refit.rollout.sampling.RowStreams; the engines draw from no global generator, but the 'hf'
+weights version) (refit.rollout.row_streams.RowStreams; the engines draw from no global generator, but the 'hf'
 baseline seeds torch's, which the learner does not use: eval-mode models, a generator of its own per step). A
 checkpoint holds the batch in flight and the queued push's probe result (``pending_rollout.pt``, written after
 waiting for both): the weights the batch was generated with are not in the checkpoint, so a resumed run reads it

@@ -12,7 +12,8 @@ TensorRT execution instead of ONNX Runtime:
 - buffers are torch CUDA tensors on one dedicated stream: ``set_input_shape`` +
   ``set_tensor_address`` per input (every address 256-byte aligned, as TensorRT requires; the bool checked),
   outputs allocated from ``get_tensor_shape``, then ``execute_async_v3``. present K/V of one step are the next
-  step's past, on the device; only the logits come back to the host (the shared sampler runs on CPU);
+  step's past, on the device; only the logits come back to the host (the shared sampler runs on CPU). One graph's
+  plan, context, profiles and bindings are :class:`refit.rollout.tensorrt.runner.TrtGraph`;
 - ``update_weights`` first makes the engine's stream wait for the stream the learner wrote the tensors on, maps HF
   names through the weight map (tied aliases folded, transpose applied, a stored-dtype target cast as the export
   cast it, on the device; a quantized engine's weights re-quantized there into their int8 twin and scale,
@@ -27,55 +28,22 @@ is touched. ``hold_weights=False``: no copy; whole-model pushes only. ``tensorrt
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from refit.core.contract import DTYPES
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, ShapeRange
+from refit.core.manifest import Manifest
 from refit.core.padding import position_ids_from_mask
 from refit.export.quantize import kn, quantize_weight
 from refit.export.weight_map import apply_transform
 from refit.rollout.engine import LoopEngine, ModelSpec, next_version, resolve_names
 from refit.rollout.tensorrt import build as trt_build  # require_tensorrt via the module: tests patch in a stand-in
 from refit.rollout.tensorrt.build import mapped_trt_names, quantized_twins, refit_targets, trt_weight_name
+from refit.rollout.tensorrt.runner import TrtGraph, make_stream, on_stream, producer_streams, trt_to_torch
 
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _trt_to_torch(trt) -> dict:
-    return {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
-            trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64, trt.DataType.BOOL: torch.bool,
-            trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
-
-
-# IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment." (NvInferRuntime.h, TensorRT
-# 10.x and 11.x). A fresh CUDA tensor of torch's caching allocator is 512-byte aligned; a view (the last c columns of
-# a batch-1 position_ids row) or a host tensor (64-byte aligned) need not be.
-ALIGN = 256
-
-
-def aligned_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialised tensor whose first byte is ``ALIGN``-aligned (over-allocated only where torch's is not)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.data_ptr() % ALIGN == 0:
-        return t
-    size = torch.Size(shape)
-    n = math.prod(size) * t.element_size()
-    raw = torch.empty(n + ALIGN, dtype=torch.uint8, device=device)
-    off = (-raw.data_ptr()) % ALIGN
-    return raw[off:off + n].view(dtype).view(size)
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if contiguous and ``ALIGN``-aligned, else an aligned contiguous copy."""
-    if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
-        return t
-    return aligned_empty(t.shape, t.dtype, t.device).copy_(t)
 
 
 def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
@@ -106,112 +74,6 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
     return out
 
 
-def _fits(shapes: dict[str, tuple[int, ...]], profile: Mapping[str, ShapeRange]) -> bool:
-    """True when every input shape lies inside the profile's [min, max] box."""
-    for name, shape in shapes.items():
-        s = profile.get(name)
-        if s is None or len(s.min) != len(shape):
-            return False
-        if any(not lo <= d <= hi for d, lo, hi in zip(shape, s.min, s.max)):
-            return False
-    return True
-
-
-class _HostStream:
-    """Stand-in for ``torch.cuda.Stream`` when a TensorRT stand-in executes on the host (CPU tests)."""
-
-    cuda_stream = 0
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:  # host buffers: every write already happened
-        pass
-
-
-def _make_stream(device: torch.device):
-    return torch.cuda.Stream(device) if device.type == "cuda" else _HostStream()
-
-
-def _producer_streams(tensors) -> list:
-    """The current stream of every CUDA device ``tensors`` live on: the learner's, where its optimizer step was queued."""
-    devices = {t.device for t in tensors if t.device.type == "cuda"}
-    return [torch.cuda.current_stream(d) for d in sorted(devices, key=str)]
-
-
-def _on(stream):
-    """``with _on(stream):`` makes ``stream`` current for torch's allocations and copies."""
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
-
-
-class _TrtGraph:
-    """One deserialized plan: its execution context, I/O dtypes, and the manifest's profile boxes."""
-
-    def __init__(self, trt, runtime, plan_path: Path, manifest: Manifest, graph: str, stream, device: torch.device):
-        self.trt, self.name, self.stream, self.device = trt, graph, stream, device
-        self.engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
-        if self.engine is None:
-            raise RefitError(f"TensorRT could not load {plan_path} (built by another TensorRT version or GPU? "
-                             "rebuild with `refit export --backend tensorrt`)")
-        self.profile_names = manifest.tensorrt[graph].profiles
-        self.profiles = [manifest.profiles[graph][p] for p in self.profile_names]
-        to_torch = _trt_to_torch(trt)
-        io = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.inputs = [n for n in io if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in io if n not in self.inputs]
-        self.dtypes = {n: to_torch[self.engine.get_tensor_dtype(n)] for n in io}
-        self.context = self.engine.create_execution_context()
-        self.current = 0  # a fresh context runs profile 0
-        self._dummy = aligned_empty((ALIGN,), torch.uint8, device)  # address for zero-size tensors
-
-    def _use_profile(self, shapes: dict[str, tuple[int, ...]]) -> bool:
-        """Switch to the first profile whose box holds ``shapes``; False when none does."""
-        for i, prof in enumerate(self.profiles):
-            if _fits(shapes, prof):
-                if i != self.current:
-                    self.context.set_optimization_profile_async(i, self.stream.cuda_stream)
-                    self.current = i
-                return True
-        return False
-
-    def fits(self, shapes: dict[str, tuple[int, ...]]) -> bool:
-        return any(_fits(shapes, p) for p in self.profiles)
-
-    def _addr(self, t: torch.Tensor) -> int:
-        return t.data_ptr() if t.numel() else self._dummy.data_ptr()
-
-    def _bind(self, name: str, t: torch.Tensor) -> None:
-        if not self.context.set_tensor_address(name, self._addr(t)):
-            raise RefitError(f"TensorRT {self.name}: set_tensor_address({name}) refused address {self._addr(t):#x} "
-                             f"(TensorRT wants {ALIGN}-byte alignment; see the TensorRT log)")
-
-    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Inputs (any device/dtype) -> outputs on the device; call under ``_on(self.stream)``. Every address bound
-        is ``ALIGN``-aligned (a view that is not, such as a batch-1 slice of position ids, is copied)."""
-        feeds = {n: aligned(feeds[n].to(device=self.device, dtype=self.dtypes[n])) for n in self.inputs}
-        shapes = {n: tuple(t.shape) for n, t in feeds.items()}
-        if not self._use_profile(shapes):
-            raise RefitError(f"TensorRT {self.name}: no optimization profile of {self.profile_names} holds the shapes "
-                             f"{ {n: list(s) for n, s in list(shapes.items())[:3]} }... (re-export with larger "
-                             "--max-batch/--max-len)")
-        ctx = self.context
-        for n, t in feeds.items():
-            if not ctx.set_input_shape(n, shapes[n]):
-                raise RefitError(f"TensorRT {self.name}: input {n} shape {list(shapes[n])} rejected by profile "
-                                 f"{self.profile_names[self.current]}")
-            self._bind(n, t)
-        outs = {}
-        for n in self.outputs:
-            shape = tuple(ctx.get_tensor_shape(n))
-            if any(d < 0 for d in shape):
-                raise RefitError(f"TensorRT {self.name}: output {n} has unresolved shape {shape}")
-            outs[n] = aligned_empty(shape, self.dtypes[n], self.device)
-            self._bind(n, outs[n])
-        if not ctx.execute_async_v3(self.stream.cuda_stream):
-            raise RefitError(f"TensorRT {self.name}: execute_async_v3 failed (see the TensorRT log)")
-        return outs
-
-
 def _present_to_past(outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n.replace("present", "past", 1): v for n, v in outs.items() if n.startswith("present.")}
 
@@ -230,14 +92,14 @@ class _TrtDecoderState:
         return outs["logits"].float().cpu()  # (B, K, V); the copy synchronises the stream
 
     def prefill(self, ids, mask):
-        with _on(self.g.stream):
+        with on_stream(self.g.stream):
             self.mask = mask.to(self.g.device, torch.int64)
             self.past = self.eng.empty_kv(ids.shape[0])
             last = torch.tensor([ids.shape[1] - 1], dtype=torch.int64)  # left padding: the last prompt position
             return self._run(ids, position_ids_from_mask(self.mask), last)[:, -1]
 
     def extend(self, ids, mask):
-        with _on(self.g.stream):
+        with on_stream(self.g.stream):
             if ids.shape[1] > 1 and not self._fits_chunk(ids.shape):
                 return torch.cat([self.extend(ids[:, i:i + 1], mask[:, i:i + 1]) for i in range(ids.shape[1])], 1)
             self.mask = torch.cat([self.mask, mask.to(self.g.device, torch.int64)], 1)
@@ -262,7 +124,7 @@ class _TrtSeq2SeqState:
         self.cross = self.past = self.enc_mask = None
 
     def prefill(self, ids, mask):
-        with _on(self.dec.stream):
+        with on_stream(self.dec.stream):
             self.enc_mask = mask.to(self.dec.device, torch.int64)
             outs = self.enc.run({"input_ids": ids, "attention_mask": self.enc_mask})
             self.cross = {n: v for n, v in outs.items() if n.startswith("cross.")}
@@ -271,7 +133,7 @@ class _TrtSeq2SeqState:
             return self.extend(start, None)[:, -1]
 
     def extend(self, ids, mask):  # no decoder mask input: finished rows' outputs are ignored
-        with _on(self.dec.stream):
+        with on_stream(self.dec.stream):
             if ids.shape[1] > 1 and self.past_len() > 0:  # only the prefill profile takes several tokens
                 return torch.cat([self.extend(ids[:, i:i + 1], None) for i in range(ids.shape[1])], 1)
             outs = self.dec.run({"decoder_input_ids": ids, "encoder_attention_mask": self.enc_mask,
@@ -307,9 +169,9 @@ class TrtEngine(LoopEngine):
         self.spec = ModelSpec.from_manifest(self.manifest)
         self._dtype = _TORCH_DTYPE[self.manifest.dtype]
         self.logger = trt.Logger(getattr(trt.Logger, log_level))
-        self.stream = _make_stream(self.device)
+        self.stream = make_stream(self.device)
         runtime = trt.Runtime(self.logger)
-        self.graphs = {g: _TrtGraph(trt, runtime, self.engine_dir / rec.plan, self.manifest, g, self.stream,
+        self.graphs = {g: TrtGraph(trt, runtime, self.engine_dir / rec.plan, self.manifest, g, self.stream,
                                     self.device)
                        for g, rec in self.manifest.tensorrt.items()}
         self._runtime = runtime
@@ -405,9 +267,9 @@ class TrtEngine(LoopEngine):
         queued and perhaps not yet run), so nothing is read half-updated. Held buffers: ``copy_`` into them, then
         ``refit_cuda_engine_async``. Not held: the staged tensors are set, refitted, and unset."""
         named = resolve_names(named_tensors, set(self.manifest.weight_map), self.manifest.tied)
-        for producer in _producer_streams(named.values()):
+        for producer in producer_streams(named.values()):
             self.stream.wait_stream(producer)
-        with _on(self.stream):
+        with on_stream(self.stream):
             staged = self._stage(named)
             keep = {}  # not held: the tensors TensorRT reads during the refit
             for g, new in (staged.items() if self.weights is None else ()):  # every graph checked before any is set
@@ -465,7 +327,7 @@ class _GraphRefit:
         self.refitter = trt.Refitter(engine, logger)
         if hasattr(self.refitter, "weights_validation"):
             self.refitter.weights_validation = False
-        to_torch = _trt_to_torch(trt)
+        to_torch = trt_to_torch(trt)
         self.protos: dict[str, tuple] = {}  # {name: (trt dtype, torch dtype, count)}
         for n in names:
             if n in folded:
