@@ -16,7 +16,7 @@ from refit.bench.quantized import bench_quantized
 from refit.bench.workers import bench_workers
 from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.builtin.models import build_model
 from refit.rollout.build import build, ensure_engine, guard_engine
 

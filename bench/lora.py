@@ -72,7 +72,7 @@ def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[
 # is then its own stage's, with nothing loaded that only another stage needs.
 
 def stage_export(a) -> dict:
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     t0 = time.perf_counter()

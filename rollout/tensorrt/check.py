@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, ShapeRange
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import ShapeRange
 from refit.export.graph import foldable_weights
 from refit.export.quantize import QDQ
 from refit.rollout.tensorrt.build import mapped_trt_names, quantized_twins

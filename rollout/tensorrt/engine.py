@@ -36,7 +36,8 @@ import torch
 
 from refit.core.contract import DTYPES
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, ShapeRange
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import ShapeRange
 from refit.core.padding import position_ids_from_mask
 from refit.export.quantize import kn, quantize_weight
 from refit.export.weight_map import apply_transform
