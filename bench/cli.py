@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from refit.bench.generate import bench_generate, bench_refit
-from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
+from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo
+from refit.bench.grpo_model import prepare_model
 from refit.bench.inflight import bench_inflight
 from refit.bench.lora import main as lora_main
 from refit.bench.ppo import bench_ppo
