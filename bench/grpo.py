@@ -88,12 +88,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace as NS
 
 from refit.bench.grpo_model import stops
 from refit.bench.grpo_report import median, refit_rows, reward_gap, step_split, summarize, trl_rows
 from refit.bench.trl_best import best_trl_config, memory_limit_gb
 from refit.core.errors import RefitError
 from refit.learner.run.chat import encode_prompts
+from refit.learner.run.precision import hardware_facts, resolve_precision
 
 HERE = Path(__file__).resolve().parent
 REWARD_FILE = HERE / "grpo_reward.py"
@@ -130,10 +132,6 @@ def at_defaults(w: Workload) -> tuple[Workload, str]:
     """``w`` with its ``auto`` settings made what ``refit ppo`` picks on this machine (refit.learner.run.precision:
     the same function a run's setup calls), so the bench's export and run agree with Refit at its defaults; and the
     line that says so. TRL's side holds the LoRA base in the dtype Refit's side resolved."""
-    from types import SimpleNamespace as NS
-
-    from refit.learner.run.precision import hardware_facts, resolve_precision
-
     cfg = NS(run=NS(precision=w.precision, bf16=True), ref_backend="auto",
              lora=NS(enabled=w.lora_r > 0, base_dtype=w.lora_base_dtype),
              rollout=NS(quantize=w.quantize, backend="onnxruntime"))
