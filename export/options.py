@@ -1,8 +1,6 @@
 """How to export: :class:`ExportOptions` (every field is part of the cache key), the checks of its values, the cache
-key an engine folder is reused under, and the options as the manifest records them.
-
-Imports neither torch nor onnx: a caller can build and check options (``refit export``'s parser, the benches) before
-anything heavy loads.
+key an engine folder is reused under, and the options as the manifest records them (the exporter that takes them:
+:mod:`refit.export.onnx_export`).
 """
 
 from __future__ import annotations
