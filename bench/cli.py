@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from refit.bench.generate import bench_generate, bench_refit
-from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo, prepare_model
+from refit.bench.grpo import DEFAULT_DATASET, Workload, bench_grpo
+from refit.bench.grpo_model import prepare_model
 from refit.bench.inflight import bench_inflight
 from refit.bench.lora import main as lora_main
 from refit.bench.ppo import bench_ppo
@@ -16,7 +17,7 @@ from refit.bench.quantized import bench_quantized
 from refit.bench.workers import bench_workers
 from refit.core.errors import RefitError
 from refit.core.parsing import FLAT, opt, parse
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.builtin.models import build_model
 from refit.rollout.build import build, ensure_engine, guard_engine
 
@@ -71,10 +72,26 @@ class BenchGenerate(OnModel):
     ct2_python: str = opt("", "with --quantize int8: a Python that has ctranslate2 (a separate venv) to run "
                               "CTranslate2 int8 on the same model too")
 
+    def run(self) -> dict:
+        m, s = self.machine, self.source
+        batch_sizes = [int(x) for x in self.batch_sizes.split(",")]
+        if self.quantize != "none":
+            model, fp32 = _model_and_engine(m, s)
+            _, int8 = _model_and_engine(m, s, quantize=self.quantize)
+            return bench_quantized(model, fp32, int8, batch_sizes, self.prompt_len, self.new_tokens, s.repeats,
+                                   m.threads, self.ct2_python, Path(m.work_dir))
+        model, engine = _model_and_engine(m, s, self.backends, rows=max(batch_sizes) * self.n)
+        return bench_generate(model, engine, self.backends.split(","), batch_sizes, self.prompt_len, self.new_tokens,
+                              s.repeats, m.threads, n=self.n, shards=self.shards)
+
 
 @dataclass(frozen=True)
 class BenchRefit(OnModel):
     """update_weights vs a full re-export."""
+
+    def run(self) -> dict:
+        model, engine = _model_and_engine(self.machine, self.source, any_size=True)
+        return bench_refit(model, engine, self.source.repeats, self.machine.threads, Path(self.machine.work_dir))
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,13 @@ class BenchPPO(OnModel):
     engine_shards: int = opt(0, "the synchronous engine run's rollout.engine_shards (0: auto, as refit ppo; its "
                                 "rows decoded in that many shards, one thread each; --threads shared out)")
 
+    def run(self) -> dict:
+        m = self.machine
+        model, engine = _model_and_engine(m, self.source, max_len=max(256, 128 + self.response_length))  # prompts ~60
+        return bench_ppo(model, engine, self.backend, self.batch_size, self.response_length, m.threads,
+                         Path(m.work_dir), repeats=self.source.repeats, max_staleness=self.max_staleness,
+                         num_generations=self.num_generations, engine_shards=self.engine_shards)
+
 
 @dataclass(frozen=True)
 class BenchWorkers(OnMachine):
@@ -99,6 +123,9 @@ class BenchWorkers(OnMachine):
 
     workers: int = opt(2, "rollout workers compared with one engine")
     steps: int = opt(8, "PPO steps per run (the first 2 are not timed)")
+
+    def run(self) -> dict:
+        return bench_workers(Path(self.machine.work_dir) / "workers", self.workers, self.steps, self.machine.threads)
 
 
 @dataclass(frozen=True)
@@ -110,6 +137,11 @@ class BenchInflight(OnModel):
     prompt_len: int = opt(32, "prompt tokens per row")
     new_tokens: int = opt(128, "max new tokens per row")
     stop_frac: float = opt(1 / 32, "fraction of the vocabulary whose tokens stop a row (mean length ~1/stop_frac)")
+
+    def run(self) -> dict:
+        _, engine = _model_and_engine(self.machine, self.source)
+        return bench_inflight(engine, self.rows, self.slots, self.prompt_len, self.new_tokens, self.stop_frac,
+                              self.source.repeats, self.machine.threads)
 
 
 @dataclass(frozen=True)
@@ -140,10 +172,12 @@ class BenchGRPO(OnMachine):
     lora_r: int = opt(0, "LoRA rank on both sides (0: full fine-tuning)")
     lora_alpha: float = opt(16.0, "LoRA alpha on both sides")
     lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
-    lora_base_dtype: Literal["fp32", "bf16"] = opt("fp32", "the frozen base's dtype on both learners (bf16: TRL's "
-                                                           "model_init_kwargs dtype, Refit's lora.base_dtype)")
-    quantize: Literal["none", "int8"] = opt("none", "Refit's engine only: int8 linear layers (rollout.quantize; TIS "
-                                                    "corrects the gap); the learners stay as set on both sides")
+    lora_base_dtype: Literal["auto", "fp32", "bf16"] = opt(
+        "auto", "the frozen base's dtype on both learners (bf16: TRL's model_init_kwargs dtype, Refit's "
+                "lora.base_dtype; auto: what refit ppo picks on this machine, refit.learner.run.precision)")
+    quantize: Literal["auto", "none", "int8"] = opt(
+        "auto", "Refit's engine only: int8 linear layers (rollout.quantize; TIS corrects the gap; auto: what refit ppo "
+                "picks on this machine); the learners stay as set on both sides")
     refit_args: str = opt("", "further refit ppo flags for Refit's side, e.g. --refit_args='--rollout.max_staleness 1' "
                                 "(with '=': a value starting with -- is otherwise read as a flag)")
     trl_args: str = opt("", "JSON object of further GRPOConfig fields for TRL's side")
@@ -153,7 +187,22 @@ class BenchGRPO(OnMachine):
     trial_steps: int = opt(3, "steps of each TRL trial (the first is the warm-up; the median of the rest is compared)")
     trl_venv: str = opt(".venv-trl", "the TRL side's virtual environment (made on first use)")
 
+    def run(self) -> dict:
+        m, work = self.machine, Path(self.machine.work_dir)
+        model = Path(self.model_dir) if self.model_dir else prepare_model(work, self.geometry, self.layers)
+        w = Workload(model=str(model.resolve()), dataset=str(Path(self.dataset or DEFAULT_DATASET).resolve()),
+                     prompts_per_step=self.prompts_per_step, num_generations=self.num_generations,
+                     max_completion_length=self.max_completion_length, temperature=self.temperature,
+                     learning_rate=self.learning_rate, lr_scheduler=self.lr_scheduler, steps=self.steps,
+                     beta=self.beta, threads=m.threads, device=self.device, lora_r=self.lora_r,
+                     lora_alpha=self.lora_alpha, lora_target=self.lora_target,
+                     lora_base_dtype=self.lora_base_dtype, quantize=self.quantize)
+        return bench_grpo(w, work.resolve(), self.vs, self.rounds, self.seed, self.refit_args, self.trl_args,
+                          Path(self.trl_venv).resolve(), trl_search=self.trl_search, trial_steps=self.trial_steps)
 
+
+# every bench by name -> its options, whose ``run()`` runs it and returns the JSON document (the flags, the help and the
+# run in one place: main() looks the bench up here and has no branch per bench)
 BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "grpo": BenchGRPO, "workers": BenchWorkers,
            "inflight": BenchInflight}
 # every bench by name -> its one-line help: the usage line, the list below it and "unknown bench" are made from this
@@ -202,41 +251,5 @@ def main(argv: list[str] | None = None) -> int:
         raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(HELP)}")
     which = argv[0]
     a, _ = parse(BENCHES[which], argv[1:], f"refit bench {which}")
-    m = a.machine
-    if which == "generate" and a.quantize != "none":
-        model, fp32 = _model_and_engine(m, a.source)
-        _, int8 = _model_and_engine(m, a.source, quantize=a.quantize)
-        out = bench_quantized(model, fp32, int8, [int(x) for x in a.batch_sizes.split(",")], a.prompt_len,
-                              a.new_tokens, a.source.repeats, m.threads, a.ct2_python, Path(m.work_dir))
-    elif which == "generate":
-        rows = max(int(x) for x in a.batch_sizes.split(",")) * a.n
-        model, engine = _model_and_engine(m, a.source, a.backends, rows=rows)
-        out = bench_generate(model, engine, a.backends.split(","), [int(x) for x in a.batch_sizes.split(",")],
-                             a.prompt_len, a.new_tokens, a.source.repeats, m.threads, n=a.n, shards=a.shards)
-    elif which == "refit":
-        model, engine = _model_and_engine(m, a.source, any_size=True)
-        out = bench_refit(model, engine, a.source.repeats, m.threads, Path(m.work_dir))
-    elif which == "inflight":
-        _, engine = _model_and_engine(m, a.source)
-        out = bench_inflight(engine, a.rows, a.slots, a.prompt_len, a.new_tokens, a.stop_frac, a.source.repeats,
-                             m.threads)
-    elif which == "grpo":
-        work = Path(m.work_dir)
-        model = Path(a.model_dir) if a.model_dir else prepare_model(work, a.geometry, a.layers)
-        w = Workload(model=str(model.resolve()), dataset=str(Path(a.dataset or DEFAULT_DATASET).resolve()),
-                     prompts_per_step=a.prompts_per_step, num_generations=a.num_generations,
-                     max_completion_length=a.max_completion_length, temperature=a.temperature,
-                     learning_rate=a.learning_rate, lr_scheduler=a.lr_scheduler, steps=a.steps, beta=a.beta,
-                     threads=m.threads, device=a.device, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
-                     lora_target=a.lora_target, lora_base_dtype=a.lora_base_dtype, quantize=a.quantize)
-        out = bench_grpo(w, work.resolve(), a.vs, a.rounds, a.seed, a.refit_args, a.trl_args,
-                         Path(a.trl_venv).resolve(), trl_search=a.trl_search, trial_steps=a.trial_steps)
-    elif which == "workers":
-        out = bench_workers(Path(m.work_dir) / "workers", a.workers, a.steps, m.threads)
-    else:
-        model, engine = _model_and_engine(m, a.source, max_len=max(256, 128 + a.response_length))  # prompts ~60 tok
-        out = bench_ppo(model, engine, a.backend, a.batch_size, a.response_length, m.threads, Path(m.work_dir),
-                        repeats=a.source.repeats, max_staleness=a.max_staleness, num_generations=a.num_generations,
-                        engine_shards=a.engine_shards)
-    print(json.dumps(out))
+    print(json.dumps(a.run()))
     return 0

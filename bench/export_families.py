@@ -17,7 +17,7 @@ from pathlib import Path
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.builtin.models import build_model
 from refit.rollout.build import build, plain_twin
 from refit.rollout.tensorrt.check import check_engine_folder

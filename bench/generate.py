@@ -49,7 +49,7 @@ from refit.core.hf_folder import load_model, model_info
 from refit.core.integrity import clean_stale_temps
 from refit.core.manifest import Manifest
 from refit.core.padding import native_padding_side, pad_batch
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.export.weight_map import canonical_params
 from refit.rollout.build import build, plain_twin
 from refit.rollout.engine import create_engine

@@ -71,6 +71,9 @@ Phases: Refit's own ``time/rollout``, ``time/score``, ``time/update``, ``time/we
 TRL's ``generate`` (its ``_generate``), ``score`` (the rest of ``_generate_and_score_completions``: rewards,
 advantages, the log-probs the loss needs) and ``update`` (the rest of the optimizer step: forward, backward, the
 optimizer). ``generation_s`` is Refit's rollout or TRL's generate; ``learner_s`` the step less it.
+
+Here: the workload, each side's command and the rounds. The model the bench builds and the stop ids:
+bench/grpo_model.py; the rows, the summaries and the reward gap: bench/grpo_report.py.
 """
 
 from __future__ import annotations
@@ -83,22 +86,22 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace as NS
 
+from refit.bench.grpo_model import stops
+from refit.bench.grpo_report import median, refit_rows, reward_gap, step_split, summarize, trl_rows
 from refit.bench.trl_best import best_trl_config, memory_limit_gb
 from refit.core.errors import RefitError
-from refit.learner.builtin.models import GEOMETRIES, build_chat_tokenizer, build_model
-from refit.learner.builtin.published import PUBLISHED, build_published
-from refit.learner.run.chat import encode_prompts, end_of_turn_ids
+from refit.learner.run.chat import encode_prompts
+from refit.learner.run.precision import hardware_facts, resolve_precision
 
 HERE = Path(__file__).resolve().parent
 REWARD_FILE = HERE / "grpo_reward.py"
 TRL_SIDE = HERE / "trl_grpo_side.py"
 DEFAULT_DATASET = HERE.parent / "examples" / "trl_chat" / "data.jsonl"
 TRL_PIN = "trl==1.16.*"
-ENCODER_DECODER = ("t5", "bart", "marian")
 
 
 @dataclass(frozen=True)
@@ -129,80 +132,11 @@ def at_defaults(w: Workload) -> tuple[Workload, str]:
     """``w`` with its ``auto`` settings made what ``refit ppo`` picks on this machine (refit.learner.run.precision:
     the same function a run's setup calls), so the bench's export and run agree with Refit at its defaults; and the
     line that says so. TRL's side holds the LoRA base in the dtype Refit's side resolved."""
-    from types import SimpleNamespace as NS
-
-    from refit.learner.run.precision import hardware_facts, resolve_precision
-
     cfg = NS(run=NS(precision=w.precision, bf16=True), ref_backend="auto",
              lora=NS(enabled=w.lora_r > 0, base_dtype=w.lora_base_dtype),
              rollout=NS(quantize=w.quantize, backend="onnxruntime"))
     p = resolve_precision(cfg, hardware_facts(w.device))
     return replace(w, lora_base_dtype=p.base_dtype, quantize=p.quantize, precision=p.learner), p.line("bench grpo")
-
-
-def slug(name: str) -> str:
-    """'Qwen2.5 0.5B' -> 'qwen2.5-0.5b': a published geometry's name as a flag value."""
-    return name.lower().replace(" ", "-")
-
-
-def _recipe(work: Path, geometry: str, layers: int):
-    """(the model's folder under ``work``, the function that builds it there)."""
-    published = {slug(n): n for n, p in PUBLISHED.items() if p.decoder_start is None}
-    tok = build_chat_tokenizer()
-    if geometry in GEOMETRIES and GEOMETRIES[geometry].arch not in ENCODER_DECODER:
-        return work / f"{geometry}-chat", partial(build_model, geometry, tokenizer=tok)
-    if geometry in published:
-        folder = work / f"{geometry}-{f'{layers}layers' if layers else 'full'}-chat"
-        return folder, partial(build_published, published[geometry], n_layers=layers or None, tokenizer=tok)
-    local = [g for g, v in GEOMETRIES.items() if v.arch not in ENCODER_DECODER]
-    raise RefitError(f"unknown decoder-only geometry {geometry!r}; local: {', '.join(local)}; published: "
-                     f"{', '.join(published)}")
-
-
-def prepare_model(work: Path, geometry: str, layers: int, log=print) -> Path:
-    """A decoder-only model with the chat tokenizer, built locally (random weights) unless already there: a local
-    geometry (refit.learner.builtin.models) or a published one by :func:`slug` (depth ``layers``, 0: published).
-    Built in a child process, so that the bench's own process does not keep the model's memory during the runs."""
-    folder, _ = _recipe(work, geometry, layers)
-    if not (folder / "config.json").exists():
-        log(f"building {geometry} (random weights, chat tokenizer) in {folder}")
-        r = subprocess.run([sys.executable, "-m", "refit.bench.grpo", str(work), geometry, str(layers)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RefitError(f"building {geometry} failed: {' | '.join(r.stderr.strip().splitlines()[-2:])}")
-    return folder
-
-
-def build_into(work: Path, geometry: str, layers: int) -> Path:
-    """Build the model of :func:`prepare_model` (written beside, then renamed into place)."""
-    folder, make = _recipe(work, geometry, layers)
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    make(tmp)
-    stop_at_end_of_turn(tmp)
-    tmp.rename(folder)
-    return folder
-
-
-def stop_at_end_of_turn(folder: Path) -> None:
-    """Write EOS and the template's end-of-turn into the folder's generation config, as released chat models do,
-    so that transformers ``generate()`` (TRL's side) stops where Refit's engine does."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    gen = GenerationConfig.from_pretrained(folder)
-    gen.eos_token_id = [tok.eos_token_id, *end_of_turn_ids(tok)]
-    gen.save_pretrained(folder)
-
-
-def stops(model: Path) -> dict:
-    """The token ids that end a completion on each side: Refit's (EOS and the template's end-of-turn) and TRL's
-    (the tokenizer's EOS and the generation config's ``eos_token_id``)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tok = AutoTokenizer.from_pretrained(model)
-    eos = GenerationConfig.from_pretrained(model).eos_token_id if (model / "generation_config.json").exists() else None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return {"refit": sorted({tok.eos_token_id, *end_of_turn_ids(tok)}), "trl": sorted({tok.eos_token_id, *eos})}
 
 
 def engine_max_len(w: Workload) -> int:
@@ -317,76 +251,6 @@ def trl_command(py: Path, w: Workload, out: Path, seed: int, extra: str) -> list
     return cmd + (["--trl_args", extra] if extra else [])
 
 
-def refit_rows(out: Path) -> list[dict]:
-    """Refit's steps from metrics.jsonl, in the bench's common row shape."""
-    rows = []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        if "time/step" not in m:
-            continue
-        phases = {k.split("/")[1]: m[k] for k in ("time/rollout", "time/score", "time/update", "time/weight_push")}
-        rows.append({"step": m["step"], "step_s": m["time/step"], "generation_s": m["time/rollout"],
-                     "phases": phases, "reward": m["reward/mean"], "completion_length": m["response/length"]})
-    return rows
-
-
-def trl_rows(side: dict) -> list[dict]:
-    """TRL's steps from the side script's JSON, in the bench's common row shape."""
-    rows = []
-    for r in side["rows"]:
-        gen, gas = r.get("generate_s", 0.0), r.get("generate_and_score_s", 0.0)
-        rows.append({"step": r["step"], "step_s": r["step_s"], "generation_s": gen,
-                     "phases": {"generate": gen, "score": gas - gen, "update": r["step_s"] - gas},
-                     "reward": r["reward"], "completion_length": r["completion_length"]})
-    return rows
-
-
-def _median(xs: list[float]) -> float:
-    return round(statistics.median(xs), 4)
-
-
-def summarize(runs: list[dict]) -> dict:
-    """One side's rounds: medians over the steady steps (all but each run's first), peaks, curves."""
-    rows = [r for run in runs for r in run["rows"]]
-    steady = [r for r in rows if r["step"] > 1] or rows
-    n_steps = min(len(run["rows"]) for run in runs)
-    by_step = lambda key: [round(statistics.fmean(run["rows"][i][key] for run in runs), 4)  # noqa: E731
-                           for i in range(n_steps)]
-    return {
-        "step_s": _median([r["step_s"] for r in steady]),
-        "first_step_s": _median([r["step_s"] for r in rows if r["step"] == 1] or [0.0]),
-        "generation_s": _median([r["generation_s"] for r in steady]),
-        "learner_s": _median([r["step_s"] - r["generation_s"] for r in steady]),
-        "phases_s": {k: _median([r["phases"][k] for r in steady]) for k in steady[0]["phases"]},
-        "step_s_by_round": [_median([r["step_s"] for r in run["rows"] if r["step"] > 1] or
-                                    [r["step_s"] for r in run["rows"]]) for run in runs],
-        "peak_rss_gb": round(max(run["peak_rss_gb"] for run in runs), 3),
-        "peak_rss_gb_by_round": [round(run["peak_rss_gb"], 3) for run in runs],
-        "wall_s_by_round": [round(run["wall_s"], 1) for run in runs],
-        "loadavg_1m_by_round": [round(run["loadavg_1m"], 2) for run in runs],
-        "reward_by_step": by_step("reward"),
-        "reward_by_round": [[round(r["reward"], 4) for r in run["rows"]] for run in runs],
-        "reward_mean_by_round": [round(statistics.fmean(r["reward"] for r in run["rows"]), 4) for run in runs],
-        "completion_length_by_step": by_step("completion_length"),
-    }
-
-
-def _split(s: dict) -> str:
-    return f"{s['step_s']:.3f} s (generation {s['generation_s']:.3f}, learner {s['learner_s']:.3f})"
-
-
-def reward_gap(a: dict, b: dict) -> dict:
-    """Mean reward of side ``a`` less side ``b`` over every step of every round, against the noise of the
-    per-round means (their standard errors combined; None with one round)."""
-    ma, mb = a["reward_mean_by_round"], b["reward_mean_by_round"]
-    gap = statistics.fmean(ma) - statistics.fmean(mb)
-    noise = None
-    if len(ma) > 1:
-        noise = (statistics.variance(ma) / len(ma) + statistics.variance(mb) / len(mb)) ** 0.5
-    return {"gap": round(gap, 4), "noise": None if noise is None else round(noise, 4),
-            "gap_over_noise": None if not noise else round(abs(gap) / noise, 2)}
-
-
 def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log=print) -> dict:
     """One side's run in round ``rnd``: its rows, wall seconds, peak RSS (and the TRL side's own record)."""
     out = runs_dir / f"{side}-r{rnd}"
@@ -401,7 +265,7 @@ def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log
     else:
         run["rows"] = refit_rows(out)
     rows = run["rows"]
-    log(f"round {rnd} {side:<8} step {_median([r['step_s'] for r in rows[1:] or rows]):.3f} s (median), "
+    log(f"round {rnd} {side:<8} step {median([r['step_s'] for r in rows[1:] or rows]):.3f} s (median), "
         f"first {rows[0]['step_s']:.2f} s, reward {statistics.fmean(r['reward'] for r in rows):.4f}, "
         f"peak RSS {rss:.2f} GB, wall {wall:.0f} s")
     return run
@@ -463,7 +327,7 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
            "learner_speedup": round(theirs["learner_s"] / ours["learner_s"], 3),
            "speedup_by_round": [round(t / o, 3) for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])],
            # each round's sides ran back to back, so a change of the machine's load between rounds cancels here
-           "speedup_round_median": _median([t / o for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])]),
+           "speedup_round_median": median([t / o for o, t in zip(ours["step_s_by_round"], theirs["step_s_by_round"])]),
            "peak_rss_ratio": round(theirs["peak_rss_gb"] / ours["peak_rss_gb"], 3),
            "reward_gap": reward_gap(ours, theirs)}
     if trl_info:
@@ -480,11 +344,7 @@ def bench_grpo(w: Workload, work: Path, vs: str, rounds: int, seed: int, refit_a
     if out["stops"]["refit"] != out["stops"]["trl"]:
         log(f"note: the sides stop at different ids (Refit {out['stops']['refit']}, TRL {out['stops']['trl']}): "
             "add the template's end-of-turn to the model's generation_config.json eos_token_id")
-    log(f"refit {_split(ours)} a step, {base} {_split(theirs)}: "
+    log(f"refit {step_split(ours)} a step, {base} {step_split(theirs)}: "
         f"{out['speedup']}x; peak RSS {ours['peak_rss_gb']} vs {theirs['peak_rss_gb']} GB; reward gap "
         f"{out['reward_gap']['gap']} (noise {out['reward_gap']['noise']})")
     return out
-
-
-if __name__ == "__main__":  # prepare_model's child: python -m refit.bench.grpo WORK GEOMETRY LAYERS
-    build_into(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

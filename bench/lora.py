@@ -72,7 +72,7 @@ def run_child(args: list[str], cap_gb: float | None = None, log=print) -> tuple[
 # is then its own stage's, with nothing loaded that only another stage needs.
 
 def stage_export(a) -> dict:
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     t0 = time.perf_counter()
@@ -135,8 +135,7 @@ def stage_push(a) -> dict:
 
 def _ppo_args(a, lora: bool) -> list[str]:
     out = Path(a.work_dir) / f"{_slug(a.geometry)}-{'lora' if lora else 'full'}{_variant(a)}"
-    args = ["-c", "import sys; from refit.learner.ppo.cli import main; sys.exit(main(sys.argv[1:]))",
-            "--model.model_dir", a.model_dir, "--model.engine_dir", a.engine_dir,
+    args = ["-m", "refit", "ppo", "--model.model_dir", a.model_dir, "--model.engine_dir", a.engine_dir,
             "-o", str(out), "--overwrite", "--run.steps", str(a.steps), "--run.batch_size", str(a.prompts),
             "--num_generations", str(a.generations), "--advantage_estimator", "grpo", "--response_length",
             str(a.response_length), "--num_ppo_epochs", "1", "--num_mini_batches", "1", "--kl_coef", "0.05",

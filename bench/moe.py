@@ -26,7 +26,7 @@ from pathlib import Path
 from refit.bench.smokes import distill_smoke, ppo_smoke
 from refit.core.manifest import Manifest
 from refit.export.moe import translation_table, use_grouped_experts
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.builtin.models import build_tokenizer
 from refit.learner.builtin.moe_models import build_moe_model
 from refit.rollout.build import build

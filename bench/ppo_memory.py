@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.builtin.models import _IDS, build_tokenizer
 from refit.rollout.build import build as build_engine
 

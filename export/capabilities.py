@@ -29,7 +29,7 @@ import torch
 from refit.core.contract import decoder_start_id
 from refit.core.errors import RefitError
 from refit.core.hf_compat import cache_kw, cache_of
-from refit.core.manifest import Capabilities
+from refit.core.manifest_sections import Capabilities
 from refit.core.padding import pad_batch, position_ids_from_mask
 
 PROBE_TOL = 1e-4  # max |logit| / |hidden| difference a padding probe allows (fp32)

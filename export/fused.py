@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from refit.core.manifest import ShapeRange
+from refit.core.manifest_sections import ShapeRange
 from refit.export.profiles import shape_profiles
 
 ATTN_NAME = "refit_gqa"  # the transformers attention implementation registered here
@@ -259,7 +259,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
 
 
 def fused_spec(model, caps) -> dict:
-    """The decoder graph spec (as :func:`refit.export.onnx_export.graph_specs` returns) of the fused graph."""
+    """The decoder graph spec (as :func:`refit.export.trace.graph_specs` returns) of the fused graph."""
     D = torch.export.Dim
     batch, seq, cap, keep = D("batch"), D("seq"), D("cap"), D("keep")
     L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2

@@ -180,7 +180,7 @@ def seq2seq_refusal(model) -> str | None:
 
 
 def fused_seq2seq_spec(model, caps) -> dict:
-    """The fused decoder graph spec (as :func:`refit.export.onnx_export.graph_specs` returns)."""
+    """The fused decoder graph spec (as :func:`refit.export.trace.graph_specs` returns)."""
     D = torch.export.Dim
     batch, seq, cap, keep, enc = D("batch"), D("seq"), D("cap"), D("keep"), D("enc_seq")
     L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2

@@ -30,7 +30,7 @@ import torch
 
 from refit.core.contract import peft_lora_model
 from refit.core.errors import RefitError
-from refit.core.manifest import Lora, LoraTarget, lora_inputs
+from refit.core.manifest_sections import Lora, LoraTarget, lora_inputs
 
 RANK_DIM = "lora_rank"  # the dynamic dimension of every adapter input
 

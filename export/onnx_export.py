@@ -12,152 +12,41 @@ load the real weights again, write graphs with external weight data -> parity ga
 manifest -> atomic rename. One PyTorch model is alive at a time, and the weights are not copied on the way to
 disk (numpy views of the traced graphs for the map, placeholders in the protos, bytes written from the
 tensors' memory); each stage's peak RSS is printed and the whole export's recorded (``export_peak_rss_mb``).
+
+The options and the cache key are :mod:`refit.export.options`'s; the trace and the weight map,
+:mod:`refit.export.trace`'s.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import os
 import shutil
 import time
-import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from refit.core.hf_folder import ModelInfo, load_model, load_tokenizer, model_info
-from refit.core.contract import ENGINE_BACKENDS, PARITY_TOL, weights_hash
+from refit.core.contract import PARITY_TOL, weights_hash
 from refit.core.errors import RefitError
 from refit.core.integrity import folder_hashes, sha256_files as _sha256_files
-from refit.core.manifest import MANIFEST, Dims, GraphSpec, Hashes, Manifest, Padding, Parity, SpecialIds
+from refit.core.manifest import MANIFEST, Manifest
+from refit.core.manifest_sections import Dims, GraphSpec, Hashes, Padding, Parity, SpecialIds
 from refit.export.capabilities import Capabilities, detect
-from refit.export.fused import fused_dynamic_dims, fused_profiles, fused_spec, supports_fused
-from refit.export.fused_seq2seq import fused_seq2seq_spec, seq2seq_refusal
+from refit.export.fused import fused_dynamic_dims, fused_profiles, supports_fused
+from refit.export.fused_seq2seq import seq2seq_refusal
 from refit.export.graph import write_graph as _write_graph
-from refit.export.lora import add_adapter_branches, lora_record, resolve_targets
 from refit.export.memory import StagePeaks
-from refit.export.moe import is_moe, moe_refusal, translation_table as moe_translation, use_grouped_experts
+from refit.export.moe import is_moe, moe_refusal
+from refit.export.options import ExportOptions, cache_key, check_quantize, recorded_options
 from refit.export.precision import engine_run_on_cpu, graph_dtype_problems
 from refit.export.profiles import dynamic_dims, shape_profiles
 from refit.export.quantize import quantize_folder
-from refit.export.rewrite import gemm_for_transposed_weights, initializer_views, placeholder_proto
-from refit.export.weight_map import (DTYPES, build_weight_map, canonical_params, check_one_to_one, engine_weight_views,
-                                     fingerprint_, graph_buffers, rounded, weight_derived_values, weight_digests)
-from refit.export.wrappers import DecoderWithPast, Seq2SeqDecoderWithPast, Seq2SeqEncoder
-
-OPSET = 18
-EXPORTER_VERSION = "5"  # bump when the graph layout changes, so cached engines are rebuilt
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """How to export. Every field is part of the cache key."""
-
-    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (built from the same ONNX graphs); "onnx": the old name
-    dtype: str = "fp32"  # "fp32" | "fp16" | "bf16": weights and activations of the engine
-    max_batch: int = 64  # largest batch the engine accepts (TensorRT profile max)
-    max_len: int = 512  # largest prompt + response length the engine accepts
-    parity_tol: float | None = None  # max |logprob diff| allowed; default by dtype (fp32: 1e-4)
-    # decoder attention: "fused" (ORT GroupQueryAttention over a preallocated KV buffer, export/fused.py),
-    # "plain" (standard ops, concatenated cache; TensorRT and the fallback), "auto" (fused where it
-    # applies and passes the parity gate, else plain; the manifest records which and why)
-    attention: str = "auto"
-    # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
-    # re-quantized; backend "tensorrt": weight-only int8 through DequantizeLinear; "none": as exported (dtype)
-    quantize: str = "none"
-    # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
-    # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
-    lora: tuple[str, ...] = ()
-    # "bf16": the weights rounded to bf16 values before the export (graphs keep ``dtype``): the engine of a LoRA run
-    # whose learner holds the base in bf16 (lora.base_dtype), so both hold one base; "none": the checkpoint's own
-    round_weights: str = "none"
-
-    def __post_init__(self):
-        object.__setattr__(self, "backend", export_backend(self.backend))
-        if self.round_weights not in ("none", "bf16"):
-            raise RefitError(f"round_weights {self.round_weights!r}: none or bf16")
-
-
-def _kv_names(prefix: str, n_layers: int) -> list[str]:
-    return [f"{prefix}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-
-
-def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dict]:
-    """Per graph: wrapper, example inputs, I/O names, dynamic dims. Dim names are the manifest's."""
-    if attention == "fused" and caps.kind == "decoder":
-        return [fused_spec(model, caps)]
-    D = torch.export.Dim
-    batch, seq, past, total, enc, keep = D("batch"), D("seq"), D("past"), D("total"), D("enc_seq"), D("keep")
-    L, H, Dh, B = caps.n_layers, caps.n_kv_heads, caps.head_dim, 2
-    kv = lambda n: [torch.zeros(B, H, n, Dh, dtype=model.dtype) for _ in range(2 * L)]  # noqa: E731
-    if caps.kind == "decoder":
-        ids = torch.full((B, 3), 5, dtype=torch.long)
-        return [dict(
-            name="decoder", module=DecoderWithPast(model, caps.logits_to_keep),
-            # logits_index: 2 of the 3 positions (not 1: torch.export specialises size-1 dims)
-            args=(ids, torch.ones(B, 7, dtype=torch.long), torch.arange(4, 7).expand(B, 3).contiguous(),
-                  torch.tensor([0, 2]), *kv(4)),
-            inputs=["input_ids", "attention_mask", "position_ids", "logits_index", *_kv_names("past", L)],
-            outputs=["logits", *_kv_names("present", L)],
-            dynamic={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total},
-                     "position_ids": {0: batch, 1: seq}, "logits_index": {0: keep},
-                     "past": tuple({0: batch, 2: past} for _ in range(2 * L))},
-        )]
-    ids = torch.full((B, 5), 5, dtype=torch.long)
-    encoder = dict(name="encoder", module=Seq2SeqEncoder(model, caps.decoder_start_id),
-                   args=(ids, torch.ones(B, 5, dtype=torch.long)),
-                   inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
-                   dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
-    if attention == "fused":  # the plain encoder, the fused decoder (export/fused_seq2seq.py)
-        return [encoder, fused_seq2seq_spec(model, caps)]
-    return [
-        encoder,
-        dict(name="decoder", module=Seq2SeqDecoderWithPast(model, L, caps.hidden_size),
-             args=(torch.full((B, 2), 5, dtype=torch.long), torch.ones(B, 5, dtype=torch.long), *kv(5), *kv(3)),
-             inputs=["decoder_input_ids", "encoder_attention_mask", *_kv_names("cross", L), *_kv_names("past", L)],
-             outputs=["logits", *_kv_names("present", L)],
-             dynamic={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: enc},
-                      "flat": tuple([{0: batch, 2: enc}] * (2 * L) + [{0: batch, 2: past}] * (2 * L))}),
-    ]
-
-
-def _trace(spec: dict, weights: set[str]):
-    """torch.onnx.export of one wrapper: (the optimised ``onnx_ir`` model, provenance).
-
-    The model's initializers are the traced module's own tensors (or the optimiser's folded ones), not copies;
-    no ``ModelProto`` with every weight inline is made (:func:`refit.export.rewrite.placeholder_proto` makes one
-    without them).
-
-    Exported unoptimised first, so :func:`refit.export.weight_map.weight_derived_values` can see which values
-    the weights (content digests ``weights``) reach before constant folding hides it; then optimised
-    exactly as ``torch.onnx.export(optimize=True)`` does.
-    """
-    import warnings
-
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            prog = torch.onnx.export(
-                spec["module"], spec["args"], input_names=spec["inputs"], output_names=spec["outputs"],
-                dynamic_shapes=spec["dynamic"], dynamo=True, opset_version=OPSET, verbose=False, optimize=False,
-                custom_translation_table={**moe_translation(), **(spec.get("translation") or {})},
-            )
-        except Exception as e:  # noqa: BLE001 - a forward torch.onnx cannot export is one refusal line
-            raise RefitError(f"cannot export the {spec['name']} graph: torch.onnx.export failed on the model's "
-                             f"forward ({_first_line(e)})") from None
-        provenance = weight_derived_values(prog.model.graph, weights)
-        prog.optimize()
-    return prog.model, provenance
-
-
-def _first_line(e: Exception) -> str:
-    """``Type: message`` of an exception, its first non-empty line, at most 300 characters."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+from refit.export.trace import OPSET, trace_and_map
+from refit.export.weight_map import DTYPES, canonical_params, engine_weight_views, rounded
 
 
 def _moe_check(model, model_dir: Path) -> bool:
@@ -169,30 +58,6 @@ def _moe_check(model, model_dir: Path) -> bool:
     if reason is not None:
         raise RefitError(f"cannot export {model_dir}: mixture-of-experts layer not supported: {reason}")
     return True
-
-
-def export_backend(name: str) -> str:
-    """The engine backend an export is for, spelled as ``rollout.backend`` spells it: "onnxruntime" | "tensorrt".
-    "onnx", the name ``refit export --backend`` had before, is taken with a FutureWarning (shown to users)."""
-    if name == "onnx":
-        warnings.warn("export backend 'onnx' is now spelled 'onnxruntime', as rollout.backend spells it",
-                      FutureWarning, stacklevel=3)
-        return "onnxruntime"
-    if name not in ENGINE_BACKENDS:
-        raise RefitError(f"export backend {name!r}: one of {', '.join(ENGINE_BACKENDS)}")
-    return name
-
-
-_UNUSED = {"lora": (), "round_weights": "none"}  # ExportOptions fields at values the key and manifest leave out
-
-
-def cache_key(model_dir: Path, opts: ExportOptions) -> str:
-    skip = {"quantize": "none", **_UNUSED}  # fields at unused values: the key from before those fields existed
-    o = {k: v for k, v in asdict(opts).items() if k not in skip or v != skip[k]}
-    if o["backend"] == "onnxruntime":  # the key of an ONNX Runtime export is what it was under its old name
-        o["backend"] = "onnx"
-    blob = json.dumps({"w": weights_hash(model_dir), "o": o, "v": EXPORTER_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def _versions() -> dict:
@@ -247,7 +112,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, opts: ExportOptions 
     tok = load_tokenizer(model_dir, info)
     if opts.dtype not in DTYPES:
         raise RefitError(f"unknown dtype {opts.dtype!r}; choose fp32, fp16 or bf16")
-    _check_quantize(opts)
+    check_quantize(opts)
     key = cache_key(model_dir, opts)
     if _check_out_dir(out_dir, key):
         log(f"refit export: {out_dir} is up to date (same weights and options), reused")
@@ -305,18 +170,6 @@ class _OneModel:
         return model if model is not None else self._load()
 
 
-def _check_quantize(opts: ExportOptions) -> None:
-    """One line for a quantization this export cannot make (export/quantize.py)."""
-    q = opts.quantize
-    if q == "fp8":  # TensorRT's FP8 GEMMs want Q/DQ on activations too, with calibrated scales (docs/int8.md)
-        raise RefitError("quantize fp8 is not built: FP8 matmuls need calibrated activation scales (a calibration "
-                         "step refit does not have); use quantize int8 (TensorRT: weight-only Q/DQ)")
-    if q not in ("none", "int8"):
-        raise RefitError(f"unknown quantize {q!r}; choose none or int8")
-    if q != "none" and opts.dtype != "fp32":
-        raise RefitError(f"quantize {q} starts from fp32 weights; got dtype {opts.dtype}")
-
-
 def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[str, str]:
     """("fused" | "plain", why) for ``opts.attention``; RefitError when "fused" is asked for where it cannot run."""
     if opts.attention not in ("auto", "fused", "plain"):
@@ -333,57 +186,6 @@ def choose_attention(model, caps: Capabilities, opts: ExportOptions) -> tuple[st
     return "plain", reason
 
 
-def _trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype, moe: bool,
-                   lora: tuple[str, ...] = ()) -> tuple:
-    """Fingerprint ``model`` in place (:func:`refit.export.weight_map.fingerprint_`: its real weights are gone),
-    trace its graphs and map them by content; with ``lora`` (PEFT target_modules) the targeted layers get their
-    adapter branches (export/lora.py). Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the mapped
-    weights as placeholders}, weight map, constants, the Lora record or None); nothing returned refers to the
-    model's tensors."""
-    targets = None
-    if lora:
-        targets = resolve_targets(model, lora)
-    fingerprint_(model)
-    if moe:
-        use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (export/moe.py)
-    fp_params, tied = canonical_params(model)
-    specs = graph_specs(model, caps, attention)
-    io = {s["name"]: (tuple(s["inputs"]), tuple(s["outputs"])) for s in specs}
-    by_digest = weight_digests(fp_params, dtype)  # once: the trace's provenance and the map both read it
-    digests = {d for d, (_, how) in by_digest.items() if how == "identity"}
-    traced = {s["name"]: _trace(s, digests) for s in specs}
-    del specs
-    wmap, constants = build_weight_map(fp_params, {g: initializer_views(m) for g, (m, _) in traced.items()},
-                                       dtype, {g: prov for g, (_, prov) in traced.items()},
-                                       graph_buffers(model, fp_params), by_digest)
-    check_one_to_one(wmap)
-    protos, placed = {}, {}
-    for g, (m, _) in traced.items():
-        protos[g] = placeholder_proto(m, {t.engine for ts in wmap.values() for t in ts if t.graph == g})
-        gemm_for_transposed_weights(protos[g])
-        if targets:
-            weight = lambda mod: tied.get(f"{mod}.weight", f"{mod}.weight")  # noqa: E731 - a tied alias: its owner
-            engine_of = {mod: t.engine for mod in targets for t in wmap.get(weight(mod), ()) if t.graph == g}
-            for mod in add_adapter_branches(protos[g], g, targets, engine_of):
-                placed.setdefault(mod, []).append(g)
-    record = None
-    if targets:
-        record = lora_record(lora, targets, placed)
-    _free_storage(fp_params.values())
-    return io, protos, wmap, constants, record
-
-
-def _free_storage(tensors) -> None:
-    """Give back the memory of ``tensors`` (the fingerprinted weights, read by now) whoever still refers to them:
-    onnxscript's rewrite rules (``SimplePatternMatcher._graph``) keep the last graph they matched, and with it the
-    traced module's parameters (measured: 29 of 38 parameters of a 4-layer SmolLM2 alive after the trace returned
-    and a gc). Each tensor object is emptied (``.data`` swapped for an empty tensor) rather than its storage
-    resized: the weights transformers loads are views of the checkpoint's file mapping, which cannot be resized."""
-    with torch.no_grad():
-        for t in tensors:
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-
-
 def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities, tok, opts: ExportOptions,
                key: str, attention: tuple[str, str], model_dir: Path, t0: float, gates: tuple, moe: bool,
                peaks: StagePeaks) -> Manifest:
@@ -395,7 +197,7 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
     gate, int8_gate = gates
     fused = attention[0] == "fused"
     dtype = DTYPES[opts.dtype]
-    io, protos, wmap, constants, lora = _trace_and_map(models.take(), caps, attention[0], dtype, moe, tuple(opts.lora))
+    io, protos, wmap, constants, lora = trace_and_map(models.take(), caps, attention[0], dtype, moe, tuple(opts.lora))
     gc.collect()  # the exporter's reference cycles hold the traced (fingerprinted) model
     peaks.mark("trace+map")
     model = models.take()
@@ -492,7 +294,7 @@ def _manifest(info: ModelInfo, caps: Capabilities, opts: ExportOptions, key: str
                       graphs_sha256={g: v.sha256 for g, v in graphs.items()},
                       engine_weights_sha256={g: v.weights_sha256 for g, v in graphs.items()}),
         cache_key=key,
-        options={k: v for k, v in asdict(opts).items() if k not in _UNUSED or v != _UNUSED[k]},  # the old layout
+        options=recorded_options(opts),
         versions=_versions(),
         trace_seconds=round(export_s, 3),
         capabilities=caps,

@@ -3,12 +3,12 @@
 Two profiles per decoder graph, as TensorRT needs them (one optimization profile each) and
 as the manifest records them: ``prefill`` (the whole prompt, empty cache) and ``decode`` (one
 new token per row, a cache of 1..max_len-1). The encoder has one profile.
-Each profile is ``{input: ShapeRange(min, opt, max)}`` (:class:`refit.core.manifest.ShapeRange`).
+Each profile is ``{input: ShapeRange(min, opt, max)}`` (:class:`refit.core.manifest_sections.ShapeRange`).
 """
 
 from __future__ import annotations
 
-from refit.core.manifest import Capabilities, Profiles, ShapeRange
+from refit.core.manifest_sections import Capabilities, Profiles, ShapeRange
 
 
 def dynamic_dims(caps: Capabilities) -> dict[str, str]:

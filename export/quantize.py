@@ -66,7 +66,8 @@ import torch
 from refit.core.errors import RefitError
 from refit.core.int8 import QDQ, TINY, matmul_modules, quantize_weight
 from refit.core.integrity import sha256_files as _sha256_files
-from refit.core.manifest import Manifest, Quantization, QuantizedWeight
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import Quantization, QuantizedWeight
 from refit.export.graph import write_graph as _write_graph
 
 SCHEMES = ("none", "int8")  # ExportOptions.quantize (both backends)

@@ -21,7 +21,7 @@ value it replaces, so after folding each float initializer is one of
 - anything else derived from a weight: refused in one line (a push would leave it stale).
 
 The map is ``{hf_name: (WeightTarget(engine, graph, transform), ...)}``, the manifest's
-``weight_map`` (:class:`refit.core.manifest.WeightTarget`; on disk a list of
+``weight_map`` (:class:`refit.core.manifest_sections.WeightTarget`; on disk a list of
 ``{"engine", "graph", "transform"}`` objects per HF name).
 
 Tied parameters (one tensor under several HF names, e.g. GPT-2's ``lm_head.weight`` and
@@ -41,7 +41,7 @@ import torch
 
 from refit.core.contract import DTYPES, canonical_params  # noqa: F401 - canonical_params: this module's name too
 from refit.core.errors import RefitError
-from refit.core.manifest import WeightTarget
+from refit.core.manifest_sections import WeightTarget
 
 WeightMap = dict[str, tuple[WeightTarget, ...]]  # {canonical HF name: its engine weights}
 

@@ -32,7 +32,7 @@ if not (Path(__file__).resolve().parent / "core").is_dir() and (_checkout / "cor
 _EXPORTS = {
     "RefitError": "refit.core.errors",
     "Manifest": "refit.core.manifest",
-    "ExportOptions": "refit.export.onnx_export",
+    "ExportOptions": "refit.export.options",
     "build_engine": "refit.rollout.build",
     "create_engine": "refit.rollout.engine",
     "Engine": "refit.rollout.engine",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from refit.core.errors import RefitError
     from refit.core.manifest import Manifest
     from refit.rollout.build import build as build_engine
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.learner.api import RunResult, run_distill, run_ppo
     from refit.learner.distill.config import DistillConfig
     from refit.learner.ppo.config import PPOConfig

@@ -23,7 +23,8 @@ from refit.core.integrity import engine_lock, folder_holds, hold_folder, share_f
 from refit.core.manifest import MANIFEST, Manifest
 from refit.core.memory import F32, available, engine_terms, geometry, refuse_if_over
 from refit.export.guard import guard_engine, require_only_engine_files, require_tokenizer
-from refit.export.onnx_export import ExportOptions, cache_key, export_onnx, weights_hash
+from refit.export.onnx_export import export_onnx, weights_hash
+from refit.export.options import ExportOptions, cache_key
 from refit.export.quantize import scheme_for
 from refit.rollout.config import ExportConfig, parse_export
 from refit.rollout.parity import int8_parity_gate, parity_gate

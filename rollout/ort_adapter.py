@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Lora, lora_inputs, lora_push_names
+from refit.core.manifest_sections import Lora, lora_inputs, lora_push_names
 
 
 class AdapterSlots:
@@ -42,7 +42,7 @@ class AdapterSlots:
         return name in self._by_push_name
 
     def push(self, named: dict[str, torch.Tensor]) -> int:
-        """Bind ``{<module>.lora_A: (r, K), <module>.lora_B: (N, r) already scaled}`` (see refit.core.manifest's
+        """Bind ``{<module>.lora_A: (r, K), <module>.lora_B: (N, r) already scaled}`` (see refit.core.manifest_sections'
         ``lora_push_names``); modules not named keep what they had. Checked before anything changes (one
         RefitError line). A module pushed with r = 0 is unbound (off). Returns the bytes copied."""
         import onnxruntime as ort

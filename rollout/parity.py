@@ -21,7 +21,8 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.int8 import QDQ, reference_model, rounding_floor
-from refit.core.manifest import Manifest, Parity
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import Parity
 from refit.core.padding import pad_batch, position_ids_from_mask
 from refit.export.quantize import GATE_TOL_MIN, QDQ_GATE_TOL
 from refit.rollout.decode import decode_loop

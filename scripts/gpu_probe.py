@@ -63,7 +63,7 @@ class Env:
             from tensorrt_standin import make_stand_in
 
             import refit.rollout.tensorrt.build as tb
-            from refit.core.manifest import TrtDevice
+            from refit.core.manifest_sections import TrtDevice
 
             self.fake, self.device = make_stand_in(), "cpu"
             tb.require_tensorrt = lambda: self.fake
@@ -110,7 +110,7 @@ def check_versions(env: Env) -> dict:
 
 def _export(env: Env, arch: str, dtype: str, quantize: str = "none") -> Path:
     """The ONNX export (its own parity gate on ONNX Runtime CPU), the TensorRT build left to the caller."""
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     opts = ExportOptions(dtype=dtype, max_batch=4, max_len=64, attention="plain", quantize=quantize,

@@ -28,7 +28,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
-    from refit.core.manifest import lora_inputs, lora_push_names
+    from refit.core.manifest_sections import lora_inputs, lora_push_names
     from refit.rollout.engine import create_engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""List the modules over 500 lines and the functions over 80 lines (STYLE.md's limits), benchmarks and scripts included.
+"""List the modules over 450 lines and the functions over 80 lines (the project's size rule, docs/design.md), benchmarks and scripts included.
 
     python scripts/sizes.py            # the rooms, scripts/ and examples/; one line each, then one JSON line
     python scripts/sizes.py --tests    # tests/ too
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("core", "export", "rollout", "learner", "bench", "refit", "scripts", "examples")
-MODULE_LINES, FUNCTION_LINES = 500, 80
+MODULE_LINES, FUNCTION_LINES = 450, 80
 
 
 def over_limits(rooms: tuple[str, ...] = ROOMS) -> dict[str, int]:

@@ -69,7 +69,7 @@ def model_dirs(tmp_path_factory, tokenizer):
 def default_engine_dirs(tmp_path_factory, model_dirs):
     """{geometry: ONNX engine folder} exported (with the parity gate) from :func:`model_dirs` with the
     default options: the fused-attention decoder graph for decoder-only models, the plain one for seq2seq."""
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     root = tmp_path_factory.mktemp("engines")
@@ -81,7 +81,7 @@ def default_engine_dirs(tmp_path_factory, model_dirs):
 def qdq_engine_dirs(tmp_path_factory, model_dirs):
     """{geometry: the TensorRT int8 export} (``--backend tensorrt --quantize int8``: int8 weights through
     DequantizeLinear, plain attention), exported and gated here on ONNX Runtime CPU; no TensorRT plans built."""
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     root = tmp_path_factory.mktemp("engines-qdq")
@@ -93,7 +93,7 @@ def qdq_engine_dirs(tmp_path_factory, model_dirs):
 def fp16_engine_dir(tmp_path_factory, model_dirs):
     """tiny-llama exported in fp16 (weights and activations), standard-op graph (the TensorRT stand-in builds
     from it): the fp16 rows of the parity matrix. The fused fp16 graph: tests/test_dtype.py."""
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     out = tmp_path_factory.mktemp("engines-fp16") / "tiny-llama"
@@ -171,7 +171,7 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_engine_dir(tmp_path_factory, chat_model_dir):
     """The ONNX engine of :func:`chat_model_dir`."""
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     return build(chat_model_dir, tmp_path_factory.mktemp("chat_engine") / "tiny-gpt2-chat",

@@ -25,7 +25,7 @@ import pytest
 from onnx import TensorProto
 
 import refit.rollout.tensorrt.build as tb
-from refit.core.manifest import TrtDevice
+from refit.core.manifest_sections import TrtDevice
 
 TRT_REASON = tb.tensorrt_unavailable_reason()  # None where real TensorRT and a GPU are usable
 

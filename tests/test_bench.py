@@ -273,7 +273,7 @@ def test_bench_grpo_runs_refit_at_the_defaults_refit_ppo_picks(lora_r):
 def test_grpo_reward_and_summaries_by_hand():
     """The shared reward on hand cases (chat completions as TRL passes them); a side's summary and the reward gap
     on hand-made rows: medians skip each run's first step, curves average the rounds."""
-    from refit.bench.grpo import reward_gap, summarize, trl_rows
+    from refit.bench.grpo_report import reward_gap, summarize, trl_rows
     from refit.bench.grpo_reward import reward
 
     chat = lambda t: [{"role": "assistant", "content": t}]  # noqa: E731

@@ -19,7 +19,8 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.onnx_export import DTYPES, PARITY_TOL, ExportOptions
+from refit.export.onnx_export import DTYPES, PARITY_TOL
+from refit.export.options import ExportOptions
 from refit.rollout.build import build
 from refit.core.padding import pad_batch
 from refit.rollout.parity import PARITY_PROMPTS, engine_greedy_logits, torch_reference_logits

@@ -15,7 +15,7 @@ from refit.core.hf_folder import load_model
 from refit.core.errors import RefitError
 from refit.bench.export_families import FAMILIES, SEQ2SEQ
 from refit.core.manifest import Manifest
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.rollout.build import build
 from refit.core.padding import pad_batch
 from refit.rollout.engine import create_engine
@@ -266,7 +266,7 @@ def test_one_backend_spelling_and_the_old_name_still_taken(tmp_path):
     else is refused in one line."""
     import warnings
 
-    from refit.export.onnx_export import ExportOptions, cache_key
+    from refit.export.options import ExportOptions, cache_key
 
     assert ExportOptions().backend == "onnxruntime"
     with pytest.warns(FutureWarning, match="now spelled 'onnxruntime'"):
@@ -283,7 +283,7 @@ def test_one_backend_spelling_and_the_old_name_still_taken(tmp_path):
     from dataclasses import asdict
 
     from refit.core.contract import weights_hash
-    from refit.export.onnx_export import EXPORTER_VERSION
+    from refit.export.options import EXPORTER_VERSION
 
     before = {k: v for k, v in asdict(ExportOptions()).items()  # the key as written before these fields existed
               if k not in ("quantize", "lora", "round_weights")}

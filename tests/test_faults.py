@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from refit.core.errors import RefitError
-from refit.learner import cli
+from refit import cli
 
 GPT2 = "tiny-gpt2"
 
@@ -878,7 +878,7 @@ def test_disk_full_names_the_commands_own_way_out(capsys, monkeypatch):
 
 _RACER = """
 import os, sys, time
-from refit.learner import cli
+from refit import cli
 ready, n = sys.argv[1], int(sys.argv[2])
 open(os.path.join(ready, str(os.getpid())), "w").close()
 while len(os.listdir(ready)) < n:  # the barrier: every racer imported and ready

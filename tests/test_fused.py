@@ -55,7 +55,7 @@ def test_manifest_records_the_attention(engine_dirs, plain_dirs):
 
 
 def test_fused_refused_where_it_cannot_run(model_dirs, tmp_path):
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     with pytest.raises(RefitError, match="attention=fused does not apply.*dtype bf16.*no bf16 kernel"):

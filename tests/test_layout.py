@@ -249,12 +249,12 @@ def test_records_are_built_with_keywords():
     assert not bad, bad
 
 
-# over STYLE.md's limits (modules 500 lines, functions 80) while they are being reworked, by the PPO work of issue 34
-OVER_LIMITS_KNOWN = {"learner/ppo/cycle.py", "learner/ppo/cycle.py:setup"}
+# over the size rule (docs/design.md: modules 450 lines, functions 80) while being reworked; none today
+OVER_LIMITS_KNOWN: set[str] = set()
 
 
 def test_modules_and_functions_stay_under_the_size_limits():
-    """Every module under 500 lines and every function under 80, benchmarks and scripts included
+    """Every module under 450 lines and every function under 80, benchmarks and scripts included
     (``python scripts/sizes.py`` lists them)."""
     found = runpy.run_path(str(ROOT / "scripts" / "sizes.py"))["over_limits"]()
     print(f"over the size limits: {found or 'nothing'}")

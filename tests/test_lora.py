@@ -13,7 +13,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.core.manifest import Manifest
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.learner.run.config import LoraSection
 from refit.learner.run.sync import Contract, WeightSync, push_tensors
 from refit.learner.run.lora import AdapterOff, adapter_tensors, apply_lora

@@ -13,7 +13,7 @@ import torch
 
 from refit.core.errors import RefitError
 from refit.learner.builtin.moe_models import build_moe_model
-from refit.export.onnx_export import ExportOptions
+from refit.export.options import ExportOptions
 from refit.rollout.build import build
 
 MOE = ["tiny-mixtral", "tiny-qwen3-moe"]

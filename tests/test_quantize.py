@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def int8_dirs(tmp_path_factory, model_dirs):
     from conftest import BuiltOnce
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     root = tmp_path_factory.mktemp("int8")
@@ -161,7 +161,7 @@ def test_int8_rows_are_independent(int8_dirs, prompts):
 
 
 def test_bad_quantize_option_is_one_line(model_dirs, tmp_path):
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     for backend in ("onnx", "tensorrt"):  # fp8 needs calibrated activation scales: refused on both, in one line

@@ -152,7 +152,7 @@ def test_gemma2_fused_export_and_push_at_real_widths(tmp_path, tokenizer):
     of perturbed layer-0 weights, the ``1 + w`` norms among them, equals PyTorch."""
     from refit.bench.real import push_check
     from refit.core.manifest import Manifest
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     from transformers import AutoModelForCausalLM
@@ -188,7 +188,7 @@ def exported(request, tmp_path_factory, tokenizer):
     """(name, record) of one geometry: checkpoint and engine folder, exported through the parity gate. One
     geometry is held at a time (module scope, one param), its folders removed after its tests."""
     from refit.core.manifest import Manifest
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     name = request.param
@@ -282,7 +282,7 @@ def test_full_depth_smollm2_export_ppo_push_resume(tmp_path, tokenizer):
     import time
 
     from refit.core.manifest import Manifest
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
     from refit.learner.ppo.config import PPOConfig
     from refit.learner.ppo.cycle import run_ppo

@@ -124,7 +124,7 @@ def test_fp32_build_clears_tf32_in_every_mode(engine_dirs, fresh_copy, monkeypat
 
 @pytest.fixture(scope="module")
 def t5_fp16(tmp_path_factory, model_dirs):
-    from refit.export.onnx_export import ExportOptions
+    from refit.export.options import ExportOptions
     from refit.rollout.build import build
 
     out = tmp_path_factory.mktemp("engines-fp16") / "tiny-t5"

@@ -315,7 +315,7 @@ def test_the_docs_field_table_is_generated_from_the_code():
 
 
 def test_training_arguments_a_cpu_script_sets_are_honoured_accepted_or_refused():
-    from refit.learner.trl.fields import ACCEPTED, GRPO_ARGS, HONOURED, REFUSED
+    from refit.learner.trl.field_tables import ACCEPTED, GRPO_ARGS, HONOURED, REFUSED
 
     kinds = {k: GRPO_ARGS[k].kind for k in ("use_cpu", "no_cuda", "report_to", "save_strategy", "logging_steps",
                                             "dataloader_num_workers", "disable_tqdm", "push_to_hub", "bf16", "fp16")}

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, WeightTarget
-from refit.export.onnx_export import ExportOptions
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import WeightTarget
+from refit.export.options import ExportOptions
 from refit.export.weight_map import apply_transform
 from refit.rollout.build import build
 

@@ -3,9 +3,9 @@
 ``apply_lora`` wraps the loaded base with PEFT's LoRA (``lora`` section: r, alpha, dropout, target_modules, init)
 and freezes the base: no gradient, no optimizer state for it. ``adapter_tensors`` is what reaches the engine on a
 push: per target layer PEFT's ``lora_A`` (r, K) and ``scaling * lora_B`` (N, r) under the names the engine's
-manifest gives (refit.core.manifest ``lora_push_names``), a few MB where the base is GB. The reference on a LoRA run
-is the same model with the adapter off (:class:`AdapterOff` in PyTorch; ``OrtEngine.adapter_off`` on the engine),
-so the base is held once on each side.
+manifest gives (refit.core.manifest_sections ``lora_push_names``), a few MB where the base is GB. The reference on a
+LoRA run is the same model with the adapter off (:class:`AdapterOff` in PyTorch; ``OrtEngine.adapter_off`` on the
+engine), so the base is held once on each side.
 
 ``lora.base_dtype bf16`` holds the frozen base in bf16 on the learner (:func:`hold_base`): half its memory, its
 matmuls in bf16; the adapter stays fp32. The engine is exported from the same bf16-rounded base
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import lora_push_names
+from refit.core.manifest_sections import lora_push_names
 from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
 from refit.learner.run.precision import bf16_is_fast

@@ -2,7 +2,7 @@
 
 :mod:`~refit.learner.trl.grpo` (GRPO, RLOO on the PPO job), :mod:`~refit.learner.trl.distill` (Distillation, GKD on
 the distillation job), :mod:`~refit.learner.trl.events` (transformers' callbacks, ``state``, TRL's log names),
-:mod:`~refit.learner.trl.fields` (every TRL field: honoured, accepted or refused; docs/trl-facade.md),
+:mod:`~refit.learner.trl.field_tables` (every TRL field: honoured, accepted or refused; docs/trl-facade.md),
 :mod:`~refit.learner.trl.common` (models, tokenizers, ``peft_config``), :mod:`~refit.learner.trl.face` (the surface
 the trainers share).
 """

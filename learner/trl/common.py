@@ -1,5 +1,5 @@
 """What the four TRL configs and trainers share: the config object over the field tables
-(:mod:`refit.learner.trl.fields`), the ``TrainingArguments`` fields every job maps the same way, the model and
+(:mod:`refit.learner.trl.field_tables`), the ``TrainingArguments`` fields every job maps the same way, the model and
 tokenizer a trainer is given, and ``peft_config`` as Refit's ``lora`` section."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from refit.learner.run.chat import as_pairs
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.config import SCHEDULES
 from refit.learner.run.optim import rates
-from refit.learner.trl.fields import REFUSED, TrlField, check_values
+from refit.learner.trl.field_tables import REFUSED, TrlField
+from refit.learner.trl.fields import check_values
 
 DEMO_CHAT_MODEL = "refit/demo-chat"  # the embedded chat model: built locally by refit.learner.demo on first use
 REPORTS = ("none", "tensorboard", "all")  # report_to values that keep everything on this machine

@@ -9,7 +9,7 @@ the student generates on its engine, the teacher scores, Refit's generalised JSD
     DistillationTrainer(model="models/student", teacher_model="models/teacher", args=args,
                         train_dataset=dataset).train()
 
-The mapping (the rest of the names: :mod:`refit.learner.trl.fields`, docs/trl-facade.md):
+The mapping (the rest of the names: :mod:`refit.learner.trl.field_tables`, docs/trl-facade.md):
 
 =========================  ===================================================================================
 TRL                        Refit (:class:`refit.learner.distill.config.DistillConfig`)
@@ -58,19 +58,20 @@ from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, 
                                       lr_schedule, resolve_model, shared_values, staged_dataset, steps_of)
 from refit.learner.trl.events import distill_row
 from refit.learner.trl.face import TrainerFace
-from refit.learner.trl.fields import DISTILLATION_ARGS, GKD_ARGS
+from refit.learner.trl.field_tables import DISTILLATION_ARGS, GKD_ARGS
 
 DEMO_STUDENT, DEMO_TEACHER = "refit/demo-student", "refit/demo-teacher"  # the embedded pair (refit distill's)
 
 
 class DistillationConfig(TrlConfig):
-    """TRL's ``DistillationConfig``: its names with TRL's defaults (:data:`refit.learner.trl.fields.DISTILLATION_ARGS`)."""
+    """TRL's ``DistillationConfig``: its names with TRL's defaults
+    (:data:`refit.learner.trl.field_tables.DISTILLATION_ARGS`)."""
 
     FIELDS = DISTILLATION_ARGS
 
 
 class GKDConfig(TrlConfig):
-    """TRL's ``GKDConfig``: its names with TRL's defaults (:data:`refit.learner.trl.fields.GKD_ARGS`)."""
+    """TRL's ``GKDConfig``: its names with TRL's defaults (:data:`refit.learner.trl.field_tables.GKD_ARGS`)."""
 
     FIELDS = GKD_ARGS
 

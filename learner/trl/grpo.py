@@ -25,7 +25,7 @@ completions per generation = per_device_train_batch_size x steps_per_generation 
 run.batch_size (PROMPTS per rollout) = that / num_generations; num_mini_batches = steps_per_generation /
 gradient_accumulation_steps; num_ppo_epochs = num_iterations; ``max_steps`` and ``save_steps`` count optimizer
 steps, ``num_iterations x num_mini_batches`` per rollout. Every other name, its kind and its Refit setting:
-:mod:`refit.learner.trl.fields` (docs/trl-facade.md).
+:mod:`refit.learner.trl.field_tables` (docs/trl-facade.md).
 
 ``eval_dataset``: Refit's held-out evaluation (``refit ppo``'s ``eval_steps``) every ``eval_steps`` optimizer steps
 with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`` returns; logged as
@@ -63,11 +63,11 @@ from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, 
                                       lr_schedule, resolve_model, shared_values, staged_dataset, steps_of)
 from refit.learner.trl.events import grpo_row
 from refit.learner.trl.face import TrainerFace
-from refit.learner.trl.fields import GRPO_ARGS, RLOO_ARGS
+from refit.learner.trl.field_tables import GRPO_ARGS, RLOO_ARGS
 
 
 class GRPOConfig(TrlConfig):
-    """TRL's ``GRPOConfig``: its names with TRL's defaults (:data:`refit.learner.trl.fields.GRPO_ARGS`)."""
+    """TRL's ``GRPOConfig``: its names with TRL's defaults (:data:`refit.learner.trl.field_tables.GRPO_ARGS`)."""
 
     FIELDS = GRPO_ARGS
     HINTS = TRL_HINTS

@@ -38,7 +38,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, TrtDevice, TrtPlan, WeightTarget
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import TrtDevice, TrtPlan, WeightTarget
 from refit.export.graph import installed_distributions
 from refit.export.quantize import QDQ
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, ShapeRange
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import ShapeRange
 
 # Ops TensorRT's ONNX parser converts ("Y" rows of the support matrix), TensorRT 10.0/10.1:
 # https://github.com/onnx/onnx-tensorrt/blob/10.1-GA/docs/operators.md (commit 96e7811).

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.manifest import Manifest, ShapeRange
+from refit.core.manifest import Manifest
+from refit.core.manifest_sections import ShapeRange
 
 
 def trt_to_torch(trt) -> dict:
