@@ -346,7 +346,7 @@ def test_sharded_decode_runs_shards_on_threads_of_their_own():
             self.shard, self.seen = shard, seen
 
         def _logits(self, last):
-            self.seen.add((self.shard, threading.get_ident()))
+            self.seen.add((self.shard, threading.current_thread()))  # the Thread object: an ident is reused
             out = torch.full((len(last), vocab), -1e9)
             out[torch.arange(len(last)), (last + 1) % vocab] = 0.0
             return out
@@ -367,7 +367,7 @@ def test_sharded_decode_runs_shards_on_threads_of_their_own():
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert {s for s, _ in seen} == {0, 1, 2} and len({t for _, t in seen}) == 3, seen
-    assert threading.get_ident() in {t for s, t in seen if s == 0}, "shard 0 runs on the caller's thread"
+    assert threading.current_thread() in {t for s, t in seen if s == 0}, "shard 0 runs on the caller's thread"
 
     class Broken(Counting):
         def extend(self, ids, mask):
