@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import sys
 import typing
@@ -47,7 +48,8 @@ def opt(default: Any = dataclasses.MISSING, help_: str = "", *, factory=None) ->
     return dataclasses.field(default=default, metadata={"help": help_})
 
 
-def _hints(cls) -> dict[str, Any]:
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict[str, Any]:  # typing.get_type_hints is slow (it evaluates every annotation): once per class
     return typing.get_type_hints(cls)
 
 
@@ -130,7 +132,8 @@ def resolve(cls, values: dict[str, Any], legacy: dict[str, str], where: str) -> 
 def suggest(cls, name: str) -> str:
     """``name``, with the nearest valid spelling when there is a close one (``learing_rate`` -> ``did you mean
     optim.learning_rate?``): the same leaf under another section, else the closest name by edit ratio."""
-    spelled = {**{p: p for p in leaves(cls) if p not in set(flat_leaves(cls).values())}, **flat_leaves(cls)}
+    flat = flat_leaves(cls)
+    spelled = {**{p: p for p in leaves(cls) if p not in set(flat.values())}, **flat}
     key = name.replace("-", "_")
     leaf = key.rpartition(".")[2]
     joined = [key.replace(".", "_")] if key.replace(".", "_") in spelled else []  # eval.steps -> eval_steps
