@@ -10,6 +10,6 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,6p' "$0"; exit
 bash scripts/setup.sh dev
 if [[ $# -eq 0 ]]; then
   echo "scripts/test.sh: the tests not marked slow; about 22 min on 2 cores" >&2
-  set -- -m "not slow" --durations=25  # the 25 slowest named, so the budget stays visible
+  set -- -m "not slow" --durations=50  # the 50 slowest named, so the budget stays visible
 fi
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -52,6 +52,7 @@ def test_decode_step_kv_bytes_and_floor_by_hand():
     assert step_floor(0.2, 100.0, 30_000_000, 15.0) == pytest.approx(4.0)
 
 
+@pytest.mark.slow  # 28 s; the decoder bench (test_bench_generate_json) stays in CI
 def test_bench_generate_encoder_decoder(tmp_path):
     """T5: HF generate() on the encoder's native (right) padding, its clock from the decoder's start token; with
     --shards 2 the engine also runs as onnxruntime-shards2 in the same rounds."""

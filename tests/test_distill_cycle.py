@@ -147,7 +147,7 @@ def test_probe_stops_a_run_whose_student_engine_got_wrong_weights(model_dirs, en
         train_step(run, 1)
 
 
-@pytest.mark.parametrize("arch", ["tiny-bart", "tiny-marian"])
+@pytest.mark.parametrize("arch", ["tiny-bart", pytest.param("tiny-marian", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("loss", ["topk_kl", "forward_kl"])
 def test_bart_family_distill_kl_is_zero_when_student_is_teacher(model_dirs, engine_dirs, tmp_path, arch, loss):
     """Encoder-decoder distillation on BART / Marian: with the student equal to the teacher, the held-out

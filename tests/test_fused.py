@@ -112,7 +112,7 @@ def test_gqa_reference_op_matches_hf(model_dirs, arch):
     assert int((out[1][:, :, 7:] != 0).sum()) == 0, "nothing written past the longest row"
 
 
-@pytest.mark.parametrize("arch", DECODERS + ["tiny-t5", "tiny-bart", "tiny-marian"])
+@pytest.mark.parametrize("arch", DECODERS + ["tiny-t5", "tiny-bart", pytest.param("tiny-marian", marks=pytest.mark.slow)])
 def test_kv_buffer_reuse_reads_no_stale_positions(engine_dirs, prompts, arch):
     """A short batch decoded after a longer one in the same (reused, uncleared) buffers gives a fresh engine's
     rows (decoder-only and encoder-decoder fused engines)."""

@@ -20,7 +20,7 @@ from refit.rollout.engine import create_engine
 from refit.rollout.types import SamplingParams
 
 ARCH = "tiny-t5"
-ARCHS = [ARCH, "tiny-bart", "tiny-marian"]
+ARCHS = [ARCH] + [pytest.param(a, marks=pytest.mark.slow) for a in ("tiny-bart", "tiny-marian")]  # CI time: T5 here, BART in the cycles
 TEXTS = ["12+34=", "sort 9172 = ", "Refit trains language models with", "7", "1+1=", "sort 55 = "]
 TOL = 1e-4
 

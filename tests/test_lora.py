@@ -313,6 +313,7 @@ def test_final_folders_merged_and_peft_adapter_agree(model_dirs, tmp_path):
     assert _diff(eng, merged, b) < 1e-4
 
 
+@pytest.mark.slow  # 33 s; the bf16 base is emulated on a CPU without bf16 units (CI's); test_precision covers the choice
 def test_ppo_with_a_bf16_base_kl0_probe_resume_and_final(model_dirs, tmp_path):
     """A PPO run with lora.base_dtype bf16 and the head adapted: the reference is the policy with its adapter off in
     PyTorch (its bf16 arithmetic), so KL(0) is 0; every push passes the fp32 probe; a run stopped at step 2 and resumed

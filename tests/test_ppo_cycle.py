@@ -59,7 +59,7 @@ def _kl_at_step_zero(run, rollout):
     return {k: stats[f"kl/{k}"] for k in ("k1", "k2", "k3", "exact")}, stats["mismatch/max_abs_diff"]
 
 
-@pytest.mark.parametrize("arch", ["tiny-bart", "tiny-marian"])
+@pytest.mark.parametrize("arch", ["tiny-bart", pytest.param("tiny-marian", marks=pytest.mark.slow)])
 def test_bart_family_kl_is_zero_at_step_zero_with_top_p_and_top_k(model_dirs, engine_dirs, tmp_path, arch):
     """BART (learned positions from offset 2, eos as decoder start) and Marian (sinusoidal positions,
     scaled embeddings, pad as decoder start), both with final_logits_bias: top-k 20 and top-p 0.9
@@ -272,7 +272,7 @@ def test_nan_reward_stops_with_clear_error_and_keeps_checkpoint(model_dirs, engi
     run.engine.close()
 
 
-@pytest.mark.parametrize("arch", ["tiny-t5", "tiny-bart", "tiny-marian"])
+@pytest.mark.parametrize("arch", ["tiny-t5", "tiny-bart", pytest.param("tiny-marian", marks=pytest.mark.slow)])
 def test_seq2seq_cycle_exact_kl_never_negative(model_dirs, engine_dirs, tmp_path, arch):
     """A dense reward moves the policy off the reference, so the exact KL after step 1 is > 0, never < 0."""
     out = run_ppo(_cfg(model_dirs, engine_dirs, arch, tmp_path, steps=3, kl_estimator="exact",

@@ -115,7 +115,7 @@ def test_lazy_int8_linear_holds_no_twin_and_computes_the_same():
     assert torch.equal(lazy(x), Int8Linear(w.clone(), None)(x)) and not torch.equal(lazy(x), held(x))
 
 
-@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", pytest.param("tiny-t5", marks=pytest.mark.slow)])  # T5: 29 s
 def test_int8_engine_matches_quantized_reference_and_push(int8_dirs, model_dirs, prompts, arch):
     """GPT-2: Conv1D weights, the tied lm_head (its fp32 twin kept for the embedding); Llama: transposed
     q/k/v/o and MLP weights sharing one row quantization per input, grouped-query attention; T5: an
