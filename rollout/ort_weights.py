@@ -68,7 +68,7 @@ def remove_graph_pair(path: Path) -> None:
     path.with_name(path.name + ".data").unlink(missing_ok=True)
 
 
-class ShapeChecked(Mapping):
+class _ShapeChecked(Mapping):
     """A graph's lazily mapped weights, each passed to ``check(name, tensor)`` as it is made."""
 
     def __init__(self, view, check):
@@ -111,7 +111,7 @@ def write_pushed_graphs(sources: dict[str, Path], views: dict[str, Mapping[str, 
         for g, view in views.items():
             proto = onnx.load(str(sources[g]), load_external_data=False)
             written[g] = scratch / f"{g}.v{version}.onnx"
-            write_graph(proto, ShapeChecked(view, lambda n, t, g=g: check(g, n, t)), written[g])
+            write_graph(proto, _ShapeChecked(view, lambda n, t, g=g: check(g, n, t)), written[g])
     except BaseException:
         for path in written.values():
             remove_graph_pair(path)
