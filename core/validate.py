@@ -105,6 +105,8 @@ RULES: dict[str, Rule] = {
     "ref_model_mixup_alpha": UNIT, "ref_model_sync_steps": COUNT, "num_generations_eval": COUNT0,
     # PPO
     "cliprange": POSITIVE, "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE, "entropy_coef": FINITE,
+    "entropy_target": Rule(also=(None,)), "entropy_coef_delta": NON_NEGATIVE, "entropy_coef_min": FINITE,
+    "entropy_coef_max": FINITE, "router_aux_loss_coef": FINITE,
     "gamma": UNIT, "lam": UNIT, "kl_coef": NON_NEGATIVE, "target": POSITIVE, "horizon": POSITIVE,
     "tis_cap": POSITIVE, "tis_warn_below": NON_NEGATIVE, "seq_mask_threshold": POSITIVE,
     "reward_weights": FINITE,

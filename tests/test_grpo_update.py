@@ -185,8 +185,11 @@ def test_facade_maps_the_dapo_settings_and_refuses_with_reasons(tmp_path):
                                  max_steps=1, normalize_advantages=True, reward_clip_range=(-1.0, 1.0), use_cpu=True),
                       str(tmp_path))
     assert (r.loss_type, r.normalize_advantages, r.reward_clip_range) == ("rloo", True, (-1.0, 1.0))
-    with pytest.raises(RefitError, match="use_adaptive_entropy=True: not built"):
-        GRPOConfig(output_dir=str(tmp_path), use_adaptive_entropy=True)
+    ad = to_ppo_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                  max_steps=1, use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=0.5,
+                                  entropy_coef_delta=0.002, entropy_coef_max=0.1), str(tmp_path))
+    assert (ad.entropy_coef, ad.entropy_target, ad.entropy_coef_delta, ad.entropy_coef_min, ad.entropy_coef_max) == (
+        0.01, 0.5, 0.002, 0.0, 0.1)
     with pytest.raises(RefitError, match="loss_type='ppo'"):
         to_ppo_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                                  max_steps=1, loss_type="ppo"), str(tmp_path))

@@ -81,7 +81,6 @@ def test_other_trl_names_and_defaults():
 @pytest.mark.parametrize("kw, msg", [
     (dict(loss_type="ppo"), "loss_type='ppo': TRL 1.16's loss types are grpo, bnpo, dr_grpo, dapo"),
     (dict(delta=1.1, epsilon_high=0.28), "delta=1.1 must be > 1 .* epsilon_high"),
-    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: not built"),
     (dict(use_vllm=True), "use_vllm=True: generation runs on Refit's engine"),
     (dict(max_prompt_length=128), "max_prompt_length=128: not supported: prompts are kept whole"),
     (dict(no_such_name=1), "'no_such_name' is not supported; the names GRPOConfig takes"),

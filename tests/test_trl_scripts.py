@@ -182,13 +182,30 @@ def check_grpo_sampling(d: dict, out: Path) -> None:
         assert r["reward"] == pytest.approx(mean([1.0 / (1.0 + n) for n in got]), rel=1e-5)
 
 
+def check_grpo_entropy(d: dict, out: Path) -> None:
+    """The adaptive controller with a target above any entropy here: the coefficient rises by delta every optimizer
+    step (0.01 + 0.002 k); step 1 applies no bonus (the controller starts from an infinite entropy), so its loss is
+    its policy loss, later steps subtract coef x entropy; checkpoint-2 holds the controller, and the resumed trainer
+    continues from it (0.016 at step 3, not 0.012 again)."""
+    first, second = d["runs"]
+    assert (first["global_step"], second["global_step"]) == (2, 4)
+    rows = steps(second)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.012, 0.014, 0.016, 0.018], abs=1e-9)
+    assert d["ctrl_at_2"]["entropy_coef"] == pytest.approx(0.014, abs=1e-9)
+    assert 0 < d["ctrl_at_2"]["last_world_entropy"] <= 100
+    assert rows[0]["loss"] == pytest.approx(rows[0]["policy_loss"], abs=2e-4)  # TRL rounds the loss to 4 places
+    for r in rows[1:]:
+        assert r["loss"] < r["policy_loss"] - 1e-3 and r["entropy"] > 0, r
+
+
 CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
           "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
           "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim,
-          "grpo_sampling": check_grpo_sampling}
+          "grpo_sampling": check_grpo_sampling, "grpo_entropy": check_grpo_entropy}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
 SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo",
-        "grpo_sampling"}
+        "grpo_sampling", "grpo_entropy"}
 # 20-40 s each on a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here;
 # grpo_checkpoints trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 

@@ -204,6 +204,24 @@ def _clip_stats(loss_type: str, coef_1, adv, log_ratio, m, eps_low: float, eps_h
             "ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max().detach()}  # 0: no valid token
 
 
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, coef_min: float,
+                          coef_max: float) -> float:
+    """TRL 1.16 GRPO's adaptive entropy controller (``use_adaptive_entropy``), one optimizer step: the coefficient
+    for the next step from ``entropy``, the step's token-weighted mean entropy (over every micro-batch and rank, on
+    the tokens the bonus acts on): ``+ delta`` (capped at ``coef_max``) when it is at or below ``target``, else
+    ``- delta`` (floored at ``coef_min``). The bonus a step applies is :func:`applied_entropy_coef`."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float) -> float:
+    """The entropy bonus's coefficient in an optimizer step under the adaptive controller: ``coef`` when the last
+    step's mean entropy ``last_entropy`` was at or below ``target``, else 0 (TRL: ``last_entropy`` starts at +inf,
+    so the first step applies none)."""
+    return coef if last_entropy <= target else 0.0
+
+
 def rloo_sequence_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
                        num_seqs: Optional[Number] = None) -> Tuple[torch.Tensor, Stats]:
@@ -230,4 +248,4 @@ def rloo_sequence_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advan
 
 
 __all__ = ["LOSS_TYPES", "IS_LEVELS", "high_entropy_mask", "off_policy_mask", "vespo_weights", "grpo_policy_loss",
-           "rloo_sequence_loss"]
+           "adaptive_entropy_coef", "applied_entropy_coef", "rloo_sequence_loss"]

@@ -25,7 +25,7 @@ from refit.learner.ppo.refsync import RefSync, reference_sync, restore_reference
 from refit.learner.ppo.rewards import NamedReward, RewardLog, load_rewards
 from refit.learner.ppo.route import UpdateRoute, choose_route, on_cuda, update_settings
 from refit.learner.ppo.experience import needs_reference
-from refit.learner.ppo.update import KLCoef
+from refit.learner.ppo.update import EntropyCoef, KLCoef
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet
@@ -45,6 +45,7 @@ class StepState:
     """What changes as the run goes, step by step (the checkpoint's state.json keeps what a resume needs)."""
 
     kl: KLCoef  # the KL penalty's coefficient (adaptive: changes every step), its one owner
+    entropy: EntropyCoef  # a TRL loss type's entropy bonus coefficient (adaptive: changes every optimizer step)
     data_position: int = 0  # prompts consumed so far (the next step starts at this one)
     tis_warned: bool = False  # the small-TIS-weights warning is given once per run
     route_told: bool = False  # a step the update route declined (run as score-then-update) is told once per run
@@ -126,7 +127,9 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     cfg = settle_precision(cfg, device, log)  # run.precision, lora.base_dtype, rollout.quantize: auto resolved, one line
     p = prompt_sets(cfg, tok, info)
     cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
-    state = StepState(kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon))
+    state = StepState(kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon),
+                      entropy=EntropyCoef(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta,
+                                          cfg.entropy_coef_min, cfg.entropy_coef_max))
     m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
     rewards = rewards or load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
     if not resume:
@@ -140,7 +143,8 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     dist.wrap(m.policy, m.value_head if m.critic else None)  # [dist] DDP (a no-op for one process)
     side = (connect_engine(cfg, run_dir, engine, m.policy, probe, ck, p.max_len, learner_threads, ref_sync,
                            state.kl.value) if engine is not None else EngineSide())
-    route = choose_route(cfg, update_settings(cfg, state.kl.value, on_cuda(m.policy)), dist.enabled, state.kl.value)
+    route = choose_route(cfg, update_settings(cfg, state.kl.value, on_cuda(m.policy), state.entropy), dist.enabled,
+                         state.kl.value)
     if dist.is_main:
         log(f"refit ppo: update route {route.name} ({route.why})")
     return Run(cfg=cfg, run_dir=run_dir, tok=tok, engine=engine, policy=m.policy, ref=m.ref, value_head=m.value_head,
@@ -199,6 +203,8 @@ def resume_run(cfg: PPOConfig, run_dir: Path, m: Learner, ref_sync: RefSync | No
     ck, saved = resume_latest(run_dir, m.policy, m.value_head, m.optimizer, m.scheduler, log)
     restore_reference(ref_sync, ck)  # sync_ref_model's mixed reference (nothing without one)
     start_step, state.kl.value = saved["step"], saved["kl_coef"]
+    if "entropy_coef" in saved:  # the adaptive entropy controller (a checkpoint before it: the fixed coefficient)
+        state.entropy.value, state.entropy.last_entropy = saved["entropy_coef"], saved["last_world_entropy"]
     state.data_position = saved.get("data_position", start_step * cfg.run.batch_size)
     if engine is not None:
         push_checkpoint(engine, m.policy, saved.get("engine_weights_version"))

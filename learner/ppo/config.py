@@ -151,7 +151,17 @@ class PPOConfig:
     cliprange: float = _f(0.2, "PPO policy ratio clip")
     cliprange_value: float = _f(0.2, "PPO value clip")
     vf_coef: float = _f(0.1, "value loss coefficient")
-    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient (with entropy_target: its starting value)")
+    entropy_target: float | None = _f(
+        None, "adaptive entropy bonus (TRL's use_adaptive_entropy; a TRL loss_type): after every optimizer step the "
+              "coefficient moves by entropy_coef_delta, up when the step's mean entropy is at or below this target, "
+              "down otherwise, and a step applies it only when the step before ended at or below it; None: fixed")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy bonus: the coefficient's step")
+    entropy_coef_min: float = _f(0.0, "adaptive entropy bonus: the coefficient's floor")
+    entropy_coef_max: float = _f(1.0, "adaptive entropy bonus: the coefficient's cap")
+    router_aux_loss_coef: float = _f(0.0, "a Mixture-of-Experts policy's load-balancing loss (the model's own "
+                                          "aux_loss from its router logits) times this, added to a TRL loss_type's "
+                                          "loss (TRL's GRPO / RLOO router_aux_loss_coef); 0: none")
     gamma: float = _f(1.0, "GAE discount")
     lam: float = _f(0.95, "GAE lambda")
     whiten_rewards: bool = _f(False, "whiten per-token rewards before GAE")
@@ -254,19 +264,7 @@ class PPOConfig:
              "ckpt.save_steps must be a multiple of rollout.sync_every (a checkpoint must match the weights the "
              "engine holds)"),
             (self.run.steps < 1, "run.steps must be >= 1"),
-            (self.loss_type != "token" and self.advantage_estimator == "gae",
-             f"loss_type={self.loss_type} is TRL's GRPO / RLOO loss: advantage_estimator grpo or rloo"),
-            (self.loss_type == "rloo" and (self.entropy_coef != 0 or self.kl_penalty == "loss"),
-             "loss_type=rloo is TRL RLOO's loss: no entropy bonus, the KL in the reward (kl_penalty reward)"),
-            (self.loss_type == "rloo" and self.importance_sampling_level != "token",
-             "loss_type=rloo has its own sequence ratio (importance_sampling_level token)"),
-            (self.loss_type == "token" and (self.cliprange_high is not None or self.delta is not None
-                                            or self.importance_sampling_level != "token"
-                                            or self.top_entropy_quantile < 1
-                                            or self.off_policy_mask_threshold is not None),
-             "cliprange_high, delta, importance_sampling_level, top_entropy_quantile and off_policy_mask_threshold "
-             "need a TRL loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo)"),
-            (not 0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
+            *self._trl_loss_rules(),
             (self.delta is not None and self.delta <= 1 + (self.cliprange if self.cliprange_high is None
                                                             else self.cliprange_high),
              "delta must be > 1 + cliprange_high (TRL's two-sided clipping)"),
@@ -304,6 +302,31 @@ class PPOConfig:
              "torch), or run.precision fp32"),
         ])
 
+
+    def _trl_loss_rules(self) -> list[tuple[bool, str]]:
+        """The cross-field rules of TRL's loss settings (loss_type and the fields only its types take)."""
+        return [
+            (self.loss_type != "token" and self.advantage_estimator == "gae",
+             f"loss_type={self.loss_type} is TRL's GRPO / RLOO loss: advantage_estimator grpo or rloo"),
+            (self.loss_type == "rloo" and (self.entropy_coef != 0 or self.kl_penalty == "loss"),
+             "loss_type=rloo is TRL RLOO's loss: no entropy bonus, the KL in the reward (kl_penalty reward)"),
+            (self.loss_type == "rloo" and self.importance_sampling_level != "token",
+             "loss_type=rloo has its own sequence ratio (importance_sampling_level token)"),
+            (self.loss_type == "token" and (self.cliprange_high is not None or self.delta is not None
+                                            or self.importance_sampling_level != "token"
+                                            or self.top_entropy_quantile < 1
+                                            or self.off_policy_mask_threshold is not None),
+             "cliprange_high, delta, importance_sampling_level, top_entropy_quantile and off_policy_mask_threshold "
+             "need a TRL loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo)"),
+            (not 0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
+            (self.entropy_target is not None and self.loss_type in ("token", "rloo"),
+             "entropy_target (the adaptive entropy bonus) needs a GRPO loss_type (grpo, bnpo, dr_grpo, dapo, cispo, "
+             "sapo, luspo, vespo), as TRL's use_adaptive_entropy"),
+            (self.entropy_target is not None and self.entropy_coef_min > self.entropy_coef_max,
+             "entropy_coef_min must be <= entropy_coef_max"),
+            (self.router_aux_loss_coef != 0 and self.loss_type == "token",
+             "router_aux_loss_coef needs a TRL loss_type (grpo, ..., rloo)"),
+        ]
 
 def parse_ppo(argv: list[str] | None) -> tuple[PPOConfig, SimpleNamespace]:
     """``refit ppo``'s flags and YAML, and its policy folder read as a checkpoint (config.json, weights), all

@@ -86,7 +86,7 @@ def _train_step(run: Run, step: int, log=print) -> dict[str, float]:
         exp, kl.value = run.dist.share((None, kl.value))
         with neftune(run.policy, cfg.optim.neftune_noise_alpha):  # NEFTune in the training forwards (else no-op)
             distributed_ppo_update(run.dist, run.policy, run.value_head, run.optimizer, run.scheduler, exp,
-                                   update_settings(cfg, kl.value, on_cuda(run.policy)), update_gen,
+                                   update_settings(cfg, kl.value, on_cuda(run.policy), run.state.entropy), update_gen,
                                    ref_model=run.ref)
         return {}
     timings = {}
@@ -123,7 +123,8 @@ def learn_phase(run: Run, step: int, rollout: RolloutBatch, scores: torch.Tensor
     the batch, and the PPO update; (experience stats, update stats). A step the route declines (a batch over one
     forward's rows for the single pass) runs as score-then-update, told once."""
     kl = run.state.kl.value
-    settings = replace(update_settings(run.cfg, kl, on_cuda(run.policy)), micro_rows=micro_rows(run, rollout))
+    settings = replace(update_settings(run.cfg, kl, on_cuda(run.policy), run.state.entropy),
+                       micro_rows=micro_rows(run, rollout))
     route, declined = run.route, run.route.declines(settings, rollout.num_rows, kl)
     if declined is not None:
         route = ScoreThenUpdate(declined)
@@ -191,7 +192,7 @@ def save(run: Run, step: int) -> Path:
     if run.ref_sync is not None:
         files[REFERENCE_FILE] = run.ref_sync.state()
     state = {"kl_coef": run.state.kl.value, "data_position": run.state.data_position,
-             "engine_weights_version": run.engine.weights_version}
+             "engine_weights_version": run.engine.weights_version, **run.state.entropy.state()}
     return save_checkpoint(run.run_dir, step, run.policy, run.tok, run.value_head, run.optimizer, run.scheduler,
                            state, run.cfg.ckpt.keep_checkpoints, files=files)
 

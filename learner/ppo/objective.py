@@ -31,18 +31,23 @@ class Norm:
     scale: int  # gradient_accumulation_steps x ranks (TRL's per-slice means are divided by it)
 
 
-def trl_objective(logprobs: torch.Tensor, entropy: torch.Tensor, exp, idx, norm: Norm, s, kl: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, dict]:
+def trl_objective(logprobs: torch.Tensor, entropy: torch.Tensor, exp, idx, norm: Norm, s, kl: torch.Tensor | None,
+                  aux_loss: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss and stats of rows ``idx`` of ``exp`` (an Experience) under ``s`` (UpdateSettings), from their
-    current log-probs and entropies (B, Tr) and the per-token KL to the reference (None: no KL term)."""
+    current log-probs and entropies (B, Tr), the per-token KL to the reference (None: no KL term) and the MoE
+    policy's load-balancing loss of these rows (None: none; added at ``s.router_aux_loss_coef`` / TRL's
+    accumulation normaliser, as TRL adds it)."""
     dev = logprobs.device
     g = lambda t: None if t is None else t[idx].to(dev)  # noqa: E731
     mask, old = g(exp.mask), g(exp.old_logprobs)
     adv = g(exp.advantages)[:, :1]  # (B, 1): the row's advantage (every token of a row holds it; TRL's shape)
     logged = {"entropy": L.token_mean(entropy.detach(), mask, norm.tokens).detach()}
+    if aux_loss is not None:
+        logged["aux_loss"] = aux_loss.detach()
+    aux = 0.0 if aux_loss is None else s.router_aux_loss_coef * aux_loss / norm.scale
     if s.loss_type == "rloo":
         loss, stats = L.rloo_sequence_loss(logprobs, old, adv, mask, s.cliprange, s.cliprange_high, norm.seqs)
-        return loss, {**stats, **logged}
+        return loss + aux, {**stats, **logged, "loss": (loss + aux).detach()}
     weights = None
     if s.off_policy_mask_threshold is not None:  # TRL without vLLM: the sampling log-probs are the old ones
         weights = L.off_policy_mask(adv, logprobs, old, mask, s.off_policy_mask_threshold)
@@ -59,14 +64,19 @@ def trl_objective(logprobs: torch.Tensor, entropy: torch.Tensor, exp, idx, norm:
         num_tokens=norm.micro_tokens if s.loss_type == "bnpo" else norm.dapo_tokens, num_seqs=norm.seqs,
         max_completion_length=s.max_completion_length, token_weights=weights, is_weights=g(exp.is_weights),
         kl=kl, beta=s.kl_coef if kl is not None else 0.0, kl_bias_correction=s.kl_bias_correction,
-        entropies=entropy, entropy_coef=s.entropy_coef, entropy_mask=ent_mask, num_entropy_tokens=n_ent,
+        entropies=entropy, entropy_coef=s.entropy_ctrl.applied() if s.entropy_ctrl is not None else s.entropy_coef,
+        entropy_mask=ent_mask, num_entropy_tokens=n_ent,
         sapo_temperatures=tuple(s.sapo_temperatures), vespo_params=tuple(s.vespo_params))
+    if s.entropy_ctrl is not None and s.entropy_ctrl.adaptive:  # the step's entropy on the tokens the bonus acts on
+        eff = mask if ent_mask is None else mask * ent_mask.to(mask.dtype)
+        stats["entropy_window_sum"] = (entropy.detach() * eff).sum()
+        stats["entropy_window_tokens"] = eff.sum()
     if ent_mask is not None:
         stats["entropy_mask_frac"] = L.masked_mean(ent_mask.to(mask.dtype), mask).detach()
     if s.off_policy_mask_threshold is not None:
         stats["off_policy_kept_frac"] = weights.mean().detach() if ent_mask is None else L.off_policy_mask(
             adv, logprobs, old, mask, s.off_policy_mask_threshold).mean().detach()
-    return loss, {**stats, **logged}
+    return loss + aux, {**stats, **logged, "loss": (loss + aux).detach()}  # TRL's logged loss: every term
 
 
 def slice_norms(s, exp, mine: torch.Tensor, micro: int, ranks: int, n_tokens: torch.Tensor, mb_rows: int

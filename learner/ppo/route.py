@@ -33,7 +33,7 @@ import torch
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable_loss
 from refit.learner.ppo.experience import make_experience, needs_reference, score_chunks
-from refit.learner.ppo.update import Experience, UpdateSettings, distributed_ppo_update, policy_forward
+from refit.learner.ppo.update import EntropyCoef, Experience, UpdateSettings, distributed_ppo_update, policy_forward
 from refit.learner.run.lora import adapter_dropout
 from refit.learner.run.precision import mixed_bf16
 from refit.learner.run.policy import ForwardOut, vocab_size
@@ -134,8 +134,10 @@ def on_cuda(model: torch.nn.Module) -> bool:
     return next(model.parameters()).is_cuda
 
 
-def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSettings:
-    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``; bf16 autocast as ``cfg`` resolved it
+def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool, entropy: EntropyCoef | None = None
+                    ) -> UpdateSettings:
+    """The update's knobs from ``cfg``, at the current (adaptive) ``kl_coef``, with the run's entropy coefficient
+    (``entropy``, its owner; None: ``cfg.entropy_coef`` fixed); bf16 autocast as ``cfg`` resolved it
     (refit.learner.run.precision)."""
     return UpdateSettings(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
                           gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
@@ -150,7 +152,9 @@ def update_settings(cfg: PPOConfig, kl_coef: float, on_cuda: bool) -> UpdateSett
                           off_policy_mask_threshold=cfg.off_policy_mask_threshold,
                           kl_bias_correction=cfg.kl_bias_correction, max_completion_length=cfg.response_length,
                           sapo_temperatures=tuple(cfg.sapo_temperatures), vespo_params=tuple(cfg.vespo_params),
-                          minibatch_order=cfg.minibatch_order)
+                          minibatch_order=cfg.minibatch_order,
+                          entropy_ctrl=entropy if cfg.loss_type not in ("token", "rloo") else None,
+                          router_aux_loss_coef=cfg.router_aux_loss_coef)
 
 
 def one_pass_blockers(cfg, s: UpdateSettings, distributed: bool) -> list[str]:
@@ -159,6 +163,7 @@ def one_pass_blockers(cfg, s: UpdateSettings, distributed: bool) -> list[str]:
         (not cfg.single_pass, "single_pass false"),
         (s.num_ppo_epochs != 1, f"{s.num_ppo_epochs} PPO epochs"),  # later passes need the pre-update log-probs
         (s.num_mini_batches != 1, f"{s.num_mini_batches} minibatches"),
+        (bool(s.router_aux_loss_coef), "router_aux_loss_coef (the update's forward returns the router logits)"),
         (distributed, "torchrun (rank 0 scores rows that other ranks update)"),
         (cfg.lora.dropout > 0, f"LoRA dropout {cfg.lora.dropout:g} (the old log-probs have none)")) if bad]
 

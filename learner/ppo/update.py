@@ -6,6 +6,7 @@ minibatches and micro-batches normalised by the minibatch's tokens, the value lo
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,8 @@ class UpdateSettings:
     sapo_temperatures: tuple = (1.0, 1.05)
     vespo_params: tuple = (2.0, 3.0, 3.0, 2.0)
     minibatch_order: str = "reshuffle"  # or 'replay': one shuffle for every epoch (TRL's num_iterations)
+    entropy_ctrl: EntropyCoef | None = None  # a TRL loss type's entropy bonus coefficient (adaptive: moves per step)
+    router_aux_loss_coef: float = 0.0  # a TRL loss type: the MoE policy's load-balancing loss times this
 
 
 @dataclass
@@ -80,6 +83,38 @@ class KLCoef:
         """After a step on ``rows`` sequences whose mean summed k1 KL was ``kl_per_sequence``."""
         if self.target is not None:
             self.value = L.adaptive_kl_update(self.value, kl_per_sequence, self.target, self.horizon, rows)
+
+
+@dataclass
+class EntropyCoef:
+    """The entropy bonus's coefficient for TRL's loss types, its one owner: ``cfg.entropy_coef``; with a ``target``
+    (TRL's ``use_adaptive_entropy``) moved after every optimizer step from that step's mean entropy
+    (:func:`refit.learner.losses.adaptive_entropy_coef`) and applied only after a step at or below the target.
+    :func:`ppo_update` moves it; the checkpoint's state keeps it (``state()``)."""
+
+    value: float
+    target: float | None = None  # None: the coefficient stays ``value``
+    delta: float = 0.005
+    lo: float = 0.0
+    hi: float = 1.0
+    last_entropy: float = math.inf  # the last optimizer step's mean entropy (TRL's _last_world_entropy)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    def applied(self) -> float:
+        """The coefficient the current optimizer step's micro-batches apply."""
+        return L.applied_entropy_coef(self.value, self.last_entropy, self.target) if self.adaptive else self.value
+
+    def after_optimizer_step(self, entropy: float) -> None:
+        """The step's token-weighted mean entropy (every micro-batch, every rank) moves the coefficient."""
+        if self.adaptive:
+            self.value = L.adaptive_entropy_coef(self.value, entropy, self.target, self.delta, self.lo, self.hi)
+            self.last_entropy = entropy
+
+    def state(self) -> dict[str, float]:
+        return {"entropy_coef": self.value, "last_world_entropy": self.last_entropy}
 
 
 def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -> bool:
@@ -125,7 +160,8 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
     args = (exp.prompt_ids[idx], exp.prompt_mask[idx], exp.response_ids[idx], _is_s2s(model), exp.temperature)
     if out is None:
         with ctx:
-            out = response_forward(model, *args, value_head if s.use_critic else None)
+            out = response_forward(model, *args, value_head if s.use_critic else None,
+                                   router_aux=exp.mask[idx] if s.router_aux_loss_coef else None)
     dev = out.logits.device
     ref_logits = None
     if kl_term_on(s) and s.kl_estimator == "exact":
@@ -158,7 +194,7 @@ def micro_objective(out: ForwardOut, st: L.TokenStats, exp: Experience, idx, n_t
         if kl_term_on(s):
             kl = st.exact_kl if s.kl_estimator == "exact" else kl_loss_term(logprobs, g(exp.ref_logprobs),
                                                                             s.kl_estimator)
-        return trl_objective(logprobs, st.entropy, exp, idx, n_tokens, s, kl)
+        return trl_objective(logprobs, st.entropy, exp, idx, n_tokens, s, kl, out.aux_loss)
     pg, pstats = L.ppo_policy_loss(logprobs, g(exp.old_logprobs), g(exp.advantages), mask, s.cliprange,
                                    is_weights=g(exp.is_weights), num_tokens=n_tokens)
     ent = L.token_mean(st.entropy, mask, n_tokens)
@@ -227,8 +263,9 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
             optimizer.zero_grad(set_to_none=True)
             mb: dict[str, list[float]] = {}  # one value per micro-batch
             # each micro-batch in forwards of at most s.micro_rows rows (memory; the loss is a sum over tokens);
-            # never cut with the entropy mask (its quantile is over TRL's whole micro-batch)
-            whole = forward is not None or not s.micro_rows or s.top_entropy_quantile < 1
+            # never cut with the entropy mask (its quantile is over TRL's whole micro-batch) or the router loss
+            whole = (forward is not None or not s.micro_rows or s.top_entropy_quantile < 1
+                     or bool(s.router_aux_loss_coef))  # TRL's load-balancing loss is the whole micro-batch's
             per = micro if whole else min(micro, s.micro_rows)
             norms = (slice_norms(s, exp, mine, micro, k, n_tokens, mb_size) if s.loss_type != "token"
                      else [n_tokens] * s.gradient_accumulation_steps)
@@ -241,6 +278,7 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
                     (loss * k).backward()
                 for key, v in stats.items():
                     mb.setdefault(key, []).append(float(v))
+            _move_entropy_coef(s.entropy_ctrl, mb, shard, acc)
             for key, v in mb.items():
                 acc.setdefault(key, []).append(_combine(key, v, over_micro_batches=True))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
@@ -250,8 +288,21 @@ def ppo_update(model, value_head, optimizer, scheduler, exp: Experience, s: Upda
     return {key: _combine(key, v) for key, v in acc.items()}
 
 
+def _move_entropy_coef(ctrl: EntropyCoef | None, mb: dict[str, list[float]], shard, acc) -> None:
+    """After an optimizer step's micro-batches: the adaptive entropy coefficient moved by the step's mean entropy
+    (the micro-batches' window sums ``mb`` takes them out of, all-reduced over ranks), its value logged."""
+    if ctrl is None or not (ctrl.adaptive or ctrl.value):  # no bonus: nothing to move or log (as TRL)
+        return
+    if ctrl.adaptive:
+        window = torch.tensor([sum(mb.pop(ENTROPY_WINDOW[0])), sum(mb.pop(ENTROPY_WINDOW[1]))], dtype=torch.float64)
+        window = shard.all_reduce(window) if shard is not None else window
+        ctrl.after_optimizer_step(float(window[0] / window[1].clamp(min=1.0)))
+    acc.setdefault("entropy_coef", []).append(ctrl.value)
+
+
 # partial sums over the minibatch (its token count, or TRL's normalisers)
-TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss", "entropy_bonus")
+TOKEN_SUM_STATS = ("pg_loss", "vf_loss", "entropy", "kl_loss", "entropy_bonus", "loss")
+ENTROPY_WINDOW = ("entropy_window_sum", "entropy_window_tokens")  # an optimizer step's entropy, for EntropyCoef
 MAX_STATS = ("ratio_max",)
 
 

@@ -42,6 +42,7 @@ def hidden_size(model) -> int:
 class ForwardOut:
     logits: torch.Tensor  # (B, Tr, V) float32, already divided by temperature
     values: torch.Tensor | None  # (B, Tr) value of the state before each response token
+    aux_loss: torch.Tensor | None = None  # a Mixture-of-Experts model's load-balancing loss (router_aux)
 
 
 def _unwrap(model):
@@ -53,8 +54,13 @@ def _unwrap(model):
 
 def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      is_seq2seq: bool, temperature: float = 1.0, value_head: ValueHead | None = None,
-                     ) -> ForwardOut:
-    """Logits (and values) at every response position, with the engine's padding and positions."""
+                     router_aux: torch.Tensor | None = None) -> ForwardOut:
+    """Logits (and values) at every response position, with the engine's padding and positions.
+
+    ``router_aux`` (B, Tr), the response's loss mask, for a decoder-only Mixture-of-Experts model: its
+    load-balancing loss too (``output_router_logits``), over the prompt's and these response tokens (the attention
+    mask TRL's GRPO passes; the logits of the tokens in the loss are the same either way: the masked ones follow
+    them)."""
     dev = next(model.parameters()).device
     prompt_ids, prompt_mask, response_ids = prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev)
     want_hidden = value_head is not None
@@ -67,18 +73,23 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     else:
         tp = prompt_ids.shape[1]
         ids = torch.cat([prompt_ids, response_ids], 1)
-        mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
+        resp = torch.ones_like(response_ids) if router_aux is None else (router_aux.to(dev) != 0).to(prompt_mask.dtype)
+        mask = torch.cat([prompt_mask, resp], 1)
         # logits at the tr positions that predict the response only (the prompt's would be (B, Tp, V) of nothing
         # used), kept by index: HF gathers those hidden states into a contiguous block, so the output layer and its
         # backward are one matrix multiply each (a trailing slice of a longer sequence multiplies batch by batch)
         kept = torch.arange(tp - 1, tp - 1 + tr, device=dev)
+        extra = {"logits_to_keep": kept} if _keeps_logits(model) else {}
+        if router_aux is not None:
+            extra["output_router_logits"] = True
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                    output_hidden_states=want_hidden, **({"logits_to_keep": kept} if _keeps_logits(model) else {}))
+                    output_hidden_states=want_hidden, **extra)
         logits = out.logits if out.logits.shape[1] == tr else out.logits[:, tp - 1: tp - 1 + tr]
         hidden = out.hidden_states[-1][:, tp - 1: tp - 1 + tr] if want_hidden else None
     values = value_head(hidden) if (value_head is not None and hidden is not None) else None
     logits = logits.float()  # no copy for an fp32 model; a (B, Tr, V) copy only to divide by a temperature
-    return ForwardOut(logits=logits / temperature if temperature != 1.0 else logits, values=values)
+    return ForwardOut(logits=logits / temperature if temperature != 1.0 else logits, values=values,
+                      aux_loss=getattr(out, "aux_loss", None) if router_aux is not None else None)
 
 
 def vocab_size(model) -> int:

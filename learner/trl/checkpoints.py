@@ -12,6 +12,9 @@ with N = ``state.global_step`` (optimizer steps, TRL's count; S x the optimizer 
                     optimizer.pt, scheduler.pt, rng_state.pth                   TRL's formats, from step_S/trainer.pt
                                                                                 (not with save_only_model)
                     training_args.bin                                           torch.save of the config object
+                    entropy_ctrl_state.json                                     use_adaptive_entropy: the
+                                                                                controller's coefficient and
+                                                                                last entropy, as GRPOTrainer
                     refit_checkpoint.json                                       {"step": S, "path": ...}: the
                                                                                 Refit checkpoint it shows
 
@@ -38,6 +41,7 @@ from refit.core.integrity import atomic_folder
 PREFIX = "checkpoint-"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR-N
 STATE, POINTER = "trainer_state.json", "refit_checkpoint.json"
+ENTROPY_CTRL = "entropy_ctrl_state.json"  # TRL GRPO's use_adaptive_entropy state
 TRL_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth")  # transformers' OPTIMIZER_NAME, SCHEDULER_NAME, RNG
 
 
@@ -103,6 +107,9 @@ def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = Tru
         save_args(args, tmp / "training_args.bin")
         state.save_to_json(str(tmp / STATE))
         (tmp / POINTER).write_text(json.dumps({"step": step, "path": str(source.relative_to(run_dir))}))
+        if getattr(args, "use_adaptive_entropy", False):  # GRPOTrainer's controller file (Refit's state holds it)
+            saved = json.loads((source / "state.json").read_text())
+            (tmp / ENTROPY_CTRL).write_text(json.dumps({k: saved[k] for k in ("entropy_coef", "last_world_entropy")}))
     for old in views(run_dir):  # save_total_limit: Refit rotated its checkpoints; the views follow
         if not refit_checkpoint(run_dir, _pointed_step(old)).is_dir():
             shutil.rmtree(old, ignore_errors=True)

@@ -57,6 +57,13 @@ def grpo_row(m: dict, kl_coef: float, kl_in_loss: bool) -> dict[str, float]:
     kl = m.get("ppo/kl_loss") if kl_in_loss else m.get("kl/k1")
     if "ppo/pg_loss" in m:
         row["loss"] = m["ppo/pg_loss"] + (kl_coef * kl if kl_in_loss and kl is not None else 0.0)
+        if "ppo/entropy_coef" in m:  # the entropy bonus is on: TRL's policy_loss leaves it (and the aux loss) out
+            row["policy_loss"] = row["loss"]
+    if "ppo/loss" in m:  # every term of the loss, as TRL logs it (the entropy bonus, the router loss)
+        row["loss"] = m["ppo/loss"]
+    for name in ("entropy_coef", "aux_loss"):
+        if f"ppo/{name}" in m:
+            row[name] = m[f"ppo/{name}"]
     if kl_coef and kl is not None:
         row["kl"] = kl
     return row

@@ -165,8 +165,12 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "neftune_noise_alpha": _h(None, "optim.neftune_noise_alpha: uniform noise of alpha / sqrt(L * d) on the input "
                                     "embeddings in the learner's training forwards (transformers' NEFTune hook); not "
                                     "in the engine's sampling, the probe or a separate reference"),
-    "optim_args": _r(None, "torch's AdamW with the optim.* settings"),
-    "optim_target_modules": _r(None, "every trainable parameter is optimised (peft_config: the adapter)"),
+    "optim_args": _a(None, "transformers reads it only for other optimizers (AdEMAMix, AnyPrecisionAdamW, SGD, "
+                           "GaLore, ...); for adamw_torch / adamw_torch_fused, the two optim Refit takes, it changes "
+                           "nothing in transformers either"),
+    "optim_target_modules": _a(None, "transformers reads it only for GaLore / APOLLO optimizers; for adamw_torch / "
+                                     "adamw_torch_fused every trainable parameter is optimised, in transformers as "
+                                     "in Refit"),
     "restore_callback_states_from_checkpoint": _r(False, "callbacks start afresh on resume"),
 }
 
@@ -238,7 +242,9 @@ GRPO_ARGS: dict[str, TrlField] = {
     "ref_model_mixup_alpha": _h(0.6, "ref_model_mixup_alpha (with sync_ref_model)"),
     "ref_model_sync_steps": _h(512, "ref_model_sync_steps (with sync_ref_model; a multiple of the optimizer steps "
                                     "per generation)"),
-    "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
+    "router_aux_loss_coef": _h(None, "router_aux_loss_coef: a Mixture-of-Experts policy's load-balancing loss "
+                                     "(its aux_loss) times this / the accumulation steps, added to the loss; None: "
+                                     "its config's own coefficient (TRL's default), 0 for a dense model"),
     "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
     "use_vllm": _r(False, _GEN),
     "mask_truncated_completions": _h(False, "mask_truncated_completions: rows without a stop token out of the loss "
@@ -256,15 +262,17 @@ GRPO_ARGS: dict[str, TrlField] = {
                                                             "its group, weighted sum, batch-normalised)"),
     "num_generations_eval": _h(None, "num_generations_eval: N sampled completions per held-out prompt (None: "
                                      "Refit's one greedy completion, where TRL samples num_generations)"),
-    "vllm_importance_sampling_correction": _r(True, "the engine's mismatch is checked every push (probe_tol); "
-                                                    "refit={'mismatch_correction': 'tis'} corrects it"),
+    "vllm_importance_sampling_correction": _a(True, _NO_VLLM + " (without vLLM TRL corrects nothing); the "
+                                                    "engine's mismatch is checked every push (probe_tol) and "
+                                                    "corrected by Refit's mismatch_correction"),
     "max_prompt_length": _r(None, "not supported: prompts are kept whole (a prompt too long for the model is refused)"),
     "use_bias_correction_kl": _h(True, "kl_bias_correction: the k3 term times the importance ratio"),
     "entropy_coef": _h(0.0, "entropy_coef: minus coef x the mean entropy of each accumulation slice's (masked) "
                             "tokens, as TRL"),
-    "use_adaptive_entropy": _r(False, "not built: the coefficient stays entropy_coef (Refit does not carry TRL's "
-                                      "step-to-step entropy controller or its checkpointed state)"),
-    **{k: _a(d, "only with use_adaptive_entropy, which is refused") for k, d in (
+    "use_adaptive_entropy": _h(False, "entropy_target (set from TRL's): the coefficient starts at entropy_coef, "
+                                      "moves after every optimizer step and applies after a step at or below the "
+                                      "target, as TRL's controller; its state is in each checkpoint"),
+    **{k: _h(d, f"{k} (with use_adaptive_entropy)") for k, d in (
         ("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0), ("entropy_coef_delta", 0.005), ("entropy_target", 0.2))},
     **{k: _h(d, "sapo_temperatures (positive, negative) of loss_type sapo") for k, d in (
         ("sapo_temperature_neg", 1.05), ("sapo_temperature_pos", 1.0))},
@@ -375,7 +383,8 @@ GKD_ARGS: dict[str, TrlField] = {
     "loss_type": _a("nll", "GKD's loss is the generalised JSD (beta), as in TRL"),
     "pad_to_multiple_of": _a("auto", _NO_EFFECT),
     "disable_dropout": _a(True, "Refit's student trains without dropout"),
-    "router_aux_loss_coef": _r(None, "not supported (no router auxiliary loss)"),
+    "router_aux_loss_coef": _a(None, "TRL 1.16's GKDTrainer replaces SFTTrainer's compute_loss with its JSD on "
+                                     "the logits and never adds the load-balancing loss: no effect in TRL either"),
     "chat_template_path": _r(None, "the tokenizer's own chat template"),
     "eos_token": _r(None, "the tokenizer's EOS (and end-of-turn) tokens end a completion"),
     "pad_token": _r(None, "the tokenizer's pad token"),

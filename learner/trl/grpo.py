@@ -33,7 +33,8 @@ with ``eval_strategy='steps'``, and at the last step always, which ``evaluate()`
 
 The loss is TRL 1.16's, computed as its trainers compute it (:mod:`refit.learner.losses.grpo`): every GRPO
 ``loss_type`` with its normaliser, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
-``top_entropy_quantile``, ``off_policy_mask_threshold``, ``entropy_coef``, ``use_bias_correction_kl``; RLOO's
+``top_entropy_quantile``, ``off_policy_mask_threshold``, ``entropy_coef`` (with ``use_adaptive_entropy``, TRL's
+controller, checkpointed), ``use_bias_correction_kl``, a Mixture-of-Experts policy's ``router_aux_loss_coef``; RLOO's
 ratio of summed log-probs averaged over sequences, with ``normalize_advantages`` and ``reward_clip_range``;
 ``mask_truncated_completions`` for both; the generation shuffled once and replayed ``num_iterations`` times in that
 order, as TRL's buffer does.
@@ -154,11 +155,31 @@ def loss_values(a: GRPOConfig) -> dict[str, Any]:
             "importance_sampling_level": a.importance_sampling_level,
             "top_entropy_quantile": float(a.top_entropy_quantile),
             "off_policy_mask_threshold": a.off_policy_mask_threshold, "entropy_coef": float(a.entropy_coef),
+            **({"entropy_target": float(a.entropy_target), "entropy_coef_delta": float(a.entropy_coef_delta),
+                "entropy_coef_min": float(a.entropy_coef_min), "entropy_coef_max": float(a.entropy_coef_max)}
+               if a.use_adaptive_entropy else {}),
             "multi_objective_aggregation": a.multi_objective_aggregation,
             "kl_bias_correction": bool(a.use_bias_correction_kl),
             "sapo_temperatures": (float(a.sapo_temperature_pos), float(a.sapo_temperature_neg)),
             "vespo_params": (float(a.vespo_k_pos), float(a.vespo_lambda_pos), float(a.vespo_k_neg),
                              float(a.vespo_lambda_neg))}
+
+
+def router_aux_value(a: GRPOConfig, model_dir: str) -> dict[str, float]:
+    """TRL 1.16's MoE load-balancing loss weight: ``router_aux_loss_coef``, or when None the architecture's own
+    (its config's ``router_aux_loss_coef``) for a model whose config has ``output_router_logits`` (a
+    Mixture-of-Experts one, where TRL adds it by default); 0 for any other model, where setting it is refused."""
+    from transformers import AutoConfig
+
+    if not (Path(model_dir) / "config.json").is_file():  # no model folder here: the run refuses it when it loads
+        return {"router_aux_loss_coef": float(a.router_aux_loss_coef or 0.0)}
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    moe = hasattr(text, "output_router_logits")
+    if a.router_aux_loss_coef and not moe:
+        raise RefitError(f"router_aux_loss_coef={a.router_aux_loss_coef}: {type(text).__name__} is not a "
+                         "Mixture-of-Experts model that returns its router logits: there is no auxiliary loss to weight")
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if a.router_aux_loss_coef is None else a.router_aux_loss_coef
+    return {"router_aux_loss_coef": float(coef or 0.0) if moe else 0.0}
 
 
 def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None, reward_specs: tuple = (),
@@ -178,7 +199,7 @@ def to_ppo_config(a: GRPOConfig, model_dir: str, num_prompts: int | None = None,
         "num_mini_batches": shape["num_mini_batches"],
         **generation_values(a, "response_length", a.max_completion_length),
         "kl_coef": a.beta, "kl_penalty": a.KL[0], "kl_estimator": a.KL[1], "cliprange": a.epsilon,
-        **loss_values(a),
+        **loss_values(a), **router_aux_value(a, model_dir),
         "reward_weights": tuple(float(w) for w in a.reward_weights or ()), "reward_funcs": tuple(reward_specs),
         "sync_ref_model": bool(a.sync_ref_model), "ref_model_mixup_alpha": a.ref_model_mixup_alpha,
         "ref_model_sync_steps": a.ref_model_sync_steps, "num_generations_eval": a.num_generations_eval or 0,
