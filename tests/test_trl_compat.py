@@ -599,3 +599,14 @@ def test_grpo_eval_dataset_eval_steps_and_evaluate(chat_model_dir, chat_engine_d
     out = trainer.evaluate()
     assert out == {k: v for k, v in evals[-1].items() if k != "step"} and rec.events[-1] == ("evaluate", 4)
     assert trainer.state.log_history[-1]["eval_reward"] == out["eval_reward"]
+
+
+@pytest.mark.parametrize("kw", [dict(tools=[len]), dict(rollout_func=len), dict(environment_factory=len),
+                                dict(quantization_config=object()), dict(optimizers=(object(), None)),
+                                dict(reward_processing_classes=object())])
+def test_grpo_trainer_arguments_refit_does_not_build_are_one_line(kw, tmp_path):
+    """TRL 1.16's GRPOTrainer arguments beyond the config: each one Refit does not build is one line, before any work."""
+    from refit.learner.trl import GRPOTrainer
+
+    with pytest.raises(RefitError, match=f"GRPOTrainer: {next(iter(kw))} is not supported \\(Refit: "):
+        GRPOTrainer(model="m", reward_funcs=len, args=GRPOConfig(output_dir=str(tmp_path)), train_dataset=[], **kw)

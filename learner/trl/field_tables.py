@@ -245,7 +245,8 @@ GRPO_ARGS: dict[str, TrlField] = {
     "router_aux_loss_coef": _h(None, "router_aux_loss_coef: a Mixture-of-Experts policy's load-balancing loss "
                                      "(its aux_loss) times this / the accumulation steps, added to the loss; None: "
                                      "its config's own coefficient (TRL's default), 0 for a dense model"),
-    "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
+    "max_tool_calling_iterations": _a(None, "only with the trainer's tools=[...], which Refit refuses (no tool "
+                                            "calls)"),
     "use_vllm": _r(False, _GEN),
     "mask_truncated_completions": _h(False, "mask_truncated_completions: rows without a stop token out of the loss "
                                              "(still in their group's baseline)"),
@@ -346,7 +347,8 @@ DISTILLATION_ARGS: dict[str, TrlField] = {
                                             "temperature, as TRL)"),
     "min_p": _h(None, _MIN_P),
     "repetition_penalty": _h(1.0, _REP),
-    "max_tool_calling_iterations": _r(None, "not supported: no tool calls"),
+    "max_tool_calling_iterations": _a(None, "only with the trainer's tools=[...], which Refit refuses (no tool "
+                                            "calls)"),
 }
 
 GKD_ARGS: dict[str, TrlField] = {

@@ -219,12 +219,19 @@ class GRPOTrainer(TrainerFace):
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None):
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         name = type(self).__name__
         for what, v, ok, note in (("reward_processing_classes", reward_processing_classes, None,
                                    "a classifier folder's own tokenizer"),
                                   ("optimizers", tuple(optimizers or (None, None)), (None, None),
-                                   "AdamW with optim.* settings")):
+                                   "AdamW with optim.* settings"),
+                                  ("quantization_config", quantization_config, None,
+                                   "bitsandbytes is CUDA's; a LoRA base is held in fp32 or bf16 (model_init_kwargs "
+                                   "dtype) and the engine's base in int8 (rollout.quantize)"),
+                                  *((k, v, None, "generation is one engine pass per prompt, without tool calls, "
+                                                 "environments or a custom rollout function")
+                                    for k, v in (("tools", tools), ("rollout_func", rollout_func),
+                                                 ("environment_factory", environment_factory)))):
             if v != ok:
                 raise RefitError(f"{name}: {what} is not supported (Refit: {note})")
         if args is None:
