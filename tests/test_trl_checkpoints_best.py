@@ -46,7 +46,7 @@ def _dataset(n: int):
 
 
 def _same(completions, **kwargs):
-    return [0.0 for _ in completions]  # every evaluation scores alike: EarlyStoppingCallback counts each after the first
+    return [0.0 for _ in completions]  # each evaluation alike: EarlyStoppingCallback counts each after the first
 
 
 def _peak(completions, trainer_state, **kwargs):
@@ -78,7 +78,8 @@ def test_callback_states_survive_a_resume_with_the_flag_as_transformers_restores
     first.train()
     saved = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
     assert saved["Counter"] == {"args": {"every": 3}, "attributes": {"seen": 2}}
-    assert saved["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 1}  # the second did not improve
+    stopper = saved["EarlyStoppingCallback"]["attributes"]
+    assert stopper == {"early_stopping_patience_counter": 1}  # the second evaluation did not improve
     assert set(saved["TrainerControl"]["args"]) >= {"should_save", "should_training_stop"}
 
     # the reference: transformers' own restore of that trainer_state.json into fresh callbacks
@@ -175,9 +176,8 @@ def test_settings_and_a_metric_not_logged_are_one_line():
     with pytest.raises(RefitError, match="save_steps to be a multiple of eval_steps"):
         GRPOConfig(output_dir="o", load_best_model_at_end=True, metric_for_best_model="reward", eval_strategy="steps",
                    eval_steps=3, save_steps=4)
-    a = GRPOConfig(output_dir="o", metric_for_best_model="eval_kl_to_teacher")
-    assert a.greater_is_better is True and GRPOConfig(output_dir="o", metric_for_best_model="x_loss").greater_is_better \
-        is False
+    assert GRPOConfig(output_dir="o", metric_for_best_model="eval_kl_to_teacher").greater_is_better is True
+    assert GRPOConfig(output_dir="o", metric_for_best_model="x_loss").greater_is_better is False
     with pytest.raises(RefitError, match=r"metric_for_best_model='rewards': eval_rewards is not among the "
                                          r"evaluation's metrics \(eval_reward, eval_reward_std\)"):
         track(TrainerState(), GRPOConfig(output_dir="o", metric_for_best_model="rewards"),

@@ -63,8 +63,8 @@ def settle(a) -> None:
     if a.eval_strategy != a.save_strategy:
         raise RefitError(f"{name}: load_best_model_at_end needs eval_strategy and save_strategy to match (as "
                          f"transformers), got eval_strategy={a.eval_strategy!r}, save_strategy={a.save_strategy!r}")
-    every = a.logging_steps if a.eval_steps is None else a.eval_steps
-    if a.eval_strategy == "steps" and a.save_steps % every:
+    every = a.eval_steps or a.logging_steps  # transformers: None or 0 falls back to logging_steps
+    if a.eval_strategy == "steps" and every and a.save_steps % every:
         mixed = (every < 1) != (a.save_steps < 1)
         if mixed or round(a.save_steps * 1_000_000) % round(every * 1_000_000):
             raise RefitError(f"{name}: load_best_model_at_end needs save_steps to be a multiple of eval_steps (as "

@@ -168,8 +168,8 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "auto_find_batch_size": _r(False, "the batch is as configured; one that cannot fit is refused before the run"),
     "load_best_model_at_end": _h(False, "at the end of train() OUTPUT_DIR/final (the model train() returns and "
                                         "save_model writes) gets best_model_checkpoint's weights and final_engine is "
-                                        "exported again from it; eval and save strategies must match (as transformers); "
-                                        "refused with peft_config"),
+                                        "exported again from it; eval and save strategies must match (as "
+                                        "transformers); refused with peft_config"),
     "neftune_noise_alpha": _h(None, "optim.neftune_noise_alpha: uniform noise of alpha / sqrt(L * d) on the input "
                                     "embeddings in the learner's training forwards (transformers' NEFTune hook); not "
                                     "in the engine's sampling, the probe or a separate reference"),
