@@ -170,8 +170,8 @@ def resume_point(run_dir: Path, resume_from_checkpoint: bool | str) -> tuple[Pat
     step = _pointed_step(view)
     if not (refit_checkpoint(run_dir, step) / "state.json").is_file():
         raise RefitError(f"resume_from_checkpoint: {view} names no Refit checkpoint in {run_dir / 'checkpoints'} "
-                         f"(no {POINTER}, or its step_N is gone); a checkpoint-N written by TRL itself cannot be "
-                         "continued here")
+                         f"(no {POINTER}, or its step_N is gone: rotated by save_total_limit while the view was kept "
+                         "as the best one); a checkpoint-N written by TRL itself cannot be continued here")
     return view, step
 
 

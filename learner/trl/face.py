@@ -130,7 +130,8 @@ class TrainerFace(ABC):
         """TRL's ``evaluate()``: the held-out metrics of the trained model in TRL's names (``eval_reward``, ...;
         distillation: ``eval_kl_to_teacher``, ...), logged and passed to on_evaluate. Refit evaluates inside its
         run, at the last step always when the trainer has an ``eval_dataset`` (and every ``eval_steps`` with
-        ``eval_strategy='steps'``): this returns that last evaluation, which saw the final weights."""
+        ``eval_strategy='steps'``): this returns that last evaluation, which saw the final weights (with
+        ``load_best_model_at_end``: the best step's evaluation, which saw the weights the model now holds)."""
         name = type(self).__name__
         if eval_dataset is not None or metric_key_prefix != "eval":
             raise RefitError(f"{name}.evaluate: Refit evaluates the eval_dataset given to the trainer, under the "
