@@ -198,14 +198,29 @@ def check_grpo_entropy(d: dict, out: Path) -> None:
     for r in rows[1:]:
         assert r["loss"] < r["policy_loss"] - 1e-3 and r["entropy"] > 0, r
 
+def check_grpo_best(d: dict, out: Path) -> None:
+    """The evaluation peaks at step 2: checkpoint-2 is best_model_checkpoint, the only view left (save_total_limit 1),
+    and the returned and saved models hold its weights; the callback rebuilt from checkpoint-2 with
+    restore_callback_states_from_checkpoint starts at 2 steps seen, the one without it as given (at 0)."""
+    b = d["best"]
+    assert max(b["evals"], key=b["evals"].get) == "2" and b["best_metric"] == pytest.approx(b["evals"]["2"])
+    assert (b["best_model_checkpoint"], b["best_global_step"]) == ("checkpoint-2", 2)
+    assert b["checkpoints"] == ["checkpoint-2"]
+    assert b["saved_is_best"] and b["model_is_best"]
+    s = d["states"]
+    assert s["stored"] == {"args": {"every": 3}, "attributes": {"seen": 2}}
+    assert s["runs"] == [{"given": True, "every": 3, "at_begin": 0, "seen": 2},
+                         {"given": False, "every": 3, "at_begin": 2, "seen": 3},
+                         {"given": True, "every": 1, "at_begin": 0, "seen": 1}]
 
 CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
           "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
           "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim,
-          "grpo_sampling": check_grpo_sampling, "grpo_entropy": check_grpo_entropy}
+          "grpo_sampling": check_grpo_sampling, "grpo_entropy": check_grpo_entropy,
+          "grpo_best": check_grpo_best}
 TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
 SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo",
-        "grpo_sampling", "grpo_entropy"}
+        "grpo_sampling", "grpo_entropy", "grpo_best"}
 # 20-40 s each on a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here;
 # grpo_checkpoints trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from refit.core.contract import ENGINE_BACKENDS
 from refit.core.errors import RefitError
 from refit.core.integrity import HOLDS, atomic_folder, folder_holds
+from refit.core.manifest import MANIFEST, Manifest
 from refit.learner.run.folder import read_record
 from refit.learner.run.lora import adapts_tied_head, holds_low_precision, is_lora, merged_state, save_adapter, untied
 from refit.rollout.build import ExportOptions, build, guard_engine  # engine folders' one entry point
@@ -77,6 +78,21 @@ def write_final(run_dir: Path, model, tok, value_head=None, backend: str = "onnx
         + (f", value head {run_dir / VALUE_HEAD}" if value_head is not None else ""))
     return final
 
+
+
+def export_final_again(run_dir: Path, log=print) -> Path | None:
+    """``run_dir/final_engine`` exported again from ``run_dir/final`` after final/'s weights changed (the TRL
+    facade's load_best_model_at_end), with the options its manifest records: never left holding other weights
+    than final/. None when the run wrote no final engine."""
+    run_dir = Path(run_dir)
+    engine = run_dir / FINAL_ENGINE
+    if not (engine / MANIFEST).is_file():
+        return None
+    opts = dict(Manifest.read(engine).options)
+    opts["lora"] = tuple(opts.get("lora") or ())
+    opts = ExportOptions(**{k: v for k, v in opts.items() if k in ExportOptions.__dataclass_fields__})
+    _clear_own_engine(run_dir, run_dir / FINAL, log)
+    return build(run_dir / FINAL, engine, opts.backend, opts, log=log)
 
 def _clear_own_engine(run_dir: Path, final: Path, log) -> None:
     """An extended run (--resume with more steps) ends again: the final_engine its earlier end exported holds that

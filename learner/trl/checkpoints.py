@@ -19,7 +19,10 @@ with N = ``state.global_step`` (optimizer steps, TRL's count; S x the optimizer 
                                                                                 Refit checkpoint it shows
 
 A view exists while its Refit checkpoint does: ``save_total_limit`` is Refit's ``ckpt.keep_checkpoints`` and a
-view whose Refit checkpoint was rotated away goes with it. ``train(resume_from_checkpoint=True)`` takes the
+view whose Refit checkpoint was rotated away goes with it, but for the best one (``metric_for_best_model``:
+``state.best_model_checkpoint``), kept as transformers keeps it (:func:`rotate`, :mod:`refit.learner.trl.best`).
+``trainer_state.json`` holds ``stateful_callbacks`` (the ExportableState callbacks' and the control's states at
+the save) and the best-model fields, as transformers writes them. ``train(resume_from_checkpoint=True)`` takes the
 newest ``checkpoint-N`` (transformers' ``get_last_checkpoint``), restores ``trainer.state`` from its
 ``trainer_state.json`` and continues Refit's checkpoint it names; a path must name that same newest view.
 """
@@ -90,7 +93,7 @@ def save_args(args, path: Path) -> None:
 
 def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = True) -> Path:
     """``run_dir/checkpoint-{state.global_step}``: TRL's view of Refit's checkpoint of ``step`` (the module's
-    layout), written atomically; views whose Refit checkpoint is gone are removed. The path."""
+    layout), written atomically; then :func:`rotate`. The path."""
     run_dir = Path(run_dir)
     source = refit_checkpoint(run_dir, step)
     view = run_dir / f"{PREFIX}{state.global_step}"
@@ -110,10 +113,31 @@ def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = Tru
         if getattr(args, "use_adaptive_entropy", False):  # GRPOTrainer's controller file (Refit's state holds it)
             saved = json.loads((source / "state.json").read_text())
             (tmp / ENTROPY_CTRL).write_text(json.dumps({k: saved[k] for k in ("entropy_coef", "last_world_entropy")}))
-    for old in views(run_dir):  # save_total_limit: Refit rotated its checkpoints; the views follow
-        if not refit_checkpoint(run_dir, _pointed_step(old)).is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+    rotate(run_dir, args.save_total_limit, state.best_model_checkpoint)
     return view
+
+
+def rotate(run_dir: Path, limit: int | None, best: str | None) -> None:
+    """``save_total_limit``: Refit rotated its checkpoints and the views follow, but for ``best`` (the state's
+    best_model_checkpoint: its files are the view's own, hard links outlive their source); then transformers'
+    ``rotate_checkpoints``: at most max(limit, protected) views, the oldest unprotected deleted first, the newest
+    and ``best`` protected."""
+    best_path = Path(best).resolve() if best else None
+    found = views(run_dir)
+    for old in found:
+        if old.resolve() != best_path and not refit_checkpoint(run_dir, _pointed_step(old)).is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    found = views(run_dir)
+    if not limit or limit <= 0 or len(found) <= limit:
+        return
+    protected = {found[-1].resolve()} | ({best_path} if best_path else set())
+    extra = len(found) - max(limit, len(protected & {v.resolve() for v in found}))
+    for old in found:
+        if extra <= 0:
+            break
+        if old.resolve() not in protected:
+            shutil.rmtree(old, ignore_errors=True)
+            extra -= 1
 
 
 def views(run_dir: Path) -> list[Path]:
@@ -153,8 +177,8 @@ def resume_point(run_dir: Path, resume_from_checkpoint: bool | str) -> tuple[Pat
     step = _pointed_step(view)
     if not (refit_checkpoint(run_dir, step) / "state.json").is_file():
         raise RefitError(f"resume_from_checkpoint: {view} names no Refit checkpoint in {run_dir / 'checkpoints'} "
-                         f"(no {POINTER}, or its step_N is gone); a checkpoint-N written by TRL itself cannot be "
-                         "continued here")
+                         f"(no {POINTER}, or its step_N is gone: rotated by save_total_limit while the view was kept "
+                         "as the best one); a checkpoint-N written by TRL itself cannot be continued here")
     return view, step
 
 

@@ -16,6 +16,7 @@ from refit.learner.run.chat import as_pairs
 from refit.learner.run.checkpoint import latest_checkpoint
 from refit.learner.run.config import SCHEDULES
 from refit.learner.run.optim import rates
+from refit.learner.trl.best import settle
 from refit.learner.trl.field_tables import REFUSED, TrlField
 from refit.learner.trl.fields import check_values
 
@@ -43,6 +44,7 @@ class TrlConfig:
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
             raise RefitError(f"{name}: optim={self.optim!r}: Refit's optimizer is torch's AdamW ('adamw_torch_fused' "
                              "or 'adamw_torch')")
+        settle(self)  # metric_for_best_model / greater_is_better defaults and checks (TrainingArguments')
 
     @property
     def on_cpu(self) -> bool:

@@ -30,9 +30,11 @@ import time
 from typing import Any, Callable
 
 from transformers import TrainerControl, TrainerState
+from transformers.trainer_callback import ExportableState
 
 from refit.core.errors import RefitError
 from refit.learner.run.loop import StepControl, StepHooks
+from refit.learner.trl.best import track
 
 # TRL's metric name <- Refit's (metrics.jsonl); reward-function names are mapped by prefix (rewards/NAME/mean)
 GRPO_NAMES = {"reward": "reward/mean", "reward_std": "reward/std", "completions/mean_length": "response/length",
@@ -148,6 +150,40 @@ class Events:
         self.control = c
         return c
 
+    # -------------------------------------------------------------- stateful callbacks (transformers' ExportableState)
+
+    def exportable(self) -> list:
+        """The callbacks whose state a checkpoint keeps (ExportableState ones), then ``control``, as transformers."""
+        return [cb for cb in self.callbacks + [self.control] if isinstance(cb, ExportableState)]
+
+    def record_states(self) -> None:
+        """``state.stateful_callbacks`` as ``_save_checkpoint`` updates it: each callback's ``state()`` by class name
+        (several of one class: a list, in order) over what it held. One departure: several of one class are written
+        as their current states (transformers appends them to the list at each save, and restores its first ones)."""
+        now = TrainerState(stateful_callbacks=self.exportable()).stateful_callbacks
+        self.state.stateful_callbacks = {**(self.state.stateful_callbacks or {}), **now}
+
+    def restore_states(self) -> None:
+        """transformers' ``_load_callback_state`` with ``restore_callback_states_from_checkpoint``: each callback
+        (and ``control``) whose class name ``state.stateful_callbacks`` holds is replaced by a new one of its class
+        built from the stored ``args`` and ``attributes``, appended after the others, as transformers does."""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        current, restored = self.callbacks + [self.control], []
+        for name, data in (self.state.stateful_callbacks or {}).items():
+            same = [cb for cb in current if type(cb).__name__ == name]
+            for cb, d in zip(same, data if isinstance(data, list) else [data]):
+                new = type(cb)(**d.get("args", {}))
+                for k, v in d.get("attributes", {}).items():
+                    setattr(new, k, v)
+                if isinstance(cb, TrainerControl):
+                    self.control = new
+                else:
+                    restored.append(new)
+                    self.remove(type(new))
+        for cb in restored:
+            self.add(cb)
+
     # -------------------------------------------------------------- one train() call
 
     def restore(self, state, learning_rate: float) -> None:
@@ -204,6 +240,7 @@ class Events:
                 self.last_eval = {**eval_row(evals), "epoch": s.epoch}
                 if self.eval_in_train:
                     self.evaluated(dict(self.last_eval))
+                    track(s, a, self.last_eval)  # after on_evaluate, as transformers' _determine_best_metric
             c = self.control
             self.save_asked = bool(c.should_save)
             return StepControl(save=bool(c.should_save), stop=bool(c.should_training_stop), metrics=trl)

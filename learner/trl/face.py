@@ -13,6 +13,7 @@ from typing import Any
 
 from refit.core.errors import RefitError
 from refit.learner.run.final import ADAPTER
+from refit.learner.trl.best import best_eval, load_best, mark
 from refit.learner.trl.checkpoints import load_state, restored_rate, resume_point, save_args, write_view
 from refit.learner.trl.common import tokenizer_of, trained_model
 from refit.learner.trl.events import Events
@@ -86,14 +87,27 @@ class TrainerFace(ABC):
         ``trainer_state.json`` (:mod:`refit.learner.trl.checkpoints`)."""
         out = Path(self.args.output_dir)
         self.events.resumed = None
+        if self.args.load_best_model_at_end and getattr(getattr(self.config, "lora", None), "r", 0):
+            raise RefitError(f"{type(self).__name__}: load_best_model_at_end with peft_config is not supported (Refit "
+                             "writes final/ from the trained adapter); train without it")
         if resume_from_checkpoint:  # False / None / "": a fresh run, as transformers
             view, step = resume_point(out, resume_from_checkpoint)
-            self.events.restore(load_state(view), restored_rate(out, step))
+            state = load_state(view)
+            if state.best_model_checkpoint is not None and not Path(state.best_model_checkpoint).is_dir():
+                state.best_model_checkpoint = None  # transformers: "does not exist anymore. Ignoring it"
+            self.events.restore(state, restored_rate(out, step))
+            self.events.restore_states()  # restore_callback_states_from_checkpoint
+        else:
+            self.events.state.stateful_callbacks = {}
+            self.events.record_states()  # transformers' TrainerState(stateful_callbacks=...) of a fresh train()
         hooks = self._hooks()
         hooks = replace(hooks, saved=self._saved(hooks.saved))
         self.events.begin(self._model)
         self.result = self._run(hooks, bool(resume_from_checkpoint))
-        self._model = trained_model(self.result.run_dir, self.result.final_dir, self.given_model)
+        best = load_best(self.state, self.args, self.result.final_dir)  # load_best_model_at_end
+        self._model = trained_model(self.result.run_dir, self.result.final_dir or best, self.given_model)
+        if best is not None:
+            self.events.last_eval = best_eval(self.state, self.args) or self.events.last_eval
         self.events.model = self._model
         loss = self.events.end(self._samples_per_step())
         return TrainOutput(global_step=self.state.global_step, training_loss=loss,
@@ -105,6 +119,8 @@ class TrainerFace(ABC):
         on_save."""
         def saved(step: int) -> None:
             if self.args.save_strategy == "steps" or self.events.save_asked:
+                self.events.record_states()  # transformers' _save_checkpoint: the callbacks' states, the best view
+                mark(self.state, self.args)
                 write_view(Path(self.args.output_dir), step, self.state, self.args,
                            with_optimizer=not self.args.save_only_model)
             fire_on_save(step)
@@ -114,7 +130,8 @@ class TrainerFace(ABC):
         """TRL's ``evaluate()``: the held-out metrics of the trained model in TRL's names (``eval_reward``, ...;
         distillation: ``eval_kl_to_teacher``, ...), logged and passed to on_evaluate. Refit evaluates inside its
         run, at the last step always when the trainer has an ``eval_dataset`` (and every ``eval_steps`` with
-        ``eval_strategy='steps'``): this returns that last evaluation, which saw the final weights."""
+        ``eval_strategy='steps'``): this returns that last evaluation, which saw the final weights (with
+        ``load_best_model_at_end``: the best step's evaluation, which saw the weights the model now holds)."""
         name = type(self).__name__
         if eval_dataset is not None or metric_key_prefix != "eval":
             raise RefitError(f"{name}.evaluate: Refit evaluates the eval_dataset given to the trainer, under the "

@@ -75,7 +75,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "save_strategy": _h("steps", "'steps' (save_steps) or 'no' (no checkpoint-N, as TRL; Refit keeps one checkpoint, "
                                  "at the last step, for its own --resume)"),
     "save_total_limit": _h(None, "ckpt.keep_checkpoints (None: 0, every checkpoint kept, as TRL); the checkpoint-N "
-                                 "views follow Refit's checkpoints"),
+                                 "views follow Refit's checkpoints, but best_model_checkpoint is kept as transformers "
+                                 "keeps it"),
     "eval_strategy": _h("no", "'steps': Refit's held-out evaluation of eval_dataset every eval_steps (PPO: "
                               "eval_steps, greedy, one completion a prompt; distillation: eval_every, KL to the "
                               "teacher); 'no': at the last step only, for evaluate()"),
@@ -137,8 +138,12 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
                                     ("eval_accumulation_steps", None), ("eval_delay", 0),
                                     ("eval_do_concat_batches", True), ("eval_use_gather_object", False),
                                     ("fp16_full_eval", False), ("include_for_metrics", []), ("label_names", None),
-                                    ("prediction_loss_only", False), ("greater_is_better", None),
-                                    ("metric_for_best_model", None))},
+                                    ("prediction_loss_only", False))},
+    "metric_for_best_model": _h(None, "the eval_ metric (eval_ prepended when missing) each evaluation during training "
+                                      "compares: trainer_state.json's best_metric, best_model_checkpoint, a best view "
+                                      "kept from rotation; load_best_model_at_end: 'loss' by default, which Refit does "
+                                      "not log (refused)"),
+    "greater_is_better": _h(None, "the comparison of metric_for_best_model (None: not metric.endswith('loss'))"),
     **{k: _a(d, _NO_LOADER) for k, d in (("dataloader_drop_last", False), ("dataloader_in_order", True),
                                          ("dataloader_multiprocessing_context", None),
                                          ("dataloader_prefetch_factor", None), ("length_column_name", "length"),
@@ -161,7 +166,10 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "tf32": _a(None, "torch's TF32 setting is left as it is"),
     "use_cache": _a(False, "the learner's forward passes are whole sequences; the engine keeps its own KV cache"),
     "auto_find_batch_size": _r(False, "the batch is as configured; one that cannot fit is refused before the run"),
-    "load_best_model_at_end": _r(False, "OUTPUT_DIR/final is the last step's model"),
+    "load_best_model_at_end": _h(False, "at the end of train() OUTPUT_DIR/final (the model train() returns and "
+                                        "save_model writes) gets best_model_checkpoint's weights and final_engine is "
+                                        "exported again from it; eval and save strategies must match (as "
+                                        "transformers); refused with peft_config"),
     "neftune_noise_alpha": _h(None, "optim.neftune_noise_alpha: uniform noise of alpha / sqrt(L * d) on the input "
                                     "embeddings in the learner's training forwards (transformers' NEFTune hook); not "
                                     "in the engine's sampling, the probe or a separate reference"),
@@ -171,7 +179,8 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "optim_target_modules": _a(None, "transformers reads it only for GaLore / APOLLO optimizers; for adamw_torch / "
                                      "adamw_torch_fused every trainable parameter is optimised, in transformers as "
                                      "in Refit"),
-    "restore_callback_states_from_checkpoint": _r(False, "callbacks start afresh on resume"),
+    "restore_callback_states_from_checkpoint": _h(False, "on resume, the ExportableState callbacks (and control) "
+                                                         "rebuilt from trainer_state.json's stateful_callbacks"),
 }
 
 # names a script may pass that TRL 1.16 (transformers 5) no longer has; taken, and not counted as TRL's
