@@ -62,7 +62,7 @@ def test_eos_token_is_set_as_trl_sets_it_in_a_copy_of_the_student(model_dirs, tm
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token) == (want_tok.eos_token, want_tok.eos_token_id, "<pad>")
     assert tok.get_vocab() == want_tok.get_vocab() and cfg.eos_token_id == want_cfg.eos_token_id
     assert gen.eos_token_id == want_gen.eos_token_id == [want_tok.eos_token_id, 1]
-    assert stop_ids_of(tok, copy) == (want_tok.eos_token_id, 1)  # the job stops at both, as TRL's generate
+    assert stop_ids_of(tok, copy, cfg.eos_token_id) == (1,)  # the job stops at the new EOS and the old, as TRL
     assert (given.eos_token, given.pad_token) == ("+", "<pad>")  # in place, as TRL
     assert (copy / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     assert _hashes(src) == before

@@ -197,8 +197,8 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     run_dir.mkdir(parents=True, exist_ok=True)
     t_info, s_info, tok = check_teacher_student(cfg.teacher.model_dir, cfg.student.model_dir)
     train, held = load_examples(cfg)
-    turn = end_of_turn_ids(tok)  # a chat template's end of turn: completions end there
-    stop_ids = stop_ids_of(tok, cfg.student.model_dir)  # generation stops there and at generation_config's EOS ids
+    turn = end_of_turn_ids(tok)  # a chat template's end of turn: completions end there, generation stops there
+    stop_ids = stop_ids_of(tok, cfg.student.model_dir, s_info.eos_id)  # and at generation_config's other EOS ids
     what = cfg.data.dataset or cfg.dataset_file or cfg.data.task
     chat = cfg.data.chat_template_kwargs
     prompt_ids = encode_prompts(tok, [p for p, _ in train], s_info.max_positions, cfg.max_new_tokens, what, chat)

@@ -130,12 +130,13 @@ def end_of_turn_ids(tok) -> tuple[int, ...]:
     return ()
 
 
-def stop_ids_of(tok, model_dir) -> tuple[int, ...]:
-    """The ids generation stops at besides the model's EOS: :func:`end_of_turn_ids` first, then the ids of
-    ``model_dir``'s generation_config.json ``eos_token_id`` (transformers' ``generate``, and TRL's GKDTrainer, which
-    generates with the model's ``generation_config``, stop at each)."""
+def stop_ids_of(tok, model_dir, eos_id: int | None) -> tuple[int, ...]:
+    """The ids generation stops at besides the model's EOS ``eos_id`` (its config's, where the engine stops):
+    :func:`end_of_turn_ids` first, then the other ids of ``model_dir``'s generation_config.json ``eos_token_id``
+    (transformers' ``generate``, and TRL's GKDTrainer, which generates with the model's ``generation_config``, stop
+    at each)."""
     turn = end_of_turn_ids(tok)
-    return turn + tuple(i for i in generation_eos_ids(model_dir) if i not in turn)
+    return turn + tuple(i for i in generation_eos_ids(model_dir) if i not in turn and i != eos_id)
 
 
 def completion_for(prompt: Prompt, text: str) -> Any:
