@@ -49,6 +49,9 @@ def student_with_tokens(args: Any, student_dir: str, out: Path, tok: Any = None,
     if not student_dir:
         raise RefitError(f"{name}: eos_token / chat_template_path need the student as a folder or a PreTrainedModel "
                          "(the embedded pair is built by the job with its own tokenizer)")
+    if model is None and Path(student_dir).resolve() == Path(out).resolve():
+        raise RefitError(f"{name}: the student folder {student_dir} is where the run writes its copy with eos_token / "
+                         "chat_template_path: move it, or use another output_dir")
     tok = tok if tok is not None else AutoTokenizer.from_pretrained(student_dir)
     own = model is not None and hasattr(model, "config") and getattr(model, "generation_config", None) is not None
     config = model.config if own else AutoConfig.from_pretrained(student_dir)
