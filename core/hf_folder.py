@@ -171,3 +171,12 @@ def text_config(path: str | Path):
         return load_config(path).get_text_config()
     except RefitError:
         return None
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` of the folder's generation_config.json (an id or a list), as ids: transformers'
+    ``generate`` stops at each; () without the file or the key."""
+    f = Path(path) / "generation_config.json"
+    ids = (read_json(f, "is not valid JSON") or {}).get("eos_token_id") if f.is_file() else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    return tuple(int(i) for i in ids)

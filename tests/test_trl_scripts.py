@@ -102,6 +102,15 @@ def check_gkd_seq_kd(d: dict, out: Path) -> None:
     assert all(r["loss"] > 0 for r in steps(d))
 
 
+def check_gkd_tokens(d: dict, out: Path) -> None:
+    """TRL 1.16's SFTTrainer steps: eos_token set on the tokenizer (in place) and the config, prepended to the
+    generation_config's ids; the .jinja file the template; pad_token changes nothing under GKD's own collator."""
+    check_common(d, 2, 1e-3)
+    assert d["given"] == d["saved"] == ["<|im_end|>", "<pad>", True]
+    assert d["config_eos"] == d["eos_id"] and d["generation_eos"] == [d["eos_id"], 1]
+    assert all(r["loss"] > 0 for r in steps(d))
+
+
 def check_grpo_callback_model(d: dict, out: Path) -> None:
     check_common(d, 3, 1e-3)
     assert d["events"] == [["train_begin", 0], ["step_end", 1], ["log", 1], ["step_end", 2], ["log", 2],
@@ -214,13 +223,13 @@ def check_grpo_best(d: dict, out: Path) -> None:
                          {"given": True, "every": 1, "at_begin": 0, "seen": 1}]
 
 CHECKS = {"grpo": check_grpo, "grpo_dapo": check_grpo_dapo, "rloo": check_rloo, "distillation": check_distillation,
-          "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "grpo_callback_model": check_grpo_callback_model,
-          "grpo_peft": check_grpo_peft, "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim,
-          "grpo_sampling": check_grpo_sampling, "grpo_entropy": check_grpo_entropy,
-          "grpo_best": check_grpo_best}
-TEACHER = ("distillation", "gkd", "gkd_seq_kd")  # the scripts that take STUDENT TEACHER OUT
-SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "grpo_peft", "grpo_checkpoints", "grpo_optim", "grpo_dapo",
-        "grpo_sampling", "grpo_entropy", "grpo_best"}
+          "gkd": check_gkd, "gkd_seq_kd": check_gkd_seq_kd, "gkd_tokens": check_gkd_tokens,
+          "grpo_callback_model": check_grpo_callback_model, "grpo_peft": check_grpo_peft,
+          "grpo_checkpoints": check_grpo_checkpoints, "grpo_optim": check_grpo_optim, "grpo_sampling": check_grpo_sampling,
+          "grpo_entropy": check_grpo_entropy, "grpo_best": check_grpo_best}
+TEACHER = ("distillation", "gkd", "gkd_seq_kd", "gkd_tokens")  # the scripts that take STUDENT TEACHER OUT
+SLOW = {"rloo", "distillation", "gkd", "gkd_seq_kd", "gkd_tokens", "grpo_peft", "grpo_checkpoints", "grpo_optim",
+        "grpo_dapo", "grpo_sampling", "grpo_entropy", "grpo_best"}
 # 20-40 s each on a loaded 2-core box (each run exports its engines and its final engine; gkd_seq_kd: 2.5 min here;
 # grpo_checkpoints trains twice: 2.2 min here); grpo and grpo_callback_model stay in the default run
 

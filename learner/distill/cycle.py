@@ -56,7 +56,7 @@ from refit.learner.distill.batch import (DistillBatch, check_teacher_student, dr
                                         logits_from_generation)
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
 from refit.learner.distill.evaluate import EvalSet, exact_match, make_eval_set, summary
-from refit.learner.run.chat import encode_prompts, end_of_turn_ids
+from refit.learner.run.chat import encode_prompts, end_of_turn_ids, stop_ids_of
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
 from refit.learner.run.distributed import DistContext, reduce_stats
@@ -197,11 +197,12 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     run_dir.mkdir(parents=True, exist_ok=True)
     t_info, s_info, tok = check_teacher_student(cfg.teacher.model_dir, cfg.student.model_dir)
     train, held = load_examples(cfg)
-    stop_ids = end_of_turn_ids(tok)  # a chat template's end of turn: generation stops there, completions end there
+    turn = end_of_turn_ids(tok)  # a chat template's end of turn: completions end there, generation stops there
+    stop_ids = stop_ids_of(tok, cfg.student.model_dir, s_info.eos_id)  # and at generation_config's other EOS ids
     what = cfg.data.dataset or cfg.dataset_file or cfg.data.task
     chat = cfg.data.chat_template_kwargs
     prompt_ids = encode_prompts(tok, [p for p, _ in train], s_info.max_positions, cfg.max_new_tokens, what, chat)
-    end = stop_ids[0] if stop_ids else tok.eos_token_id
+    end = turn[0] if turn else tok.eos_token_id
     completion_ids = [tok(c, add_special_tokens=False).input_ids + [end] for _, c in train]
     eval_ids = encode_prompts(tok, [p for p, _ in held], s_info.max_positions, cfg.max_new_tokens, f"{what} (eval)",
                               chat)

@@ -11,7 +11,8 @@ cannot move the log-prob contract (KL at step 0 stays exactly 0).
 
 The end of an assistant turn is found by rendering a two-turn conversation and reading the token the
 template writes right after the assistant's text (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...);
-generation stops there as well as at EOS (:func:`end_of_turn_ids`).
+generation stops there as well as at EOS (:func:`end_of_turn_ids`), and at the model's generation_config EOS ids
+(:func:`stop_ids_of`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 
 from refit.core.errors import RefitError
+from refit.core.hf_folder import generation_eos_ids
 
 Prompt = Any  # str | list[dict[str, str]]
 _MARK = "\u2063refit-end-of-turn-probe\u2063"
@@ -126,6 +128,15 @@ def end_of_turn_ids(tok) -> tuple[int, ...]:
     if ids and ids[0] in special and ids[0] != tok.eos_token_id:
         return (int(ids[0]),)
     return ()
+
+
+def stop_ids_of(tok, model_dir, eos_id: int | None) -> tuple[int, ...]:
+    """The ids generation stops at besides the model's EOS ``eos_id`` (its config's, where the engine stops):
+    :func:`end_of_turn_ids` first, then the other ids of ``model_dir``'s generation_config.json ``eos_token_id``
+    (transformers' ``generate``, and TRL's GKDTrainer, which generates with the model's ``generation_config``, stop
+    at each)."""
+    turn = end_of_turn_ids(tok)
+    return turn + tuple(i for i in generation_eos_ids(model_dir) if i not in turn and i != eos_id)
 
 
 def completion_for(prompt: Prompt, text: str) -> Any:

@@ -31,6 +31,9 @@ seq_kd (GKD)               seq_kd: off-policy batches (those the lmbda draw leav
                            ENGINE; the generalised JSD at beta on them takes the teacher's full distributions from
                            that same pass (TRL runs the teacher again to score them; one pass here)
 teacher_model              teacher.model_dir (a folder, or a PreTrainedModel saved under OUTPUT_DIR/teacher)
+eos_token,                 (GKD) the student's tokenizer, config and generation_config as TRL's SFTTrainer sets
+chat_template_path         them, in the run's copy of the student, OUTPUT_DIR/model
+                           (:mod:`refit.learner.trl.student_tokens`)
 per_device_train_batch_   run.batch_size = per_device_train_batch_size x gradient_accumulation_steps prompts;
 size                       a Refit step is one optimizer step, so max_steps is run.steps
 =========================  ===================================================================================
@@ -59,6 +62,7 @@ from refit.learner.trl.common import (TrlConfig, base_dtype_values, eval_every, 
 from refit.learner.trl.events import distill_row
 from refit.learner.trl.face import TrainerFace
 from refit.learner.trl.field_tables import DISTILLATION_ARGS, GKD_ARGS
+from refit.learner.trl.student_tokens import student_with_tokens
 
 DEMO_STUDENT, DEMO_TEACHER = "refit/demo-student", "refit/demo-teacher"  # the embedded pair (refit distill's)
 
@@ -163,6 +167,8 @@ class DistillationTrainer(TrainerFace):
                          None if all(demo) else model)
         out = Path(args.output_dir)
         student_dir = "" if all(demo) else resolve_model(model, self.processing_class, out / "model")
+        # GKDConfig's eos_token / chat_template_path (TRL's SFTConfig fields): applied to a copy, OUTPUT_DIR/model
+        student_dir = student_with_tokens(args, student_dir, out / "model", self.processing_class, self.given_model)
         teacher_dir = "" if all(demo) else resolve_model(teacher_model, None, out / "teacher", "teacher_model")
         if train_dataset is None and not all(demo):
             raise RefitError(f"{name}: train_dataset is required (a datasets.Dataset with 'prompt', or 'messages')")

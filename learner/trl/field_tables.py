@@ -396,9 +396,16 @@ GKD_ARGS: dict[str, TrlField] = {
     "disable_dropout": _a(True, "Refit's student trains without dropout"),
     "router_aux_loss_coef": _a(None, "TRL 1.16's GKDTrainer replaces SFTTrainer's compute_loss with its JSD on "
                                      "the logits and never adds the load-balancing loss: no effect in TRL either"),
-    "chat_template_path": _r(None, "the tokenizer's own chat template"),
-    "eos_token": _r(None, "the tokenizer's EOS (and end-of-turn) tokens end a completion"),
-    "pad_token": _r(None, "the tokenizer's pad token"),
+    "chat_template_path": _h(None, "the student's chat template, in the run's copy of it (OUTPUT_DIR/model): a .jinja "
+                                   "/ .j2 file's text, or a tokenizer folder's template and EOS (TRL's "
+                                   "clone_chat_template) when that keeps the vocabulary (adding tokens or resizing the "
+                                   "embeddings is refused)"),
+    "eos_token": _h(None, "the student's EOS (refused unless in its vocabulary, as TRL): the tokenizer's, the config's "
+                          "eos_token_id, prepended to generation_config.eos_token_id (OUTPUT_DIR/model); generation "
+                          "stops at it and at the ids already there"),
+    "pad_token": _a(None, "TRL 1.16's GKDTrainer always passes its ChatML collator, so SFTTrainer's pad_token step "
+                          "(for its own collator) never runs: TRL pads with processing_class.pad_token, as Refit, and "
+                          "padded positions are masked"),
 }
 
 CONFIG_FIELDS = {"GRPOConfig": GRPO_ARGS, "RLOOConfig": RLOO_ARGS, "DistillationConfig": DISTILLATION_ARGS,
