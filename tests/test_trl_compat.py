@@ -334,7 +334,7 @@ def test_training_arguments_a_cpu_script_sets_are_honoured_accepted_or_refused()
     assert args.ignored == {"dataloader_num_workers": 4} and args.dataloader_num_workers == 4  # callbacks read it
     assert to_ppo_config(args, "m") == to_ppo_config(GRPOConfig(output_dir="o", max_steps=1), "m")  # changes nothing
     for kw, msg in ((dict(push_to_hub=True), "push_to_hub=True: nothing leaves the machine"),
-                    (dict(fp16=True), "fp16=True: fp32, or bf16"),
+                    (dict(fp16=True), "fp16=True: fp16 mixed precision is CUDA's"),
                     (dict(report_to="wandb"), "report_to='wandb': nothing leaves the machine"),
                     (dict(save_strategy="epoch"), "save_strategy='epoch': Refit saves by steps"),
                     (dict(logging_strategy="epoch"), "logging_strategy='epoch'")):

@@ -106,7 +106,8 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "hub_strategy": _a("every_save", "push_to_hub is refused"),
     "hub_private_repo": _a(None, "push_to_hub is refused"),
     "push_to_hub": _r(False, "nothing leaves the machine: OUTPUT_DIR/final is a save_pretrained folder"),
-    "fp16": _r(False, "fp32, or bf16 (bf16, run.precision)"),
+    "fp16": _r(False, "fp16 mixed precision is CUDA's (a gradient scaler for fp16's range); Refit's learner runs fp32 "
+                      "or bf16 (bf16, run.precision)"),
     "data_seed": _a(None, "TRL 1.16's GRPO, RLOO and Distillation trainers draw their prompts with RepeatSampler("
                           "seed=args.seed): data_seed changes nothing there either; the data order follows seed"),
     "optim": _h("adamw_torch_fused", "'adamw_torch_fused' / 'adamw_torch': torch's AdamW (optim.* settings); any "
@@ -117,8 +118,10 @@ TRAINING_ARGS: dict[str, TrlField] = {
     "label_smoothing_factor": _a(0.0, "transformers applies it in Trainer.compute_loss to a labels cross-entropy; "
                                       "TRL 1.16's GRPO, RLOO, GKD and Distillation trainers replace compute_loss with "
                                       "their own (policy gradient, JSD), so it changes nothing in TRL either"),
-    "torch_compile": _r(False, "not supported"),
-    "use_liger_kernel": _r(False, "not supported"),
+    "torch_compile": _r(False, "not built: the learner runs eager PyTorch (compiling is speed, not numbers: the log-prob "
+                               "and loss are computed chunked by Refit's own code, learner/losses/chunked.py)"),
+    "use_liger_kernel": _r(False, "Liger's kernels are Triton (CUDA); Refit's fused log-prob / loss is its own chunked "
+                                  "PyTorch code (learner/losses/chunked.py)"),
     "deepspeed": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
     "fsdp": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
     "resume_from_checkpoint": _a(None, "as in transformers, the trainer does not read it: a script passes it to "
@@ -165,7 +168,8 @@ MORE_TRAINING_ARGS: dict[str, TrlField] = {
     "logging_nan_inf_filter": _a(True, "a non-finite step stops the run in one line, naming the last checkpoint"),
     "tf32": _a(None, "torch's TF32 setting is left as it is"),
     "use_cache": _a(False, "the learner's forward passes are whole sequences; the engine keeps its own KV cache"),
-    "auto_find_batch_size": _r(False, "the batch is as configured; one that cannot fit is refused before the run"),
+    "auto_find_batch_size": _r(False, "transformers halves the batch after a CUDA out-of-memory error; Refit sizes "
+                                      "micro-batches to memory before the run (a batch that cannot fit is refused)"),
     "load_best_model_at_end": _h(False, "at the end of train() OUTPUT_DIR/final (the model train() returns and "
                                         "save_model writes) gets best_model_checkpoint's weights and final_engine is "
                                         "exported again from it; eval and save strategies must match (as "
