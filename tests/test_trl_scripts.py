@@ -267,7 +267,9 @@ def test_trl_script_runs_on_refit(name, chat_model_dir, teacher_dir, tmp_path, m
     monkeypatch.setattr(sys, "argv", [str(script), *argv(name, chat_model_dir, teacher_dir, out)])
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(script), run_name="__main__")
-    CHECKS[name](last_json(capsys.readouterr().out), out)
+    printed = capsys.readouterr().out
+    CHECKS[name](last_json(printed), out)
+    _show("refit", name, printed, capsys)
     assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()  # a Refit run folder
     if name == "grpo_peft":
         assert "r: 4" in (out / "config.yaml").read_text()  # peft_config -> the lora section
@@ -282,7 +284,7 @@ def test_trl_script_runs_on_refit(name, chat_model_dir, teacher_dir, tmp_path, m
 @pytest.mark.skipif(not TRL_PYTHON.is_file(), reason=f"no TRL environment at {TRL_PYTHON} (made by "
                                                      "`refit bench grpo --vs trl`)")
 @pytest.mark.parametrize("name", list(CHECKS))
-def test_trl_script_runs_under_trl(name, chat_model_dir, teacher_dir, tmp_path):
+def test_trl_script_runs_under_trl(name, chat_model_dir, teacher_dir, tmp_path, capsys):
     out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
     done = subprocess.run([str(TRL_PYTHON), str(SCRIPTS / f"{name}.py"), *argv(name, chat_model_dir, teacher_dir,
@@ -290,6 +292,14 @@ def test_trl_script_runs_under_trl(name, chat_model_dir, teacher_dir, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     CHECKS[name](last_json(done.stdout), out)
+    _show("trl 1.16", name, done.stdout, capsys)
+
+
+def _show(side: str, name: str, printed: str, capsys) -> None:
+    """The script's last line (its JSON, cut to 300 characters) on the terminal under ``pytest -s``: the record of a
+    run on each side."""
+    with capsys.disabled():
+        print(f"\n[{side}] {name}: {printed.strip().splitlines()[-1][:300]}")
 
 
 def test_the_long_grpo_example_differs_from_its_trl_original_in_the_import_line():
