@@ -610,3 +610,25 @@ def test_grpo_trainer_arguments_refit_does_not_build_are_one_line(kw, tmp_path):
 
     with pytest.raises(RefitError, match=f"GRPOTrainer: {next(iter(kw))} is not supported \\(Refit: "):
         GRPOTrainer(model="m", reward_funcs=len, args=GRPOConfig(output_dir=str(tmp_path)), train_dataset=[], **kw)
+
+
+def test_trainer_signatures_are_trls_in_order():
+    """Each trainer takes TRL 1.16's arguments by TRL's names and in TRL's positional order (read from
+    trl/trainer/grpo_trainer.py, rloo_trainer.py, distillation_trainer.py, trl/experimental/gkd/gkd_trainer.py);
+    RLOOTrainer's are GRPOTrainer's first 11."""
+    import inspect
+
+    from refit.learner.trl import DistillationTrainer, GKDTrainer, GRPOTrainer, RLOOTrainer
+
+    grpo = ["model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+            "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config", "tools",
+            "rollout_func", "environment_factory"]
+    want = {GRPOTrainer: grpo, RLOOTrainer: grpo,
+            DistillationTrainer: ["model", "teacher_model", "args", "train_dataset", "eval_dataset",
+                                  "processing_class", "callbacks", "optimizers", "quantization_config", "peft_config",
+                                  "tools"],
+            GKDTrainer: ["model", "teacher_model", "args", "data_collator", "train_dataset", "eval_dataset",
+                         "processing_class", "compute_metrics", "callbacks", "optimizers",
+                         "preprocess_logits_for_metrics", "peft_config", "formatting_func"]}
+    for cls, names in want.items():
+        assert list(inspect.signature(cls.__init__).parameters)[1:] == names, cls.__name__

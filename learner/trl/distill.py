@@ -134,24 +134,40 @@ def prompt_completion(dataset):
     return dataset.map(split, remove_columns=["messages"])
 
 
+_NOT_BUILT = {"data_collator": "prompts are batched by the job",
+              "compute_metrics": "held-out KL to the teacher and accuracy",
+              "optimizers": "AdamW with optim.* settings", "preprocess_logits_for_metrics": "not available",
+              "formatting_func": "prompt / completion or messages columns",
+              "quantization_config": "bitsandbytes is CUDA's; a LoRA base is held in fp32 or bf16 (model_init_kwargs "
+                                     "dtype) and the engine's base in int8 (rollout.quantize)",
+              "tools": "generation is one engine pass per prompt, without tool calls"}
+
+
 class DistillationTrainer(TrainerFace):
-    """TRL's ``DistillationTrainer(model, teacher_model, args, train_dataset, processing_class, callbacks,
-    peft_config)`` on the distillation job (always on-policy: lmbda 1)."""
+    """TRL's ``DistillationTrainer(model, teacher_model, args, train_dataset, eval_dataset, processing_class,
+    callbacks, optimizers, quantization_config, peft_config, tools)`` on the distillation job (always on-policy:
+    lmbda 1)."""
 
     config_class = DistillationConfig
 
-    def __init__(self, model=None, teacher_model=None, args: TrlConfig | None = None, data_collator=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None):
-        name = type(self).__name__
-        for what, v, note in (("data_collator", data_collator, "prompts are batched by the job"),
-                              ("compute_metrics", compute_metrics, "held-out KL to the teacher and accuracy"),
-                              ("optimizers", None if tuple(optimizers or (None, None)) == (None, None) else optimizers,
-                               "AdamW with optim.* settings"),
-                              ("preprocess_logits_for_metrics", preprocess_logits_for_metrics, "not available"),
-                              ("formatting_func", formatting_func, "prompt / completion or messages columns")):
+    def __init__(self, model=None, teacher_model=None, args: TrlConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None):
+        """TRL 1.16's DistillationTrainer signature (GKDTrainer has its own order)."""
+        self._refuse(optimizers=optimizers, quantization_config=quantization_config, tools=tools)
+        self._setup(model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks, peft_config)
+
+    def _refuse(self, **given) -> None:
+        """One line for the first trainer argument given that Refit does not build."""
+        for what, v in given.items():
+            if what == "optimizers" and tuple(v or (None, None)) == (None, None):
+                continue
             if v is not None:
-                raise RefitError(f"{name}: {what} is not supported (Refit: {note})")
+                raise RefitError(f"{type(self).__name__}: {what} is not supported (Refit: {_NOT_BUILT[what]})")
+
+    def _setup(self, model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks,
+               peft_config) -> None:
+        name = type(self).__name__
         if args is None:
             args = self.config_class(output_dir=f"tmp_{self.config_class.__name__.lower()}")
         if not isinstance(args, self.config_class):
@@ -200,3 +216,11 @@ class GKDTrainer(DistillationTrainer):
     """TRL's ``GKDTrainer``: as :class:`DistillationTrainer` with ``lmbda`` (the on-policy share) and ``seq_kd``."""
 
     config_class = GKDConfig
+
+    def __init__(self, model=None, teacher_model=None, args: TrlConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None):
+        """TRL 1.16's GKDTrainer signature."""
+        self._refuse(data_collator=data_collator, compute_metrics=compute_metrics, optimizers=optimizers,
+                     preprocess_logits_for_metrics=preprocess_logits_for_metrics, formatting_func=formatting_func)
+        self._setup(model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks, peft_config)
