@@ -68,7 +68,8 @@ class BenchGenerate(OnModel):
     shards: int = opt(1, "> 1: each onnxruntime backend also runs as '<backend>-shards<S>', its rows decoded in S "
                          "shards on S threads sharing --threads (HF generate() keeps --threads intra-op threads)")
     quantize: str = opt("none", "int8: the int8 engine (export --quantize int8) vs the fp32 engine vs HF generate(), "
-                                "the log-prob gap and the push time (bench/quantized.py); --backends is then unused")
+                                "the log-prob gap and the push time (refit/bench/quantized.py); --backends is then "
+                                "unused")
     ct2_python: str = opt("", "with --quantize int8: a Python that has ctranslate2 (a separate venv) to run "
                               "CTranslate2 int8 on the same model too")
 
@@ -206,7 +207,7 @@ class BenchGRPO(OnMachine):
 BENCHES = {"generate": BenchGenerate, "refit": BenchRefit, "ppo": BenchPPO, "grpo": BenchGRPO, "workers": BenchWorkers,
            "inflight": BenchInflight}
 # every bench by name -> its one-line help: the usage line, the list below it and "unknown bench" are made from this
-# (lora has its own parser, bench/lora.py: its stages run in child processes)
+# (lora has its own parser, refit/bench/lora.py: its stages run in child processes)
 HELP = {**{name: cls.__doc__.splitlines()[0] for name, cls in BENCHES.items()},
         "lora": "LoRA at published geometries, full depth: export, adapter vs full push, GRPO steps"}
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    if argv[0] == "lora":  # its own argument parser: stages in child processes (bench/lora.py)
+    if argv[0] == "lora":  # its own argument parser: stages in child processes (refit/bench/lora.py)
         return lora_main(argv[1:])
     if argv[0] not in BENCHES:
         raise RefitError(f"unknown bench {argv[0]!r}; one of {', '.join(HELP)}")

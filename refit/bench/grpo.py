@@ -7,7 +7,7 @@
     refit bench grpo                                   # Refit's engine against its own HF generate() rollouts
 
 Baselines: ``--vs trl``, TRL's ``GRPOTrainer`` (TRL 1.16, installed by the bench into a virtual environment of
-its own, ``--trl_venv``, with the same torch build as Refit's; the run is bench/trl_grpo_side.py, which imports
+its own, ``--trl_venv``, with the same torch build as Refit's; the run is refit/bench/trl_grpo_side.py, which imports
 TRL and never Refit); ``--vs hf``, Refit's own learner with HF ``generate()`` rollouts (``--rollout.backend hf``).
 
 Each side runs as a child process (``refit ppo``, or the TRL script), ``--steps`` optimizer steps from the same
@@ -38,7 +38,7 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 - the device: ``use_cpu`` / ``--run.device`` (``--device``, cpu by default);
 - threads: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in the TRL process, ``OMP_NUM_THREADS`` and
   ``--rollout.engine_threads`` in Refit's;
-- the reward: one function in bench/grpo_reward.py, loaded by path on both sides; the data: the same jsonl;
+- the reward: one function in refit/bench/grpo_reward.py, loaded by path on both sides; the data: the same jsonl;
 - LoRA (``--lora_r`` > 0): ``peft_config=LoraConfig(r, lora_alpha, target_modules)`` / ``--lora.r``,
   ``--lora.alpha``, ``--lora.target_modules`` (PEFT's default dropout 0 on both); ``--lora_base_dtype bf16``: the
   frozen base in bf16 on both sides, ``model_init_kwargs={"dtype": "bfloat16"}`` (TRL's model, generation included,
@@ -52,7 +52,7 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 TRL at its best (``--vs trl``, unless ``--no_trl_search``): before the rounds, TRL's side runs ``--trial_steps``
 steps under each configuration a careful user tries (gradient checkpointing on and off; 16-row micro-batches with
 gradient accumulation; TRL's default bf16 autocast over the fastest fp32 one), each watched for memory, and the
-rounds run the fastest that finished (bench/trl_best.py; every trial is in the JSON's ``trl_trials``). Refit runs
+rounds run the fastest that finished (refit/bench/trl_best.py; every trial is in the JSON's ``trl_trials``). Refit runs
 at its defaults. Without the search, everything else is each side's default: on TRL's side ``gradient_checkpointing=True``, ``disable_dropout=False``,
 ``loss_type="dapo"``, ``epsilon`` 0.2, ``max_grad_norm`` 1.0 (the values are in the JSON, ``trl.config``).
 Departures kept visible: the two sides draw their prompts in their own orders from the same rows; a completion
@@ -73,7 +73,7 @@ advantages, the log-probs the loss needs) and ``update`` (the rest of the optimi
 optimizer). ``generation_s`` is Refit's rollout or TRL's generate; ``learner_s`` the step less it.
 
 Here: the workload, each side's command and the rounds. The model the bench builds and the stop ids:
-bench/grpo_model.py; the rows, the summaries and the reward gap: bench/grpo_report.py.
+refit/bench/grpo_model.py; the rows, the summaries and the reward gap: refit/bench/grpo_report.py.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def refit_command(w: Workload, out: Path, seed: int, backend: str, engine: Path 
 
 
 def trl_command(py: Path, w: Workload, out: Path, seed: int, extra: str) -> list[str]:
-    """bench/trl_grpo_side.py in the TRL environment, with the aligned settings."""
+    """refit/bench/trl_grpo_side.py in the TRL environment, with the aligned settings."""
     cmd = [str(py), str(TRL_SIDE), "--model_dir", w.model, "--dataset", w.dataset, "--reward_file", str(REWARD_FILE),
            "--output_dir", str(out), "--out", str(out / "side.json"),
            "--prompts_per_step", str(w.prompts_per_step), "--num_generations", str(w.num_generations),
@@ -273,7 +273,7 @@ def run_side(side: str, rnd: int, cmd: list[str], env: dict, runs_dir: Path, log
 
 def search_trl(py: Path, w: Workload, runs_dir: Path, seed: int, trl_args: str, trial_steps: int,
                log=print) -> tuple[str, list[dict]]:
-    """TRL's fastest configuration on this machine (bench/trl_best.py), each candidate ``trial_steps`` steps; the
+    """TRL's fastest configuration on this machine (refit/bench/trl_best.py), each candidate ``trial_steps`` steps; the
     user's ``trl_args`` fields override a candidate's. (the TRL side's ``trl_args`` for the rounds, the trials)."""
     user, trials_dir = json.loads(trl_args or "{}"), runs_dir / "trl-trials"
     tw = replace(w, steps=trial_steps)

@@ -3,7 +3,7 @@ one side's rounds summarised (medians over the steady steps, peaks, curves), and
 
 A row: ``{"step", "step_s", "generation_s", "phases": {phase: seconds}, "reward", "completion_length"}``; Refit's
 phases are its own ``time/rollout``, ``time/score``, ``time/update``, ``time/weight_push``, TRL's ``generate``,
-``score`` and ``update`` (bench/grpo.py's docstring says what each covers).
+``score`` and ``update`` (refit/bench/grpo.py's docstring says what each covers).
 """
 
 from __future__ import annotations

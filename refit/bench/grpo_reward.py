@@ -1,7 +1,7 @@
 """The reward of ``refit bench grpo``: one plain function that both sides load by this file's path.
 
-Refit's ``refit ppo`` takes it as ``--reward bench/grpo_reward.py:reward``; the TRL side
-(bench/trl_grpo_side.py) loads the same file with ``importlib`` and hands the function to
+Refit's ``refit ppo`` takes it as ``--reward refit/bench/grpo_reward.py:reward``; the TRL side
+(refit/bench/trl_grpo_side.py) loads the same file with ``importlib`` and hands the function to
 ``GRPOTrainer(reward_funcs=...)``. It imports nothing, so neither side's packages leak into the other.
 
 TRL's signature: ``fn(prompts, completions, **columns) -> list[float]``, where a chat prompt's completion is

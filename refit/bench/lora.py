@@ -1,9 +1,9 @@
 """``refit bench lora``: LoRA at published geometries, full depth by default, on this machine; one JSON line.
 
-Per geometry (random weights, built locally from learner/builtin/published.py), each stage in a process of its own
+Per geometry (random weights, built locally from refit/learner/builtin/published.py), each stage in a process of its own
 so that its peak RSS (``wait4``'s ``ru_maxrss``: the child's high-water mark) is its own:
 
-1. ``export``: the LoRA-ready engine (export/lora.py; ``--quantize int8``: an int8 base) - seconds, peak RSS.
+1. ``export``: the LoRA-ready engine (refit/export/lora.py; ``--quantize int8``: an int8 base) - seconds, peak RSS.
 2. ``push``: the engine and the learner's PEFT model (LoRA r, all-linear, a random adapter): the adapter push
    (median of ``--repeats``) against today's full push of every base weight into the same engine, each followed by
    the probe (engine vs PEFT on a fixed batch, as the jobs check every push).
@@ -254,7 +254,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="refit bench lora", description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="Qwen2.5 0.5B", help="published geometries, comma list "
-                   "(learner/builtin/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', 'Qwen2.5 3B', ...)")
+                   "(refit/learner/builtin/published.py: 'Qwen2.5 0.5B', 'Llama 3.2 1B', 'Qwen2.5 1.5B', "
+                   "'Qwen2.5 3B', ...)")
     p.add_argument("--stages", default="export,push,grpo", help=f"comma list of {', '.join(STAGES)}")
     p.add_argument("--quantize", default="none", choices=("none", "int8"), help="the engine's base")
     p.add_argument("--base_dtype", default="fp32", choices=("fp32", "bf16"), help="the learner's base (lora.base_dtype; "

@@ -1,11 +1,11 @@
 """Mixture-of-experts at published widths: ``python -m refit.bench.moe [--only NAME ...] [--compare]``.
 
-For Mixtral-8x7B's and Qwen3-30B-A3B's geometry (learner/builtin/moe_models.py), cut as :data:`RUNS` says
+For Mixtral-8x7B's and Qwen3-30B-A3B's geometry (refit/learner/builtin/moe_models.py), cut as :data:`RUNS` says
 (published widths and vocabulary, fewer experts, 1 layer) to fit the shared 24 GB box, each stage in a fresh process (its
 peak RSS is its own): build the checkpoint, export it through the parity gate (seconds, peak RSS,
 parity, attention), push perturbed expert weights into the ONNX Runtime engine (the output moves,
 and matches the PyTorch engine holding the same weights), then two PPO steps (KL(0), the step-2
-exact KL). ``--compare`` also times the experts lowering chosen in export/moe.py against a dense
+exact KL). ``--compare`` also times the experts lowering chosen in refit/export/moe.py against a dense
 "every expert, masked" forward on the same model (ONNX Runtime, no cache, prefill and one-token
 batches, median of 5 runs) with each one's max |dlogit| against PyTorch. The last stdout line is
 one JSON document.
@@ -138,7 +138,7 @@ def dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def compare_stage(model_dir: str, work: str) -> dict:
-    """Grouped (export/moe.py) vs dense masked experts: ORT ms (median of 5) and max |dlogit| vs PyTorch."""
+    """Grouped (refit/export/moe.py) vs dense masked experts: ORT ms (median of 5) and max |dlogit| vs PyTorch."""
     import copy
 
     import numpy as np

@@ -1,5 +1,5 @@
 """The learner half of a family-table row: 2 PPO steps and 2 distillation steps on an exported checkpoint
-(bench/families.py for the tiny families, bench/real.py for the published geometries)."""
+(refit/bench/families.py for the tiny families, refit/bench/real.py for the published geometries)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The TRL side of ``refit bench grpo``: TRL's ``GRPOTrainer`` on a local model folder, timed per step.
 
-Run by bench/grpo.py in a virtual environment of its own (TRL 1.16, PEFT, the same torch build as Refit's),
+Run by refit/bench/grpo.py in a virtual environment of its own (TRL 1.16, PEFT, the same torch build as Refit's),
 never in Refit's: it imports trl, transformers, peft, datasets and torch only, and loads the reward from a file by
-path (bench/grpo_reward.py, the very function Refit's side gets).
+path (refit/bench/grpo_reward.py, the very function Refit's side gets).
 
-    .venv-trl/bin/python bench/trl_grpo_side.py --model_dir M --dataset D --reward_file F --out side.json ...
+    .venv-trl/bin/python refit/bench/trl_grpo_side.py --model_dir M --dataset D --reward_file F --out side.json ...
 
 Every ``GRPOConfig`` field keeps TRL's default except the ones set in :func:`grpo_args` (the bench's aligned
-settings, listed in bench/grpo.py's docstring) and ``--trl_args`` (a JSON object of any further fields).
+settings, listed in refit/bench/grpo.py's docstring) and ``--trl_args`` (a JSON object of any further fields).
 
 Timing, with no change to what TRL computes: a ``TrainerCallback`` times each optimizer step (``on_step_begin``
 to ``on_step_end``); the trainer's own ``_generate`` (prompts -> completions, transformers ``generate()``) and

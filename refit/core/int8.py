@@ -1,11 +1,11 @@
 """The int8 arithmetic of an int8 engine, in PyTorch: the contract an int8 engine and its references share.
 
 :func:`quantize_weight` makes the int8 twin of a weight (per output column, symmetric) that the exporter writes
-and every push re-quantizes (export/quantize.py); :func:`int8_linear` computes a quantized matmul as the graph
+and every push re-quantizes (refit/export/quantize.py); :func:`int8_linear` computes a quantized matmul as the graph
 does (activations per row, the integer product exact). :func:`reference_model` is a model whose quantized layers
 run that arithmetic (:class:`Int8Linear`; :class:`QDQLinear` for the TensorRT Q/DQ scheme): the export's parity
-gate (rollout/parity.py) and the learner's push probe (learner/run/sync.py) both compare an int8 engine with it,
-within twice the :func:`rounding_floor` it measures. Why this scheme and what it costs: export/quantize.py.
+gate (refit/rollout/parity.py) and the learner's push probe (refit/learner/run/sync.py) both compare an int8 engine with
+it, within twice the :func:`rounding_floor` it measures. Why this scheme and what it costs: refit/export/quantize.py.
 """
 
 from __future__ import annotations

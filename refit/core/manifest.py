@@ -75,21 +75,22 @@ class Manifest:
     capabilities: Capabilities | None = field(default=None, metadata=OMIT_IF_NONE)  # the probe's findings
     parity: Parity | None = field(default=None, metadata=OMIT_IF_NONE)  # added once the gate passed
     export_seconds: float | None = field(default=None, metadata=OMIT_IF_NONE)  # whole export, gate included
-    # the exporting process's peak resident size (MB, its high-water mark by the end of the export; export/memory.py)
+    # the exporting process's peak resident size (MB, its high-water mark by the end of the export;
+    # refit/export/memory.py)
     export_peak_rss_mb: int | None = field(default=None, metadata=OMIT_IF_NONE)
     tensorrt: Mapping[str, TrtPlan] | None = field(default=None, metadata=OMIT_IF_NONE)  # {graph: plan} once built
-    # decoder attention (export/fused.py): "fused" = GroupQueryAttention over a preallocated KV buffer
+    # decoder attention (refit/export/fused.py): "fused" = GroupQueryAttention over a preallocated KV buffer
     # (graph inputs seqlens_k/query_seqlens, compact rows); "plain" or None (folders exported before
     # the field existed) = standard ops, concatenated cache, attention_mask input
     attention: str | None = field(default=None, metadata=OMIT_IF_NONE)
     attention_reason: str | None = field(default=None, metadata=OMIT_IF_NONE)  # why this attention was chosen
     # {graph: {initializer: what it is}}: float initializers that no weight feeds, e.g. a rotary
     # ``inv_freq`` buffer or a folded scale; constants of the graph that training never changes
-    # (export/weight_map.py decides by provenance: no HF parameter reaches them)
+    # (refit/export/weight_map.py decides by provenance: no HF parameter reaches them)
     constants: Mapping[str, Mapping[str, str]] | None = field(default=None, metadata=OMIT_IF_NONE)
-    # int8 rollout engine (export/quantize.py; ExportOptions.quantize): its linear layers' int8 twins; None: fp32
+    # int8 rollout engine (refit/export/quantize.py; ExportOptions.quantize): its linear layers' int8 twins; None: fp32
     quantization: Quantization | None = field(default=None, metadata=OMIT_IF_NONE)
-    # LoRA-ready engine (export/lora.py; ExportOptions.lora): the layers that take an adapter; None: none do
+    # LoRA-ready engine (refit/export/lora.py; ExportOptions.lora): the layers that take an adapter; None: none do
     lora: Lora | None = field(default=None, metadata=OMIT_IF_NONE)
     extra: Mapping[str, object] = field(default_factory=dict)  # unknown top-level sections, kept verbatim
 

@@ -36,7 +36,7 @@ class SpecialIds:
 
 @dataclass(frozen=True)
 class Padding:
-    """The padding rule, stated once for every backend (core/padding.py implements it)."""
+    """The padding rule, stated once for every backend (refit/core/padding.py implements it)."""
 
     prompt_side: str  # "left" (decoder-only) or the encoder's native side ("right" for T5)
     position_ids: str  # how position ids follow from the mask, in words
@@ -90,7 +90,7 @@ class Hashes:
 
 @dataclass(frozen=True)
 class Parity:
-    """The parity gate's record (rollout/parity.py): engine vs PyTorch on padded prompts."""
+    """The parity gate's record (refit/rollout/parity.py): engine vs PyTorch on padded prompts."""
 
     max_abs_logit_diff: float  # max |engine - torch| over real rows and generated positions
     max_abs_logprob_diff: float  # the same on log-probs: the gated quantity
@@ -100,7 +100,7 @@ class Parity:
     decode_steps: int  # cached single-token steps after the prefill
     padding_side: str  # the prompt side the gate padded on
     reference: str  # what the engine was compared with
-    # the engine dtype's gate (export/precision.py): the PyTorch reference's dtype (the engine's own: the
+    # the engine dtype's gate (refit/export/precision.py): the PyTorch reference's dtype (the engine's own: the
     # same rounded weights, activations rounded as PyTorch's kernels round them), and how the engine's graph
     # ran (the CPU provider as is, or a bf16 graph's CPU twin); None in folders exported before the fields
     reference_dtype: str | None = field(default=None, metadata=OMIT_IF_NONE)
@@ -109,7 +109,7 @@ class Parity:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the exporter found in the checkpoint from its config and a probe (export/capabilities.py)."""
+    """What the exporter found in the checkpoint from its config and a probe (refit/export/capabilities.py)."""
 
     kind: str  # "decoder" | "seq2seq"
     positions: str  # "rotary" | "learned" | "sinusoidal" | "relative" | "none"
@@ -137,7 +137,7 @@ class TrtDevice:
 
 @dataclass(frozen=True)
 class TrtPlan:
-    """One graph's refittable TensorRT plan (rollout/tensorrt/build.py)."""
+    """One graph's refittable TensorRT plan (refit/rollout/tensorrt/build.py)."""
 
     plan: str  # "<graph>.plan", relative to the engine folder
     profiles: tuple[str, ...]  # optimization profile names, in the plan's profile order
@@ -153,7 +153,8 @@ class TrtPlan:
 
 @dataclass(frozen=True)
 class LoraTarget:
-    """One linear layer that takes a LoRA adapter in the engine (export/lora.py): ``y = x W^T + (x A^T)(s B^T)``."""
+    """One linear layer that takes a LoRA adapter in the engine (refit/export/lora.py): ``y = x W^T + (x A^T)(s
+    B^T)``."""
 
     graphs: tuple[str, ...]  # the graphs whose matmul by this layer's weight got the adapter branch
     in_features: int  # K: rows of the bound A input (K, r)
@@ -162,7 +163,7 @@ class LoraTarget:
 
 @dataclass(frozen=True)
 class Lora:
-    """A LoRA-ready engine's record (export/lora.py): which layers take an adapter, and under what input names.
+    """A LoRA-ready engine's record (refit/export/lora.py): which layers take an adapter, and under what input names.
 
     Each target ``m`` has two optional graph inputs, ``lora.<m>.A`` (K, r) and ``lora.<m>.B`` (r, N), whose
     defaults are empty (r = 0): a run that binds nothing computes the base exactly (the adapter is off). A push
@@ -184,7 +185,7 @@ def lora_push_names(module: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """The int8 twin of one mapped fp32 engine weight (export/quantize.py): what a push re-quantizes."""
+    """The int8 twin of one mapped fp32 engine weight (refit/export/quantize.py): what a push re-quantizes."""
 
     weight: str  # int8 initializer (K, N): round(w / scale) in [-127, 127], one scale per output column
     scale: str  # float32 initializer (N,): max |w[:, n]| / 127
@@ -194,7 +195,7 @@ class QuantizedWeight:
 
 @dataclass(frozen=True)
 class Quantization:
-    """An int8 engine's record (export/quantize.py): its scheme, its twins, its gate and its gap to fp32."""
+    """An int8 engine's record (refit/export/quantize.py): its scheme, its twins, its gate and its gap to fp32."""
 
     scheme: str  # "int8": per-column symmetric int8 weights x per-row symmetric int8 activations, MatMulInteger;
     # "int8-qdq" (TensorRT): the same int8 weights through DequantizeLinear (scale per output column), fp32 matmuls

@@ -95,7 +95,7 @@ def engine_terms(g: Geometry, engine_rows: int, max_len: int, score_rows: int | 
 
 def engine_weight_bytes(g: Geometry, quantize: str = "none") -> int:
     """Bytes of an engine's weights in memory: fp32, or with ``quantize`` int8 one byte a parameter plus the
-    embedding kept in fp32 for its lookup (export/quantize.py quantizes the matmuls only)."""
+    embedding kept in fp32 for its lookup (refit/export/quantize.py quantizes the matmuls only)."""
     if quantize == "int8":
         return g.params + F32 * g.vocab * g.hidden
     return F32 * g.params

@@ -1,7 +1,7 @@
 """One parser for every ``refit`` subcommand: frozen dataclasses -> tyro, with a YAML file as the defaults.
 
 ``parse(Config, argv, prog)`` turns ``[--config FILE.yaml] [--section.field value ...]`` into a frozen
-``Config`` (why tyro and not HfArgumentParser: see ``learner/run/config.py``). It lives in ``core/``,
+``Config`` (why tyro and not HfArgumentParser: see ``refit/learner/run/config.py``). It lives in ``refit/core/``,
 the bottom room, because ``refit export`` uses it and nothing below ``learner`` may import ``learner``.
 
 - Precedence: field defaults < YAML file (``--config``) < flags. YAML sections are native

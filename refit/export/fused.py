@@ -147,7 +147,7 @@ def translation_table() -> dict:
 def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: (B, N, S, D) q, (B, H_kv, S, D) k/v of the new tokens only
     (the model runs without an HF cache) -> ((B, S, N, D) output, None). The buffers, lengths and
-    attention bias (T5's, export/fused_seq2seq.py; None here) come from the fused call in progress.
+    attention bias (T5's, refit/export/fused_seq2seq.py; None here) come from the fused call in progress.
     What the layer asks for is passed on per layer: its ``scaling`` (Gemma-2: ``query_pre_attn_scalar ** -0.5``),
     ``sliding_window`` (None on a full layer of Gemma-2's alternating pattern) and ``softcap``."""
     st = ACTIVE[-1]
@@ -238,7 +238,7 @@ def supports_fused(model, caps, backend: str, dtype: str) -> str | None:
     """
     if backend != "onnxruntime":
         return f"backend {backend!r}: TensorRT builds from the standard-op graph (contrib ops are ONNX Runtime's)"
-    if dtype == "bf16":  # the exporter gates bf16 through its CPU twin (export/precision.py), standard ops only
+    if dtype == "bf16":  # the exporter gates bf16 through its CPU twin (refit/export/precision.py), standard ops only
         return ("dtype bf16: ONNX Runtime's CPU GroupQueryAttention has no bf16 kernel, so a fused bf16 graph "
                 "cannot be gated here; the standard-op graph is exported and gated through its CPU twin")
     if caps.head_dim % 8:
@@ -282,7 +282,7 @@ def fused_spec(model, caps) -> dict:
 def fused_profiles(caps, max_batch: int, max_len: int, seq2seq: bool = False) -> dict:
     """Shape ranges of the fused graph's inputs (the manifest's record; TensorRT never builds this graph).
 
-    ``seq2seq`` (export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
+    ``seq2seq`` (refit/export/fused_seq2seq.py): the decoder also takes the encoder mask and cross K/V (length
     ``e``), its prefill is the start token; the plain encoder graph keeps its profile."""
     def shapes(b, s, c, k, e):
         d = {"input_ids": [b, s], "position_ids": [b, s], "seqlens_k": [b], "query_seqlens": [b],

@@ -205,7 +205,7 @@ def foldable_weights(model, names) -> dict[str, str]:
     that initializer would change nothing (TensorRT then drops it from ``Refitter.get_all_weights``). Listed here, by
     the op that reads it: the weights whose path to the first op with a runtime input is constant-only. The Q/DQ
     export's int8 twins and scales are such weights by design (``DequantizeLinear`` of two constants,
-    export/quantize.py); a plain export has none. Top-level graph only (the exports have no subgraphs)."""
+    refit/export/quantize.py); a plain export has none. Top-level graph only (the exports have no subgraphs)."""
     const = {t.name for t in model.graph.initializer}
     first: dict[str, str] = {}
     wanted = set(names)

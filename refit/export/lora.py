@@ -10,7 +10,7 @@ where a push binds ``A = lora_A^T`` and ``B = scaling * lora_B^T`` of PEFT's ada
 Both inputs have empty defaults (r = 0, an initializer of the same name: ONNX Runtime's overridable initializers),
 so a run that binds nothing computes ``x W^T + 0`` and is the base exactly, bit for bit: the PPO reference is the
 same sessions with the adapter unbound (one copy of the base). The rank is a dynamic dimension: one export serves
-any r. Nothing about the base changes: its weights, the weight map and an int8 rewrite (export/quantize.py
+any r. Nothing about the base changes: its weights, the weight map and an int8 rewrite (refit/export/quantize.py
 quantizes the matmuls by mapped weights, never these) are as without LoRA.
 
 Why graph inputs bound per run and not ``onnxruntime.LoraAdapter``: both bind the same kind of inputs (ORT's

@@ -247,7 +247,7 @@ def _export_to(tmp: Path, models: _OneModel, info: ModelInfo, caps: Capabilities
 
 
 def check_precision(folder: Path, graphs: dict[str, GraphSpec], wmap: dict, dtype: str) -> None:
-    """The graph side of a reduced-precision export (export/precision.py), before the gate: one RefitError
+    """The graph side of a reduced-precision export (refit/export/precision.py), before the gate: one RefitError
     line listing what is off (the ONNX checker, a float input/output or a mapped weight not in ``dtype``)."""
     if dtype == "fp32":
         return

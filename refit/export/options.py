@@ -26,15 +26,15 @@ class ExportOptions:
     max_batch: int = 64  # largest batch the engine accepts (TensorRT profile max)
     max_len: int = 512  # largest prompt + response length the engine accepts
     parity_tol: float | None = None  # max |logprob diff| allowed; default by dtype (fp32: 1e-4)
-    # decoder attention: "fused" (ORT GroupQueryAttention over a preallocated KV buffer, export/fused.py),
+    # decoder attention: "fused" (ORT GroupQueryAttention over a preallocated KV buffer, refit/export/fused.py),
     # "plain" (standard ops, concatenated cache; TensorRT and the fallback), "auto" (fused where it
     # applies and passes the parity gate, else plain; the manifest records which and why)
     attention: str = "auto"
-    # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (export/quantize.py), pushes
+    # "int8": the linear layers run in int8 on ONNX Runtime's CPU provider (refit/export/quantize.py), pushes
     # re-quantized; backend "tensorrt": weight-only int8 through DequantizeLinear; "none": as exported (dtype)
     quantize: str = "none"
-    # LoRA-ready (export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get an
-    # adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
+    # LoRA-ready (refit/export/lora.py): the linear layers PEFT's target_modules name ("all-linear" or module names) get
+    # an adapter branch whose matrices are graph inputs, empty (off) unless a push binds them; (): none
     lora: tuple[str, ...] = ()
     # "bf16": the weights rounded to bf16 values before the export (graphs keep ``dtype``): the engine of a LoRA run
     # whose learner holds the base in bf16 (lora.base_dtype), so both hold one base; "none": the checkpoint's own
@@ -76,7 +76,7 @@ def recorded_options(opts: ExportOptions) -> dict:
 
 
 def check_quantize(opts: ExportOptions) -> None:
-    """One line for a quantization this export cannot make (export/quantize.py)."""
+    """One line for a quantization this export cannot make (refit/export/quantize.py)."""
     q = opts.quantize
     if q == "fp8":  # TensorRT's FP8 GEMMs want Q/DQ on activations too, with calibrated scales (docs/int8.md)
         raise RefitError("quantize fp8 is not built: FP8 matmuls need calibrated activation scales (a calibration "

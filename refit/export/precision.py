@@ -197,7 +197,7 @@ def engine_run_on_cpu(folder: Path, graphs: dict, dtype: str) -> tuple[dict[str,
     if dtype == "fp16":
         return None, (f"CPUExecutionProvider, the fp16 graph as is: ops without an fp16 CPU kernel ({ops}) "
                       "computed in fp32 between fp16 tensors (ONNX Runtime's InsertCastTransformer)")
-    return files, (f"CPU twin of the bf16 graph (export/precision.py): the CPU provider has no bf16 kernel for "
+    return files, (f"CPU twin of the bf16 graph (refit/export/precision.py): the CPU provider has no bf16 kernel for "
                    f"{ops}; those ops computed in fp32 between bf16 tensors, inputs/outputs cast to fp32 at the "
                    "boundary. Running the bf16 engine itself needs a GPU provider (CUDA or TensorRT); its bf16 "
                    "kernels are not checked here")

@@ -51,7 +51,7 @@ explicit quantization. Each quantized weight is the same int8 twin (:func:`refit
 the very graph TensorRT parses, and the gate compares it with :class:`refit.core.int8.QDQLinear` (an fp32 matmul by the
 dequantized weight ``q * scale``): no activation rounding, so no rounding floor, fp32 parity's 1e-4 tolerance.
 A push re-quantizes with the same :func:`quantize_push`; TensorRT refits the int8 weight and its scale by their
-ONNX names (rollout/tensorrt/engine.py). docs/int8.md says what ran where.
+ONNX names (refit/rollout/tensorrt/engine.py). docs/int8.md says what ran where.
 """
 
 from __future__ import annotations

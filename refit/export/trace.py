@@ -55,7 +55,7 @@ def graph_specs(model, caps: Capabilities, attention: str = "plain") -> list[dic
                    args=(ids, torch.ones(B, 5, dtype=torch.long)),
                    inputs=["input_ids", "attention_mask"], outputs=["encoder_hidden_states", *_kv_names("cross", L)],
                    dynamic={"input_ids": {0: batch, 1: enc}, "attention_mask": {0: batch, 1: enc}})
-    if attention == "fused":  # the plain encoder, the fused decoder (export/fused_seq2seq.py)
+    if attention == "fused":  # the plain encoder, the fused decoder (refit/export/fused_seq2seq.py)
         return [encoder, fused_seq2seq_spec(model, caps)]
     return [
         encoder,
@@ -107,7 +107,7 @@ def trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype,
                    lora: tuple[str, ...] = ()) -> tuple:
     """Fingerprint ``model`` in place (:func:`refit.export.weight_map.fingerprint_`: its real weights are gone),
     trace its graphs and map them by content; with ``lora`` (PEFT target_modules) the targeted layers get their
-    adapter branches (export/lora.py). Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the mapped
+    adapter branches (refit/export/lora.py). Returns ({graph: (inputs, outputs)}, {graph: ModelProto with the mapped
     weights as placeholders}, weight map, constants, the Lora record or None); nothing returned refers to the
     model's tensors."""
     targets = None
@@ -115,7 +115,7 @@ def trace_and_map(model, caps: Capabilities, attention: str, dtype: torch.dtype,
         targets = resolve_targets(model, lora)
     fingerprint_(model)
     if moe:
-        use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (export/moe.py)
+        use_grouped_experts(model)  # the traced model's experts run as refit::expert_linear (refit/export/moe.py)
     fp_params, tied = canonical_params(model)
     specs = graph_specs(model, caps, attention)
     io = {s["name"]: (tuple(s["inputs"]), tuple(s["outputs"])) for s in specs}

@@ -58,7 +58,7 @@ def build(model_dir: str | Path, engine_dir: str | Path, backend: str = "onnxrun
     if backend == "tensorrt" and opts.quantize != "none" and opts.backend != "tensorrt":
         from dataclasses import replace
 
-        opts = replace(opts, backend="tensorrt")  # the Q/DQ graph (export/quantize.py), not ONNX Runtime's int8
+        opts = replace(opts, backend="tensorrt")  # the Q/DQ graph (refit/export/quantize.py), not ONNX Runtime's int8
     if backend == "tensorrt":
         trt_build.require_tensorrt()  # one line, before anything is written
     old = _same_weights(engine_dir, model_dir) if reuse_if_fits else None

@@ -1,6 +1,6 @@
 """The rollout's config sections: ``Sampling`` (temperature, top-k, top-p, min-p, repetition penalty), shared by ``refit generate``, ``refit ppo``
 and ``refit distill``, and the one place a job's :class:`SamplingParams` is made (the engine's request record,
-defined here rather than in ``rollout/types.py`` so that every config imports without torch: a wrong flag is
+defined here rather than in ``refit/rollout/types.py`` so that every config imports without torch: a wrong flag is
 answered before the heavy imports); ``RolloutSection``, the jobs' engines (backend, threads, weight pushes and
 the probe after each); and the lines of ``refit export`` and ``refit generate`` (``ExportConfig``, ``GenerateConfig``),
 parsed and checked here without torch (:func:`parse_export`, :func:`parse_generate`).

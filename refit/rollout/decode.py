@@ -12,7 +12,7 @@ batch, and the rows wait in prompt-major order.
 
 A row's result does not depend on the slot count or the arrival order: its random stream is keyed
 by (prompt, sample) (:class:`refit.rollout.row_streams.RowStreams`), its KV positions are its own (a fused
-engine's rows are compact, rollout/ort_fused.py), and its position ids are its own token count.
+engine's rows are compact, refit/rollout/ort_fused.py), and its position ids are its own token count.
 The output is the same record as the static loop's (:func:`refit.rollout.engine.decode_loop`): rows in
 input order, responses right-padded to the longest, log-probs 0.0 on padding.
 
@@ -207,7 +207,7 @@ def shard_bounds(keys: list[tuple[int, int]], shards: int) -> list[tuple[int, in
     """Row ranges [a, b) of at most ``shards`` shards of prompt-major rows, as even in rows as whole prompts allow.
 
     A cut falls only where the prompt changes (``keys[r][0]``), so a prompt's samples stay in one shard and its
-    prefill is still shared (rollout/ort_fused.py ``distinct_rows``); each shard ends at the prompt boundary
+    prefill is still shared (refit/rollout/ort_fused.py ``distinct_rows``); each shard ends at the prompt boundary
     nearest its even share of the rows. Fewer prompts than shards: one shard per prompt."""
     n = len(keys)
     starts = [r for r in range(n) if r == 0 or keys[r][0] != keys[r - 1][0]]  # each prompt's first row

@@ -1,4 +1,4 @@
-"""The LoRA adapter of a LoRA-ready ONNX Runtime engine (export/lora.py): bound inputs, pushed in place.
+"""The LoRA adapter of a LoRA-ready ONNX Runtime engine (refit/export/lora.py): bound inputs, pushed in place.
 
 A LoRA-ready graph has, per target layer ``m``, two optional inputs ``lora.<m>.A`` (K, r) and ``lora.<m>.B``
 (r, N) whose defaults are empty: unbound, the layer computes the base exactly. :class:`AdapterSlots` holds the
@@ -64,7 +64,7 @@ class AdapterSlots:
                                  f"{tuple(b.shape)}; this engine's layer takes (r, {tgt.in_features}) and "
                                  f"({tgt.out_features}, r)")
             # numpy views (no copy for fp32 CPU tensors); numpy's single-threaded sum: torch's per-tensor OpenMP
-            # wake-ups cost more than the sums on a busy machine (rollout/sampling.py one_thread)
+            # wake-ups cost more than the sums on a busy machine (refit/rollout/sampling.py one_thread)
             a = a.detach().to(torch.float32).cpu().numpy()
             b = b.detach().to(torch.float32).cpu().numpy()
             if not (math.isfinite(float(a.sum(dtype=np.float64))) and math.isfinite(float(b.sum(dtype=np.float64)))):

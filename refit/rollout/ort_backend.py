@@ -123,7 +123,7 @@ class OrtEngine(LoopEngine):
     """Engine over an engine folder's ONNX graphs; ``device="cuda"`` uses the CUDA provider.
 
     ``slots`` (fused-attention engines): decode at most that many rows at once, refilling a slot as
-    soon as its row stops (in-flight batching, rollout/decode.py; ``inflight=False``, and always on an
+    soon as its row stops (in-flight batching, refit/rollout/decode.py; ``inflight=False``, and always on an
     encoder-decoder engine: consecutive static batches of ``slots`` rows); rows are the same as without.
     ``keep_heap`` (default on) calls :func:`refit.export.graph.keep_freed_memory` once for the process,
     so each weight push's new session reuses the memory of the one it replaces.
@@ -170,8 +170,8 @@ class OrtEngine(LoopEngine):
         if self.manifest.dtype not in _TORCH_DTYPE and not graph_files:
             raise RefitError(f"onnxruntime backend runs fp32/fp16 engines; {self.engine_dir} is "
                              f"{self.manifest.dtype}: ONNX Runtime's CPU provider has no {self.manifest.dtype} "
-                             "compute kernels (the export gated it through a CPU twin, export/precision.py); run it "
-                             "with the tensorrt backend on a GPU, or re-export with --dtype fp16")
+                             "compute kernels (the export gated it through a CPU twin, refit/export/precision.py); "
+                             "run it with the tensorrt backend on a GPU, or re-export with --dtype fp16")
         if not isinstance(shards, int) or shards < 1:
             raise RefitError(f"onnxruntime backend: shards must be an integer >= 1, got {shards!r}")
         if keep_heap:
@@ -182,8 +182,8 @@ class OrtEngine(LoopEngine):
         self._providers = default_providers(device)
         quant = self.manifest.quantization
         if opt_level in ("extended", "all") and quant is not None and quant.scheme == QDQ:
-            # TensorRT's Q/DQ graph (export/quantize.py) run as its standard ops say: DequantizeLinear, then an fp32
-            # matmul. ONNX Runtime's extended/all levels fuse DequantizeLinear + MatMul into MatMulNBits with int8
+            # TensorRT's Q/DQ graph (refit/export/quantize.py) run as its standard ops say: DequantizeLinear, then an
+            # fp32 matmul. ONNX Runtime's extended/all levels fuse DequantizeLinear + MatMul into MatMulNBits with int8
             # activations (accuracy level 4): measured 5.3e-3 max |dlogit| on tiny-gpt2, vs 0 at "basic"
             opt_level = "basic"
         self._threads, self._opt_level, self._prepack = threads, opt_level, prepack
@@ -200,7 +200,7 @@ class OrtEngine(LoopEngine):
         self._shapes = ({g: {n: tuple(t.shape) for n, t in w.items()} for g, w in self.weights.items()}
                         if hold_weights else engine_weight_shapes(self.engine_dir, self.manifest))
         self.sessions = self._open({g: {} for g in self.manifest.graphs})
-        self.adapter = None  # a LoRA-ready engine's adapter (rollout/ort_adapter.py), bound into every run
+        self.adapter = None  # a LoRA-ready engine's adapter (refit/rollout/ort_adapter.py), bound into every run
         if self.manifest.lora is not None:
             self.adapter = AdapterSlots(self.manifest.lora, np.float16 if self._dtype == torch.float16 else np.float32)
             self.sessions = AdapterSessions(self.sessions, self.adapter)
@@ -212,7 +212,7 @@ class OrtEngine(LoopEngine):
         self._kv_pools = self._make_pools()  # one per shard: a shard's decode writes its own buffers
 
     def _make_pools(self) -> list:
-        """A fused engine's KV buffer pools, one per shard (rollout/ort_fused.py); [] for the plain graph."""
+        """A fused engine's KV buffer pools, one per shard (refit/rollout/ort_fused.py); [] for the plain graph."""
         if self.manifest.attention != "fused":
             return []
         d = self.manifest.dims

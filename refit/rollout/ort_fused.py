@@ -1,5 +1,6 @@
-"""Stepping a fused-attention engine (export/fused.py; T5, BART, Marian: export/fused_seq2seq.py) on ONNX Runtime: one
-preallocated KV buffer per layer and K/V, written in place by GroupQueryAttention, reused from batch to batch.
+"""Stepping a fused-attention engine (refit/export/fused.py; T5, BART, Marian: refit/export/fused_seq2seq.py) on ONNX
+Runtime: one preallocated KV buffer per layer and K/V, written in place by GroupQueryAttention, reused from batch to
+batch.
 
 Rows are compact in the buffer: row b's tokens sit at positions ``[0, n_b)``. A left-padded prompt
 batch (the padding rule every caller keeps) is compacted on the way in; its positions are
@@ -173,7 +174,7 @@ class FusedDecoderState(_FusedSteps):
         return torch.from_numpy(out[:, -1]).float()[torch.from_numpy(inverse)]
 
     def open(self, slots: int) -> None:
-        """In-flight batching (rollout/decode.py): buffers for ``slots`` rows, every one idle."""
+        """In-flight batching (refit/rollout/decode.py): buffers for ``slots`` rows, every one idle."""
         self.kv = self.pool.get(slots, self.capacity)
         self.n = np.zeros(slots, np.int32)
 
@@ -202,12 +203,12 @@ class FusedDecoderState(_FusedSteps):
 
 class FusedSeq2SeqState(_FusedSteps):
     """:class:`refit.rollout.engine.StepState` over an encoder-decoder engine with the fused decoder graph
-    (export/fused_seq2seq.py: T5, BART, Marian): the encoder runs once per batch as on the plain engine; its cross K/V
-    (OrtValues) and mask feed every decoder step; the decoder's self-attention K/V live in the shared
+    (refit/export/fused_seq2seq.py: T5, BART, Marian): the encoder runs once per batch as on the plain engine; its cross
+    K/V (OrtValues) and mask feed every decoder step; the decoder's self-attention K/V live in the shared
     buffers, compact from position 0 (the decoder start token). A finished row is fed mask 0 and idles.
 
     No slots: the cross K/V are one encoder run's, (B, H, Se, D) for that batch, so rows cannot be
-    admitted into a running batch; ``slots`` gives static batches (rollout/decode.py) that reuse the buffers.
+    admitted into a running batch; ``slots`` gives static batches (refit/rollout/decode.py) that reuse the buffers.
     """
 
     def __init__(self, eng, pool: KVPool, capacity: int):

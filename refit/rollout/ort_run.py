@@ -1,7 +1,7 @@
 """Running an ONNX Runtime session bound to memory the engine owns: the stepping code both ORT states share.
 
 :func:`run_bound` is the one ``run_with_iobinding`` call (host arrays and OrtValues in, logits to the host).
-The fused-attention graphs (export/fused.py, export/fused_seq2seq.py) keep their KV cache in
+The fused-attention graphs (refit/export/fused.py, refit/export/fused_seq2seq.py) keep their KV cache in
 :class:`KVBuffers`, bound as both ``past`` and ``present`` so GroupQueryAttention writes in place; rows are
 compact in them (:func:`compact`) and each step's host inputs come from :func:`step_inputs`; a decode step
 (one token per row) reruns one :class:`StepBinding` instead, its inputs rewritten in place.

@@ -92,7 +92,7 @@ class _ShapeChecked(Mapping):
 def push_scratch(engine_dir: Path) -> Path:
     """A fresh scratch folder beside ``engine_dir`` (never in it) for pushed graph pairs, as an absolute path (the
     sessions open ``engine_dir / file``, which must not prefix it again). ``.NAME.push-XXXX.tmp-PID``: a killed
-    run's is removed by the next guard_engine (core/integrity.py)."""
+    run's is removed by the next guard_engine (refit/core/integrity.py)."""
     import tempfile
 
     return Path(tempfile.mkdtemp(prefix=f".{engine_dir.name}.push-", suffix=f".tmp-{os.getpid()}",

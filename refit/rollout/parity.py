@@ -123,7 +123,7 @@ def parity_gate(model, engine_dir: Path, manifest: Manifest, tokenizer, tol: flo
 
 
 def int8_parity_gate(folder: Path, manifest: Manifest, model, tokenizer, log=print) -> Manifest:
-    """The int8 engine in ``folder`` (export/quantize.py) through the engine's own decode loop, against the
+    """The int8 engine in ``folder`` (refit/export/quantize.py) through the engine's own decode loop, against the
     quantize-dequantize PyTorch forward (:func:`refit.core.int8.reference_model`), within twice the
     int8 rounding floor; the gap to fp32 recorded. Returns the manifest with its quantization record filled."""
     quant = manifest.quantization

@@ -2,7 +2,7 @@
 
 The sampler (:mod:`refit.rollout.sampling`) draws its exponential race keys from these, so the same seed gives the
 same tokens on any backend whose logits agree and a row's tokens do not depend on the batch it is decoded in or
-the slot it sits in (in-flight batching, rollout/decode.py). Each stream is the one
+the slot it sits in (in-flight batching, refit/rollout/decode.py). Each stream is the one
 ``torch.Generator().manual_seed(row_seed(...))`` gives to ``Tensor.exponential_``, reproduced in numpy: MT19937's
 twist and tempering on every row at once (:func:`_mt_twist`, :func:`_mt_temper`), or numpy's own ``MT19937`` per
 row while the rows are few (:data:`PER_ROW_MAX`).
@@ -78,7 +78,7 @@ class RowStreams:
     vectorised in numpy: one twist of (rows, 624) words per 312 draws instead of one ``exponential_`` call
     per row per step.
     The k-th sampled token of a row uses the k-th draws of its stream whatever the slot it sits in, the
-    other rows, or the order rows arrive in (in-flight batching, rollout/decode.py). ``seed=None`` picks a
+    other rows, or the order rows arrive in (in-flight batching, refit/rollout/decode.py). ``seed=None`` picks a
     random base seed once per call. A slot's stream is replaced when a new row takes the slot.
 
     Up to :data:`PER_ROW_MAX` rows, each row's stream is instead numpy's own ``MT19937`` bit generator set to

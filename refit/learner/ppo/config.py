@@ -123,9 +123,9 @@ class PPOConfig:
                                                  "token out of the loss (they still count in their group's baseline; "
                                                  "TRL's mask_truncated_completions, DAPO's overlong filtering)")
     loss_type: Literal["token", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo"] = _f(
-        "token", "the policy loss and its normalisation (learner/losses/grpo.py): token: the clipped loss over the "
-                 "minibatch's token count (Refit's own); TRL 1.16 GRPO's grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
-                 "luspo, vespo, each with TRL's normaliser; rloo: TRL RLOO's ratio of summed log-probs per "
+        "token", "the policy loss and its normalisation (refit/learner/losses/grpo.py): token: the clipped loss "
+                 "over the minibatch's token count (Refit's own); TRL 1.16 GRPO's grpo, bnpo, dr_grpo, dapo, cispo, "
+                 "sapo, luspo, vespo, each with TRL's normaliser; rloo: TRL RLOO's ratio of summed log-probs per "
                  "sequence, averaged over sequences")
     cliprange_high: float | None = _f(None, "upper clip 1 + cliprange_high (DAPO's clip-higher; cispo: the cap on "
                                             "the ratio); None: cliprange (TRL's epsilon_high)")
@@ -197,8 +197,8 @@ class PPOConfig:
                                  "step, so they are the same numbers) instead of a separate scoring forward, "
                                  "where the step allows it: one epoch and one minibatch, and either no value head, "
                                  "no KL in the reward and no seq_mask (micro-batch by micro-batch, any "
-                                 "accumulation; learner/ppo/onepass.py) or no accumulation (the whole batch in one "
-                                 "forward); false: always a separate scoring pass")
+                                 "accumulation; refit/learner/ppo/onepass.py) or no accumulation (the whole batch "
+                                 "in one forward); false: always a separate scoring pass")
     reference: Literal["auto", "always"] = _f(
         "auto", "when the frozen reference is scored: auto, only when the KL is in the objective (kl_coef > 0; "
                 "TRL's GRPO at beta 0 loads no reference either, and the step then logs no kl/* figures); "

@@ -38,7 +38,7 @@ from refit.learner.run.policy import response_forward, vocab_size
 def streamable_loss(s: UpdateSettings) -> bool:
     """The loss splits over any rows in batch order: not TRL's ``bnpo``, entropy mask, entropy bonus (fixed or
     adaptive) or router loss, whose normalisers are those of TRL's gradient-accumulation slices
-    (learner/ppo/objective.py)."""
+    (refit/learner/ppo/objective.py)."""
     bonus = s.entropy_coef or (s.entropy_ctrl is not None and s.entropy_ctrl.adaptive)
     return s.loss_type == "token" or (s.loss_type != "bnpo" and s.top_entropy_quantile >= 1 and not bonus
                                       and not s.router_aux_loss_coef)

@@ -53,7 +53,7 @@ class UpdateSettings:
     use_critic: bool = True  # False (rloo / grpo): no value forward, no value loss
     autocast_bf16: bool = False  # bf16 autocast for the forward, on the model's device type
     micro_rows: int = 0  # rows per forward with autograd (micro-batches split further to it); 0: no cap
-    # TRL's loss settings (learner/ppo/objective.py; PPOConfig's fields of the same names): 'token' is Refit's own
+    # TRL's loss settings (refit/learner/ppo/objective.py; PPOConfig's fields of the same names): 'token' is Refit's own
     loss_type: str = "token"
     cliprange_high: float | None = None
     delta: float | None = None
@@ -170,7 +170,7 @@ def _micro_loss(model, value_head, exp: Experience, idx, n_tokens, s: UpdateSett
         with torch.no_grad(), ctx:
             ref_logits = response_forward(ref_model, *args).logits.to(dev)
     # log-prob, entropy (and exact KL) from one token-chunked pass: the logits and their gradient are the only
-    # (B, Tr, V) tensors (learner/losses/chunked.py)
+    # (B, Tr, V) tensors (refit/learner/losses/chunked.py)
     st = L.token_stats(out.logits, exp.response_ids[idx].to(dev), ref_logits)
     return micro_objective(out, st, exp, idx, n_tokens, s)
 

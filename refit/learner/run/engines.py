@@ -121,8 +121,8 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
                      gpu_share: float = 1.0, lora=None) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends. ``lora`` (a
-    LoraSection with r > 0): the engine is LoRA-ready for its target modules (export/lora.py), exported from the base
-    the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
+    LoraSection with r > 0): the engine is LoRA-ready for its target modules (refit/export/lora.py), exported from the
+    base the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
     # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
     lora_ready = lora_of(lora) and cfg.rollout.backend != "tensorrt"
     check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout

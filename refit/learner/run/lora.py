@@ -220,7 +220,7 @@ def untied(config):
 @torch.no_grad()
 def merged_tensors(model) -> dict[str, torch.Tensor]:
     """``{<module>.weight: W + scaling * B A}`` of every adapted layer by its HF name: what an engine that takes no
-    adapter inputs (TensorRT: a refit of the targeted layers, rollout/tensorrt/engine.py) is pushed on a LoRA run.
+    adapter inputs (TensorRT: a refit of the targeted layers, refit/rollout/tensorrt/engine.py) is pushed on a LoRA run.
     Fresh tensors, the size of the targeted layers; the base is left as it is."""
     from peft.tuners.lora import LoraLayer
 

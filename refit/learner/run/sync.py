@@ -132,7 +132,7 @@ class WeightSync:
     def _probe(self, side: LearnerSide) -> float:
         """The probe's engine half against ``side``: the max |log-prob diff|, or one line above the tolerance (at
         least ``side.floor``). An int8 engine above it: the int8 rounding floor on this batch is measured and the
-        engine must be within twice it (export/quantize.py, Exactness)."""
+        engine must be within twice it (refit/export/quantize.py, Exactness)."""
         p, c = self.probe, self.contract
         eng = self.engine.score(p.prompt_ids, p.prompt_mask, p.response_ids, p.response_mask,
                                 temperature=c.temperature).logprobs
@@ -162,8 +162,8 @@ class WeightSync:
         return True
 
     def int8_reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` as the int8 engine computes it (core/int8.py ``reference_model``, the contract's manifest). A LoRA
-        policy's is made once and held here: it shares every parameter of the policy (the adapter as it trains, the
+        """``model`` as the int8 engine computes it (refit/core/int8.py ``reference_model``, the contract's manifest). A
+        LoRA policy's is made once and held here: it shares every parameter of the policy (the adapter as it trains, the
         frozen base) and quantizes the base's linear layers at each forward (``Int8Linear(lazy=True)``), so it follows
         each step without being made again and costs no copy of the base, fp32 or int8."""
         manifest = self.contract.int8_manifest

@@ -119,9 +119,9 @@ TRAINING_ARGS: dict[str, TrlField] = {
                                       "TRL 1.16's GRPO, RLOO, GKD and Distillation trainers replace compute_loss with "
                                       "their own (policy gradient, JSD), so it changes nothing in TRL either"),
     "torch_compile": _r(False, "not built: the learner runs eager PyTorch (compiling is speed, not numbers: the log-prob "
-                               "and loss are computed chunked by Refit's own code, learner/losses/chunked.py)"),
+                               "and loss are computed chunked by Refit's own code, refit/learner/losses/chunked.py)"),
     "use_liger_kernel": _r(False, "Liger's kernels are Triton (CUDA); Refit's fused log-prob / loss is its own chunked "
-                                  "PyTorch code (learner/losses/chunked.py)"),
+                                  "PyTorch code (refit/learner/losses/chunked.py)"),
     "deepspeed": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
     "fsdp": _r(None, "one process here; `torchrun ... refit ppo` for DDP"),
     "resume_from_checkpoint": _a(None, "as in transformers, the trainer does not read it: a script passes it to "
@@ -229,7 +229,7 @@ GRPO_ARGS: dict[str, TrlField] = {
     "epsilon_high": _h(None, "cliprange_high: the upper clip 1 + epsilon_high (DAPO's clip-higher; cispo: the cap "
                              "on the ratio); RLOO: its sequence ratio's upper clip"),
     "loss_type": _h("dapo", "loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, each with TRL's "
-                            "normaliser (learner/losses/grpo.py)"),
+                            "normaliser (refit/learner/losses/grpo.py)"),
     "scale_rewards": _h("group", "scale_rewards: True/'group', 'batch', False/'none'"),
     "reward_weights": _h(None, "reward_weights"),
     "temperature": _h(1.0, "sampling.temperature"),

@@ -136,7 +136,8 @@ def rollouts(a: GRPOConfig, per: int, prompts: int, num_prompts: int | None) -> 
 
 
 def loss_values(a: GRPOConfig) -> dict[str, Any]:
-    """The loss and advantage settings as Refit's PPOConfig fields (learner/losses/grpo.py computes each as TRL)."""
+    """The loss and advantage settings as Refit's PPOConfig fields (refit/learner/losses/grpo.py computes each as
+    TRL)."""
     values = {"cliprange_high": a.epsilon_high, "mask_truncated_completions": bool(a.mask_truncated_completions),
               "minibatch_order": "replay"}  # TRL shuffles a generation once and replays it num_iterations times
     if a.ESTIMATOR == "rloo":

@@ -20,7 +20,7 @@ TensorRT's ONNX parser names refittable weights after the ONNX initializers
 (``INetworkDefinition.setWeightsName``, see the TensorRT guide "Refitting an Engine"), so the
 manifest's engine names are the refit names (:func:`trt_weight_name`).
 
-A quantized folder (``--backend tensorrt --quantize int8``, export/quantize.py's ``int8-qdq``: int8 weight
+A quantized folder (``--backend tensorrt --quantize int8``, refit/export/quantize.py's ``int8-qdq``: int8 weight
 initializers through ``DequantizeLinear`` into fp32 matmuls) is built as a strongly typed network, as TensorRT 10's
 guide asks of explicit quantization (no precision flags: INT8 is the weakly typed networks' switch), REFIT and
 the profiles as always; its refittable names are the int8 twins and their scales (:func:`mapped_trt_names`), and

@@ -85,7 +85,7 @@ def check_weight_map(manifest: Manifest, onnx_path: str | Path, graph: str | Non
                 continue
             where = f"{graph}: {hf_name} -> {t.engine}"
             tw = twins.get(t.engine)
-            if tw is not None:  # the int8 twin and its scale are what a push writes (export/quantize.py)
+            if tw is not None:  # the int8 twin and its scale are what a push writes (refit/export/quantize.py)
                 owners[tw.weight] += 1
                 owners[tw.scale] += 1
                 twin_shape, twin_problems = _check_twin(where, tw, inits, external)

@@ -17,7 +17,7 @@ TensorRT execution instead of ONNX Runtime:
 - ``update_weights`` first makes the engine's stream wait for the stream the learner wrote the tensors on, maps HF
   names through the weight map (tied aliases folded, transpose applied, a stored-dtype target cast as the export
   cast it, on the device; a quantized engine's weights re-quantized there into their int8 twin and scale,
-  export/quantize.py) and refits through one ``trt.Refitter`` per graph, kept for the engine's life (prototypes
+  refit/export/quantize.py) and refits through one ``trt.Refitter`` per graph, kept for the engine's life (prototypes
   read once, weight validation off), ``refit_cuda_engine_async`` on the engine's stream. ``weights_version`` += 1.
 
 The held set (``hold_weights=True``, the default): one device buffer per mapped weight, in the plan's weight dtype,
@@ -52,7 +52,7 @@ def read_held_weights(engine_dir: Path, manifest: Manifest) -> dict[str, dict[st
     import onnx
 
     by_onnx = {1: (np.float32, torch.float32), 10: (np.float16, torch.float16), 16: (np.int16, torch.bfloat16),
-               3: (np.int8, torch.int8)}  # int8: a quantized engine's weight twins (export/quantize.py)
+               3: (np.int8, torch.int8)}  # int8: a quantized engine's weight twins (refit/export/quantize.py)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for graph, spec in manifest.graphs.items():
         wanted = set(mapped_trt_names(manifest, graph))
@@ -221,9 +221,9 @@ class TrtEngine(LoopEngine):
     def _stage(self, named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """{graph: {trt_name: device tensor}} in engine layout (views where the layout allows); shapes checked.
 
-        Each target is converted as the export converted it (export/weight_map.py ``_engine_tensor``): one stored in
-        its own dtype (T5's fp32 ``wo`` in an fp16 engine) is cast straight to it, not rounded through the engine's.
-        A quantized engine (export/quantize.py, ``int8-qdq``): each quantized weight is re-quantized from the
+        Each target is converted as the export converted it (refit/export/weight_map.py ``_engine_tensor``): one stored
+        in its own dtype (T5's fp32 ``wo`` in an fp16 engine) is cast straight to it, not rounded through the engine's.
+        A quantized engine (refit/export/quantize.py, ``int8-qdq``): each quantized weight is re-quantized from the
         pushed fp32 tensor, on the device, into its int8 twin and scale (both refitted); the fp32 name is staged
         only where the graph still reads it (``keep_float``)."""
         staged: dict[str, dict[str, torch.Tensor]] = {}
