@@ -17,16 +17,9 @@ else is reachable under its room (``refit.core``, ``refit.export``, ``refit.roll
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-
-# A source checkout run without installing (PYTHONPATH=., a second worktree): the rooms (core/, export/, ...)
-# sit beside this folder rather than inside it as in the wheel, so they are looked up there first.
-_checkout = Path(__file__).resolve().parent.parent
-if not (Path(__file__).resolve().parent / "core").is_dir() and (_checkout / "core" / "__init__.py").is_file():
-    __path__.insert(0, str(_checkout))  # noqa: F821 - a package's own __path__
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -3,8 +3,9 @@
 On a shared CPU the load moves between runs started minutes apart; here every round runs, in turn, HF
 ``generate()``, this checkout's engine ("after") and the same engine with a main checkout's sampler and
 per-row random streams put back and the prompt deduplication off ("before"; ``--base`` is that checkout's
-root, whose ``rollout/sampling.py`` is loaded under another module name). Both engine sides share one ONNX
-Runtime session. Prints per-call times and, last, one JSON line with medians and ratios.
+root, whose ``refit/rollout/sampling.py`` (``rollout/sampling.py`` in a checkout from before the rooms moved
+into refit/) is loaded under another module name). Both engine sides share one ONNX Runtime session. Prints
+per-call times and, last, one JSON line with medians and ratios.
 
     PYTHONPATH=. python scripts/engine_ab.py --base /tmp/engine_base --rounds 4
 """
@@ -22,7 +23,9 @@ import time
 
 
 def _load_base_sampling(root: str):
-    spec = importlib.util.spec_from_file_location("refit_base_sampling", os.path.join(root, "rollout", "sampling.py"))
+    paths = [os.path.join(root, *parts, "sampling.py") for parts in (("refit", "rollout"), ("rollout",))]
+    path = next((p for p in paths if os.path.isfile(p)), paths[0])  # the second: a checkout older than the move
+    spec = importlib.util.spec_from_file_location("refit_base_sampling", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["refit_base_sampling"] = mod
     spec.loader.exec_module(mod)
@@ -49,7 +52,8 @@ def _before(base):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", default="/tmp/engine_base", help="a main checkout (its rollout/sampling.py is 'before')")
+    p.add_argument("--base", default="/tmp/engine_base", help="a main checkout (its refit/rollout/sampling.py is "
+                   "'before')")
     p.add_argument("--model", default="runs/engine/small-gpt2")
     p.add_argument("--engine", default="runs/engine/small-gpt2-engine")
     p.add_argument("--prompts", type=int, default=16)

@@ -1,4 +1,4 @@
-"""The int8 op choice of export/quantize.py, measured: the weight matmuls of one GPT-2-small decode step
+"""The int8 op choice of refit/export/quantize.py, measured: the weight matmuls of one GPT-2-small decode step
 (12 x [768x2304, 768x768, 768x3072, 3072x768] + 768x50257) at batch B, one ONNX Runtime session per variant
 (fp32 MatMul; MatMulInteger with per-tensor (mmint) or per-row (mmrow, the chosen scheme) activation scales;
 DynamicQuantizeMatMul; MatMulNBits 8/4-bit with block size), 2 threads, interleaved rounds, best of 5.

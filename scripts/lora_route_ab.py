@@ -1,11 +1,11 @@
 """Two ways to get a LoRA adapter into a running ONNX Runtime engine, measured on one LoRA-ready engine folder.
 
 A (Refit's): the adapter's inputs bound as ``OrtValue`` s over the engine's own numpy buffers
-  (rollout/ort_adapter.py); a push is ``OrtEngine.update_weights`` of PEFT-named tensors: an in-place copy.
+  (refit/rollout/ort_adapter.py); a push is ``OrtEngine.update_weights`` of PEFT-named tensors: an in-place copy.
 B (ONNX Runtime's): ``onnxruntime.AdapterFormat`` with the same matrices, exported to an ``.onnx_adapter`` file,
   loaded as ``onnxruntime.LoraAdapter`` and activated per run with ``RunOptions.add_active_adapter``.
 
-Both feed the same graph inputs (the overridable initializers export/lora.py makes), so a run costs the same; the
+Both feed the same graph inputs (the overridable initializers refit/export/lora.py makes), so a run costs the same; the
 push differs. The script pushes a random rank-``--r`` adapter on every target ``--repeats`` times each way, checks
 that both give the same logits, and ends with one JSON line.
 

@@ -19,8 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "what-is-where.md"
 MARKS = ("<!-- what-is-where:start -->", "<!-- what-is-where:end -->")
-# the rooms, bottom floor first (the installed name of each folder is refit.<folder>; refit/ is the face itself)
-ROOMS = ("core", "export", "rollout", "learner", "bench", "refit", "scripts", "examples")
+# the rooms, bottom floor first: the package's subpackages, then the face (refit/'s own modules), scripts, examples
+ROOMS = ("refit/core", "refit/export", "refit/rollout", "refit/learner", "refit/bench", "refit", "scripts", "examples")
+
+
+def room(path: Path) -> str:
+    """The room ``path`` (relative to the repository root) sits in: the first of :data:`ROOMS` that holds it."""
+    return next(r for r in ROOMS if path.parts[: len(Path(r).parts)] == Path(r).parts)
 
 
 def sources() -> list[Path]:
@@ -30,9 +35,9 @@ def sources() -> list[Path]:
     if tracked.returncode == 0:
         files = [ROOT / f for f in tracked.stdout.splitlines()]
     else:
-        files = [f for room in ROOMS for f in (ROOT / room).rglob("*") if "__pycache__" not in f.parts]
+        files = {f for r in ROOMS for f in (ROOT / r).rglob("*") if "__pycache__" not in f.parts}
     rel = [f.relative_to(ROOT) for f in files if f.suffix in (".py", ".sh") and f.is_file()]
-    return sorted(rel, key=lambda p: (ROOMS.index(p.parts[0]), p.parts))
+    return sorted(rel, key=lambda p: (ROOMS.index(room(p)), p.parts))
 
 
 def summary(path: Path) -> str:
@@ -49,11 +54,11 @@ def summary(path: Path) -> str:
 
 def table() -> str:
     """The map: one row per module, grouped by room; a module without a docstring is listed with a gap to fill."""
-    lines, room = [], None
+    lines, current = [], None
     for path in sources():
-        if path.parts[0] != room:
-            room = path.parts[0]
-            lines += ["", f"### `{room}/`", "", "| module | what it is |", "|---|---|"]
+        if room(path) != current:
+            current = room(path)
+            lines += ["", f"### `{current}/`", "", "| module | what it is |", "|---|---|"]
         lines.append(f"| `{path.as_posix()}` | {summary(path).replace('|', '&#124;') or '(no docstring)'} |")
     return "\n".join(lines[1:])
 

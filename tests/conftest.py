@@ -240,7 +240,7 @@ def plain_engine_dirs(tmp_path_factory, model_dirs, default_engine_dirs):
 
 def quantized_reference(model_dir, manifest, pushed=None):
     """TorchEngine over the model of ``model_dir`` with its quantized layers as the engine computes them
-    (core/int8.reference_model: int8 rows x int8 weights, or matmuls by dequantized weights for Q/DQ),
+    (refit/core/int8.reference_model: int8 rows x int8 weights, or matmuls by dequantized weights for Q/DQ),
     ``pushed`` (HF name -> tensor) loaded first. Returns (engine, the fp32 model)."""
     from refit.core.hf_folder import load_model
     from refit.core.int8 import reference_model

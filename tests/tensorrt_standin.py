@@ -156,7 +156,7 @@ class _Engine:
     def run(self, feeds):
         from refit.export.graph import open_session
 
-        if self.session is None:  # a Q/DQ graph as its ops say (rollout/ort_backend.py: no MatMulNBits fusion)
+        if self.session is None:  # a Q/DQ graph as its ops say (refit/rollout/ort_backend.py: no MatMulNBits fusion)
             qdq = any(isinstance(w, np.ndarray) and w.dtype == np.int8 for w in self.weights.values())
             self.session = open_session(self.path, self.weights, opt_level="basic" if qdq else "all")[0]
         outs = [o.name for o in self.session.get_outputs()]

@@ -1,4 +1,4 @@
-"""Group baselines (learner/losses/advantages.py) against values computed by hand."""
+"""Group baselines (refit/learner/losses/advantages.py) against values computed by hand."""
 
 import math
 

@@ -184,7 +184,7 @@ def _check_side(side: dict, phases: set[str], steps: int = 2, rounds: int = 1, m
     assert set(side["phases_s"]) == phases and side["step_s"] > 0 and side["first_step_s"] > 0
     assert side["generation_s"] > 0 and side["learner_s"] > 0
     assert len(side["reward_by_step"]) == steps and len(side["reward_by_round"]) == rounds
-    assert all(0 <= x <= 1 for x in side["reward_by_step"])  # bench/grpo_reward.py is in [0, 1]
+    assert all(0 <= x <= 1 for x in side["reward_by_step"])  # refit/bench/grpo_reward.py is in [0, 1]
     assert all(0 < n <= max_len for n in side["completion_length_by_step"])
     assert side["peak_rss_gb"] > 0.1 and len(side["peak_rss_gb_by_round"]) == rounds  # a Python with torch
 
@@ -340,8 +340,9 @@ def test_bench_lora_names_a_refused_full_fine_tuning_row():
 
 
 def test_trl_candidates_and_the_memory_watch(tmp_path):
-    """bench/trl_best.py: the configurations tried for a step's rows (micro-batches only where 16 divides them), and
-    a candidate that passes its memory cap is stopped and reported as over memory, not run to the machine's limit."""
+    """refit/bench/trl_best.py: the configurations tried for a step's rows (micro-batches only where 16 divides them),
+    and a candidate that passes its memory cap is stopped and reported as over memory, not run to the machine's
+    limit."""
     from refit.bench.trl_best import candidates, run_capped
 
     assert [n for n, _ in candidates(4, True)] == ["ckpt-on", "ckpt-off"]

@@ -1,5 +1,5 @@
-"""Token-chunked log-prob / entropy / exact KL (learner/losses/chunked.py) against the plain formulas of
-learner/losses/common.py and a float64 hand computation: values and gradients, chunks that do not divide T."""
+"""Token-chunked log-prob / entropy / exact KL (refit/learner/losses/chunked.py) against the plain formulas of
+refit/learner/losses/common.py and a float64 hand computation: values and gradients, chunks that do not divide T."""
 
 import math
 

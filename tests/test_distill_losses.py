@@ -1,4 +1,4 @@
-"""Tests for learner/distill_losses.py against F.kl_div, explicit-sum references and hand cases."""
+"""Tests for refit/learner/losses/distill.py against F.kl_div, explicit-sum references and hand cases."""
 
 import math
 

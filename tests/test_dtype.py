@@ -4,7 +4,7 @@ tensors rounded to the dtype), a push in that dtype against a PyTorch forward of
 attention or its fallback with the reason, and the learner's probe after a push into an fp16 engine.
 
 On this CPU: fp16 graphs run on ONNX Runtime's CPU provider as they are; bf16 graphs through their CPU twin
-(export/precision.py). CI runs tiny models (tiny-llama, a Gemma-2-style model at head_dim 256 with a narrow
+(refit/export/precision.py). CI runs tiny models (tiny-llama, a Gemma-2-style model at head_dim 256 with a narrow
 width); published geometries (2 layers, narrow vocabularies where the vocabulary only costs time) are slow.
 """
 

@@ -204,7 +204,8 @@ def test_model_missing_a_capability_is_refused_before_writing(tmp_path, tokenize
     r = _cli("export", str(d), "-o", str(tmp_path / "out"))
     _one_line_error(r, "cannot export", "MambaForCausalLM", "missing capability: attention KV cache")
     assert not (tmp_path / "out").exists()
-    # no temporary folder left either; the engine folder's lock file (core/integrity.py engine_lock) stays beside it
+    # no temporary folder left either; the engine folder's lock file (refit/core/integrity.py engine_lock) stays beside
+    # it
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "mamba"], "no temporary folder left either"
 
 

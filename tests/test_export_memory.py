@@ -1,4 +1,4 @@
-"""The export's memory record (export/memory.py): the process's peak RSS, per stage and in the manifest."""
+"""The export's memory record (refit/export/memory.py): the process's peak RSS, per stage and in the manifest."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fused-attention engines (export/fused.py, rollout/ort_fused.py) and in-flight batching (rollout/decode.py).
+"""Fused-attention engines (refit/export/fused.py, refit/rollout/ort_fused.py) and in-flight batching
+(refit/rollout/decode.py).
 
 Parity matrix: fused graph vs plain graph vs the PyTorch reference, on each decoder-only family
 (GPT-2 learned positions, Llama rotary + grouped KV heads), padded batch, greedy and sampled with
@@ -271,7 +272,7 @@ def test_fused_engine_refused_off_the_cpu_provider(engine_dirs, arch):
 @pytest.mark.parametrize("arch", DECODERS)
 def test_repeated_prompts_prefilled_once_give_the_same_rows(engine_dirs, prompts, arch, monkeypatch):
     """n samples per prompt: the distinct prompts are prefilled once and their K/V copied to every row
-    (rollout/ort_fused.py distinct_rows); tokens and log-probs equal the row-by-row prefill exactly."""
+    (refit/rollout/ort_fused.py distinct_rows); tokens and log-probs equal the row-by-row prefill exactly."""
     import refit.rollout.ort_fused as fused
 
     params = SamplingParams(max_new_tokens=10, seed=4, temperature=0.9, n=2, return_topk=2)  # within max_batch 16
@@ -292,7 +293,7 @@ def test_repeated_prompts_prefilled_once_give_the_same_rows(engine_dirs, prompts
 
 @pytest.mark.parametrize("arch", DECODERS + ["tiny-t5"])
 def test_decode_step_binding_gives_the_per_step_runs_rows(engine_dirs, prompts, arch, monkeypatch):
-    """Decode steps rerun one IOBinding with inputs rewritten in place (rollout/ort_run.py StepBinding): tokens,
+    """Decode steps rerun one IOBinding with inputs rewritten in place (refit/rollout/ort_run.py StepBinding): tokens,
     log-probs and top-k equal the per-step binding's (StepBinding off) exactly, static and in slots, with rows
     idling after a stop (their logits zeroed)."""
     from refit.rollout.ort_run import StepBinding

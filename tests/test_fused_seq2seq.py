@@ -1,5 +1,5 @@
-"""Fused encoder-decoder graphs (export/fused_seq2seq.py) and their engine state (rollout/ort_fused.FusedSeq2SeqState):
-T5 (relative position bias), BART and Marian (absolute positions, per row).
+"""Fused encoder-decoder graphs (refit/export/fused_seq2seq.py) and their engine state
+(refit/rollout/ort_fused.FusedSeq2SeqState): T5 (relative position bias), BART and Marian (absolute positions, per row).
 
 Fused graph vs plain graph vs the PyTorch reference on the tiny T5, BART and Marian (encoder inputs of six lengths,
 right-padded on the encoder's native side; decoder rows compact in the buffers, finished rows idle),

@@ -1,4 +1,4 @@
-"""TRL 1.16's GRPO / RLOO loss settings (learner/losses/grpo.py, advantages.py) against TRL's formulas written out
+"""TRL 1.16's GRPO / RLOO loss settings (refit/learner/losses/grpo.py, advantages.py) against TRL's formulas written out
 here, independently, as trl/trainer/grpo_trainer.py ``_compute_loss`` and rloo_trainer.py compute them: loss value
 AND gradient on one fixed batch (fixed log-probs, old log-probs, rewards, masks, entropies), float64, to 1e-6.
 

@@ -1,5 +1,5 @@
-"""The PPO update with TRL's loss settings (learner/ppo/objective.py) on a tiny GPT-2: one optimizer step's gradient
-equals TRL's, summed over its gradient-accumulation slices as TRL's trainer sums them (the per-slice formula of
+"""The PPO update with TRL's loss settings (refit/learner/ppo/objective.py) on a tiny GPT-2: one optimizer step's
+gradient equals TRL's, summed over its gradient-accumulation slices as TRL's trainer sums them (the per-slice formula of
 tests/test_grpo_losses.py on the policy's own forward), whatever the memory cut of a slice; the replayed minibatch
 order; mask_truncated_completions; the facade's mapping of the DAPO settings and its refusals."""
 

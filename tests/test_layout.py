@@ -31,16 +31,14 @@ IMPORTLIB_ALLOWED = {"refit", "refit.rollout.engine", "refit.learner.ppo.rewards
 
 
 def _modules() -> dict[str, Path]:
-    """{dotted module name: file} of every module in the rooms, as installed (refit.<room>.<...>)."""
+    """{dotted module name: file} of every module in the package: refit/ is ``refit``, so a file's path is its name
+    (refit/cli.py is refit.cli, refit/learner/ppo/cycle.py refit.learner.ppo.cycle), as in the wheel."""
     out = {}
-    for room in FLOORS:
-        for f in (ROOT / room).rglob("*.py"):
-            parts = list(f.relative_to(ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            if room == "refit":  # the face: refit/cli.py is refit.cli
-                parts.pop(0)
-            out[".".join(["refit", *parts])] = f
+    for f in (ROOT / "refit").rglob("*.py"):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
     return out
 
 
@@ -114,7 +112,7 @@ def learner_floor_breaks(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_learner_folders_sit_on_floors():
-    """Inside learner/: the builtin tasks and models below the jobs, the demo above them, no folder loop."""
+    """Inside refit/learner/: the builtin tasks and models below the jobs, the demo above them, no folder loop."""
     breaks = learner_floor_breaks(_graph())
     assert not breaks, f"{len(breaks)} arrow(s) against the learner's floors: {breaks}"
 
@@ -132,13 +130,14 @@ def test_the_learner_floor_check_catches_a_folder_loop():
 
 
 # internal imports inside functions (issue 33): the ratchet, lowered as they move to the modules' headers. Left: the
-# stages of bench/lora.py (each runs in a child whose peak RSS is measured: it loads only what it needs)
+# stages of refit/bench/lora.py (each runs in a child whose peak RSS is measured: it loads only what it needs)
 INSIDE_FUNCTIONS_AT_MOST = 13
 
 
 def test_the_learner_imports_nothing_from_export():
     """The learner talks to engines through the rollout protocol and shares the engine/learner contract through
-    refit.core (core/contract.py; the int8 arithmetic an int8 engine's probe compares with, core/int8.py)."""
+    refit.core (refit/core/contract.py; the int8 arithmetic an int8 engine's probe compares with,
+    refit/core/int8.py)."""
     graph = _graph()
     arrows = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("refit.learner.")
                     for b in deps if b.startswith("refit.export"))
@@ -213,7 +212,7 @@ def test_no_import_circle():
 
 def test_one_decode_loop():
     """Tokens are chosen in one file: every caller (generate on each backend, the export parity gate, the
-    benchmarks) drives rollout/decode.py, whose static loop and in-flight scheduler are the only code that
+    benchmarks) drives refit/rollout/decode.py, whose static loop and in-flight scheduler are the only code that
     picks a next token (``sample_step``) and feeds it back."""
     callers = set()
     for module, path in _modules().items():
@@ -224,7 +223,7 @@ def test_one_decode_loop():
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "sample_step":
                 callers.add(module)
     assert callers == {"refit.rollout.decode"}, callers
-    parity = (ROOT / "rollout" / "parity.py").read_text()
+    parity = (ROOT / "refit" / "rollout" / "parity.py").read_text()
     assert "decode_loop(" in parity, "the parity gate must drive the engines' decode loop"
 
 

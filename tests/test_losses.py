@@ -1,4 +1,4 @@
-"""Tests for learner/losses.py against hand computations and independent references."""
+"""Tests for refit/learner/losses/ against hand computations and independent references."""
 
 import math
 

@@ -93,10 +93,11 @@ def test_fresh_export_keeps_the_old_layout_and_round_trips(engine_dirs, arch, tm
     caps = fresh.pop("capabilities")  # the sections added since (optional: old folders load without them)
     assert fresh.pop("attention") == "fused" and fresh.pop("attention_reason")
     assert fresh["options"].pop("attention") == "auto"  # the ExportOptions field that chose it
-    # the gate's reference dtype and how the engine ran (export/precision.py)
+    # the gate's reference dtype and how the engine ran (refit/export/precision.py)
     assert fresh["parity"].pop("reference_dtype") == fresh["dtype"] and fresh["parity"].pop("engine_run")
-    assert fresh["options"].pop("quantize") == "none"  # int8 engines (export/quantize.py) add manifest.quantization
-    assert isinstance(fresh.pop("export_peak_rss_mb"), int)  # the export's own peak RSS (export/memory.py)
+    # int8 engines (refit/export/quantize.py) add manifest.quantization
+    assert fresh["options"].pop("quantize") == "none"
+    assert isinstance(fresh.pop("export_peak_rss_mb"), int)  # the export's own peak RSS (refit/export/memory.py)
     assert "tokenizer_config.json" in fresh["hashes"].pop("tokenizer_sha256")  # the engine's tokenizer/ files
     for graph, constants in fresh.pop("constants", {}).items():  # initializers no weight reaches
         assert graph in fresh["graphs"] and all(v == "constant" or v.startswith("buffer ") for v in constants.values())

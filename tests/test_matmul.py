@@ -1,4 +1,4 @@
-"""The learner's fp32 CPU linear layers through oneDNN (learner/run/matmul.py, ``run.cpu_matmul``).
+"""The learner's fp32 CPU linear layers through oneDNN (refit/learner/run/matmul.py, ``run.cpu_matmul``).
 
 Against independent references: each layer's output and gradients (input, weight, bias) against the same product
 in float64; whole models at published widths (Qwen2.5-0.5B: GQA, tied 151936-row head; GPT-2 small: Conv1D), with a

@@ -1,7 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE) through export, weight push and PPO.
 
 The experts run in the graph as ``refit::expert_linear`` lowered to one Gemm per expert over the
-HF-layout 3-D weights (export/moe.py); the references are HF's own eager expert loop (the grouped
+HF-layout 3-D weights (refit/export/moe.py); the references are HF's own eager expert loop (the grouped
 forward) and the PyTorch engine (parity, push, PPO). A forward the exporter cannot translate is
 refused in one line, before anything is written.
 """

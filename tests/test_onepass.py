@@ -1,4 +1,4 @@
-"""The one-pass update (learner/ppo/onepass.py) against the two-pass update it replaces: the same step taken from
+"""The one-pass update (refit/learner/ppo/onepass.py) against the two-pass update it replaces: the same step taken from
 the same rollout (metrics, loss terms, updated weights) within fp32 summation noise, with gradient accumulation,
 with and without a reference, with the reference scored ahead on the engine's threads or inline; KL(0) = 0; the
 rule that says when a run streams, and the update route (refit.learner.ppo.route) setup picks, with its reason line."""

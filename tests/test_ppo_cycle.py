@@ -39,7 +39,7 @@ def _cfg(model_dirs, engine_dirs, arch, out, **kw):
 def test_kl_is_zero_at_step_zero_with_truncated_sampling(model_dirs, engine_dirs, tmp_path, arch, ref_backend):
     """policy == reference: k1, k2, k3 and exact KL are 0 within 1e-6 though sampling used top-k and top-p,
     with the reference as a PyTorch forward and on the exported reference engine; both engines run the
-    fused-attention graph (T5's: export/fused_seq2seq.py)."""
+    fused-attention graph (T5's: refit/export/fused_seq2seq.py)."""
     run = setup(_cfg(model_dirs, engine_dirs, arch, tmp_path, batch_size=8, ref_backend=ref_backend), resume=False,
                 log=lambda *_: None)
     assert (run.ref_engine is not None) == (ref_backend == "onnxruntime")

@@ -1,4 +1,4 @@
-"""int8 rollout engines (export/quantize.py) against the quantize-dequantize PyTorch reference.
+"""int8 rollout engines (refit/export/quantize.py) against the quantize-dequantize PyTorch reference.
 
 The reference is the fp32 HF model whose quantized Linear / Conv1D layers run ``int8_linear`` (the same int8
 weights, the same per-row activation codes, exact integer products): the engine must match it to fp32 rounding,

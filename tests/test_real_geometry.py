@@ -1,4 +1,4 @@
-"""Published model geometries (learner/builtin/published.py): real widths, head dims, vocabularies, rope settings,
+"""Published model geometries (refit/learner/builtin/published.py): real widths, head dims, vocabularies, rope settings,
 soft-capping and windows, with depth cut to 2 layers and random weights.
 
 Per geometry: the export passes its parity gate (PyTorch's uncached forward vs the engine, 1e-4 on

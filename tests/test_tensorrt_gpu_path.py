@@ -134,7 +134,7 @@ def t5_fp16(tmp_path_factory, model_dirs):
 
 def test_stored_dtype_push_is_not_rounded_through_fp16(t5_fp16, model_dirs, fresh_copy, monkeypatch):
     """T5's fp32 ``wo`` in an fp16 export: the refitted bytes equal what the export's own mapping makes of the push
-    (export/weight_map.py ``engine_weights``), not the push rounded to fp16 and back."""
+    (refit/export/weight_map.py ``engine_weights``), not the push rounded to fp16 and back."""
     from refit.export.weight_map import engine_weights
 
     d = fresh_copy(t5_fp16, "t5")

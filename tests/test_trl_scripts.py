@@ -327,8 +327,8 @@ print(json.dumps({c.__name__: {f.name: repr(default(f)) for f in dataclasses.fie
 @pytest.mark.slow  # TRL's import: ~10 s
 @pytest.mark.skipif(not TRL_PYTHON.is_file(), reason=f"no TRL environment at {TRL_PYTHON}")
 def test_the_field_tables_hold_every_field_of_trls_configs_with_trls_defaults():
-    """learner/trl/field_tables.py against TRL 1.16 itself: every field of its four configs is in the tables (the counts
-    of docs/trl-facade.md are of these), nothing else but NOT_IN_TRL_116, each at TRL's default."""
+    """refit/learner/trl/field_tables.py against TRL 1.16 itself: every field of its four configs is in the tables (the
+    counts of docs/trl-facade.md are of these), nothing else but NOT_IN_TRL_116, each at TRL's default."""
     from refit.learner.trl.field_tables import CONFIG_FIELDS, NOT_IN_TRL_116
 
     done = subprocess.run([str(TRL_PYTHON), "-c", DUMP_FIELDS], capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""The weight map decides by provenance (export/weight_map.py): buffers are graph constants, an elementwise
+"""The weight map decides by provenance (refit/export/weight_map.py): buffers are graph constants, an elementwise
 affine transform of a weight is mapped, anything else the exporter derives from a weight is refused."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def test_a_weight_the_graph_uses_only_through_exp_is_refused_in_one_line(model_d
         build(model_dirs["tiny-llama"], out, opts=ExportOptions(max_batch=4, max_len=64, attention="plain"),
               log=lambda *_: None)
     assert "\n" not in str(e.value) and "stale" in str(e.value)
-    # nothing written, no temporary folder left: only the engine folder's lock file (core/integrity.py engine_lock)
+    # nothing written, no temporary folder left: only the engine folder's lock file (refit/core/integrity.py
+    # engine_lock)
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [f".{out.name}.lock"]
 
 

@@ -27,5 +27,5 @@ def test_the_map_lists_every_module_as_the_code_describes_it():
 
 def test_a_missing_module_is_named():
     page = WHAT_IS_WHERE["PAGE"].read_text()
-    cut = "\n".join(ln for ln in page.splitlines() if not ln.startswith("| `learner/run/sync.py`"))
-    assert "missing from the map: learner/run/sync.py" in WHAT_IS_WHERE["stale"](cut)
+    cut = "\n".join(ln for ln in page.splitlines() if not ln.startswith("| `refit/learner/run/sync.py`"))
+    assert "missing from the map: refit/learner/run/sync.py" in WHAT_IS_WHERE["stale"](cut)
