@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m refit.bench.export_memory", description=__doc__.split("\n")[0])
     p.add_argument("--work-dir", required=True, help="where the checkpoints and engines go")
     p.add_argument("--old", required=True, help="the other checkout (its repository root) to export with")
-    p.add_argument("--new", default=str(Path(__file__).resolve().parent.parent), help="default: this checkout")
+    p.add_argument("--new", default=str(Path(__file__).resolve().parents[2]), help="default: this checkout")
     p.add_argument("--models", default=",".join(MODELS), help="comma list of published geometries (full depth)")
     p.add_argument("--rss-cap-gb", type=float, default=None, help="stop an export above this peak RSS")
     p.add_argument("--push-check", action="store_true", help="push perturbed weights into each new engine")

@@ -100,7 +100,7 @@ from refit.learner.run.precision import hardware_facts, resolve_precision
 HERE = Path(__file__).resolve().parent
 REWARD_FILE = HERE / "grpo_reward.py"
 TRL_SIDE = HERE / "trl_grpo_side.py"
-DEFAULT_DATASET = HERE.parent / "examples" / "trl_chat" / "data.jsonl"
+DEFAULT_DATASET = HERE.parents[1] / "examples" / "trl_chat" / "data.jsonl"
 TRL_PIN = "trl==1.16.*"
 
 

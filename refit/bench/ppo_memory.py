@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--build-only"] + (["--learner-only"] if a.learner_only else []), check=True)
     rows = []
     if a.learner_only:
-        for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[1]])]:
+        for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[2]])]:
             r = subprocess.run([sys.executable, "-c", _LEARNER, str(work / "model"), str(a.batch), str(a.response),
                                 a.device],
                                cwd=src, env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
         a.kl = []
-    for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[1]])]:
+    for src in [s.resolve() for s in (a.source or [Path(__file__).resolve().parents[2]])]:
         for kl in a.kl:  # noqa: B007
             est, pen = kl.split(":")
             run_dir = work / f"run-{len(rows)}"
