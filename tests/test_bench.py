@@ -202,7 +202,7 @@ def test_bench_grpo_vs_hf_json(tmp_path):
     assert out["stops"]["refit"] == out["stops"]["trl"] and len(out["stops"]["refit"]) == 2  # EOS, <|im_end|>
     assert out["refit_export"]["peak_rss_gb"] > 0
     assert "reusing engine" in (tmp_path / "grpo-runs" / "refit-r0.log").read_text()
-    assert out["settings"]["num_generations"] == 2 and out["reward_gap"]["noise"] is None  # one round: no noise
+    assert out["settings"]["num_generations"] == 2 and out["reward_gap"]["noise"] is not None  # from the steps
     assert out["machine"]["cpus"] >= 1 and out["machine"]["loadavg_1m_max"] >= 0
 
 
@@ -292,8 +292,9 @@ def test_grpo_reward_and_summaries_by_hand():
     assert s["step_s"] == 3.5 and s["first_step_s"] == 8.0 and s["generation_s"] == 1.5 and s["learner_s"] == 2.0
     assert s["phases_s"] == {"a": 1.5, "b": 2.0} and s["step_s_by_round"] == [3.0, 4.0] and s["peak_rss_gb"] == 2.5
     assert s["reward_by_step"] == [0.1, 0.3, 0.5] and s["reward_mean_by_round"] == [0.2, 0.4]
-    g = reward_gap(s, {**s, "reward_mean_by_round": [0.1, 0.3]})
-    assert g["gap"] == 0.1 and g["noise"] == 0.1414 and g["gap_over_noise"] == 0.71  # sqrt(0.02/2 + 0.02/2)
+    g = reward_gap(s, {**s, "reward_by_round": [[0.1, 0.1, 0.1], [0.3, 0.3, 0.3]]})
+    # steps 0, .2, .4, .2, .4, .6 (mean .3, variance .044) against .1 x3, .3 x3 (mean .2, variance .012)
+    assert g["gap"] == 0.1 and g["noise"] == 0.0966 and g["gap_over_noise"] == 1.04  # sqrt(.044/6 + .012/6)
     t = trl_rows({"rows": [{"step": 1, "step_s": 3.0, "generate_s": 1.0, "generate_and_score_s": 1.5,
                             "reward": 0.5, "completion_length": 6.0}]})
     assert t[0]["phases"] == {"generate": 1.0, "score": 0.5, "update": 1.5} and t[0]["generation_s"] == 1.0

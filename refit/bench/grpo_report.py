@@ -72,13 +72,16 @@ def step_split(s: dict) -> str:
 
 
 def reward_gap(a: dict, b: dict) -> dict:
-    """Mean reward of side ``a`` less side ``b`` over every step of every round, against the noise of the
-    per-round means (their standard errors combined; None with one round)."""
-    ma, mb = a["reward_mean_by_round"], b["reward_mean_by_round"]
-    gap = statistics.fmean(ma) - statistics.fmean(mb)
+    """Mean reward of side ``a`` less side ``b`` over every step of every round, against the standard error of that
+    difference from the steps: each step's batch-mean reward is one draw, and the steps are taken as independent (a
+    short bench's policy barely moves). Two rounds' means alone made that error far too small to judge a gap by.
+    None with fewer than 2 steps a side."""
+    sa = [r for rs in a["reward_by_round"] for r in rs]
+    sb = [r for rs in b["reward_by_round"] for r in rs]
+    gap = statistics.fmean(sa) - statistics.fmean(sb)
     noise = None
-    if len(ma) > 1:
-        noise = (statistics.variance(ma) / len(ma) + statistics.variance(mb) / len(mb)) ** 0.5
+    if len(sa) > 1 and len(sb) > 1:
+        noise = (statistics.variance(sa) / len(sa) + statistics.variance(sb) / len(sb)) ** 0.5
     return {"gap": round(gap, 4), "noise": None if noise is None else round(noise, 4),
             "gap_over_noise": None if not noise else round(abs(gap) / noise, 2)}
 
