@@ -48,6 +48,15 @@ def sha256_files(paths) -> str:
     return h.hexdigest()
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (one file on disk, two names: a view or copy of a model costs no space for
+    its weights, and writing the new folder never writes ``src``), a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def folder_hashes(folder: str | Path) -> dict[str, str]:
     """{file name: sha256} of every file directly in ``folder`` (an engine's ``tokenizer/``), sorted by name."""
     folder = Path(folder)

@@ -203,7 +203,7 @@ def resume_run(cfg: PPOConfig, run_dir: Path, m: Learner, ref_sync: RefSync | No
     ck, saved = resume_latest(run_dir, m.policy, m.value_head, m.optimizer, m.scheduler, log)
     restore_reference(ref_sync, ck)  # sync_ref_model's mixed reference (nothing without one)
     start_step, state.kl.value = saved["step"], saved["kl_coef"]
-    if "entropy_coef" in saved:  # the adaptive entropy controller (a checkpoint before it: the fixed coefficient)
+    if "entropy_coef" in saved:  # the adaptive entropy controller (a fixed coefficient saves nothing: the config)
         state.entropy.value, state.entropy.last_entropy = saved["entropy_coef"], saved["last_world_entropy"]
     state.data_position = saved.get("data_position", start_step * cfg.run.batch_size)
     if engine is not None:

@@ -114,7 +114,9 @@ class EntropyCoef:
             self.last_entropy = entropy
 
     def state(self) -> dict[str, float]:
-        return {"entropy_coef": self.value, "last_world_entropy": self.last_entropy}
+        """What a checkpoint keeps: the adaptive controller's coefficient and last entropy (TRL's names); nothing for
+        a fixed coefficient (the config holds it; no +inf written into state.json)."""
+        return {"entropy_coef": self.value, "last_world_entropy": self.last_entropy} if self.adaptive else {}
 
 
 def single_pass(s: UpdateSettings, distributed: bool, rows: int | None = None) -> bool:

@@ -30,7 +30,6 @@ newest ``checkpoint-N`` (transformers' ``get_last_checkpoint``), restores ``trai
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import shutil
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.integrity import atomic_folder
+from refit.core.integrity import atomic_folder, link_or_copy
 
 PREFIX = "checkpoint-"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR-N
@@ -51,13 +50,6 @@ TRL_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth")  # transformers' O
 def refit_checkpoint(run_dir: Path, step: int) -> Path:
     """Refit's checkpoint folder of ``step`` (:func:`refit.learner.run.checkpoint.save_checkpoint`'s name)."""
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)  # one file on disk, two names: the view costs no space for the weights
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def trl_rng(rng: dict) -> dict:
@@ -101,7 +93,7 @@ def write_view(run_dir: Path, step: int, state, args, with_optimizer: bool = Tru
         tmp.mkdir(parents=True)
         for f in sorted((source / "policy").iterdir()):
             if f.is_file():
-                _link_or_copy(f, tmp / f.name)
+                link_or_copy(f, tmp / f.name)
         if with_optimizer:
             extra = torch.load(source / "trainer.pt", weights_only=False)
             torch.save(extra["optimizer"], tmp / TRL_FILES[0])

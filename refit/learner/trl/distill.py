@@ -134,15 +134,6 @@ def prompt_completion(dataset):
     return dataset.map(split, remove_columns=["messages"])
 
 
-_NOT_BUILT = {"data_collator": "prompts are batched by the job",
-              "compute_metrics": "held-out KL to the teacher and accuracy",
-              "optimizers": "AdamW with optim.* settings", "preprocess_logits_for_metrics": "not available",
-              "formatting_func": "prompt / completion or messages columns",
-              "quantization_config": "bitsandbytes is CUDA's; a LoRA base is held in fp32 or bf16 (model_init_kwargs "
-                                     "dtype) and the engine's base in int8 (rollout.quantize)",
-              "tools": "generation is one engine pass per prompt, without tool calls"}
-
-
 class DistillationTrainer(TrainerFace):
     """TRL's ``DistillationTrainer(model, teacher_model, args, train_dataset, eval_dataset, processing_class,
     callbacks, optimizers, quantization_config, peft_config, tools)`` on the distillation job (always on-policy:
@@ -156,14 +147,6 @@ class DistillationTrainer(TrainerFace):
         """TRL 1.16's DistillationTrainer signature (GKDTrainer has its own order)."""
         self._refuse(optimizers=optimizers, quantization_config=quantization_config, tools=tools)
         self._setup(model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks, peft_config)
-
-    def _refuse(self, **given) -> None:
-        """One line for the first trainer argument given that Refit does not build."""
-        for what, v in given.items():
-            if what == "optimizers" and tuple(v or (None, None)) == (None, None):
-                continue
-            if v is not None:
-                raise RefitError(f"{type(self).__name__}: {what} is not supported (Refit: {_NOT_BUILT[what]})")
 
     def _setup(self, model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks,
                peft_config) -> None:

@@ -28,8 +28,33 @@ class TrainOutput:
     metrics: dict  # the final log row (train_runtime, train_loss, ...)
 
 
+# TRL 1.16 trainer arguments (beyond the config) that Refit does not build: what it does instead
+NOT_BUILT = {
+    "data_collator": "prompts are batched by the job",
+    "compute_metrics": "held-out KL to the teacher and accuracy",
+    "optimizers": "AdamW with optim.* settings",
+    "preprocess_logits_for_metrics": "not available",
+    "formatting_func": "prompt / completion or messages columns",
+    "reward_processing_classes": "a classifier folder's own tokenizer",
+    "quantization_config": "bitsandbytes is CUDA's; a LoRA base is held in fp32 or bf16 (model_init_kwargs dtype) and "
+                           "the engine's base in int8 (rollout.quantize)",
+    **dict.fromkeys(("tools", "rollout_func", "environment_factory"),
+                    "generation is one engine pass per prompt, without tool calls, environments or a custom rollout "
+                    "function"),
+}
+
+
 class TrainerFace(ABC):
     """A TRL trainer's public surface over one Refit job (subclasses: the GRPO/RLOO and distillation trainers)."""
+
+    def _refuse(self, **given) -> None:
+        """One line for the first trainer argument given (not None; ``optimizers``: not ``(None, None)``) that Refit
+        does not build (:data:`NOT_BUILT`), before any work."""
+        for what, v in given.items():
+            if what == "optimizers" and tuple(v or (None, None)) == (None, None):
+                continue
+            if v is not None:
+                raise RefitError(f"{type(self).__name__}: {what} is not supported (Refit: {NOT_BUILT[what]})")
 
     def __init__(self, args, callbacks, processing_class, model):
         self.args = args

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from refit.core.errors import RefitError
+from refit.core.hf_folder import text_config
 from refit.core.parsing import build, resolve
 from refit.learner.api import run_ppo
 from refit.learner.losses.grpo import LOSS_TYPES
@@ -170,11 +171,9 @@ def router_aux_value(a: GRPOConfig, model_dir: str) -> dict[str, float]:
     """TRL 1.16's MoE load-balancing loss weight: ``router_aux_loss_coef``, or when None the architecture's own
     (its config's ``router_aux_loss_coef``) for a model whose config has ``output_router_logits`` (a
     Mixture-of-Experts one, where TRL adds it by default); 0 for any other model, where setting it is refused."""
-    from transformers import AutoConfig
-
-    if not (Path(model_dir) / "config.json").is_file():  # no model folder here: the run refuses it when it loads
+    text = text_config(model_dir)
+    if text is None:  # no model folder here: the run refuses it when it loads
         return {"router_aux_loss_coef": float(a.router_aux_loss_coef or 0.0)}
-    text = AutoConfig.from_pretrained(model_dir).get_text_config()
     moe = hasattr(text, "output_router_logits")
     if a.router_aux_loss_coef and not moe:
         raise RefitError(f"router_aux_loss_coef={a.router_aux_loss_coef}: {type(text).__name__} is not a "
@@ -221,20 +220,10 @@ class GRPOTrainer(TrainerFace):
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        self._refuse(reward_processing_classes=reward_processing_classes, optimizers=optimizers,
+                     quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
+                     environment_factory=environment_factory)
         name = type(self).__name__
-        for what, v, ok, note in (("reward_processing_classes", reward_processing_classes, None,
-                                   "a classifier folder's own tokenizer"),
-                                  ("optimizers", tuple(optimizers or (None, None)), (None, None),
-                                   "AdamW with optim.* settings"),
-                                  ("quantization_config", quantization_config, None,
-                                   "bitsandbytes is CUDA's; a LoRA base is held in fp32 or bf16 (model_init_kwargs "
-                                   "dtype) and the engine's base in int8 (rollout.quantize)"),
-                                  *((k, v, None, "generation is one engine pass per prompt, without tool calls, "
-                                                 "environments or a custom rollout function")
-                                    for k, v in (("tools", tools), ("rollout_func", rollout_func),
-                                                 ("environment_factory", environment_factory)))):
-            if v != ok:
-                raise RefitError(f"{name}: {what} is not supported (Refit: {note})")
         if args is None:
             stem = Path(str(model)).name if isinstance(model, (str, Path)) else type(model).__name__
             args = self.config_class(output_dir=f"{stem}-{self.config_class.ESTIMATOR.upper()}")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from refit.core.errors import RefitError
-from refit.core.integrity import atomic_folder
+from refit.core.integrity import atomic_folder, link_or_copy
 
 _WEIGHTS = (".safetensors", ".bin")  # hard-linked: never written in the copy (a link's file is the original's)
 _PAD_TO = 64  # clone_chat_template's resize_to_multiple_of default in TRL 1.16
@@ -141,10 +141,7 @@ def write_student(src: Path, out: Path, tok: Any, config: Any, gen: Any) -> None
             if f.is_dir():
                 shutil.copytree(f, tmp / f.name)
             elif f.suffix in _WEIGHTS:
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
+                link_or_copy(f, tmp / f.name)
             else:
                 shutil.copy2(f, tmp / f.name)
         tok.save_pretrained(str(tmp))
