@@ -248,6 +248,47 @@ def test_int8_push_not_taken_is_caught_by_the_probe(int8_dirs, model_dirs, promp
     assert sync.check_now(model) <= 1e-3
 
 
+def test_int8_rounding_floor_measured_once_and_again_when_a_push_needs_it(int8_dirs, model_dirs, prompts, tmp_path,
+                                                                          monkeypatch):
+    """With the tolerance below the int8 gap (probe_tol 0: every probe takes the floor's route), the rounding floor is
+    measured at the first probe only; later probes within twice it reuse it; a stale engine (the learner moved, the
+    engine not pushed) lands above it, so the floor is measured again before the probe fails, and the failure stands;
+    after FLOOR_EVERY probes it is measured again even when pushes pass."""
+    from refit.core.hf_folder import load_model
+    from refit.export.weight_map import canonical_params
+    from refit.learner.run import sync as sync_mod
+
+    calls: list[float] = []
+    real = sync_mod.rounding_floor
+
+    def counted(*a, **k):
+        calls.append(real(*a, **k))
+        return calls[-1]
+
+    monkeypatch.setattr(sync_mod, "rounding_floor", counted)
+    eng = OrtEngine(int8_dirs["tiny-gpt2"])
+    model = load_model(model_dirs["tiny-gpt2"])
+    probe = eng.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    contract = sync_mod.Contract(temperature=1.0, probe_tol=0.0, int8_manifest=Manifest.read(int8_dirs["tiny-gpt2"]))
+    sync = sync_mod.WeightSync(eng, probe, contract, tmp_path)
+    first = sync.check_now(model)
+    assert len(calls) == 1 and 0 < first <= 2 * calls[0]
+    assert sync.check_now(model) == first and len(calls) == 1  # the same weights: the floor is not measured again
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.sign(torch.randn(p.shape, generator=gen)))
+    with pytest.raises(RefitError, match="parity probe failed after weight push"):
+        sync.check_now(model)  # stale: above twice the floor, measured again for these weights, and still above
+    assert len(calls) == 2
+    eng.update_weights(canonical_params(model)[0])
+    for _ in range(sync_mod.FLOOR_EVERY - 1):
+        assert sync.check_now(model) <= 2 * calls[-1]
+    assert len(calls) == 2  # within twice the floor measured for the stale probe: reused
+    sync.check_now(model)
+    assert len(calls) == 3  # the probes since that measurement reached FLOOR_EVERY
+
+
 # ----------------------------------------------------------------------------- TensorRT's scheme: weight-only Q/DQ
 # The graph TensorRT builds from (``--backend tensorrt --quantize int8``), run here by ONNX Runtime's CPU provider:
 # the same ops, so the same numbers up to fp32 summation order. tests/test_tensorrt.py builds and refits it.
