@@ -35,46 +35,38 @@ class Published:
 
 _DEC = ("num_hidden_layers",)
 
+def _llama32(size: str, hidden: int, heads: int, head_dim: int, layers: int, features: str) -> Published:
+    """A Llama 3.2 base model: GQA to 8 KV heads, llama3 rope scaling (factor 32 from 8192), tied, vocab 128256."""
+    return Published(
+        f"meta-llama/Llama-3.2-{size}",
+        dict(model_type="llama", hidden_size=hidden, intermediate_size=8192, num_attention_heads=heads,
+             num_key_value_heads=8, head_dim=head_dim, num_hidden_layers=layers, vocab_size=128256,
+             max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
+             attention_bias=False, mlp_bias=False, rope_theta=500000.0,
+             rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)),
+        _DEC, features=features)
+
+
+def _qwen25(size: str, hidden: int, intermediate: int, heads: int, layers: int, max_positions: int) -> Published:
+    """A Qwen2.5 base model: qkv bias, GQA to 2 KV heads, rope theta 1e6, no sliding window, tied, vocab 151936."""
+    return Published(
+        f"Qwen/Qwen2.5-{size}",
+        dict(model_type="qwen2", hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+             num_key_value_heads=2, num_hidden_layers=layers, vocab_size=151936,
+             max_position_embeddings=max_positions, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+             rope_theta=1000000.0, use_sliding_window=False, sliding_window=max_positions,
+             max_window_layers=layers),
+        _DEC, features=f"qkv bias, GQA {heads}/2, head_dim {hidden // heads}, tied, vocab 151936")
+
+
 PUBLISHED: dict[str, Published] = {
-    "Llama 3.2 1B": Published(
-        "meta-llama/Llama-3.2-1B",
-        dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=64, num_hidden_layers=16, vocab_size=128256,
-             max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
-             attention_bias=False, mlp_bias=False, rope_theta=500000.0,
-             rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                               original_max_position_embeddings=8192)),
-        _DEC, features="rope llama3 scaling (factor 32), GQA 32/8, tied, vocab 128256"),
-    "Qwen2.5 0.5B": Published(
-        "Qwen/Qwen2.5-0.5B",
-        dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-             num_key_value_heads=2, num_hidden_layers=24, vocab_size=151936, max_position_embeddings=32768,
-             rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, rope_theta=1000000.0,
-             use_sliding_window=False, sliding_window=32768, max_window_layers=24),
-        _DEC, features="qkv bias, GQA 14/2, head_dim 64, tied, vocab 151936"),
-    "Qwen2.5 1.5B": Published(
-        "Qwen/Qwen2.5-1.5B",
-        dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-             num_key_value_heads=2, num_hidden_layers=28, vocab_size=151936, max_position_embeddings=131072,
-             rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, rope_theta=1000000.0,
-             use_sliding_window=False, sliding_window=131072, max_window_layers=28),
-        _DEC, features="qkv bias, GQA 12/2, head_dim 128, tied, vocab 151936"),
-    "Qwen2.5 3B": Published(
-        "Qwen/Qwen2.5-3B",
-        dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
-             num_key_value_heads=2, num_hidden_layers=36, vocab_size=151936, max_position_embeddings=32768,
-             rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, rope_theta=1000000.0,
-             use_sliding_window=False, sliding_window=32768, max_window_layers=36),
-        _DEC, features="qkv bias, GQA 16/2, head_dim 128, tied, vocab 151936"),
-    "Llama 3.2 3B": Published(
-        "meta-llama/Llama-3.2-3B",
-        dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
-             num_key_value_heads=8, head_dim=128, num_hidden_layers=28, vocab_size=128256,
-             max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
-             attention_bias=False, mlp_bias=False, rope_theta=500000.0,
-             rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                               original_max_position_embeddings=8192)),
-        _DEC, features="rope llama3 scaling (factor 32), GQA 24/8, head_dim 128, tied, vocab 128256"),
+    "Llama 3.2 1B": _llama32("1B", 2048, 32, 64, 16, "rope llama3 scaling (factor 32), GQA 32/8, tied, vocab 128256"),
+    "Qwen2.5 0.5B": _qwen25("0.5B", 896, 4864, 14, 24, 32768),
+    "Qwen2.5 1.5B": _qwen25("1.5B", 1536, 8960, 12, 28, 131072),
+    "Qwen2.5 3B": _qwen25("3B", 2048, 11008, 16, 36, 32768),
+    "Llama 3.2 3B": _llama32("3B", 3072, 24, 128, 28,
+                             "rope llama3 scaling (factor 32), GQA 24/8, head_dim 128, tied, vocab 128256"),
     "Qwen3 0.6B": Published(
         "Qwen/Qwen3-0.6B",
         dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16,

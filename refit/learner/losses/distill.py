@@ -50,15 +50,10 @@ def _gjsd_per_token(student: torch.Tensor, teacher: torch.Tensor, beta: float, t
     return jsd.sum(dim=-1)
 
 
-def generalized_jsd_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    num_tokens: Optional[Number] = None,
-) -> Tuple[torch.Tensor, Stats]:
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                         mask: Optional[torch.Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
+                         chunk_size: Optional[int] = None,
+                         num_tokens: Optional[Number] = None) -> Tuple[torch.Tensor, Stats]:
     """Generalized Jensen-Shannon divergence per token, masked token mean.
 
     Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
@@ -98,46 +93,29 @@ def generalized_jsd_loss(
     return loss, {"jsd": loss.detach()}
 
 
-def forward_kl_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    num_tokens: Optional[Number] = None,
-) -> Tuple[torch.Tensor, Stats]:
-    """Forward KL(teacher || student) per token (mode-covering; standard KD, Hinton et al. 2015).
+def _jsd_end(beta: float, stat: str, name: str, doc: str):
+    """``generalized_jsd_loss`` at one end of beta, its loss under its own stat name: the two plain KLs."""
 
-    ``generalized_jsd_loss(beta=0)``; shapes as there.  Stats: ``forward_kl``.
-    """
-    loss, _ = generalized_jsd_loss(student_logits, teacher_logits, mask, 0.0, temperature, chunk_size, num_tokens)
-    return loss, {"forward_kl": loss.detach()}
+    def loss_fn(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                temperature: float = 1.0, chunk_size: Optional[int] = None,
+                num_tokens: Optional[Number] = None) -> Tuple[torch.Tensor, Stats]:
+        loss, _ = generalized_jsd_loss(student_logits, teacher_logits, mask, beta, temperature, chunk_size, num_tokens)
+        return loss, {stat: loss.detach()}
+
+    loss_fn.__name__ = loss_fn.__qualname__ = name
+    loss_fn.__doc__ = f"{doc}\n\n``generalized_jsd_loss(beta={beta:g})``; shapes as there.  Stats: ``{stat}``."
+    return loss_fn
 
 
-def reverse_kl_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    num_tokens: Optional[Number] = None,
-) -> Tuple[torch.Tensor, Stats]:
-    """Reverse KL(student || teacher) per token (mode-seeking; MiniLLM, Gu et al. 2024).
-
-    ``generalized_jsd_loss(beta=1)``; shapes as there.  Stats: ``reverse_kl``.
-    """
-    loss, _ = generalized_jsd_loss(student_logits, teacher_logits, mask, 1.0, temperature, chunk_size, num_tokens)
-    return loss, {"reverse_kl": loss.detach()}
+forward_kl_loss = _jsd_end(0.0, "forward_kl", "forward_kl_loss",
+                           "Forward KL(teacher || student) per token (mode-covering; standard KD, Hinton et al. 2015).")
+reverse_kl_loss = _jsd_end(1.0, "reverse_kl", "reverse_kl_loss",
+                           "Reverse KL(student || teacher) per token (mode-seeking; MiniLLM, Gu et al. 2024).")
 
 
-def teacher_token_ce_loss(
-    student_logits: torch.Tensor,
-    teacher_token_ids: torch.Tensor,
-    mask: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    num_tokens: Optional[Number] = None,
-) -> Tuple[torch.Tensor, Stats]:
+def teacher_token_ce_loss(student_logits: torch.Tensor, teacher_token_ids: torch.Tensor, mask: torch.Tensor,
+                          temperature: float = 1.0, chunk_size: Optional[int] = None,
+                          num_tokens: Optional[Number] = None) -> Tuple[torch.Tensor, Stats]:
     """Sequence-level knowledge distillation (Kim & Rush 2016, "Sequence-Level Knowledge Distillation").
 
     Cross-entropy of the student on teacher-generated tokens:
@@ -183,15 +161,9 @@ def _topk_kl_per_token(
     return (head + tail).clamp_min(0.0), p_tail, q_tail
 
 
-def topk_kl_loss(
-    student_logits: torch.Tensor,
-    teacher_topk_logprobs: torch.Tensor,
-    teacher_topk_ids: torch.Tensor,
-    mask: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    num_tokens: Optional[Number] = None,
-) -> Tuple[torch.Tensor, Stats]:
+def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor,
+                 mask: torch.Tensor, temperature: float = 1.0, chunk_size: Optional[int] = None,
+                 num_tokens: Optional[Number] = None) -> Tuple[torch.Tensor, Stats]:
     """Forward KL(teacher || student) on the teacher's top-k tokens plus one tail bucket.
 
     For each token, both distributions are coarse-grained to k + 1 outcomes: the k
