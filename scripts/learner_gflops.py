@@ -89,15 +89,17 @@ def build(geometry: str, layers: int, lora_r: int, precision: str):
     return model
 
 
-def learner_step(model, prompt, prompt_mask, response):
-    """One micro-batch's forward, chunked token statistics and backward, as the PPO update computes them."""
+def learner_step(model, prompt, prompt_mask, response, entropy_coef: float = 0.0):
+    """One micro-batch's forward, chunked token statistics and backward, as the PPO update computes them (the
+    entropy in the loss only with ``entropy_coef``: GRPO's default logs it and leaves it out)."""
     from refit.learner.losses.chunked import token_stats
     from refit.learner.run.policy import response_forward
 
     model.zero_grad(set_to_none=True)
     logits = response_forward(model, prompt, prompt_mask, response, is_seq2seq=False).logits
     st = token_stats(logits, response)
-    (st.logprobs.sum() + 1e-3 * st.entropy.sum()).backward()
+    loss = st.logprobs.sum() + entropy_coef * st.entropy.sum() if entropy_coef else st.logprobs.sum()
+    loss.backward()
 
 
 def count_flops(model, step) -> int:
@@ -143,8 +145,15 @@ def main(argv=None) -> None:
     p.add_argument("--peak_shape", default="512,2048,2048", help="M,K,N of the peak GEMM")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no_profile", action="store_true", help="skip the profiler pass")
+    p.add_argument("--entropy_coef", type=float, default=0.0, help="an entropy bonus in the loss (0: GRPO's default)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    # as in a refit ppo process, whose ONNX Runtime engine asks glibc once to keep freed memory
+    # (refit.export.graph.keep_freed_memory): each (rows, chunk, vocab) temporary reuses the heap instead of a fresh,
+    # page-faulted mmap, which tripled the time of an elementwise op over the 152k vocabulary
+    from refit.export.graph import keep_freed_memory
+
+    keep_freed_memory()
 
     from refit.learner.run.lora import bf16_is_fast
 
@@ -154,6 +163,7 @@ def main(argv=None) -> None:
     print("    peak " + ", ".join(f"{r} {v:.1f}" for r, v in peak.items()) + " GFLOP/s (int8: GOP/s)", flush=True)
     out = {"bench": "learner_gflops", "geometry": a.geometry, "layers": a.layers, "lora_r": a.lora_r, "rows": a.rows,
            "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens, "threads": a.threads,
+           "entropy_coef": a.entropy_coef,
            "bf16_units": bf16_is_fast("cpu"), "peak_gflops": peak, "learner": {}}
     for precision in a.precisions.split(","):
         model = build(a.geometry, a.layers, a.lora_r, precision)
@@ -161,7 +171,7 @@ def main(argv=None) -> None:
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, vocab, (a.rows, a.prompt_tokens), generator=g)
         response = torch.randint(0, vocab, (a.rows, a.response_tokens), generator=g)
-        step = lambda: learner_step(model, prompt, torch.ones_like(prompt), response)  # noqa: E731
+        step = lambda: learner_step(model, prompt, torch.ones_like(prompt), response, a.entropy_coef)  # noqa: E731
         step()  # warm-up: oneDNN's kernels, the allocator
         flops = count_flops(model, step)
         times = []

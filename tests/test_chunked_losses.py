@@ -37,6 +37,20 @@ def test_values_and_gradients_equal_the_unchunked_formulas(chunk, temperature):
     torch.testing.assert_close(gg, gw, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("used", [(0,), (0, 2), (1,), (2,), (1, 2)])  # which of (lp, H, KL) the loss takes
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gradients_when_the_loss_leaves_outputs_out(used, temperature):
+    """The backward skips the terms of outputs the loss does not use (GRPO's default logs the entropy and leaves it
+    out); the gradient still equals the unchunked formulas' with the same outputs."""
+    logits, ref, labels = _inputs()
+    w = torch.randn(3, 3, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = L.token_stats(logits, labels, ref, temperature, chunk_size=3)
+    (gg,) = torch.autograd.grad(sum((got[i] * w[i]).sum() for i in used), logits)
+    want = _reference(logits, ref, labels, temperature)
+    (gw,) = torch.autograd.grad(sum((want[i] * w[i]).sum() for i in used), logits)
+    torch.testing.assert_close(gg, gw, rtol=1e-9, atol=1e-12)
+
+
 def test_by_hand_one_position():
     """V = 3 by hand: p = softmax([0, ln 2, ln 4]) = [1/7, 2/7, 4/7], q uniform, label 2."""
     logits = torch.log(torch.tensor([[[1.0, 2.0, 4.0]]], dtype=torch.float64)).requires_grad_()

@@ -71,13 +71,14 @@ class _TokenStats(torch.autograd.Function):
         kl = logits.new_empty(b, t, dtype=acc) if ref_logits is not None else None
         for s in range(0, t, chunk):
             c = slice(s, min(s + chunk, t))
-            z_ref = ref_logits[:, c].to(acc) / temperature if ref_logits is not None else None
-            out = _chunk_forward(logits[:, c].to(acc) / temperature, labels[:, c], z_ref)
+            z_ref = _scaled(ref_logits[:, c], acc, temperature) if ref_logits is not None else None
+            out = _chunk_forward(_scaled(logits[:, c], acc, temperature), labels[:, c], z_ref)
             lp[:, c], ent[:, c] = out[0], out[1]
             if kl is not None:
                 kl[:, c] = out[2]
         ctx.save_for_backward(logits, labels, ref_logits, ent, kl)
         ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)  # an output the loss leaves out (the entropy, most often) has no term
         if kl is None:
             return lp, ent
         return lp, ent, kl
@@ -89,19 +90,30 @@ class _TokenStats(torch.autograd.Function):
         grad = torch.empty_like(logits)  # (B, T, V): the one full-size tensor of the backward
         for s in range(0, t, chunk):
             c = slice(s, min(s + chunk, t))
-            z_ref = ref_logits[:, c].to(ent.dtype) / temp if ref_logits is not None else None
-            _, _, _, logp, raw = _chunk_forward(logits[:, c].to(ent.dtype) / temp, labels[:, c], z_ref)
-            p = logp.exp()
-            # d/dz of sum_t (g_lp lp + g_ent H + g_kl KL): the closed forms of the module docstring
-            coef = -(g_ent[:, c, None] * (logp + ent[:, c, None]))  # entropy term / p
-            if z_ref is not None and g_kl is not None:
+            logp = F.log_softmax(_scaled(logits[:, c], ent.dtype, temp), dim=-1)  # recomputed, not kept
+            # d/dz of sum_t (g_lp lp + g_ent H + g_kl KL) = p * coef + g_lp * onehot(y): the module docstring's
+            # closed forms; a term whose output the loss left out (its grad None) costs nothing
+            coef = None
+            if g_ent is not None:
+                coef = (logp + ent[:, c, None]).mul_(-g_ent[:, c, None])  # the entropy term / p
+            if ref_logits is not None and g_kl is not None:
+                log_q = F.log_softmax(_scaled(ref_logits[:, c], ent.dtype, temp), dim=-1)
+                raw = (logp.exp() * (logp - log_q)).sum(-1)
                 g = torch.where(raw >= 0, g_kl[:, c], torch.zeros_like(g_kl[:, c]))  # clamp_min's gradient
-                coef = coef + g[..., None] * (logp - F.log_softmax(z_ref, dim=-1) - kl[:, c, None])
-            coef = coef - g_lp[:, c, None]  # the log-prob term's -p part
-            gc = p * coef
-            gc.scatter_add_(-1, labels[:, c, None], g_lp[:, c, None])  # and its one-hot part
+                term = (logp - log_q).sub_(kl[:, c, None]).mul_(g[..., None])
+                coef = term if coef is None else coef.add_(term)
+            g_lab = g_lp[:, c] if g_lp is not None else torch.zeros_like(ent[:, c])
+            coef = -g_lab[..., None] if coef is None else coef.sub_(g_lab[..., None])  # the log-prob's -p part
+            gc = logp.exp_().mul_(coef)  # p * coef, in logp's buffer
+            gc.scatter_add_(-1, labels[:, c, None], g_lab[..., None])  # and the log-prob's one-hot part
             grad[:, c] = gc / temp if temp != 1.0 else gc
         return grad, None, None, None, None
+
+
+def _scaled(x: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """``x`` in ``dtype`` divided by ``temperature``; at 1.0 no division (and no copy when the dtype is x's)."""
+    x = x.to(dtype)
+    return x / temperature if temperature != 1.0 else x
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, ref_logits: Optional[torch.Tensor] = None,
