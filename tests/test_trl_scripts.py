@@ -245,7 +245,7 @@ VARIANTS = {"gkd_seq_kd": ("gkd", ["seq_kd"])}  # a check that runs another chec
 
 
 def script_of(name: str) -> Path:
-    return SCRIPTS / f"{VARIANTS.get(name, (name,))[0]}.py"
+    return SCRIPTS / f"{VARIANTS.get(name, (name, []))[0]}.py"
 
 
 def argv(name: str, student, teacher, out: Path) -> list[str]:

@@ -69,14 +69,15 @@ class _TokenStats(torch.autograd.Function):
         acc = _acc(logits.dtype)
         lp, ent = logits.new_empty(b, t, dtype=acc), logits.new_empty(b, t, dtype=acc)
         kl = logits.new_empty(b, t, dtype=acc) if ref_logits is not None else None
+        live = logits.new_empty(b, t, dtype=torch.bool) if ref_logits is not None else None  # KL not clamped
         for s in range(0, t, chunk):
             c = slice(s, min(s + chunk, t))
             z_ref = _scaled(ref_logits[:, c], acc, temperature) if ref_logits is not None else None
             out = _chunk_forward(_scaled(logits[:, c], acc, temperature), labels[:, c], z_ref)
             lp[:, c], ent[:, c] = out[0], out[1]
             if kl is not None:
-                kl[:, c] = out[2]
-        ctx.save_for_backward(logits, labels, ref_logits, ent, kl)
+                kl[:, c], live[:, c] = out[2], out[4] >= 0
+        ctx.save_for_backward(logits, labels, ref_logits, ent, kl, live)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an output the loss leaves out (the entropy, most often) has no term
         if kl is None:
@@ -85,7 +86,7 @@ class _TokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_kl=None):
-        logits, labels, ref_logits, ent, kl = ctx.saved_tensors
+        logits, labels, ref_logits, ent, kl, live = ctx.saved_tensors
         temp, chunk, t = ctx.temperature, ctx.chunk, logits.shape[1]
         grad = torch.empty_like(logits)  # (B, T, V): the one full-size tensor of the backward
         for s in range(0, t, chunk):
@@ -98,8 +99,7 @@ class _TokenStats(torch.autograd.Function):
                 coef = (logp + ent[:, c, None]).mul_(-g_ent[:, c, None])  # the entropy term / p
             if ref_logits is not None and g_kl is not None:
                 log_q = F.log_softmax(_scaled(ref_logits[:, c], ent.dtype, temp), dim=-1)
-                raw = (logp.exp() * (logp - log_q)).sum(-1)
-                g = torch.where(raw >= 0, g_kl[:, c], torch.zeros_like(g_kl[:, c]))  # clamp_min's gradient
+                g = torch.where(live[:, c], g_kl[:, c], torch.zeros_like(g_kl[:, c]))  # clamp_min's gradient
                 term = (logp - log_q).sub_(kl[:, c, None]).mul_(g[..., None])
                 coef = term if coef is None else coef.add_(term)
             g_lab = g_lp[:, c] if g_lp is not None else torch.zeros_like(ent[:, c])
