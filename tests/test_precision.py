@@ -32,7 +32,7 @@ def resolved(cfg, facts, job="ppo"):
 
 @pytest.mark.parametrize("facts, learner, quantize, why", [
     (BF16_CPU, "bf16", "int8", "bf16 units: AVX512-BF16"),  # a bf16 CPU: bf16 base + int8 engine
-    (NO_BF16, "fp32", "int8", "this CPU has no bf16 units"),  # here: fp32 base + int8 engine
+    (NO_BF16, "int8", "int8", "no bf16 units"),  # here: the base held as the int8 engine holds it, int8 GEMMs
     (OLD_CPU, "fp32", "none", "this CPU has no bf16 units"),  # no VNNI: int8 not faster, fp32 engine
     (CUDA, "bf16", "int8", "bf16 units: NVIDIA H100"),  # the onnxruntime engine still runs on the CPU
 ])
@@ -40,10 +40,14 @@ def test_lora_defaults_follow_the_hardware(facts, learner, quantize, why):
     p, cfg = resolved(ppo(**{"lora.r": 8}), facts)
     assert (p.learner, p.base_dtype, p.quantize) == (learner, learner, quantize)
     assert why in p.learner_why and not p.autocast and not p.warning
-    assert (cfg.run.precision, cfg.lora.base_dtype, cfg.rollout.quantize) == (learner, learner, quantize)
-    assert cfg.lora.bf16_base == (learner == "bf16") and not mixed_bf16(cfg)
+    run_precision = "fp32" if learner == "int8" else learner  # an int8 base: the adapter, activations, optimizer fp32
+    assert (cfg.run.precision, cfg.lora.base_dtype, cfg.rollout.quantize) == (run_precision, learner, quantize)
+    assert cfg.lora.bf16_base == (learner == "bf16") and cfg.lora.low_base == (learner != "fp32")
+    assert not mixed_bf16(cfg)
     # TIS whenever the engine computes otherwise than the learner's forward (int8 engine, or a bf16 base)
     assert cfg.correction == ("tis" if quantize == "int8" or learner == "bf16" else "none")
+    assert ("learner int8 base (the int8 engine's weights and arithmetic), fp32 adapter" in p.line("ppo")) == (
+        learner == "int8")
     line = p.line("ppo", cfg.correction == "tis")
     assert line.startswith("refit ppo: precision: learner ") and (" TIS on" in line) == (cfg.correction == "tis")
     if quantize == "int8":
@@ -93,6 +97,32 @@ def test_explicit_settings_win():
 
     with pytest.raises(RefitError, match="ref_backend onnxruntime with run.precision bf16"):
         ppo(ref_backend="onnxruntime", **{"run.precision": "bf16"})
+
+
+def test_int8_base_rules():
+    """auto holds the LoRA base in int8 only for one CPU learner process of refit ppo without bf16 units and with an
+    int8 engine; explicit fp32 settings keep fp32; an explicit int8 base where it is not built is one line, as is an
+    int8 base beside an fp32 engine or an engine reference (KL(0) would not be 0)."""
+    from refit.core.errors import RefitError
+
+    lora = {"lora.r": 8}
+    assert resolve_precision(ppo(**lora), NO_BF16, processes=2).learner == "fp32"  # DDP: each rank would need it
+    assert resolve_precision(ppo(**lora, **{"run.precision": "fp32"}), NO_BF16).learner == "fp32"
+    assert resolve_precision(ppo(**lora, **{"rollout.quantize": "none"}), NO_BF16).learner == "fp32"
+    assert resolve_precision(ppo(**lora, **{"lora.base_dtype": "fp32"}), NO_BF16).learner == "fp32"
+    assert resolve_precision(ppo(**lora), OLD_CPU).learner == "fp32"  # no VNNI: no int8 engine, no int8 base
+    assert resolve_precision(ppo(**lora, **{"run.bf16": False}), NO_BF16).learner == "fp32"
+    p, cfg = resolved(ppo(**lora, **{"lora.base_dtype": "int8"}), BF16_CPU)  # explicit: wins over bf16 units
+    assert (p.learner, p.quantize, cfg.lora.base_dtype, cfg.run.precision) == ("int8", "int8", "int8", "fp32")
+    assert cfg.correction == "tis"
+    with pytest.raises(RefitError, match="lora.base_dtype int8 is built for refit ppo with one CPU learner"):
+        resolve_precision(ppo(**lora, **{"lora.base_dtype": "int8"}), CUDA)
+    with pytest.raises(RefitError, match="lora.base_dtype int8 is built for refit ppo"):
+        resolve_precision(DistillConfig.from_flat(**{"lora.r": 4, "lora.base_dtype": "int8"}), NO_BF16, "distill")
+    with pytest.raises(RefitError, match="set rollout.quantize int8"):
+        ppo(**lora, **{"lora.base_dtype": "int8", "rollout.quantize": "none"})
+    with pytest.raises(RefitError, match="ref_backend onnxruntime with lora.base_dtype int8"):
+        ppo(**lora, **{"lora.base_dtype": "int8"}, ref_backend="onnxruntime")
 
 
 def test_engine_auto_per_backend_and_job():
@@ -166,6 +196,10 @@ def test_lora_at_defaults_runs_an_int8_engine_with_kl0_and_tis(precision, model_
     assert line[0].endswith("TIS on") == (int8 or precision == "bf16")
     if precision == "bf16":
         assert "learner bf16 base, fp32 adapter" in line[0] and manifest.options["round_weights"] == "bf16"
+    int8_base = int8 and precision == "auto" and not facts.bf16_units
+    assert ("learner int8 base" in line[0]) == int8_base
+    if int8_base:  # the learner runs the engine's int8 arithmetic: the two log-probs agree to fp32 rounding
+        assert all(r["mismatch/mean_abs_diff"] < 1e-4 for r in rows if "mismatch/mean_abs_diff" in r)
     for k in ("k1", "k2", "k3", "exact"):
         assert rows[0][f"kl/{k}"] == 0.0, (k, rows[0][f"kl/{k}"])
     assert rows[-1]["kl/exact"] > 0  # it trained

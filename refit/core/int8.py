@@ -63,6 +63,62 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return y + bias if bias is not None else y
 
 
+def row_scale(x: torch.Tensor) -> torch.Tensor:
+    """(..., K) -> (..., 1): :func:`quantize_rows`' ``t`` (max |x| per row / 127), the same numbers from one pass of
+    max and one of min instead of an ``abs`` copy (max(max x, -min x) is max |x| exactly)."""
+    return torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_()).clamp_min_(TINY).div_(127.0)
+
+
+_INT_MM: bool | None = None
+
+
+def fast_int8() -> bool:
+    """Whether this torch multiplies int8 matrices on the CPU (``torch._int_mm``: oneDNN's VNNI/AMX kernels where the
+    CPU has them), checked once on a tiny product against the exact route."""
+    global _INT_MM
+    if _INT_MM is None:
+        try:
+            a = torch.arange(-6, 6, dtype=torch.int8).reshape(3, 4)
+            b = torch.arange(-10, 10, dtype=torch.int8).reshape(4, 5)
+            _INT_MM = bool(torch.equal(torch._int_mm(a, b), (a.long() @ b.long()).int()))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _INT_MM = False
+    return _INT_MM
+
+
+class Int8MatmulFn(torch.autograd.Function):
+    """:func:`int8_linear` by ``torch._int_mm`` (the integer products exact in int32, so the same numbers as the
+    engine and as :func:`exact_int_matmul`, several times faster), with a gradient for the input: straight through the
+    rounding of the activations (dL/dx = g @ (q * scale)^T), computed in int8 as the forward is (SwitchBack's rule,
+    Wortsman et al. 2023): ``g * scale`` rounded per row to int8 (:func:`row_scale`), its exact product with ``q``^T,
+    times the row's scale. The weight, its scale and the bias take no gradient (a frozen base). 2-D or more; CPU."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias):
+        k, n = q.shape
+        x2 = x.reshape(-1, k).float()
+        ctx.save_for_backward(q, scale)
+        ctx.in_dtype = x.dtype
+        if x2.shape[0] == 0:
+            return x.new_zeros(*x.shape[:-1], n, dtype=torch.float32)
+        t = row_scale(x2)
+        y = torch.mul(torch._int_mm(torch.div(x2, t).round_().to(torch.int8), q), t).mul_(scale)  # float(acc) * t * s
+        if bias is not None:
+            y.add_(bias)
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, scale = ctx.saved_tensors
+        k, n = q.shape
+        g2 = g.reshape(-1, n).float() * scale
+        if g2.shape[0] == 0:
+            return g.new_zeros(*g.shape[:-1], k, dtype=ctx.in_dtype), None, None, None
+        t = row_scale(g2)
+        gx = torch.mul(torch._int_mm(g2.div_(t).round_().to(torch.int8), q.t()), t)
+        return gx.reshape(*g.shape[:-1], k).to(ctx.in_dtype), None, None, None
+
+
 def exact_int_matmul(codes: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(..., K) integer-valued float codes x (K, N) int8 -> (..., N) float64 holding the exact integer products."""
     k = codes.shape[-1]
@@ -112,6 +168,8 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x):
         q, s = self.twins()
+        if self.jitter is None and x.device.type == "cpu" and fast_int8():  # the same numbers, by int8 GEMMs
+            return Int8MatmulFn.apply(x, q, s, self.bias).to(x.dtype)
         return int8_linear(x, q, s, self.bias, self.jitter).to(x.dtype)
 
 

@@ -31,7 +31,7 @@ from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_for_model, pick_device
-from refit.learner.run.lora import apply_lora
+from refit.learner.run.lora import apply_lora, hold_int8
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.policy import ValueHead, hidden_size
 from refit.learner.run.precision import settle_precision
@@ -124,7 +124,7 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     tok = load_tokenizer(cfg.model.model_dir, info)
     dist = dist or DistContext()  # [dist] ranks > 0 hold no engine: rank 0 drives the rollouts
     device = dist.device or pick_device(cfg.run.device)
-    cfg = settle_precision(cfg, device, log)  # run.precision, lora.base_dtype, rollout.quantize: auto resolved, one line
+    cfg = settle_precision(cfg, device, log, processes=dist.world_size)  # the auto precisions resolved, one line
     p = prompt_sets(cfg, tok, info)
     cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
     state = StepState(kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon),
@@ -188,6 +188,8 @@ def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef:
     policy = load_model(cfg.model.model_dir, info).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
+        if cfg.lora.base_dtype == "int8":  # the base as the int8 engine holds it (rank 0 exported it already)
+            hold_int8(policy, Manifest.read(cfg.model.engine_dir or Path(cfg.run.output_dir) / "engine"))
     use_cpu_matmul(policy, cfg.run.cpu_matmul, device)
     ref = torch_reference(cfg, policy, info, device, main, kl_coef)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
@@ -228,7 +230,7 @@ def connect_engine(cfg: PPOConfig, run_dir: Path, engine: Engine, policy: torch.
     # rounding, so a push is checked on the probe batch, computed in fp32 (refit.learner.run.sync.probe_learner_side)
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
                         check_on_rollout=cfg.probe_on_rollout and not overlap and int8 is None
-                        and not cfg.lora.bf16_base and not cfg.optim.neftune_noise_alpha)  # NEFTune: noisy old lp
+                        and not cfg.lora.low_base and not cfg.optim.neftune_noise_alpha)  # NEFTune: noisy old lp
     ref_engine = None
     if needs_reference(cfg, kl_coef):
         ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,

@@ -233,7 +233,7 @@ class PPOConfig:
         in fp32), else 'none'. An unresolved ``rollout.quantize auto`` reads as none (refit.learner.run.precision)."""
         if self.mismatch_correction != "auto":
             return self.mismatch_correction
-        return ("tis" if self.rollout.quantize == "int8" or self.rollout.max_staleness > 0 or self.lora.bf16_base
+        return ("tis" if self.rollout.quantize == "int8" or self.rollout.max_staleness > 0 or self.lora.low_base
                 or mixed_bf16(self) else "none")
 
     def __post_init__(self):
@@ -292,10 +292,12 @@ class PPOConfig:
              f"ref_model_sync_steps={self.ref_model_sync_steps} must be a multiple of num_ppo_epochs x "
              f"num_mini_batches = {self.num_ppo_epochs * self.num_mini_batches}: Refit mixes the reference at the end "
              "of a step's optimizer steps"),
-            (self.lora.bf16_base and self.ref_backend == "onnxruntime",
-             f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine computes in fp32, the "
-             "policy in bf16, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend "
-             "auto or torch: the policy with its adapter off)"),
+            (self.lora.low_base and self.ref_backend == "onnxruntime",
+             f"ref_backend onnxruntime with lora.base_dtype {self.lora.base_dtype}: the engine's arithmetic is not the "
+             f"{self.lora.base_dtype} policy's, so KL(0) would not be 0; the reference must compute as the policy does "
+             "(ref_backend auto or torch: the policy with its adapter off)"),
+            (self.lora.enabled and self.lora.base_dtype == "int8" and self.rollout.quantize == "none",
+             "lora.base_dtype int8 holds the base as the int8 engine does: set rollout.quantize int8 (or auto)"),
             (mixed_bf16(self) and self.ref_backend == "onnxruntime",
              "ref_backend onnxruntime with run.precision bf16: the engine computes in fp32, the policy under bf16 "
              "autocast, so KL(0) would not be 0; the reference must compute as the policy does (ref_backend auto or "

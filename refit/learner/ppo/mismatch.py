@@ -129,7 +129,7 @@ def tell_mismatch(run, step: int, stats: dict[str, float], sampling, log) -> Non
     quantized = run.sync.contract.int8_manifest is not None
     cause = name_mismatch(stats, quantized=quantized)
     cause = "neftune" if cause is not None and run.cfg.optim.neftune_noise_alpha else cause  # noisy learner side
-    low = quantized or run.cfg.lora.bf16_base or mixed_bf16(run.cfg)  # a precision gap chosen by the config
+    low = quantized or run.cfg.lora.low_base or mixed_bf16(run.cfg)  # a precision gap chosen by the config
     once = cause in ("version_lag", "neftune") or (low and cause == "precision")  # expected: named once
     if cause is not None and (not once or run.sync.tell_once(cause)):
         log(f"step {step}: engine/learner mismatch ({cause}): {describe(cause)}"

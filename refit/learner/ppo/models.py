@@ -102,7 +102,7 @@ def ref_on_engine(cfg: PPOConfig) -> bool:
     quantized = cfg.rollout.quantize == "int8"
     # a bf16 learner (a bf16 LoRA base, or bf16 autocast): the reference computes as the policy does (the policy with
     # its adapter off, or a PyTorch copy under the same autocast), else KL(0) > 0
-    low = cfg.lora.bf16_base or mixed_bf16(cfg)
+    low = cfg.lora.low_base or mixed_bf16(cfg)
     return not (cfg.ref_backend == "torch" or (cfg.ref_backend == "auto" and (quantized or low or not engine_backend)))
 
 

@@ -141,11 +141,13 @@ class LoraSection:
     learning_rate: float = _f(0.0, "the adapter's AdamW learning rate (0: optim.learning_rate); LoRA wants about 10x "
                                    "full fine-tuning's (Schulman et al., 'LoRA Without Regret', 2025), a value head "
                                    "keeps optim.learning_rate")
-    base_dtype: Literal["auto", "fp32", "bf16"] = _f(
+    base_dtype: Literal["auto", "fp32", "bf16", "int8"] = _f(
         "auto", "the frozen base's precision on the learner: bf16 halves its memory and runs its matmuls in bf16 (fast "
-                "where the hardware has bf16 units: AVX512-BF16/AMX CPUs, Ampere+ GPUs); the adapter stays fp32 and the "
-                "engine computes in its own precision over the same (bf16-rounded) base; auto: bf16 where "
-                "run.precision resolves to bf16, else fp32; docs/lora.md")
+                "where the hardware has bf16 units: AVX512-BF16/AMX CPUs, Ampere+ GPUs), the engine computing in its "
+                "own precision over the same (bf16-rounded) base; int8 holds it as the int8 engine does (a quarter of "
+                "its memory) and runs the engine's int8 arithmetic by int8 GEMMs (a CPU learner with an int8 engine, "
+                "rollout.quantize int8); the adapter stays fp32; auto: bf16 where run.precision resolves to bf16, "
+                "else int8 where the engine resolves to int8 on a CPU learner, else fp32; docs/lora.md")
     init: Literal["default", "gaussian"] = _f("default", "PEFT's init_lora_weights: 'default' (Kaiming A, B = 0) or "
                                                          "'gaussian' (Gaussian A, B = 0); both leave the policy equal "
                                                          "to the base at step 0, so KL(0) = 0")
@@ -153,6 +155,12 @@ class LoraSection:
     @property
     def enabled(self) -> bool:
         return self.r > 0
+
+    @property
+    def low_base(self) -> bool:
+        """A LoRA run whose learner holds the base in bf16 or int8 (``base_dtype``): the update's forward is not the
+        fp32 model's, so the reference must be the policy's own (adapter off), never an engine."""
+        return self.enabled and self.base_dtype in ("bf16", "int8")
 
     @property
     def bf16_base(self) -> bool:

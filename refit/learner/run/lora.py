@@ -53,7 +53,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, seed: int = 0):
     base = lora.base_dtype
     if base == "auto":  # a direct caller (the API, a test); a job's setup resolves it first (refit.learner.run.precision)
         base = "bf16" if bf16_is_fast(next(model.parameters()).device) else "fp32"
-    if base != "fp32":
+    if base in ("bf16", "fp16"):  # int8: the caller holds it once the engine's manifest is known (hold_int8)
         hold_base(peft_model, DTYPES[base])
     return peft_model
 
@@ -75,6 +75,57 @@ def hold_base(model, dtype: torch.dtype) -> None:
     for p in model.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+
+
+@torch.no_grad()
+def hold_int8(model, manifest) -> int:
+    """The frozen base of LoRA ``model`` held as its int8 engine holds it (``lora.base_dtype int8``): every linear layer
+    whose weight the engine quantizes (``manifest``'s ``quantization``, found as refit.core.int8.matmul_modules finds
+    them) replaced in place by :class:`refit.core.int8.Int8Linear` over the same int8 twin (the same
+    ``quantize_weight``), its fp32 weight released (a tied output head's stays: the embedding reads it). The forward
+    and the input gradient then run the engine's arithmetic by int8 GEMMs (:class:`refit.core.int8.Int8MatmulFn`); the
+    adapter stays fp32 beside it. Returns how many layers were replaced; one line when the engine is not int8 or a
+    layer it quantizes trains."""
+    from refit.core.int8 import Int8Linear, _module_kn, matmul_modules
+
+    quant = manifest.quantization
+    if quant is None or quant.scheme != "int8":
+        raise RefitError("lora.base_dtype int8 holds the base as the int8 engine does: the engine must be exported "
+                         "with --quantize int8 (rollout.quantize int8, or auto on a CPU with int8 units)")
+    base = getattr(model, "module", model).get_base_model()
+    embed = base.get_input_embeddings()
+    mods = matmul_modules(base, manifest)
+    owners = sorted({o for g, twins in quant.weights.items() for w in twins for o in mods.get(g, {}).get(w, [])})
+    for owner in owners:
+        m = base.get_submodule(owner)
+        if any(p.requires_grad for p in m.parameters()):
+            raise RefitError(f"lora.base_dtype int8: {owner} trains (modules_to_save or full fine-tuning); only a "
+                             "frozen layer can be held in int8")
+        new = Int8Linear(_module_kn(m), m.bias)
+        new.in_features, new.out_features = new.q.shape
+        new.conv1d = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (in, out): saved and merged so
+        # a head tied to the embeddings: the engine's head multiplies by the twin, its Gather reads the fp32 matrix
+        new.tied_embedding = embed is not None and getattr(m, "weight", None) is embed.weight
+        parent, _, leaf = owner.rpartition(".")
+        setattr(base.get_submodule(parent) if parent else base, leaf, new)
+    return len(owners)
+
+
+def source_weight(module) -> torch.Tensor:
+    """A base layer's weight in its own module's layout (Linear (out, in), Conv1D (in, out)); an int8 one's
+    (:func:`hold_int8`) dequantized, ``q * scale``: the numbers the run multiplied by."""
+    from refit.core.int8 import Int8Linear, dequantize
+
+    if isinstance(module, Int8Linear):
+        return dequantize(*module.twins()) if getattr(module, "conv1d", False) else module.weight
+    return module.weight
+
+
+def holds_int8(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a LoRA policy) holds int8 layers (:func:`hold_int8`)."""
+    from refit.core.int8 import Int8Linear
+
+    return any(isinstance(m, Int8Linear) for m in getattr(model, "module", model).modules())
 
 
 def holds_low_precision(model: torch.nn.Module) -> bool:
@@ -172,11 +223,22 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     """The base's state dict, by its own HF names, with every adapter merged in (``W + scaling * B A``, PEFT's
     ``get_delta_weight``): what ``merge_and_unload`` would save, computed beside the model (which is left as it
     is: still a PEFT model, its base untouched). Fresh tensors for the merged layers only."""
+    from refit.core.int8 import Int8Linear
+
     merged = merged_tensors(model)
     out = {}
     base = getattr(model, "module", model).get_base_model()
+    head = base.get_output_embeddings()
+    tied = head is not None and getattr(base.config.get_text_config(), "tie_word_embeddings", False)
+    int8 = {n: m for n, m in base.named_modules() if isinstance(m, Int8Linear)}
+    for name, m in int8.items():  # an int8 base (lora.base_dtype int8): its weights dequantized, as the run multiplied
+        clean = name.replace(".base_layer", "")  # by them; a tied head stays the embedding's (saved tied, one matrix)
+        if not (tied and m is head):
+            out[f"{clean}.weight"] = merged.get(f"{clean}.weight", source_weight(m).contiguous())
+        if m.bias is not None:
+            out[f"{clean}.bias"] = m.bias
     for key, t in base.state_dict().items():
-        if ".lora_" in key:
+        if ".lora_" in key or key.rpartition(".")[0] in int8:
             continue
         clean = key.replace(".base_layer.", ".")
         t = merged.get(clean, t)
@@ -200,7 +262,10 @@ def adapts_tied_head(model) -> bool:
 
     base = getattr(model, "module", model).get_base_model()
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
-    return isinstance(head, LoraLayer) and embed is not None and head.get_base_layer().weight is embed.weight
+    if not isinstance(head, LoraLayer) or embed is None:
+        return False
+    held = head.get_base_layer()  # an int8 base (hold_int8) remembers the tie its fp32 weight had
+    return getattr(held, "tied_embedding", False) or held.weight is embed.weight
 
 
 @contextmanager
@@ -228,7 +293,7 @@ def merged_tensors(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, m in model.get_base_model().named_modules():
         if isinstance(m, LoraLayer) and "default" in m.lora_A:
-            w = m.get_base_layer().weight
+            w = source_weight(m.get_base_layer())
             if w.dtype in LOW_PRECISION:  # a bf16 base (lora.base_dtype): merged in fp32, the adapter's update kept
                 out[f"{name}.weight"] = w.float() + m.get_delta_weight("default").float()
             else:

@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from refit.core.errors import RefitError
+
 BF16_CPU = "AVX512-BF16/AMX"  # the x86 instructions oneDNN's bf16 matmuls use (names for the line)
 INT8_FLAGS = {"amx_int8": "AMX-int8", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",  # x86-64 (/proc/cpuinfo)
               "i8mm": "i8mm", "asimddp": "dotprod"}  # arm64
@@ -60,12 +62,18 @@ class Precision:
     """The resolved choice (:func:`resolve_precision`) and its reasons."""
 
     learner: str  # "fp32" | "bf16" (LoRA: the frozen base in bf16; full fine-tuning: bf16 autocast, fp32 masters)
-    base_dtype: str  # lora.base_dtype resolved: "fp32" | "bf16" (full fine-tuning: "fp32")
+    # | "int8" (LoRA only: the frozen base held as the int8 engine holds it, its matmuls in int8; the rest fp32)
+    base_dtype: str  # lora.base_dtype resolved: "fp32" | "bf16" | "int8" (full fine-tuning: "fp32")
     quantize: str  # rollout.quantize resolved: "none" | "int8"
     learner_why: str
     engine_why: str
     lora: bool = False
     warning: str = ""  # bf16 forced where it is emulated
+
+    @property
+    def run_precision(self) -> str:
+        """``run.precision`` resolved: the int8 base's adapter, activations and optimizer are fp32."""
+        return "fp32" if self.learner == "int8" else self.learner
 
     @property
     def autocast(self) -> bool:
@@ -74,7 +82,9 @@ class Precision:
 
     def line(self, job: str, tis: bool | None = None) -> str:
         """The one line a job logs at start; ``tis``: PPO's resolved correction is TIS (None: no such knob)."""
-        if self.learner == "bf16":
+        if self.learner == "int8":
+            what = "int8 base (the int8 engine's weights and arithmetic), fp32 adapter"
+        elif self.learner == "bf16":
             what = "bf16 base, fp32 adapter" if self.lora else "bf16 autocast, fp32 master weights"
         else:
             what = "fp32"
@@ -175,15 +185,35 @@ def _engine(cfg, facts: HardwareFacts, job: str) -> tuple[str, str]:
     return "int8", f"LoRA: frozen base, onnxruntime int8 matmuls on {facts.int8_isa}"
 
 
-def resolve_precision(cfg, facts: HardwareFacts, job: str = "ppo") -> Precision:
-    """The precision of ``cfg``'s learner and engine on hardware ``facts`` (``job``: "ppo" | "distill"); explicit
-    settings win over ``auto`` (the module docstring has the rules)."""
+def _int8_base(cfg, facts: HardwareFacts, job: str, quantize: str, processes: int) -> str:
+    """Why an ``auto`` LoRA base is held in int8 on this run ("": it is not): a CPU learner without bf16 units, one
+    process, PPO's int8 engine (the learner then runs the engine's own int8 arithmetic by int8 GEMMs)."""
+    from refit.core.int8 import fast_int8
+
+    if (cfg.run.precision != "auto" or not cfg.run.bf16 or getattr(cfg, "ref_backend", "auto") == "onnxruntime"
+            or facts.device != "cpu" or facts.bf16_units or quantize != "int8" or job != "ppo" or processes > 1
+            or not fast_int8()):
+        return ""
+    return f"no bf16 units ({BF16_CPU}): the base as the int8 engine holds it, int8 GEMMs on {facts.int8_isa}"
+
+
+def resolve_precision(cfg, facts: HardwareFacts, job: str = "ppo", processes: int = 1) -> Precision:
+    """The precision of ``cfg``'s learner and engine on hardware ``facts`` (``job``: "ppo" | "distill";
+    ``processes``: the run's learner processes); explicit settings win over ``auto`` (the module docstring has the
+    rules)."""
     learner, why, warning = _learner(cfg, facts)
     lora = cfg.lora.enabled
     base = cfg.lora.base_dtype
     if lora and base != "auto":  # an explicit base precision is the LoRA learner's precision
         learner, why, warning = base, f"lora.base_dtype {base}", warning if base == "bf16" else ""
     quantize, engine_why = _engine(cfg, facts, job)
+    if lora and base == "auto" and learner == "fp32":
+        int8_why = _int8_base(cfg, facts, job, quantize, processes)
+        learner, why = ("int8", int8_why) if int8_why else (learner, why)
+    if learner == "int8" and (job != "ppo" or facts.device != "cpu" or processes > 1):
+        raise RefitError("lora.base_dtype int8 is built for refit ppo with one CPU learner process (torch._int_mm's "
+                         f"CPU route, the engine's manifest read there); this is {job} on {facts.device} with "
+                         f"{processes} process(es): use lora.base_dtype fp32 or bf16")
     return Precision(learner=learner, base_dtype=learner if lora else "fp32", quantize=quantize, learner_why=why,
                      engine_why=engine_why, lora=lora, warning=warning)
 
@@ -192,7 +222,7 @@ def with_precision(cfg, p: Precision):
     """``cfg`` with the ``auto`` fields made ``p``'s values: ``run.precision``, ``lora.base_dtype``,
     ``rollout.quantize``; under bf16 autocast a PPO run's pushes are checked on the probe batch (the rollout's fp32
     engine log-probs and the learner's bf16 old log-probs differ by rounding: ``probe_on_rollout`` false)."""
-    out = replace(cfg, run=replace(cfg.run, precision=p.learner), lora=replace(cfg.lora, base_dtype=p.base_dtype),
+    out = replace(cfg, run=replace(cfg.run, precision=p.run_precision), lora=replace(cfg.lora, base_dtype=p.base_dtype),
                   rollout=replace(cfg.rollout, quantize=p.quantize))
     if p.autocast and getattr(out, "probe_on_rollout", False):
         out = replace(out, probe_on_rollout=False)
@@ -212,10 +242,11 @@ def autocast(cfg, device):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_bf16(cfg))
 
 
-def settle_precision(cfg, device, log=print, job: str = "ppo", facts: HardwareFacts | None = None):
+def settle_precision(cfg, device, log=print, job: str = "ppo", facts: HardwareFacts | None = None,
+                     processes: int = 1):
     """``cfg`` resolved on this machine (:func:`resolve_precision`, :func:`with_precision`), its line logged (and a
     warning when bf16 is forced where it is emulated); what a job's setup calls once."""
-    p = resolve_precision(cfg, facts or hardware_facts(device), job)
+    p = resolve_precision(cfg, facts or hardware_facts(device), job, processes)
     if p.warning:
         warnings.warn(p.warning, stacklevel=2)
     out = with_precision(cfg, p)

@@ -39,8 +39,8 @@ from refit.core.errors import RefitError
 from refit.core.int8 import reference_model, rounding_floor
 from refit.core.manifest import Manifest
 from refit.learner.run.checkpoint import latest_checkpoint
-from refit.learner.run.lora import (adapter_tensors, adapts_tied_head, fp32_compute, holds_low_precision, is_lora,
-                                    merged_tensors)
+from refit.learner.run.lora import (adapter_tensors, adapts_tied_head, fp32_compute, holds_int8, holds_low_precision,
+                                    is_lora, merged_tensors)
 from refit.learner.run.policy import learner_view
 from refit.rollout.engine import Engine, check_version, next_version
 from refit.rollout.types import RolloutBatch, SamplingParams
@@ -183,6 +183,8 @@ class WeightSync:
         frozen base) and quantizes the base's linear layers at each forward (``Int8Linear(lazy=True)``), so it follows
         each step without being made again and costs no copy of the base, fp32 or int8."""
         manifest = self.contract.int8_manifest
+        if holds_int8(model):  # an int8 base (lora.base_dtype int8): the policy computes as the engine does already
+            return getattr(model, "module", model).get_base_model()
         if not is_lora(model):
             return reference_model(model, manifest)
         peft_model = getattr(model, "module", model)
