@@ -82,11 +82,29 @@ def build(geometry: str, layers: int, lora_r: int, precision: str):
             from refit.learner.run.lora import hold_base
 
             hold_base(model, torch.bfloat16)
+        elif precision == "int8":  # lora.base_dtype int8: the layers an int8 engine quantizes (every LoRA base
+            hold_int8_like_engine(model)  # layer and the output head), held as refit.learner.run.lora.hold_int8 does
     elif precision == "bf16":
         model = model.bfloat16()  # full fine-tuning in bf16 here is the forward/backward's arithmetic only
     use_cpu_matmul(model, "auto", torch.device("cpu"))
     model.train()
     return model
+
+
+def hold_int8_like_engine(model) -> None:
+    """Without an engine's manifest: every LoRA base layer and the output head replaced by an Int8Linear over its
+    int8 twin (the set an int8 export of these geometries quantizes; tests/test_int8_base.py checks hold_int8's set
+    against a real manifest)."""
+    from peft.tuners.lora import LoraLayer
+
+    from refit.core.int8 import Int8Linear
+
+    base = model.get_base_model()
+    for layer in [m for m in base.modules() if isinstance(m, LoraLayer)]:
+        b = layer.base_layer
+        layer.base_layer = Int8Linear(b.weight.detach().t(), b.bias)
+    head = base.get_output_embeddings()
+    base.set_output_embeddings(Int8Linear(head.weight.detach().t(), head.bias))
 
 
 def learner_step(model, prompt, prompt_mask, response, entropy_coef: float = 0.0):
@@ -139,7 +157,8 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=2, help="rows in the micro-batch")
     p.add_argument("--prompt_tokens", type=int, default=20)
     p.add_argument("--response_tokens", type=int, default=64)
-    p.add_argument("--precisions", default="fp32,bf16", help="comma list of fp32, bf16")
+    p.add_argument("--precisions", default="fp32,bf16,int8", help="comma list of fp32, bf16, int8 (the LoRA base held "
+                                                                   "in int8: lora.base_dtype int8)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5, help="timed calls of each peak GEMM")
     p.add_argument("--peak_shape", default="512,2048,2048", help="M,K,N of the peak GEMM")
@@ -165,6 +184,7 @@ def main(argv=None) -> None:
            "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens, "threads": a.threads,
            "entropy_coef": a.entropy_coef,
            "bf16_units": bf16_is_fast("cpu"), "peak_gflops": peak, "learner": {}}
+    counted: dict[str, int] = {}
     for precision in a.precisions.split(","):
         model = build(a.geometry, a.layers, a.lora_r, precision)
         vocab = model.config.vocab_size
@@ -173,7 +193,10 @@ def main(argv=None) -> None:
         response = torch.randint(0, vocab, (a.rows, a.response_tokens), generator=g)
         step = lambda: learner_step(model, prompt, torch.ones_like(prompt), response, a.entropy_coef)  # noqa: E731
         step()  # warm-up: oneDNN's kernels, the allocator
-        flops = count_flops(model, step)
+        # int8: the same products as fp32's (torch's counter has no formula for torch._int_mm)
+        flops = counted.get("fp32") if precision == "int8" else None
+        flops = flops or count_flops(model, step)
+        counted[precision] = flops
         times = []
         for _ in range(a.rounds):
             t = time.perf_counter()
@@ -181,7 +204,7 @@ def main(argv=None) -> None:
             times.append(time.perf_counter() - t)
         s = statistics.median(times)
         rate = flops / s / 1e9
-        ref = peak.get("bf16" if precision == "bf16" else "fp32_onednn") or peak.get("fp32_blas")
+        ref = peak.get(precision if precision in ("bf16", "int8") else "fp32_onednn") or peak.get("fp32_blas")
         row = {"seconds": round(s, 3), "gflop": round(flops / 1e9, 1), "gflops": round(rate, 1),
                "of_peak": round(rate / ref, 3) if ref else None}
         if not a.no_profile:

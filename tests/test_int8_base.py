@@ -119,6 +119,12 @@ def test_held_base_is_the_engine_twins_and_computes_as_the_reference(arch, model
                 assert torch.equal(mod.q, engine[w][0]) and torch.equal(mod.scale, engine[w][1]), owner
                 assert not list(mod.parameters())  # the fp32 weight released
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
+    from refit.learner.run.policy import vocab_size
+
+    assert vocab_size(held) == fp32.config.vocab_size and isinstance(head, Int8Linear)
+    assert head.weight.shape == (fp32.config.vocab_size, fp32.config.hidden_size if arch != "tiny-gpt2" else
+                                 fp32.config.n_embd)
+    assert head._weight is None  # reading it kept no fp32 copy of the head (a learner's int8 base holds none)
     if getattr(head, "tied_embedding", False):
         assert embed.weight.dtype == torch.float32 and embed.weight.requires_grad is False
     ids = torch.randint(0, fp32.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -173,9 +173,10 @@ class BenchGRPO(OnMachine):
     lora_r: int = opt(0, "LoRA rank on both sides (0: full fine-tuning)")
     lora_alpha: float = opt(16.0, "LoRA alpha on both sides")
     lora_target: str = opt("all-linear", "LoRA target modules on both sides: all-linear or a comma list")
-    lora_base_dtype: Literal["auto", "fp32", "bf16"] = opt(
-        "auto", "the frozen base's dtype on both learners (bf16: TRL's model_init_kwargs dtype, Refit's "
-                "lora.base_dtype; auto: what refit ppo picks on this machine, refit.learner.run.precision)")
+    lora_base_dtype: Literal["auto", "fp32", "bf16", "int8"] = opt(
+        "auto", "the frozen base's dtype on the learners (bf16: TRL's model_init_kwargs dtype, Refit's "
+                "lora.base_dtype; int8: Refit's only, TRL's base fp32; auto: what refit ppo picks on this machine, "
+                "refit.learner.run.precision)")
     quantize: Literal["auto", "none", "int8"] = opt(
         "auto", "Refit's engine only: int8 linear layers (rollout.quantize; TIS corrects the gap; auto: what refit ppo "
                 "picks on this machine); the learners stay as set on both sides")

@@ -33,8 +33,9 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
   default: TRL then loads no reference model, Refit still scores its reference engine and logs the KL);
 - precision: Refit's side at its defaults (``run.precision``, ``lora.base_dtype`` and ``rollout.quantize`` resolved
   on this machine as ``refit ppo`` resolves them, :func:`at_defaults`, and said in one line: bf16 where the hardware
-  has bf16 units, an int8 engine under LoRA where the CPU has int8 dot-product units); TRL's side in fp32 unless
-  its search (below) finds its bf16 autocast faster;
+  has bf16 units, an int8 engine under LoRA where the CPU has int8 dot-product units, and then, without bf16 units,
+  the LoRA base held in int8 on the learner too); TRL's side in fp32 unless its search (below) finds its bf16
+  autocast faster (its LoRA base in bf16 only where Refit's is: TRL + PEFT's int8 base, bitsandbytes, is CUDA-only);
 - the device: ``use_cpu`` / ``--run.device`` (``--device``, cpu by default);
 - threads: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in the TRL process, ``OMP_NUM_THREADS`` and
   ``--rollout.engine_threads`` in Refit's;
@@ -136,7 +137,13 @@ def at_defaults(w: Workload) -> tuple[Workload, str]:
              lora=NS(enabled=w.lora_r > 0, base_dtype=w.lora_base_dtype),
              rollout=NS(quantize=w.quantize, backend="onnxruntime"))
     p = resolve_precision(cfg, hardware_facts(w.device))
-    return replace(w, lora_base_dtype=p.base_dtype, quantize=p.quantize, precision=p.learner), p.line("bench grpo")
+    return replace(w, lora_base_dtype=p.base_dtype, quantize=p.quantize, precision=p.run_precision), p.line("bench grpo")
+
+
+def trl_base_dtype(w: Workload) -> str:
+    """The LoRA base's dtype on TRL's side: bf16 where Refit's is (TRL's model_init_kwargs dtype), else fp32 (an int8
+    base on Refit's side: TRL + PEFT's int8 base is bitsandbytes' QLoRA, a CUDA path that does not run on a CPU)."""
+    return "bf16" if w.lora_base_dtype == "bf16" else "fp32"
 
 
 def engine_max_len(w: Workload) -> int:
@@ -247,7 +254,7 @@ def trl_command(py: Path, w: Workload, out: Path, seed: int, extra: str) -> list
            "--learning_rate", str(w.learning_rate), "--lr_scheduler", w.lr_scheduler, "--steps", str(w.steps),
            "--beta", str(w.beta), "--seed", str(seed), "--threads", str(w.threads), "--device", w.device,
            "--lora_r", str(w.lora_r), "--lora_alpha", str(w.lora_alpha), "--lora_target", w.lora_target,
-           "--lora_base_dtype", w.lora_base_dtype]
+           "--lora_base_dtype", trl_base_dtype(w)]
     return cmd + (["--trl_args", extra] if extra else [])
 
 
@@ -278,7 +285,7 @@ def search_trl(py: Path, w: Workload, runs_dir: Path, seed: int, trl_args: str, 
     user, trials_dir = json.loads(trl_args or "{}"), runs_dir / "trl-trials"
     tw = replace(w, steps=trial_steps)
     best, trials = best_trl_config(lambda name, f: trl_command(py, tw, trials_dir / name, seed, json.dumps({**f, **user})),
-                                   w.prompts_per_step * w.num_generations, w.lora_base_dtype == "fp32", trials_dir,
+                                   w.prompts_per_step * w.num_generations, trl_base_dtype(w) == "fp32", trials_dir,
                                    child_env(w.threads, False), memory_limit_gb(), log)
     return json.dumps({**best, **user}), trials
 

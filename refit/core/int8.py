@@ -102,7 +102,8 @@ class Int8MatmulFn(torch.autograd.Function):
         if x2.shape[0] == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=torch.float32)
         t = row_scale(x2)
-        y = torch.mul(torch._int_mm(torch.div(x2, t).round_().to(torch.int8), q), t).mul_(scale)  # float(acc) * t * s
+        # float(acc) * t * scale in the graph's order; converting first is faster than an int32 * float product
+        y = torch._int_mm(torch.div(x2, t).round_().to(torch.int8), q).float().mul_(t).mul_(scale)
         if bias is not None:
             y.add_(bias)
         return y.reshape(*x.shape[:-1], n)
@@ -115,7 +116,7 @@ class Int8MatmulFn(torch.autograd.Function):
         if g2.shape[0] == 0:
             return g.new_zeros(*g.shape[:-1], k, dtype=ctx.in_dtype), None, None, None
         t = row_scale(g2)
-        gx = torch.mul(torch._int_mm(g2.div_(t).round_().to(torch.int8), q.t()), t)
+        gx = torch._int_mm(g2.div_(t).round_().to(torch.int8), q.t()).float().mul_(t)
         return gx.reshape(*g.shape[:-1], k).to(ctx.in_dtype), None, None, None
 
 
@@ -144,6 +145,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", s)
         self.bias = None if bias is None else bias.detach().float()
         self.jitter: torch.Generator | None = None  # set by rounding_floor only
+        self.keep_weight = True  # keep the dequantized weight once read (False: a learner's int8 base, hold_int8)
         self._weight: tuple | None = None  # (q, q._version, scale, scale._version, weight) of the last read
 
     def twins(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +162,7 @@ class Int8Linear(torch.nn.Module):
         if self._source is not None:
             return dequantize(*self.twins()).t()
         q, s, held = self.q, self.scale, self._weight
-        if q.is_inference() or s.is_inference():
+        if q.is_inference() or s.is_inference() or not self.keep_weight:
             return dequantize(q, s).t()
         if held is None or held[0] is not q or held[1] != q._version or held[2] is not s or held[3] != s._version:
             held = self._weight = (q, q._version, s, s._version, dequantize(q, s).t())

@@ -68,8 +68,9 @@ _CAUSES = {
     "padding": "engine and learner disagree on padded rows only: the padding side or position ids differ "
                "(never force left padding on an encoder; decoder positions must come from the attention mask)",
     "precision": "engine and learner disagree a little on every row: they run at different precisions "
-                 "(fp16/bf16 vs fp32, or an int8 rollout engine vs the fp32 learner); export and learn at the same "
-                 "dtype or enable mismatch_correction=tis (the default with rollout.quantize)",
+                 "(fp16/bf16 vs fp32, or an int8 rollout engine vs the fp32 learner; with an int8 base on both sides, "
+                 "an activation that a last-bit difference moves to the neighbouring int8 code); export and learn at "
+                 "the same dtype or enable mismatch_correction=tis (the default with rollout.quantize)",
     "weights": "engine and learner disagree everywhere: the engine holds other weights than the learner "
                "(stale or failed weight push)",
     "neftune": "the learner's log-probs carry NEFTune's noise (optim.neftune_noise_alpha) and the engine's do not: "

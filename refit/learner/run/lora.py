@@ -14,6 +14,13 @@ in fp32 (:func:`fp32_compute`, exact), while the training forward's bf16 arithme
 rounding, which the importance-sampling correction (TIS) takes up; the reference is the policy with its adapter off
 in PyTorch, computing as the policy does, so KL(0) stays 0.
 
+``lora.base_dtype int8`` (:func:`hold_int8`) holds the base as the int8 engine holds it: each layer the engine's
+manifest quantizes becomes a :class:`refit.core.int8.Int8Linear` over the same twin, its fp32 weight released, and
+the forward runs the engine's int8 arithmetic by int8 GEMMs (the input gradient too, straight through the rounding),
+so the learner's log-probs are the engine's to fp32 rounding; the reference is the policy with its adapter off, as
+for bf16. The final model (:func:`merged_state`) is the base dequantized (the numbers the run multiplied by) with the
+adapter merged.
+
 Refused in one line: target modules that match nothing (PEFT's own message), a rank larger than a targeted layer's
 smaller side (the update would be full rank and cost more than the layer), an ``init`` that does not leave the
 policy equal to the base at step 0 (KL(0) = 0 is the contract; PiSSA/OLoRA also rewrite the base, which the
@@ -104,6 +111,7 @@ def hold_int8(model, manifest) -> int:
         new = Int8Linear(_module_kn(m), m.bias)
         new.in_features, new.out_features = new.q.shape
         new.conv1d = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (in, out): saved and merged so
+        new.keep_weight = False  # a read of .weight (HF code, the final merge) keeps no fp32 copy of the layer
         # a head tied to the embeddings: the engine's head multiplies by the twin, its Gather reads the fp32 matrix
         new.tied_embedding = embed is not None and getattr(m, "weight", None) is embed.weight
         parent, _, leaf = owner.rpartition(".")

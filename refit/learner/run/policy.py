@@ -94,7 +94,9 @@ def response_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 def vocab_size(model) -> int:
     """Rows of the model's output layer: the V of its logits."""
-    return _unwrap(model).get_output_embeddings().weight.shape[0]
+    head = _unwrap(model).get_output_embeddings()
+    rows = getattr(head, "out_features", None)  # an int8 head's weight would be dequantized to be read
+    return int(rows) if rows is not None else head.weight.shape[0]
 
 
 def _keeps_logits(model) -> bool:

@@ -24,6 +24,14 @@ The rules (an explicit value always wins over ``auto``):
   (:func:`mixed_bf16`): the update's forward, the old log-probs and the PyTorch reference all under the same autocast,
   so KL(0) is exactly 0 and the first ratio is 1; the probe runs the weights in fp32 against the fp32 engine, and TIS
   (mismatch_correction auto) takes up the engine/learner difference.
+- int8 on a LoRA run (``lora.base_dtype auto``): where the learner stays fp32 for want of bf16 units, runs on the CPU
+  in one process, and the engine resolves to int8 (below), the frozen base is held as the int8 engine holds it
+  (refit.learner.run.lora.hold_int8: the same twins, bit for bit) and its matmuls run the engine's own int8
+  arithmetic by int8 GEMMs (``torch._int_mm``), the input gradient straight through the activations' rounding, in
+  int8 too; the adapter, the activations and the optimizer stay fp32. The learner's log-probs are then the engine's
+  to fp32 rounding (TIS stays on for the activation codes a rounding step moves), the reference is the policy with
+  its adapter off (KL(0) = 0), and the base takes a quarter of its fp32 memory. An explicit ``lora.base_dtype
+  int8`` elsewhere (CUDA, distillation, several processes) is refused in one line.
 - engine, ``rollout.quantize auto``: int8 for a LoRA run on the onnxruntime backend where the CPU has int8
   dot-product instructions (x86-64 AVX512-VNNI / AVX-VNNI / AMX-int8, arm64 dotprod / i8mm: ONNX Runtime's
   MatMulInteger runs on any x86-64/arm64, but only these make it faster than fp32), the base quantized once at
