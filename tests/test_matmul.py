@@ -143,12 +143,12 @@ def test_settings():
 def test_switched_layers_are_still_found_by_the_int8_reference():
     """The int8 reference (refit.core.int8) finds the layers it quantizes by kind: a switched GPT-2 Conv1D and Linear
     are still a (K, N) weight to it."""
-    from refit.core.int8 import _module_kn
+    from refit.core.int8 import module_kn
 
     conv, lin = Conv1D(24, 16), torch.nn.Linear(16, 24)
     use_cpu_matmul(conv), use_cpu_matmul(lin)
-    assert type(conv) is DnnConv1D and torch.equal(_module_kn(conv), conv.weight)
-    assert type(lin) is DnnLinear and torch.equal(_module_kn(lin), lin.weight.t())
+    assert type(conv) is DnnConv1D and torch.equal(module_kn(conv), conv.weight)
+    assert type(lin) is DnnLinear and torch.equal(module_kn(lin), lin.weight.t())
 
 
 def test_bf16_is_fast_reads_the_cpus_bf16_flags():

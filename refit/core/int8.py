@@ -200,7 +200,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()
 
 
-def _module_kn(module) -> torch.Tensor | None:
+def module_kn(module) -> torch.Tensor | None:
     """The (K, N) weight a Linear (out, in) or Conv1D (in, out) multiplies by; None for any other module."""
     if isinstance(module, torch.nn.Linear):
         return module.weight.t()
@@ -227,7 +227,7 @@ def matmul_modules(model, manifest: Manifest) -> dict[str, dict[str, list[str]]]
                 continue
             if hasattr(m, "base_layer"):  # a PEFT LoRA layer: the base's Linear is inside it (the adapter stays fp32)
                 owner, m = f"{owner}.base_layer", m.base_layer
-            if leaf == "weight" and _module_kn(m) is not None:
+            if leaf == "weight" and module_kn(m) is not None:
                 mods.append(owner)
         for t in targets:
             if mods and t.transform in ("identity", "transpose"):
@@ -251,8 +251,8 @@ def reference_model(model, manifest: Manifest, share_parameters: bool = False):
             for owner in mods[g][name]:
                 parent, _, leaf = owner.rpartition(".")
                 m = ref.get_submodule(owner)
-                new = (Int8Linear(_module_kn(m), m.bias, lazy=True) if share_parameters and layer is Int8Linear
-                       else layer(_module_kn(m), m.bias))
+                new = (Int8Linear(module_kn(m), m.bias, lazy=True) if share_parameters and layer is Int8Linear
+                       else layer(module_kn(m), m.bias))
                 setattr(ref.get_submodule(parent) if parent else ref, leaf, new)
     return ref
 

@@ -164,3 +164,21 @@ def refuse_if_over(terms: dict[str, int], have: int | None, what: str, where: st
     parts = ", ".join(f"{k} {gib(v)}" for k, v in terms.items())
     raise RefitError(f"{what} needs about {gib(need)} ({parts}), more than the {gib(have)} {where} available; "
                      f"{fix}")
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages of freed heap blocks back to the system now (glibc's ``malloc_trim(0)``, which also releases
+    free pages inside the heap, not only at its top), after a one-off release of much memory (a learner's fp32 base
+    replaced by its int8 twins): refit.export.graph's ``keep_freed_memory`` keeps them resident otherwise, and later
+    blocks larger than the freed ones (a vocabulary-wide logits chunk) cannot reuse them, so the resident size would
+    grow past them.
+    Returns False where the C library is not glibc."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -6,6 +6,7 @@ sync room, the rollout thread), and the update route (refit.learner.ppo.route), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import gc
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from refit.core.errors import RefitError
 from refit.core.hf_folder import ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.manifest import Manifest
-from refit.core.memory import Geometry, geometry
+from refit.core.memory import Geometry, geometry, release_freed_memory
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.data import load_prompt_sets
 from refit.learner.ppo.models import (decode_threads, make_optimizer, overlap_threads, reference_engine, resolve_shards,
@@ -30,7 +31,7 @@ from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.distributed import DistContext
-from refit.learner.run.engines import engine_for_model, pick_device
+from refit.learner.run.engines import engine_folder, engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora, hold_int8
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.policy import ValueHead, hidden_size
@@ -126,11 +127,18 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     device = dist.device or pick_device(cfg.run.device)
     cfg = settle_precision(cfg, device, log, processes=dist.world_size)  # the auto precisions resolved, one line
     p = prompt_sets(cfg, tok, info)
-    cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
     state = StepState(kl=KLCoef(cfg.kl_coef, cfg.target if cfg.adap_kl_ctrl else None, cfg.horizon),
                       entropy=EntropyCoef(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta,
                                           cfg.entropy_coef_min, cfg.entropy_coef_max))
-    m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
+    if cfg.lora.base_dtype == "int8":  # the engine's folder first (its manifest names the twins), then the learner
+        # held in int8 with its checkpoint's file mapping released, then the engine's sessions: the fp32 base and
+        # the engine are never resident together
+        engine_folder(cfg, cfg.model.model_dir, engine_dir(cfg, run_dir), engine_rows(cfg), p.max_len, log, cfg.lora)
+        m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
+        cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
+    else:
+        cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
+        m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
     rewards = rewards or load_rewards(list(cfg.reward_funcs) or [cfg.reward], list(cfg.reward_weights))
     if not resume:
         (run_dir / "completions.jsonl").unlink(missing_ok=True)  # log_extra rows of an earlier run here
@@ -177,9 +185,19 @@ def policy_engine(cfg: PPOConfig, dist: DistContext, run_dir: Path, max_len: int
                                    (decode_threads(cfg, log) if shards_auto else cfg, None))
     if not dist.is_main:  # [dist] ranks > 0 hold no engine
         return cfg, None, learner_threads
-    engine = engine_for_model(engine_cfg, cfg.model.model_dir, cfg.model.engine_dir or run_dir / "engine",
-                              cfg.run.batch_size * cfg.num_generations, max_len, log, lora=cfg.lora)
+    engine = engine_for_model(engine_cfg, cfg.model.model_dir, engine_dir(cfg, run_dir), engine_rows(cfg), max_len,
+                              log, lora=cfg.lora)
     return cfg, engine, learner_threads
+
+
+def engine_dir(cfg: PPOConfig, run_dir: Path) -> Path:
+    """The policy's engine folder: ``model.engine_dir``, else the run's ``engine/``."""
+    return Path(cfg.model.engine_dir or run_dir / "engine")
+
+
+def engine_rows(cfg: PPOConfig) -> int:
+    """The rows of one rollout: prompts a step x completions a prompt."""
+    return cfg.run.batch_size * cfg.num_generations
 
 
 def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef: float) -> Learner:
@@ -189,7 +207,9 @@ def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef:
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
         if cfg.lora.base_dtype == "int8":  # the base as the int8 engine holds it (rank 0 exported it already)
-            hold_int8(policy, Manifest.read(cfg.model.engine_dir or Path(cfg.run.output_dir) / "engine"))
+            hold_int8(policy, Manifest.read(engine_dir(cfg, Path(cfg.run.output_dir))))
+            gc.collect()
+            release_freed_memory()  # the fp32 base's pages back to the system (a heap kept by an engine keeps them)
     use_cpu_matmul(policy, cfg.run.cpu_matmul, device)
     ref = torch_reference(cfg, policy, info, device, main, kl_coef)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update

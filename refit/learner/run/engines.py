@@ -123,12 +123,7 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends. ``lora`` (a
     LoraSection with r > 0): the engine is LoRA-ready for its target modules (refit/export/lora.py), exported from the
     base the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
-    # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
-    lora_ready = lora_of(lora) and cfg.rollout.backend != "tensorrt"
-    check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
-    src = engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
-                        engine_quantize(cfg), lora=tuple(lora.target_modules) if lora_ready else (),
-                        round_weights="bf16" if lora is not None and lora.bf16_base else "none")
+    src = engine_folder(cfg, model_dir, engine_dir, rows, max_len, log, lora)
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own
@@ -142,6 +137,17 @@ def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: i
         lean["shards"] = cfg.rollout.engine_shards
     return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, threads=cfg.rollout.engine_threads or None,
                        **lean)
+
+
+def engine_folder(cfg, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int, log=print, lora=None):
+    """:func:`engine_for_model`'s folder, exported or reused, no session opened (a run whose learner reads the
+    engine's manifest first: ``lora.base_dtype int8``); the model folder itself for the PyTorch backends."""
+    # TensorRT takes a LoRA run's pushes as a refit of the merged targeted layers: its engine has no adapter inputs
+    lora_ready = lora_of(lora) and cfg.rollout.backend != "tensorrt"
+    check_batch_memory(cfg, max_len)  # with the prompts' real length, before the export and the first rollout
+    return engine_source(cfg.rollout.backend, model_dir, engine_dir, rows, max_len, log,
+                         engine_quantize(cfg), lora=tuple(lora.target_modules) if lora_ready else (),
+                         round_weights="bf16" if lora is not None and lora.bf16_base else "none")
 
 
 def engine_quantize(cfg) -> str:

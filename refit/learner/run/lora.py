@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from refit.core.errors import RefitError
+from refit.core.int8 import Int8Linear, dequantize, fast_int8, matmul_modules, module_kn
 from refit.core.manifest_sections import lora_push_names
 from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
@@ -93,9 +94,10 @@ def hold_int8(model, manifest) -> int:
     and the input gradient then run the engine's arithmetic by int8 GEMMs (:class:`refit.core.int8.Int8MatmulFn`); the
     adapter stays fp32 beside it. Returns how many layers were replaced; one line when the engine is not int8 or a
     layer it quantizes trains."""
-    from refit.core.int8 import Int8Linear, _module_kn, matmul_modules
-
     quant = manifest.quantization
+    if not fast_int8():
+        raise RefitError("lora.base_dtype int8: this torch has no CPU int8 GEMM (torch._int_mm); use lora.base_dtype "
+                         "fp32")
     if quant is None or quant.scheme != "int8":
         raise RefitError("lora.base_dtype int8 holds the base as the int8 engine does: the engine must be exported "
                          "with --quantize int8 (rollout.quantize int8, or auto on a CPU with int8 units)")
@@ -108,7 +110,7 @@ def hold_int8(model, manifest) -> int:
         if any(p.requires_grad for p in m.parameters()):
             raise RefitError(f"lora.base_dtype int8: {owner} trains (modules_to_save or full fine-tuning); only a "
                              "frozen layer can be held in int8")
-        new = Int8Linear(_module_kn(m), m.bias)
+        new = Int8Linear(module_kn(m), None if m.bias is None else m.bias.detach().clone())
         new.in_features, new.out_features = new.q.shape
         new.conv1d = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (in, out): saved and merged so
         new.keep_weight = False  # a read of .weight (HF code, the final merge) keeps no fp32 copy of the layer
@@ -116,14 +118,17 @@ def hold_int8(model, manifest) -> int:
         new.tied_embedding = embed is not None and getattr(m, "weight", None) is embed.weight
         parent, _, leaf = owner.rpartition(".")
         setattr(base.get_submodule(parent) if parent else base, leaf, new)
+    # what stays of the checkpoint's tensors (the embedding, norms) gets memory of its own: loaded by safetensors they
+    # are views of one file mapping, which the released fp32 weights would otherwise keep resident with them
+    for p in [*base.parameters(), *base.buffers()]:
+        if not p.requires_grad:
+            p.data = p.data.clone()
     return len(owners)
 
 
 def source_weight(module) -> torch.Tensor:
     """A base layer's weight in its own module's layout (Linear (out, in), Conv1D (in, out)); an int8 one's
     (:func:`hold_int8`) dequantized, ``q * scale``: the numbers the run multiplied by."""
-    from refit.core.int8 import Int8Linear, dequantize
-
     if isinstance(module, Int8Linear):
         return dequantize(*module.twins()) if getattr(module, "conv1d", False) else module.weight
     return module.weight
@@ -131,8 +136,6 @@ def source_weight(module) -> torch.Tensor:
 
 def holds_int8(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a LoRA policy) holds int8 layers (:func:`hold_int8`)."""
-    from refit.core.int8 import Int8Linear
-
     return any(isinstance(m, Int8Linear) for m in getattr(model, "module", model).modules())
 
 
@@ -231,8 +234,6 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     """The base's state dict, by its own HF names, with every adapter merged in (``W + scaling * B A``, PEFT's
     ``get_delta_weight``): what ``merge_and_unload`` would save, computed beside the model (which is left as it
     is: still a PEFT model, its base untouched). Fresh tensors for the merged layers only."""
-    from refit.core.int8 import Int8Linear
-
     merged = merged_tensors(model)
     out = {}
     base = getattr(model, "module", model).get_base_model()

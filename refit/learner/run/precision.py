@@ -63,6 +63,7 @@ class HardwareFacts:
     bf16_units: bool = False  # the learner's device runs bf16 matmuls in hardware (:func:`bf16_is_fast`)
     bf16_isa: str = ""  # what gives it, for the line: "AMX-BF16", "AVX512-BF16", a GPU's name
     int8_isa: str = ""  # the CPU's int8 dot-product instructions ("AVX512-VNNI", "AMX-int8", "dotprod"); "": none
+    int8_gemm: bool = True  # this torch multiplies int8 matrices on the CPU (torch._int_mm): the int8 LoRA base
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ def hardware_facts(device) -> HardwareFacts:
         isa = torch.cuda.get_device_name(dev) if fast else ""
     else:
         isa = next((name for flag, name in BF16_FLAGS.items() if flag in flags), "oneDNN bf16") if fast else ""
-    return HardwareFacts(device=dev.type, bf16_units=fast, bf16_isa=isa, int8_isa=int8)
+    return HardwareFacts(device=dev.type, bf16_units=fast, bf16_isa=isa, int8_isa=int8,
+                         int8_gemm=hasattr(torch, "_int_mm"))  # hold_int8 checks that it multiplies right
 
 
 def _learner(cfg, facts: HardwareFacts) -> tuple[str, str, str]:
@@ -196,11 +198,9 @@ def _engine(cfg, facts: HardwareFacts, job: str) -> tuple[str, str]:
 def _int8_base(cfg, facts: HardwareFacts, job: str, quantize: str, processes: int) -> str:
     """Why an ``auto`` LoRA base is held in int8 on this run ("": it is not): a CPU learner without bf16 units, one
     process, PPO's int8 engine (the learner then runs the engine's own int8 arithmetic by int8 GEMMs)."""
-    from refit.core.int8 import fast_int8
-
     if (cfg.run.precision != "auto" or not cfg.run.bf16 or getattr(cfg, "ref_backend", "auto") == "onnxruntime"
             or facts.device != "cpu" or facts.bf16_units or quantize != "int8" or job != "ppo" or processes > 1
-            or not fast_int8()):
+            or not facts.int8_gemm):
         return ""
     return f"no bf16 units ({BF16_CPU}): the base as the int8 engine holds it, int8 GEMMs on {facts.int8_isa}"
 
