@@ -175,3 +175,27 @@ def test_final_model_of_an_int8_base(model_dirs, int8_dirs, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     torch.testing.assert_close(loaded.transformer.h[0].attn.c_attn.weight, want, rtol=0, atol=0)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # saved tied, as it ran
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_held_base_releases_the_checkpoint_mapping(model_dirs, int8_dirs, tmp_path):
+    """safetensors loads a checkpoint as views of one file mapping; once the base is held in int8, what stays of it
+    (the embedding, norms, biases) owns its memory, so the mapping, the fp32 weights with it, is gone."""
+    import gc
+    import shutil
+
+    from refit.learner.run.lora import hold_int8
+
+    arch = "tiny-qwen2"
+    folder = shutil.copytree(model_dirs[arch], tmp_path / "private")  # a path no other test maps
+    model = _lora(folder)
+
+    def mapped() -> bool:
+        return str(folder) in open("/proc/self/maps").read()
+
+    assert mapped()
+    hold_int8(model, Manifest.read(int8_dirs[arch]))
+    gc.collect()
+    assert not mapped()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()  # the kept tensors still hold the checkpoint's values
