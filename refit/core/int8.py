@@ -148,6 +148,15 @@ class Int8Linear(torch.nn.Module):
         self.keep_weight = True  # keep the dequantized weight once read (False: a learner's int8 base, hold_int8)
         self._weight: tuple | None = None  # (q, q._version, scale, scale._version, weight) of the last read
 
+    @property
+    def in_features(self) -> int:
+        """K, as a Linear says it (``vocab_size`` and PEFT read these without dequantizing the weight)."""
+        return (self._source if self._source is not None else self.q).shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return (self._source if self._source is not None else self.q).shape[1]
+
     def twins(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, scale): the held twins, or (``lazy``) the shared weight's, quantized now."""
         return quantize_weight(self._source) if self._source is not None else (self.q, self.scale)
@@ -245,16 +254,25 @@ def reference_model(model, manifest: Manifest, share_parameters: bool = False):
     ref = copy.deepcopy(model, memo)
     quant = manifest.quantization
     layer = QDQLinear if quant is not None and quant.scheme == QDQ else Int8Linear
-    mods = matmul_modules(ref, manifest)
-    for g, twins in (quant.weights if quant else {}).items():
-        for name in twins:
-            for owner in mods[g][name]:
-                parent, _, leaf = owner.rpartition(".")
-                m = ref.get_submodule(owner)
-                new = (Int8Linear(module_kn(m), m.bias, lazy=True) if share_parameters and layer is Int8Linear
-                       else layer(module_kn(m), m.bias))
-                setattr(ref.get_submodule(parent) if parent else ref, leaf, new)
+    for owner in quantized_owners(ref, manifest):
+        m = ref.get_submodule(owner)
+        set_module(ref, owner, Int8Linear(module_kn(m), m.bias, lazy=True) if share_parameters and layer is Int8Linear
+                   else layer(module_kn(m), m.bias))
     return ref
+
+
+def quantized_owners(model, manifest: Manifest) -> list[str]:
+    """The Linear / Conv1D modules of ``model`` (names, each once) whose weights ``manifest``'s engine quantizes: what
+    :func:`reference_model` and a learner's int8 base (refit.learner.run.lora.hold_int8) replace."""
+    quant = manifest.quantization
+    mods = matmul_modules(model, manifest)
+    return sorted({o for g, twins in (quant.weights if quant else {}).items() for name in twins for o in mods[g][name]})
+
+
+def set_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    """``root``'s submodule ``name`` (dotted) replaced by ``new``."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
 
 
 def rounding_floor(ref, forward, distance, seeds: int = 3) -> float:

@@ -19,8 +19,8 @@ from refit.core.manifest import Manifest
 from refit.core.memory import Geometry, geometry, release_freed_memory
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.data import load_prompt_sets
-from refit.learner.ppo.models import (decode_threads, make_optimizer, overlap_threads, reference_engine, resolve_shards,
-                                      torch_reference)
+from refit.learner.ppo.models import (decode_threads, engine_dir, engine_rows, make_optimizer, overlap_threads,
+                                      reference_engine, resolve_shards, torch_reference)
 from refit.learner.ppo.overlap import PENDING_FILE, RolloutAhead
 from refit.learner.ppo.refsync import RefSync, reference_sync, restore_reference
 from refit.learner.ppo.rewards import NamedReward, RewardLog, load_rewards
@@ -133,9 +133,10 @@ def setup(cfg: PPOConfig, resume: bool, log=print, dist: DistContext | None = No
     if cfg.lora.base_dtype == "int8":  # the engine's folder first (its manifest names the twins), then the learner
         # held in int8 with its checkpoint's file mapping released, then the engine's sessions: the fp32 base and
         # the engine are never resident together
-        engine_folder(cfg, cfg.model.model_dir, engine_dir(cfg, run_dir), engine_rows(cfg), p.max_len, log, cfg.lora)
+        src = engine_folder(cfg, cfg.model.model_dir, engine_dir(cfg, run_dir), engine_rows(cfg), p.max_len, log,
+                            cfg.lora)
         m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
-        cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
+        cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log, src)
     else:
         cfg, engine, learner_threads = policy_engine(cfg, dist, run_dir, p.max_len, log)
         m = learner_models(cfg, info, device, dist.is_main, state.kl.value)
@@ -174,8 +175,8 @@ def prompt_sets(cfg: PPOConfig, tok: PreTrainedTokenizerBase, info: ModelInfo) -
     return Prompts(data, held, ids, eval_ids, max(len(q) for q in ids + eval_ids) + cfg.response_length + 8)
 
 
-def policy_engine(cfg: PPOConfig, dist: DistContext, run_dir: Path, max_len: int,
-                  log) -> tuple[PPOConfig, Engine | None, int | None]:
+def policy_engine(cfg: PPOConfig, dist: DistContext, run_dir: Path, max_len: int, log,
+                  src: Path | None = None) -> tuple[PPOConfig, Engine | None, int | None]:
     """The policy's engine (rank 0; exported or reused) with its threads and shards resolved; (the config with
     them, the engine or None, the learner's torch threads in an overlapped step or None)."""
     shards_auto = cfg.rollout.engine_shards == 0
@@ -186,18 +187,8 @@ def policy_engine(cfg: PPOConfig, dist: DistContext, run_dir: Path, max_len: int
     if not dist.is_main:  # [dist] ranks > 0 hold no engine
         return cfg, None, learner_threads
     engine = engine_for_model(engine_cfg, cfg.model.model_dir, engine_dir(cfg, run_dir), engine_rows(cfg), max_len,
-                              log, lora=cfg.lora)
+                              log, lora=cfg.lora, src=src)
     return cfg, engine, learner_threads
-
-
-def engine_dir(cfg: PPOConfig, run_dir: Path) -> Path:
-    """The policy's engine folder: ``model.engine_dir``, else the run's ``engine/``."""
-    return Path(cfg.model.engine_dir or run_dir / "engine")
-
-
-def engine_rows(cfg: PPOConfig) -> int:
-    """The rows of one rollout: prompts a step x completions a prompt."""
-    return cfg.run.batch_size * cfg.num_generations
 
 
 def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef: float) -> Learner:
@@ -245,7 +236,7 @@ def connect_engine(cfg: PPOConfig, run_dir: Path, engine: Engine, policy: torch.
     overlap = cfg.rollout.max_staleness > 0
     # an int8 engine: the probe compares it with the learner quantized as the engine is, on the probe batch, not on
     # the rollout (its fp32 log-probs differ); overlapped: the next rollout comes from older weights than the push
-    int8 = Manifest.read(cfg.model.engine_dir or run_dir / "engine") if cfg.rollout.quantize != "none" else None
+    int8 = Manifest.read(engine_dir(cfg, run_dir)) if cfg.rollout.quantize != "none" else None
     # a bf16 LoRA base: the rollout's log-probs (the engine's fp32 arithmetic) differ from the update's (bf16) by
     # rounding, so a push is checked on the probe batch, computed in fp32 (refit.learner.run.sync.probe_learner_side)
     contract = Contract(temperature=cfg.sampling.temperature, probe_tol=cfg.rollout.probe_tol, int8_manifest=int8,
@@ -253,7 +244,7 @@ def connect_engine(cfg: PPOConfig, run_dir: Path, engine: Engine, policy: torch.
                         and not cfg.lora.low_base and not cfg.optim.neftune_noise_alpha)  # NEFTune: noisy old lp
     ref_engine = None
     if needs_reference(cfg, kl_coef):
-        ref_engine = reference_engine(cfg, run_dir, rows=cfg.run.batch_size * cfg.num_generations,
+        ref_engine = reference_engine(cfg, run_dir, rows=engine_rows(cfg),
                                       max_len=max_len, threads=learner_threads, policy_engine=engine)
         if ref_sync is not None:
             ref_sync.attach(ref_engine)

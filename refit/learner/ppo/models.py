@@ -60,11 +60,21 @@ def make_optimizer(cfg: PPOConfig, policy: torch.nn.Module, value_head: torch.nn
     return optimizer, schedule(optimizer, cfg.optim, cfg.run.steps * cfg.num_ppo_epochs * cfg.num_mini_batches)
 
 
+def engine_dir(cfg: PPOConfig, run_dir: Path) -> Path:
+    """The policy's engine folder: ``model.engine_dir``, else the run's ``engine/``."""
+    return Path(cfg.model.engine_dir or run_dir / "engine")
+
+
+def engine_rows(cfg: PPOConfig) -> int:
+    """The rows of one rollout: prompts a step x completions a prompt."""
+    return cfg.run.batch_size * cfg.num_generations
+
+
 def _rollout_shape(cfg: PPOConfig) -> tuple[int, int, int]:
     """(the rollout's rows, the engine's threads, the model's layer weights a token; a config without a text config
     counts as large): what the engine-side auto rules read."""
     text = text_config(cfg.model.model_dir)
-    return (cfg.run.batch_size * cfg.num_generations, cfg.rollout.engine_threads or torch.get_num_threads(),
+    return (engine_rows(cfg), cfg.rollout.engine_threads or torch.get_num_threads(),
             layer_weights(text) if text is not None else SHARD_MAX_LAYER_WEIGHTS + 1)
 
 
@@ -120,7 +130,7 @@ def reference_engine(cfg: PPOConfig, run_dir: Path, rows: int = 64, max_len: int
     on_adapter = policy_engine is not None and policy_engine.adapter is not None  # a LoRA-ready policy engine
     if cfg.lora.enabled and cfg.rollout.quantize != "int8" and on_adapter:
         return policy_engine.adapter_off()  # the policy engine's own sessions with the adapter off: the base, once
-    folder = Path(cfg.model.engine_dir or run_dir / "engine")
+    folder = engine_dir(cfg, run_dir)
     if cfg.rollout.quantize == "int8":
         folder = ensure_engine(cfg.model.model_dir, folder.with_name(folder.name + "-fp32"), rows, max_len)
     # never pushed and only scores: the sessions map the folder's files, no copy held, none packed (OrtEngine);

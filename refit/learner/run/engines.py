@@ -118,12 +118,14 @@ def make_engine(cfg, path, run_dir: Path, gpu_share: float = 1.0, **kw) -> Engin
 
 
 def engine_for_model(cfg, model_dir: str | Path, engine_dir: str | Path, rows: int, max_len: int, log=print,
-                     gpu_share: float = 1.0, lora=None) -> Engine:
+                     gpu_share: float = 1.0, lora=None, src: Path | None = None) -> Engine:
     """The engine of one model for ``cfg.rollout.backend``: exported (or reused) into ``engine_dir`` when the
     backend runs an engine folder, straight from ``model_dir`` for the PyTorch backends. ``lora`` (a
     LoraSection with r > 0): the engine is LoRA-ready for its target modules (refit/export/lora.py), exported from the
-    base the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values)."""
-    src = engine_folder(cfg, model_dir, engine_dir, rows, max_len, log, lora)
+    base the learner holds (lora.base_dtype bf16: the checkpoint's weights rounded to bf16 values). ``src``: the
+    folder :func:`engine_folder` already gave for these arguments (not checked again: its reuse check hashes the
+    checkpoint)."""
+    src = src or engine_folder(cfg, model_dir, engine_dir, rows, max_len, log, lora)
     if cfg.rollout.backend in TORCH_BACKENDS:
         return make_engine(cfg, src, Path(cfg.run.output_dir), gpu_share, max_len=max_len)
     # a job pushes the whole model (canonical_params) or nothing: its engine needs no copy of the weights of its own

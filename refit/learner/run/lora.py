@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from refit.core.errors import RefitError
-from refit.core.int8 import Int8Linear, dequantize, fast_int8, matmul_modules, module_kn
+from refit.core.int8 import Int8Linear, dequantize, fast_int8, module_kn, quantized_owners, set_module
 from refit.core.manifest_sections import lora_push_names
 from refit.core.contract import DTYPES, peft_lora_model
 from refit.learner.run.config import LoraSection
@@ -88,8 +88,8 @@ def hold_base(model, dtype: torch.dtype) -> None:
 @torch.no_grad()
 def hold_int8(model, manifest) -> int:
     """The frozen base of LoRA ``model`` held as its int8 engine holds it (``lora.base_dtype int8``): every linear layer
-    whose weight the engine quantizes (``manifest``'s ``quantization``, found as refit.core.int8.matmul_modules finds
-    them) replaced in place by :class:`refit.core.int8.Int8Linear` over the same int8 twin (the same
+    whose weight the engine quantizes (``manifest``'s ``quantization``; refit.core.int8.quantized_owners, the set the
+    export gate's reference replaces) replaced in place by :class:`refit.core.int8.Int8Linear` over the same int8 twin (the same
     ``quantize_weight``), its fp32 weight released (a tied output head's stays: the embedding reads it). The forward
     and the input gradient then run the engine's arithmetic by int8 GEMMs (:class:`refit.core.int8.Int8MatmulFn`); the
     adapter stays fp32 beside it. Returns how many layers were replaced; one line when the engine is not int8 or a
@@ -103,21 +103,18 @@ def hold_int8(model, manifest) -> int:
                          "with --quantize int8 (rollout.quantize int8, or auto on a CPU with int8 units)")
     base = getattr(model, "module", model).get_base_model()
     embed = base.get_input_embeddings()
-    mods = matmul_modules(base, manifest)
-    owners = sorted({o for g, twins in quant.weights.items() for w in twins for o in mods.get(g, {}).get(w, [])})
+    owners = quantized_owners(base, manifest)
     for owner in owners:
         m = base.get_submodule(owner)
         if any(p.requires_grad for p in m.parameters()):
             raise RefitError(f"lora.base_dtype int8: {owner} trains (modules_to_save or full fine-tuning); only a "
                              "frozen layer can be held in int8")
         new = Int8Linear(module_kn(m), None if m.bias is None else m.bias.detach().clone())
-        new.in_features, new.out_features = new.q.shape
         new.conv1d = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (in, out): saved and merged so
         new.keep_weight = False  # a read of .weight (HF code, the final merge) keeps no fp32 copy of the layer
         # a head tied to the embeddings: the engine's head multiplies by the twin, its Gather reads the fp32 matrix
         new.tied_embedding = embed is not None and getattr(m, "weight", None) is embed.weight
-        parent, _, leaf = owner.rpartition(".")
-        setattr(base.get_submodule(parent) if parent else base, leaf, new)
+        set_module(base, owner, new)
     # what stays of the checkpoint's tensors (the embedding, norms) gets memory of its own: loaded by safetensors they
     # are views of one file mapping, which the released fp32 weights would otherwise keep resident with them
     for p in [*base.parameters(), *base.buffers()]:
