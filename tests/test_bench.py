@@ -306,7 +306,7 @@ def test_bench_grpo_vs_trl_json(tmp_path):
     first use: a few minutes), on the same tiny model, data, reward and settings."""
     from refit.bench.grpo import HERE
 
-    out = _bench_grpo(tmp_path, "--vs", "trl", "--trl-venv", str(HERE.parent / ".venv-trl"))
+    out = _bench_grpo(tmp_path, "--vs", "trl", "--trl-venv", str(HERE.parents[1] / ".venv-trl"))  # the checkout's
     assert out["baseline"] == "trl" and set(out["sides"]) == {"refit", "trl"}
     _check_side(out["sides"]["refit"], {"rollout", "score", "update", "weight_push"})
     _check_side(out["sides"]["trl"], {"generate", "score", "update"})
