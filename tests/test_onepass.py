@@ -216,3 +216,79 @@ def test_uneven_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path
     moved, off = step_difference(w0, w1, w2)  # (max element difference 1.16e-6 on an Intel Xeon, 1e-6 before)
     assert moved > 1e-4 and off < 1e-2, (moved, off)
     assert n1 == 3  # three forwards (the push is checked on the next rollout: probe_on_rollout)
+
+
+def _uneven(batch, lengths: list[int], eos: int):
+    """``batch`` with row i's response cut to ``lengths[i]`` tokens, the last one ``eos`` (a valid RolloutBatch)."""
+    from dataclasses import replace
+
+    ids, mask = batch.response_ids.clone(), batch.response_mask.clone()
+    lp, plain = batch.rollout_logprobs.clone(), batch.rollout_plain_logprobs.clone()
+    for i, n in enumerate(lengths):
+        ids[i, n - 1], ids[i, n:], mask[i, :n], mask[i, n:], lp[i, n:], plain[i, n:] = eos, batch.pad_id, 1, 0, 0, 0
+    return replace(batch, response_ids=ids, response_mask=mask, rollout_logprobs=lp, rollout_plain_logprobs=plain)
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5"])
+def test_trimmed_rows_forward_the_same_logits(model_dirs, arch):
+    """A group of rows without its all-padding columns (RolloutBatch.trimmed): the prompt's padding on its side
+    and the response past the longest row gone, every kept response position's logits those of the whole batch's
+    forward (to fp32 GEMM blocking: 1e-5), at prompts of different lengths."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from refit.learner.ppo.onepass import micro_batches
+    from refit.learner.run.policy import response_forward
+    from refit.rollout.types import RolloutBatch, SamplingParams
+
+    s2s = arch == "tiny-t5"
+    model = (AutoModelForSeq2SeqLM if s2s else AutoModelForCausalLM).from_pretrained(model_dirs[arch]).eval()
+    tok = AutoTokenizer.from_pretrained(model_dirs[arch])
+    texts = ["1+2=", "a much longer prompt of several words here", "9+9=", "x", "some middle prompt", "7+3="]
+    enc = tok(texts, padding=True, return_tensors="pt", padding_side="right" if s2s else "left")
+    b, tr = len(texts), 10
+    g = torch.Generator().manual_seed(0)
+    resp = torch.randint(5, model.config.vocab_size, (b, tr), generator=g)
+    full = RolloutBatch(prompt_ids=enc.input_ids, prompt_mask=enc.attention_mask, response_ids=resp,
+                        response_mask=torch.ones(b, tr), rollout_logprobs=torch.full((b, tr), -1.0),
+                        rollout_plain_logprobs=torch.full((b, tr), -1.0), prompt_index=torch.arange(b),
+                        weights_version=0, sampling=SamplingParams(max_new_tokens=tr), is_seq2seq=s2s,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    batch = _uneven(full, [3, 10, 2, 7, 4, 6], tok.eos_token_id).check()
+    groups = micro_batches(batch, 2)
+    assert [r.tolist() for r in groups] == [[1, 3], [4, 5], [0, 2]]  # by length, longest first; in batch order
+    whole = response_forward(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, s2s).logits
+    for r in groups:
+        part = batch.rows(r).trimmed().check()
+        w = part.response_ids.shape[1]
+        assert w == int(batch.response_mask[r].sum(1).max())
+        assert part.prompt_ids.shape[1] == int(batch.prompt_mask[r].sum(1).max())  # only real prompt columns
+        got = response_forward(model, part.prompt_ids, part.prompt_mask, part.response_ids, s2s).logits
+        keep = part.response_mask.bool()
+        torch.testing.assert_close(got[keep], whole[r][:, :w][keep], rtol=1e-5, atol=1e-5)
+
+
+def test_length_grouped_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path):
+    """Responses of different lengths, 3 rows a forward: the one-pass update forwards each group of rows by length
+    without its padding columns (narrower forwards than the batch), and takes the two-pass step (full-width
+    scoring and update forwards): the same metrics, KL(0) = 0 by the exact estimator, the same weights."""
+    over = dict(kl_coef=0.1, kl_estimator="exact", gradient_accumulation_steps=1, micro_batch_rows=3)
+    lengths = [6, 2, 5, 1, 3, 6, 4, 2]
+    runs = [_run(model_dirs, engine_dirs, tmp_path, name, **over, **extra)
+            for name, extra in (("grouped", {}), ("two", dict(single_pass=False)))]
+    widths = []
+    for run in runs:
+        gen = run.engine.generate
+        run.engine.generate = lambda *a, _gen=gen, **k: _uneven(b := _gen(*a, **k), lengths[:b.num_rows], b.eos_id)
+    hook = runs[0].policy.register_forward_hook(lambda m, args, kw, out: widths.append(kw["input_ids"].shape[1]),
+                                                with_kwargs=True)
+    w0 = [p.detach().clone() for p in runs[0].policy.parameters()]
+    m1, w1, n1 = _step(runs[0])
+    hook.remove()
+    m2, w2, _ = _step(runs[1])
+    assert n1 == 3 and min(widths) <= max(widths) - 3  # response groups 6-5, 4-2, 2-1 tokens wide (not 6 each)
+    for key in ("ppo/pg_loss", "ppo/entropy", "policy/entropy", "kl/k3", "kl/exact", "ppo/kl_loss", "reward/mean",
+                "mismatch/mean_abs_diff"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert abs(m1["kl/exact"]) <= 1e-6
+    moved, off = step_difference(w0, w1, w2)
+    assert moved > 1e-4 and off < 1e-2, (moved, off)

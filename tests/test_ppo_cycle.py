@@ -133,8 +133,8 @@ def test_reference_beside_the_policy_forward_equals_it_in_turn(model_dirs, engin
             p.add_(0.05 * torch.randn_like(p))
     rollout = run.engine.generate(run.prompt_ids[:8], SamplingParams(max_new_tokens=6, seed=5, n=2, temperature=0.7))
     turn = score_batch(run.policy, run.value_head, run.ref_engine, rollout, chunk=5)  # at the rollout's 0.7
-    ahead = ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows, 5), vocab_size(run.policy),
-                           ahead=True)
+    ahead = ReferenceAhead(run.ref_engine, [rollout.rows(r) for r in score_chunks(rollout.num_rows, 5)],
+                           vocab_size(run.policy), ahead=True)
     beside = score_batch(run.policy, run.value_head, run.ref_engine, rollout, chunk=5, ref_ahead=ahead)
     ahead.close()
     assert float(turn.exact_kl[rollout.response_mask.bool()].mean()) > 1e-4

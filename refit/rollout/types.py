@@ -114,9 +114,25 @@ class RolloutBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return replace(self, **{f: pick(getattr(self, f)) for f in _ROW_FIELDS})
 
+    def trimmed(self) -> "RolloutBatch":
+        """The same rows without the columns that are padding on every row: a decoder-only prompt's leading ones
+        (left-padded), an encoder prompt's trailing ones (right-padded), the response's past its longest row (one
+        column kept at least). Each row's tokens, mask and positions (``cumsum(mask) - 1``) are unchanged, so a
+        forward gives the same logits at every kept response position; the response fields are views."""
+        used = self.prompt_mask.sum(0) > 0
+        cols = torch.nonzero(used).flatten()
+        p0, p1 = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (self.prompt_mask.shape[1] - 1,
+                                                                      self.prompt_mask.shape[1])
+        p = slice(0, p1) if self.is_seq2seq else slice(p0, self.prompt_mask.shape[1])
+        w = max(1, int(self.response_mask.sum(1).max())) if self.num_rows else 1
+        resp = {f: getattr(self, f)[:, :w] for f in _RESPONSE_FIELDS if getattr(self, f) is not None}
+        return replace(self, prompt_ids=self.prompt_ids[:, p], prompt_mask=self.prompt_mask[:, p], **resp)
+
 
 _ROW_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs",
                "rollout_plain_logprobs", "prompt_index", "topk_logprobs", "topk_ids")
+_RESPONSE_FIELDS = ("response_ids", "response_mask", "rollout_logprobs", "rollout_plain_logprobs", "topk_logprobs",
+                    "topk_ids")
 
 
 @dataclass

@@ -56,6 +56,7 @@ from refit.learner.distill.batch import (DistillBatch, check_teacher_student, dr
                                         logits_from_generation)
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
 from refit.learner.distill.evaluate import EvalSet, exact_match, make_eval_set, summary
+from refit.learner.run.activations import fuse_activations
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids, stop_ids_of
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
@@ -229,6 +230,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir, cfg.lora)
     teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
     use_cpu_matmul(teacher_model, cfg.run.cpu_matmul, device)
+    fuse_activations(teacher_model)  # the tanh GELU as one op (refit/learner/run/activations.py)
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = student_model(cfg, s_info, device)
@@ -261,6 +263,7 @@ def student_model(cfg: DistillConfig, info, device):
     student = load_model(cfg.student.model_dir, info).to(device)
     student = apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
     use_cpu_matmul(student, cfg.run.cpu_matmul, device)
+    fuse_activations(student)  # the tanh GELU as one op (refit/learner/run/activations.py)
     return student
 
 

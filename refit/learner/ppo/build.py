@@ -27,6 +27,7 @@ from refit.learner.ppo.rewards import NamedReward, RewardLog, load_rewards
 from refit.learner.ppo.route import UpdateRoute, choose_route, on_cuda, update_settings
 from refit.learner.ppo.experience import needs_reference
 from refit.learner.ppo.update import EntropyCoef, KLCoef
+from refit.learner.run.activations import fuse_activations
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet
@@ -202,6 +203,7 @@ def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef:
             gc.collect()
             release_freed_memory()  # the fp32 base's pages back to the system (a heap kept by an engine keeps them)
     use_cpu_matmul(policy, cfg.run.cpu_matmul, device)
+    fuse_activations(policy)  # the tanh GELU as one op (refit/learner/run/activations.py)
     ref = torch_reference(cfg, policy, info, device, main, kl_coef)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)

@@ -12,6 +12,7 @@ from refit.core.hf_folder import ModelInfo, load_model, text_config
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.experience import needs_reference
+from refit.learner.run.activations import fuse_activations
 from refit.learner.run.lora import AdapterOff
 from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.precision import mixed_bf16
@@ -45,6 +46,7 @@ def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, de
         return AdapterOff(policy)
     ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
     use_cpu_matmul(ref, cfg.run.cpu_matmul, device)
+    fuse_activations(ref)  # the tanh GELU as one op (refit/learner/run/activations.py)
     return ref
 
 

@@ -45,23 +45,23 @@ def streamable_loss(s: UpdateSettings) -> bool:
 
 
 class ReferenceAhead:
-    """The reference's logits of each micro-batch, scored one micro-batch ahead of the learner: on a thread when the
-    reference is an engine (ONNX Runtime releases the GIL, so it runs on the engine's threads while the learner's
-    forward and backward run on PyTorch's), inline for a PyTorch reference (one thread pool; nothing to overlap).
-    Scored at the temperature the rollout was sampled at (``rollout.sampling``)."""
+    """The reference's logits of each micro-batch (``parts``: RolloutBatch each), scored one micro-batch ahead of the
+    learner: on a thread when the reference is an engine (ONNX Runtime releases the GIL, so it runs on the engine's
+    threads while the learner's forward and backward run on PyTorch's), inline for a PyTorch reference (one thread
+    pool; nothing to overlap). Scored at the temperature the rollout was sampled at (``rollout.sampling``)."""
 
-    def __init__(self, ref, rollout, rows: list[slice], vocab: int, ahead: bool):
-        self.ref, self.rollout, self.rows, self.vocab = ref, rollout, rows, vocab
+    def __init__(self, ref, parts: list, vocab: int, ahead: bool):
+        self.ref, self.parts, self.vocab = ref, parts, vocab
         threaded = ahead and not isinstance(ref, torch.nn.Module)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="refit-ref") if threaded else None
         self.pending: dict[int, Future] = {}
         self._submit(0)
 
     def _score(self, j: int) -> torch.Tensor:
-        return reference_logits(self.ref, self.rollout, self.rows[j], self.vocab)
+        return reference_logits(self.ref, self.parts[j], slice(None), self.vocab)
 
     def _submit(self, j: int) -> None:
-        if self.pool is not None and j < len(self.rows):
+        if self.pool is not None and j < len(self.parts):
             self.pending[j] = self.pool.submit(self._score, j)
 
     def take(self, j: int) -> torch.Tensor:
@@ -79,14 +79,24 @@ class ReferenceAhead:
             self.pool.shutdown(wait=True)
 
 
+def micro_batches(rollout, per: int) -> list[torch.Tensor]:
+    """The update's row groups of at most ``per`` rows: the rows by response length, longest first (ties in batch
+    order), so that each group, cut to its own longest row (:meth:`RolloutBatch.trimmed`), forwards little of the
+    padding a batch-wide width carries; each group's rows in batch order. The widest group comes first, so the
+    largest forward's blocks are the ones the later forwards reuse."""
+    order = torch.argsort(rollout.response_mask.sum(1), descending=True, stable=True)
+    return [order[a:a + per].sort().values for a in range(0, len(order), per)]
+
+
 def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout, scores: torch.Tensor, ref,
                    kl_coef: float, before_step: Callable[[dict[str, float]], None] | None = None,
                    per_func: list | None = None) -> tuple[Experience, dict[str, float], dict[str, float]]:
     """The step's one optimizer step over micro-batches of at most ``s.micro_rows`` rows (and at least
-    ``s.gradient_accumulation_steps`` of them; in batch order), each forwarded once: its detached log-probs are the
-    old log-probs, the truncated importance weights and the reference's KL term are made from them, then its loss is
-    backpropagated. ``before_step(stats)`` (the probe
-    check of an unchecked push) runs once every row has been forwarded, before the optimizer step.
+    ``s.gradient_accumulation_steps`` of them; rows grouped by length, :func:`micro_batches`), each forwarded once
+    without its all-padding columns: its detached log-probs are the old log-probs, the truncated importance weights
+    and the reference's KL term are made from them, then its loss is backpropagated. The loss is a sum over tokens
+    normalised by the batch's, so the grouping changes nothing but fp32 summation order. ``before_step(stats)``
+    (the probe check of an unchecked push) runs once every row has been forwarded, before the optimizer step.
 
     Returns (experience, the experience stats as :func:`make_experience` gives them, the update stats as
     :func:`ppo_update` gives them)."""
@@ -94,10 +104,10 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     per = -(-b // s.gradient_accumulation_steps)  # gradient_accumulation_steps: a floor on the forwards
     per = min(per, s.micro_rows) if s.micro_rows else per
     exp, adv_stats = _experience_shell(cfg, rollout, scores, per_func)
-    rows = [slice(a, min(a + per, b)) for a in range(0, b, per)]  # the loss is normalised by the batch's tokens
+    groups = micro_batches(rollout, per)
+    parts = [rollout.rows(r).trimmed() for r in groups]
     with_ref = needs_reference(cfg, kl_coef)
-    refs = (ReferenceAhead(ref, rollout, rows, vocab_size(model), cfg.reference_ahead)
-            if with_ref else None)
+    refs = ReferenceAhead(ref, parts, vocab_size(model), cfg.reference_ahead) if with_ref else None
     n_tokens = exp.mask.sum().clamp(min=1.0)
     norm = n_tokens if s.loss_type == "token" else Norm(tokens=n_tokens, dapo_tokens=n_tokens, seqs=b,
                                                         micro_tokens=n_tokens, scale=1)
@@ -107,24 +117,25 @@ def onepass_update(cfg, s: UpdateSettings, model, optimizer, scheduler, rollout,
     optimizer.zero_grad(set_to_none=True)
     mb: dict[str, list[float]] = {}
     try:
-        for j, r in enumerate(rows):
+        for j, (r, part) in enumerate(zip(groups, parts)):
+            w = part.response_ids.shape[1]
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=s.autocast_bf16):  # the reference's too
-                out = response_forward(model, exp.prompt_ids[r], exp.prompt_mask[r], exp.response_ids[r],
+                out = response_forward(model, part.prompt_ids, part.prompt_mask, part.response_ids,
                                        rollout.is_seq2seq, exp.temperature)
                 ref_logits = refs.take(j).to(out.logits.device) if refs is not None else None
-            ids = exp.response_ids[r].to(out.logits.device)
+            ids = part.response_ids.to(out.logits.device)
             st = L.token_stats(out.logits, ids, ref_logits)
             old = st.logprobs.detach().cpu()
-            exp.old_logprobs[r] = old
-            ent[r] = st.entropy.detach().cpu()
+            exp.old_logprobs[r, :w] = old
+            ent[r, :w] = st.entropy.detach().cpu()
             if ref_logits is not None:
-                exp.ref_logprobs[r] = L.token_stats(ref_logits, ids).logprobs.cpu()
-                exact[r] = st.exact_kl.detach().cpu()
+                exp.ref_logprobs[r, :w] = L.token_stats(ref_logits, ids).logprobs.cpu()
+                exact[r, :w] = st.exact_kl.detach().cpu()
             del ref_logits
-            w, _, _ = corrections(cfg, rollout, old, r, exp.mask[r])
-            if w is not None:
-                exp.is_weights[r] = w
-            loss, stats = micro_objective(out, st, exp, torch.arange(b)[r], norm, s)
+            wts, _, _ = corrections(cfg, part, old, slice(None), exp.mask[r, :w])
+            if wts is not None:
+                exp.is_weights[r, :w] = wts
+            loss, stats = micro_objective(out, st, exp.part(r, part), slice(None), norm, s)
             loss.backward()
             del out, st, loss
             for key, v in stats.items():
@@ -160,4 +171,4 @@ def _experience_shell(cfg, rollout, scores: torch.Tensor, per_func: list | None 
     return exp, {**{f"advantage/{k}": float(v) for k, v in gstats.items()}, **trunc_stats}
 
 
-__all__ = ["ReferenceAhead", "onepass_update", "streamable_loss"]
+__all__ = ["ReferenceAhead", "micro_batches", "onepass_update", "streamable_loss"]

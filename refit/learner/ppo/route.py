@@ -197,7 +197,8 @@ def reference_beside(run, rollout: RolloutBatch) -> ReferenceAhead | None:
     releases the GIL) before the policy's forward, which it then runs beside; else None (scored in turn)."""
     if not (run.cfg.reference_ahead and run.ref_engine is not None and needs_reference(run.cfg, run.state.kl.value)):
         return None
-    return ReferenceAhead(run.ref_engine, rollout, score_chunks(rollout.num_rows), vocab_size(run.policy), ahead=True)
+    parts = [rollout.rows(r) for r in score_chunks(rollout.num_rows)]
+    return ReferenceAhead(run.ref_engine, parts, vocab_size(run.policy), ahead=True)
 
 
 def score_then_update(run, rollout: RolloutBatch, scores: torch.Tensor, s: UpdateSettings,

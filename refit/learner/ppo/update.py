@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +33,17 @@ class Experience:
     returns: torch.Tensor  # GAE returns (value targets); 0 without a critic
     is_weights: torch.Tensor | None  # truncated importance weights (tis) or None
     temperature: float  # the rollout's sampling temperature (RolloutBatch.sampling): each learner forward's
+
+    def part(self, rows: torch.Tensor, batch) -> "Experience":
+        """Rows ``rows`` as ``batch`` holds them (those rows of the rollout without their all-padding columns:
+        ``RolloutBatch.rows(rows).trimmed()``): its prompt and response, every (B, Tr) field cut to its response's
+        width. The cut fields are copies (advanced indexing)."""
+        w = batch.response_ids.shape[1]
+        cut = lambda t: None if t is None else t[rows, :w]  # noqa: E731
+        return replace(self, prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                       response_ids=batch.response_ids,
+                       **{f: cut(getattr(self, f)) for f in ("mask", "old_logprobs", "ref_logprobs", "values",
+                                                             "advantages", "returns", "is_weights")})
 
 
 @dataclass

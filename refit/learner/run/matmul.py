@@ -104,7 +104,7 @@ def resolve(mode: str, device: torch.device | str) -> str:
     return mode
 
 
-def _swap(model: torch.nn.Module, classes: dict) -> int:
+def swap_classes(model: torch.nn.Module, classes: dict) -> int:
     """Every module whose class is a key of ``classes`` gets the value as its class, in place; how many."""
     n = 0
     for m in model.modules():
@@ -118,9 +118,9 @@ def _swap(model: torch.nn.Module, classes: dict) -> int:
 def use_cpu_matmul(model: torch.nn.Module, mode: str = "auto", device: torch.device | str = "cpu") -> int:
     """Route ``model``'s fp32 CPU linear layers through oneDNN (``mode`` resolved by :func:`resolve`); in place.
     Returns how many layers were switched (0 for ``blas``)."""
-    return _swap(model, _SWAP) if resolve(mode, device) == "onednn" else 0
+    return swap_classes(model, _SWAP) if resolve(mode, device) == "onednn" else 0
 
 
 def restore(model: torch.nn.Module) -> int:
     """Undo :func:`use_cpu_matmul`: every switched layer back to its own class. Returns how many."""
-    return _swap(model, _BACK)
+    return swap_classes(model, _BACK)
