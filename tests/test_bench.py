@@ -320,6 +320,7 @@ def test_bench_grpo_vs_trl_json(tmp_path):
     assert trl["config"]["gradient_checkpointing"] is best["fields"]["gradient_checkpointing"]
     assert trl["config"]["bf16"] is best["fields"].get("bf16", False)
     assert trl["config"]["per_device_train_batch_size"] == 4 and trl["config"]["num_iterations"] == 1
+    assert trl["config"]["disable_dropout"] is True  # as Refit's learner and engine: no dropout on either side
     assert sorted(trl["eos_token_ids"]) == out["stops"]["trl"] == out["stops"]["refit"]
 
 

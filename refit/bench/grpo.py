@@ -26,6 +26,9 @@ The settings aligned on both sides (TRL's ``GRPOConfig`` name / Refit's ``refit 
 - ``num_generations`` / ``--num_generations`` (with ``--advantage_estimator grpo``; both scale by the group std);
 - ``max_completion_length`` / ``--response_length``; ``temperature`` / ``--temperature`` (top-k and top-p off on
   both sides by default);
+- dropout off: ``disable_dropout=True`` (TRL's default is False) / Refit's learner and engine, which never apply
+  dropout (the engine's log-probs and the learner's must be the same function); on a model with dropout in its config
+  (small-gpt2: 0.1) TRL would otherwise train, and generate, with dropout on;
 - ``learning_rate`` / ``--optim.learning_rate`` and ``lr_scheduler_type`` / ``--optim.lr_scheduler_type``
   (``--lr_scheduler``, constant by default; TRL's default is linear decay to 0, Refit's constant);
 - ``max_steps`` / ``--run.steps``; ``seed`` / ``--run.seed``;
@@ -54,7 +57,7 @@ TRL at its best (``--vs trl``, unless ``--no_trl_search``): before the rounds, T
 steps under each configuration a careful user tries (gradient checkpointing on and off; 16-row micro-batches with
 gradient accumulation; TRL's default bf16 autocast over the fastest fp32 one), each watched for memory, and the
 rounds run the fastest that finished (refit/bench/trl_best.py; every trial is in the JSON's ``trl_trials``). Refit runs
-at its defaults. Without the search, everything else is each side's default: on TRL's side ``gradient_checkpointing=True``, ``disable_dropout=False``,
+at its defaults. Without the search, everything else is each side's default: on TRL's side ``gradient_checkpointing=True``,
 ``loss_type="dapo"``, ``epsilon`` 0.2, ``max_grad_norm`` 1.0 (the values are in the JSON, ``trl.config``).
 Departures kept visible: the two sides draw their prompts in their own orders from the same rows; a completion
 stops at EOS and at the chat template's end-of-turn on Refit's side, and at the tokenizer's EOS plus the model's

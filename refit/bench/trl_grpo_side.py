@@ -85,6 +85,9 @@ def grpo_args(a: argparse.Namespace):
         beta=a.beta,
         seed=a.seed,
         bf16=False,  # TRL's default is bf16 autocast; the bench compares fp32 learners (or a bf16-held base)
+        disable_dropout=True,  # Refit's learner and engine run without dropout (the log-probs they compare are
+        # dropout-free); TRL's default (False) trains and generates with the model's dropout on, another algorithm
+        # and more work where the config has dropout (small-gpt2: 0.1; Qwen2.5: 0)
         use_cpu=a.device == "cpu",
         logging_steps=1,  # logging only: a reward per step
         save_strategy="no",  # neither side writes checkpoints during the bench
