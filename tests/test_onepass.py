@@ -265,12 +265,23 @@ def test_trimmed_rows_forward_the_same_logits(model_dirs, arch):
         got = response_forward(model, part.prompt_ids, part.prompt_mask, part.response_ids, s2s).logits
         keep = part.response_mask.bool()
         torch.testing.assert_close(got[keep], whole[r][:, :w][keep], rtol=1e-5, atol=1e-5)
+        # widths rounded up to 8: more padding columns (the prompt's beyond the batch's own), the same logits
+        wide = batch.rows(r).trimmed(8).check()
+        assert wide.prompt_ids.shape[1] % 8 == 0 and wide.response_ids.shape[1] % 8 == 0
+        assert wide.prompt_ids.shape[1] >= part.prompt_ids.shape[1] and wide.response_mask.sum() == keep.sum()
+        got8 = response_forward(model, wide.prompt_ids, wide.prompt_mask, wide.response_ids, s2s).logits
+        torch.testing.assert_close(got8[:, :w][keep], whole[r][:, :w][keep], rtol=1e-5, atol=1e-5)
 
 
-def test_length_grouped_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path):
+@pytest.mark.parametrize("step", [1, 8])
+def test_length_grouped_micro_batches_equal_two_passes(model_dirs, engine_dirs, tmp_path, monkeypatch, step):
     """Responses of different lengths, 3 rows a forward: the one-pass update forwards each group of rows by length
-    without its padding columns (narrower forwards than the batch), and takes the two-pass step (full-width
-    scoring and update forwards): the same metrics, KL(0) = 0 by the exact estimator, the same weights."""
+    without its padding columns (narrower forwards than the batch at exact widths; at WIDTH_STEP 8, wider ones of 8
+    response columns, padding added), and takes the two-pass step (full-width scoring and update forwards): the same
+    metrics, KL(0) = 0 by the exact estimator, the same weights."""
+    import refit.learner.ppo.onepass as onepass
+
+    monkeypatch.setattr(onepass, "WIDTH_STEP", step)
     over = dict(kl_coef=0.1, kl_estimator="exact", gradient_accumulation_steps=1, micro_batch_rows=3)
     lengths = [6, 2, 5, 1, 3, 6, 4, 2]
     runs = [_run(model_dirs, engine_dirs, tmp_path, name, **over, **extra)
@@ -285,7 +296,10 @@ def test_length_grouped_micro_batches_equal_two_passes(model_dirs, engine_dirs, 
     m1, w1, n1 = _step(runs[0])
     hook.remove()
     m2, w2, _ = _step(runs[1])
-    assert n1 == 3 and min(widths) <= max(widths) - 3  # response groups 6-5, 4-2, 2-1 tokens wide (not 6 each)
+    if step == 1:
+        assert n1 == 3 and min(widths) <= max(widths) - 3  # response groups 6-5, 4-2, 2-1 tokens wide (not 6 each)
+    else:
+        assert n1 == 3 and all(w % 8 == 0 for w in widths)  # prompt and response widths, each a multiple of 8
     for key in ("ppo/pg_loss", "ppo/entropy", "policy/entropy", "kl/k3", "kl/exact", "ppo/kl_loss", "reward/mean",
                 "mismatch/mean_abs_diff"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key

@@ -114,19 +114,47 @@ class RolloutBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return replace(self, **{f: pick(getattr(self, f)) for f in _ROW_FIELDS})
 
-    def trimmed(self) -> "RolloutBatch":
+    def trimmed(self, multiple: int = 1) -> "RolloutBatch":
         """The same rows without the columns that are padding on every row: a decoder-only prompt's leading ones
         (left-padded), an encoder prompt's trailing ones (right-padded), the response's past its longest row (one
-        column kept at least). Each row's tokens, mask and positions (``cumsum(mask) - 1``) are unchanged, so a
-        forward gives the same logits at every kept response position; the response fields are views."""
-        used = self.prompt_mask.sum(0) > 0
-        cols = torch.nonzero(used).flatten()
-        p0, p1 = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (self.prompt_mask.shape[1] - 1,
-                                                                      self.prompt_mask.shape[1])
-        p = slice(0, p1) if self.is_seq2seq else slice(p0, self.prompt_mask.shape[1])
+        column kept at least). ``multiple``: each width rounded up to a multiple of it (the prompt with padding
+        columns on its padding side, the response with masked ones on the right; see :meth:`padded`), so that the
+        forwards of many batches take a few shapes. Each row's tokens, mask and positions (``cumsum(mask) - 1``)
+        are unchanged, so a forward gives the same logits at every real response position."""
+        tp = self.prompt_mask.shape[1]
+        cols = torch.nonzero(self.prompt_mask.sum(0) > 0).flatten()
+        used = (int(cols[-1]) + 1 if self.is_seq2seq else tp - int(cols[0])) if len(cols) else 1
+        want = _round_up(used, multiple)
+        p = slice(0, min(want, tp)) if self.is_seq2seq else slice(max(0, tp - want), tp)
+        ids, mask = self.prompt_ids[:, p], self.prompt_mask[:, p]
+        if want > tp:  # more columns than the batch has: padding ones on the prompt's padding side
+            ids, mask = (_pad_cols(t, want - tp, v, left=not self.is_seq2seq) for t, v in ((ids, self.pad_id),
+                                                                                          (mask, 0)))
         w = max(1, int(self.response_mask.sum(1).max())) if self.num_rows else 1
-        resp = {f: getattr(self, f)[:, :w] for f in _RESPONSE_FIELDS if getattr(self, f) is not None}
-        return replace(self, prompt_ids=self.prompt_ids[:, p], prompt_mask=self.prompt_mask[:, p], **resp)
+        out = self.padded(multiple) if multiple > 1 else self
+        w = min(_round_up(w, multiple), out.response_ids.shape[1])
+        resp = {f: getattr(out, f)[:, :w] for f in _RESPONSE_FIELDS if getattr(out, f) is not None}
+        return replace(self, prompt_ids=ids, prompt_mask=mask, **resp)
+
+    def padded(self, multiple: int) -> "RolloutBatch":
+        """The batch with its response widened to a multiple of ``multiple`` columns: masked ones on the right (pad
+        id, mask 0, log-probs 0), as a batch whose every row stopped earlier holds them."""
+        extra = _round_up(self.response_ids.shape[1], multiple) - self.response_ids.shape[1]
+        if not extra:
+            return self
+        pad = {"response_ids": self.pad_id, "topk_ids": self.pad_id}
+        return replace(self, **{f: _pad_cols(getattr(self, f), extra, pad.get(f, 0), left=False)
+                                for f in _RESPONSE_FIELDS if getattr(self, f) is not None})
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad_cols(t: torch.Tensor, n: int, value, left: bool) -> torch.Tensor:
+    """``t`` (B, T, ...) with ``n`` columns of ``value`` added on the left or the right."""
+    cols = torch.full((t.shape[0], n, *t.shape[2:]), value, dtype=t.dtype)
+    return torch.cat([cols, t] if left else [t, cols], 1)
 
 
 _ROW_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs",
