@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import torch
 
 from refit.learner.ppo.config import PPOConfig
-from refit.learner.ppo.onepass import ReferenceAhead, onepass_update, streamable_loss
+from refit.learner.ppo.onepass import WIDTH_STEP, ReferenceAhead, onepass_update, streamable_loss
 from refit.learner.ppo.experience import make_experience, needs_reference, score_chunks
 from refit.learner.ppo.update import EntropyCoef, Experience, UpdateSettings, distributed_ppo_update, policy_forward
 from refit.learner.run.lora import adapter_dropout
@@ -204,8 +204,11 @@ def reference_beside(run, rollout: RolloutBatch) -> ReferenceAhead | None:
 def score_then_update(run, rollout: RolloutBatch, scores: torch.Tensor, s: UpdateSettings,
                       update_gen: torch.Generator, check: Check, timings: dict[str, float], per_func: list | None,
                       one_forward: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """The scoring pass (``one_forward``: the update's own forward, kept for the update), the check, the update."""
+    """The scoring pass (``one_forward``: the update's own forward, kept for the update), the check, the update, on
+    the batch without its all-padding columns, its widths rounded up to multiples of ``WIDTH_STEP`` (a few shapes
+    over a run: refit.learner.ppo.onepass)."""
     t1 = time.perf_counter()
+    rollout = rollout.trimmed(WIDTH_STEP)
     beside = reference_beside(run, rollout)
     try:
         fwd = policy_forward(run.policy, run.value_head, rollout, s) if one_forward else None
