@@ -66,14 +66,19 @@ def peak_table(m: int, k: int, n: int, reps: int) -> dict[str, float]:
     return out
 
 
-def build(geometry: str, layers: int, lora_r: int, precision: str):
+def build(geometry: str, layers: int, lora_r: int, precision: str, model_dir: str = ""):
+    """The learner's model as ``refit ppo`` holds it: a published geometry with random weights (or the checkpoint
+    in ``model_dir``), eval mode (the learner applies no dropout), linear layers on the default route, the tanh
+    GELU fused."""
     from transformers import AutoModelForCausalLM
 
     from refit.learner.builtin.published import published_config
+    from refit.learner.run.activations import fuse_activations
     from refit.learner.run.matmul import use_cpu_matmul
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(published_config(geometry, layers or None))
+    model = (AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager") if model_dir else
+             AutoModelForCausalLM.from_config(published_config(geometry, layers or None)))
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -87,8 +92,8 @@ def build(geometry: str, layers: int, lora_r: int, precision: str):
     elif precision == "bf16":
         model = model.bfloat16()  # full fine-tuning in bf16 here is the forward/backward's arithmetic only
     use_cpu_matmul(model, "auto", torch.device("cpu"))
-    model.train()
-    return model
+    fuse_activations(model)
+    return model.eval()
 
 
 def hold_int8_like_engine(model) -> None:
@@ -153,6 +158,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--geometry", default="Qwen2.5 0.5B", help="a published geometry (learner.builtin.published)")
     p.add_argument("--layers", type=int, default=0, help="the depth built (0: as published)")
+    p.add_argument("--model_dir", default="", help="a checkpoint folder to load instead of --geometry (e.g. the "
+                                                   "bench's small-gpt2 chat model)")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank over the frozen base (0: full fine-tuning)")
     p.add_argument("--rows", type=int, default=2, help="rows in the micro-batch")
     p.add_argument("--prompt_tokens", type=int, default=20)
@@ -180,13 +187,13 @@ def main(argv=None) -> None:
     print(f"learner_gflops: {a.threads} threads; bf16 units: {bf16_is_fast('cpu')}; peak GEMM {m}x{k}x{n}", flush=True)
     peak = peak_table(m, k, n, a.reps)
     print("    peak " + ", ".join(f"{r} {v:.1f}" for r, v in peak.items()) + " GFLOP/s (int8: GOP/s)", flush=True)
-    out = {"bench": "learner_gflops", "geometry": a.geometry, "layers": a.layers, "lora_r": a.lora_r, "rows": a.rows,
+    out = {"bench": "learner_gflops", "geometry": a.model_dir or a.geometry, "layers": a.layers, "lora_r": a.lora_r, "rows": a.rows,
            "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens, "threads": a.threads,
            "entropy_coef": a.entropy_coef,
            "bf16_units": bf16_is_fast("cpu"), "peak_gflops": peak, "learner": {}}
     counted: dict[str, int] = {}
     for precision in a.precisions.split(","):
-        model = build(a.geometry, a.layers, a.lora_r, precision)
+        model = build(a.geometry, a.layers, a.lora_r, precision, a.model_dir)
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, vocab, (a.rows, a.prompt_tokens), generator=g)
