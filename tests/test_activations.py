@@ -61,3 +61,62 @@ def test_gpt2_small_geometry_same_logits_and_state(tmp_path):
     traced = torch.jit.trace(model.transformer.h[0].mlp, torch.randn(1, 4, 768))
     graph = str(traced.inlined_graph)
     assert "aten::tanh" in graph and "aten::gelu" not in graph  # the exporter's graph: the chain, as before
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama", "tiny-t5", "tiny-bart", "tiny-marian"])
+def test_learner_attention_equals_eager(model_dirs, arch):
+    """The learner's models load with SDPA attention (refit.core.hf_folder.LEARNER_ATTN; a family transformers runs
+    only eagerly would load eagerly): at left-padded prompts of different lengths (decoder-only) or right-padded encoder
+    inputs, the response log-probs and every parameter's gradient those of the eager model (the exporter's), and
+    no NaN from the rows whose padding positions attend to nothing."""
+    from refit.core.hf_folder import LEARNER_ATTN, load_model
+    from refit.learner.losses.chunked import token_stats
+    from refit.learner.run.policy import response_forward
+
+    s2s = arch in ("tiny-t5", "tiny-bart", "tiny-marian")
+    models = {a: load_model(model_dirs[arch], attn=a) for a in ("eager", LEARNER_ATTN)}
+    assert models[LEARNER_ATTN].config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    vocab = models["eager"].config.vocab_size
+    b, tp, tr = 5, 9, 7
+    prompt, mask = torch.randint(5, vocab, (b, tp), generator=g), torch.ones(b, tp, dtype=torch.long)
+    for i, n in enumerate([0, 3, 8, 1, 5]):  # padding columns per row, on the family's side
+        cols = slice(tp - n, tp) if s2s else slice(0, n)
+        prompt[i, cols], mask[i, cols] = 0, 0
+    resp = torch.randint(5, vocab, (b, tr), generator=g)
+    out = {}
+    for a, m in models.items():
+        st = token_stats(response_forward(m, prompt, mask, resp, s2s).logits, resp)
+        st.logprobs.sum().backward()
+        out[a] = (st.logprobs.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+    (lp_e, g_e), (lp_s, g_s) = out["eager"], out[LEARNER_ATTN]
+    assert torch.isfinite(lp_s).all() and torch.isfinite(g_s).all()
+    assert (lp_s - lp_e).abs().max() < 1e-5
+    assert float((g_s - g_e).norm() / g_e.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("geometry", ["GPT-2 small", "Qwen2.5 0.5B"])
+def test_learner_attention_at_published_geometries(geometry):
+    """SDPA against eager at published widths (GPT-2 small: 12 heads of 64; Qwen2.5-0.5B: 14 query heads over 2 KV
+    heads of 64, rope theta 1e6; 2 layers each), left-padded prompts: log-probs to 2e-5, gradients to 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from refit.learner.builtin.published import published_config
+    from refit.learner.losses.chunked import token_stats
+    from refit.learner.run.policy import response_forward
+
+    cfg = published_config(geometry, 2)
+    out = {}
+    for attn in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+        g = torch.Generator().manual_seed(1)
+        prompt, mask = torch.randint(5, cfg.vocab_size, (3, 12), generator=g), torch.ones(3, 12, dtype=torch.long)
+        mask[0, :7], mask[2, :2] = 0, 0
+        resp = torch.randint(5, cfg.vocab_size, (3, 10), generator=g)
+        st = token_stats(response_forward(m, prompt, mask, resp, False).logits, resp)
+        st.logprobs.sum().backward()
+        out[attn] = (st.logprobs.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+    assert torch.isfinite(out["sdpa"][1]).all()
+    assert (out["sdpa"][0] - out["eager"][0]).abs().max() < 2e-5
+    assert float((out["sdpa"][1] - out["eager"][1]).norm() / out["eager"][1].norm()) < 1e-4

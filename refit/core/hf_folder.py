@@ -130,8 +130,13 @@ def check_tokenizer_matches(n_tokens: int, vocab_size: int, where: str) -> None:
         )
 
 
+LEARNER_ATTN = "sdpa"  # the learner's attention: PyTorch's fused scaled-dot-product kernels (no T x T scores kept)
+
+
 def load_model(path: str | Path, info: ModelInfo | None = None, dtype=None, attn: str = "eager"):
-    """The PyTorch model in eval mode (eager attention: what the exporter traces and matches)."""
+    """The PyTorch model in eval mode. ``attn``: eager (the default: what the exporter traces and matches) or
+    ``LEARNER_ATTN`` (the learner's models: the same function, fused kernels that keep no (T, T) attention
+    probabilities for the backward); a family transformers runs only eagerly loads eagerly."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
     from transformers.utils import logging
@@ -141,7 +146,12 @@ def load_model(path: str | Path, info: ModelInfo | None = None, dtype=None, attn
     bar = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # a "Loading weights" bar on stderr would break one-line errors after it
     try:
-        model = auto.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation=attn)
+        try:
+            model = auto.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation=attn)
+        except ValueError as e:  # "... does not support an attention implementation through ... sdpa ..."
+            if attn == "eager" or "attention" not in str(e).lower():
+                raise
+            model = auto.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation="eager")
     except Exception as e:  # noqa: BLE001
         raise RefitError(f"cannot load model weights from {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     finally:

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from refit.core.hf_folder import load_model
+from refit.core.hf_folder import LEARNER_ATTN, load_model
 from refit.core.errors import RefitError
 from refit.core.padding import pad_batch
 from refit.learner import losses as D
@@ -228,7 +228,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
         cfg, model_dir, engine_dir or run_dir / f"{name}_engine", rows, max_len, log, gpu_share=0.5, lora=lora)
     teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
     student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir, cfg.lora)
-    teacher_model = load_model(cfg.teacher.model_dir, t_info).to(device).requires_grad_(False)
+    teacher_model = load_model(cfg.teacher.model_dir, t_info, attn=LEARNER_ATTN).to(device).requires_grad_(False)
     use_cpu_matmul(teacher_model, cfg.run.cpu_matmul, device)
     fuse_activations(teacher_model)  # the tanh GELU as one op (refit/learner/run/activations.py)
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
@@ -260,7 +260,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
 
 def student_model(cfg: DistillConfig, info, device):
     """The student to train: the loaded model, or with ``lora.r > 0`` a LoRA adapter over it (the base frozen)."""
-    student = load_model(cfg.student.model_dir, info).to(device)
+    student = load_model(cfg.student.model_dir, info, attn=LEARNER_ATTN).to(device)
     student = apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
     use_cpu_matmul(student, cfg.run.cpu_matmul, device)
     fuse_activations(student)  # the tanh GELU as one op (refit/learner/run/activations.py)

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from refit.core.errors import RefitError
-from refit.core.hf_folder import ModelInfo, load_model, load_tokenizer, model_info
+from refit.core.hf_folder import LEARNER_ATTN, ModelInfo, load_model, load_tokenizer, model_info
 from refit.core.manifest import Manifest
 from refit.core.memory import Geometry, geometry, release_freed_memory
 from refit.learner.ppo.config import PPOConfig
@@ -195,7 +195,7 @@ def policy_engine(cfg: PPOConfig, dist: DistContext, run_dir: Path, max_len: int
 def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef: float) -> Learner:
     """The policy (a LoRA adapter over its frozen base with ``lora.r``), the PyTorch reference where one scores, the
     value head (trained with gae) and their optimizer and schedule."""
-    policy = load_model(cfg.model.model_dir, info).to(device)
+    policy = load_model(cfg.model.model_dir, info, attn=LEARNER_ATTN).to(device)
     if cfg.lora.enabled:  # an adapter over the frozen base (PEFT); the engine takes the adapter only
         policy = apply_lora(policy, cfg.lora, cfg.run.seed)
         if cfg.lora.base_dtype == "int8":  # the base as the int8 engine holds it (rank 0 exported it already)

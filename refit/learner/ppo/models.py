@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from refit.core.hf_folder import ModelInfo, load_model, text_config
+from refit.core.hf_folder import LEARNER_ATTN, ModelInfo, load_model, text_config
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.experience import needs_reference
@@ -44,7 +44,7 @@ def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, de
         return None
     if cfg.lora.enabled:
         return AdapterOff(policy)
-    ref = load_model(cfg.model.model_dir, info).to(device).requires_grad_(False)
+    ref = load_model(cfg.model.model_dir, info, attn=LEARNER_ATTN).to(device).requires_grad_(False)
     use_cpu_matmul(ref, cfg.run.cpu_matmul, device)
     fuse_activations(ref)  # the tanh GELU as one op (refit/learner/run/activations.py)
     return ref
