@@ -178,6 +178,11 @@ def test_planted_padding_mismatch_is_named(model_dirs, engine_dirs, tmp_path, mo
     wrong = learner_view(run.policy, None, rollout, 1.0)[0]
     stats = mismatch_stats(rollout, wrong)
     assert name_mismatch(stats) == "padding", stats
+    # the learner's view of the batch widened to multiples of 8 (a padding column on every row): the same figures
+    wide = rollout.trimmed(8)
+    assert (wide.prompt_mask[:, 0] == 0).all()
+    assert mismatch_stats(wide, torch.nn.functional.pad(wrong, (0, wide.response_ids.shape[1] - wrong.shape[1]))
+                          ) == pytest.approx(stats)
     assert "padding" in explain_negative_kl(-0.01, 0.01, stats, truncates=False)
 
 

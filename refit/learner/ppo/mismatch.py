@@ -30,11 +30,14 @@ PRECISION_LIMIT = 0.05  # mean |diff| below this with every row affected: roundi
 
 
 def mismatch_stats(batch, old_logprobs: torch.Tensor) -> dict[str, float]:
-    """Engine vs learner figures for one rollout batch (floats, for metrics.jsonl)."""
+    """Engine vs learner figures for one rollout batch (floats, for metrics.jsonl). A padded row is one whose prompt
+    is shorter than the batch's longest (what padding columns the learner's view adds beside them, as
+    ``RolloutBatch.trimmed`` does to round widths, changes no figure)."""
     mask = batch.response_mask
     base = L.logprob_mismatch_stats(batch.rollout_plain_logprobs, old_logprobs, mask)
     diff = (batch.rollout_plain_logprobs - old_logprobs).abs() * mask
-    padded = (batch.prompt_mask == 0).any(-1)
+    lengths = batch.prompt_mask.sum(-1)
+    padded = lengths < lengths.max()
     row_mean = diff.sum(-1) / mask.sum(-1).clamp(min=1)
     stats = {f"mismatch/{k}": float(v) for k, v in base.items()}
     stats["mismatch/truncation_gap"] = float(L.masked_mean(batch.rollout_logprobs - batch.rollout_plain_logprobs,
