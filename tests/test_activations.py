@@ -98,7 +98,9 @@ def test_learner_attention_equals_eager(model_dirs, arch):
 @pytest.mark.parametrize("geometry", ["GPT-2 small", "Qwen2.5 0.5B"])
 def test_learner_attention_at_published_geometries(geometry):
     """SDPA against eager at published widths (GPT-2 small: 12 heads of 64; Qwen2.5-0.5B: 14 query heads over 2 KV
-    heads of 64, rope theta 1e6; 2 layers each), left-padded prompts: log-probs to 2e-5, gradients to 1e-4."""
+    heads of 64, rope theta 1e6; 2 layers each), left-padded prompts: log-probs to 2e-5, gradients to 1e-4. One model,
+    its attention switched (``set_attn_implementation``), its embedding frozen: a 152k x 896 table and its gradient
+    twice would leave this test process ~2 GB larger for the tests after it (a forked child's peak counts it)."""
     from transformers import AutoModelForCausalLM
 
     from refit.learner.builtin.published import published_config
@@ -106,17 +108,21 @@ def test_learner_attention_at_published_geometries(geometry):
     from refit.learner.run.policy import response_forward
 
     cfg = published_config(geometry, 2)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    m.get_input_embeddings().requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    prompt, mask = torch.randint(5, cfg.vocab_size, (3, 12), generator=g), torch.ones(3, 12, dtype=torch.long)
+    mask[0, :7], mask[2, :2] = 0, 0
+    resp = torch.randint(5, cfg.vocab_size, (3, 10), generator=g)
     out = {}
     for attn in ("eager", "sdpa"):
-        torch.manual_seed(0)
-        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
-        g = torch.Generator().manual_seed(1)
-        prompt, mask = torch.randint(5, cfg.vocab_size, (3, 12), generator=g), torch.ones(3, 12, dtype=torch.long)
-        mask[0, :7], mask[2, :2] = 0, 0
-        resp = torch.randint(5, cfg.vocab_size, (3, 10), generator=g)
+        m.set_attn_implementation(attn)
+        m.zero_grad(set_to_none=True)
         st = token_stats(response_forward(m, prompt, mask, resp, False).logits, resp)
         st.logprobs.sum().backward()
         out[attn] = (st.logprobs.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
-    assert torch.isfinite(out["sdpa"][1]).all()
+        assert m.config._attn_implementation == attn
+    assert torch.isfinite(out["sdpa"][1]).all() and out["sdpa"][1].numel() > 1e6
     assert (out["sdpa"][0] - out["eager"][0]).abs().max() < 2e-5
     assert float((out["sdpa"][1] - out["eager"][1]).norm() / out["eager"][1].norm()) < 1e-4
