@@ -68,8 +68,8 @@ def peak_table(m: int, k: int, n: int, reps: int) -> dict[str, float]:
 
 def build(geometry: str, layers: int, lora_r: int, precision: str, model_dir: str = ""):
     """The learner's model as ``refit ppo`` holds it: a published geometry with random weights (or the checkpoint
-    in ``model_dir``), eval mode (the learner applies no dropout), linear layers on the default route, the tanh
-    GELU fused."""
+    in ``model_dir``), SDPA attention, eval mode (the learner applies no dropout), linear layers on the default route,
+    the tanh GELU fused."""
     from transformers import AutoModelForCausalLM
 
     from refit.learner.builtin.published import published_config
@@ -77,8 +77,11 @@ def build(geometry: str, layers: int, lora_r: int, precision: str, model_dir: st
     from refit.learner.run.matmul import use_cpu_matmul
 
     torch.manual_seed(0)
-    model = (AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager") if model_dir else
-             AutoModelForCausalLM.from_config(published_config(geometry, layers or None)))
+    from refit.core.hf_folder import LEARNER_ATTN
+
+    model = (AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=LEARNER_ATTN) if model_dir else
+             AutoModelForCausalLM.from_config(published_config(geometry, layers or None),
+                                              attn_implementation=LEARNER_ATTN))
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
