@@ -45,11 +45,11 @@ def main(argv=None) -> int:
                                                          "their range shaded")
     a = p.parse_args(argv)
     runs = {lab: read_metrics(Path(d)) for lab, d in (r.split("=", 1) for r in a.runs)}
-    groups = by_name(runs) if a.seeds else {lab: [rows] for lab, rows in runs.items()}
+    groups = by_name(runs) if a.seeds else {lab: [lab] for lab in runs}
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for ax, (key, title) in zip(axes, PANELS.items()):
         for lab, members in groups.items():
-            curves = [dict((r["step"], r[key]) for r in rows if key in r and "reward/mean" in r) for rows in members]
+            curves = [dict((r["step"], r[key]) for r in runs[m] if key in r and "reward/mean" in r) for m in members]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             vals = [[c[t] for c in curves] for t in steps]
             line, = ax.plot(steps, [sum(v) / len(v) for v in vals], label=lab, lw=1.2)
@@ -65,18 +65,18 @@ def main(argv=None) -> int:
     summary = {lab: summarise(rows) for lab, rows in runs.items()}
     out = {"plot": a.out, "runs": summary}
     if a.seeds:
-        out["last5_mean"] = {lab: round(sum(summarise(r)["reward_last5"] for r in m) / len(m), 4)
-                             for lab, m in groups.items()}
+        out["last5_mean"] = {lab: round(sum(summary[m]["reward_last5"] for m in members) / len(members), 4)
+                             for lab, members in groups.items()}
     print(json.dumps(out))
     return 0
 
 
-def by_name(runs: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:
-    """{NAME: [each seed's rows]} of runs labelled NAME-sK (a label without a seed is a NAME of its own)."""
-    out: dict[str, list[list[dict]]] = {}
-    for lab, rows in runs.items():
+def by_name(runs: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """{NAME: [its seeds' labels]} of runs labelled NAME-sK (a label without a seed is a NAME of its own)."""
+    out: dict[str, list[str]] = {}
+    for lab in runs:
         name, _, seed = lab.rpartition("-s")
-        out.setdefault(name if name and seed.isdigit() else lab, []).append(rows)
+        out.setdefault(name if name and seed.isdigit() else lab, []).append(lab)
     return out
 
 

@@ -72,13 +72,11 @@ def build(geometry: str, layers: int, lora_r: int, precision: str, model_dir: st
     the tanh GELU fused."""
     from transformers import AutoModelForCausalLM
 
+    from refit.core.hf_folder import LEARNER_ATTN
     from refit.learner.builtin.published import published_config
-    from refit.learner.run.activations import fuse_activations
-    from refit.learner.run.matmul import use_cpu_matmul
+    from refit.learner.run.activations import learner_kernels
 
     torch.manual_seed(0)
-    from refit.core.hf_folder import LEARNER_ATTN
-
     model = (AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=LEARNER_ATTN) if model_dir else
              AutoModelForCausalLM.from_config(published_config(geometry, layers or None),
                                               attn_implementation=LEARNER_ATTN))
@@ -94,8 +92,7 @@ def build(geometry: str, layers: int, lora_r: int, precision: str, model_dir: st
             hold_int8_like_engine(model)  # layer and the output head), held as refit.learner.run.lora.hold_int8 does
     elif precision == "bf16":
         model = model.bfloat16()  # full fine-tuning in bf16 here is the forward/backward's arithmetic only
-    use_cpu_matmul(model, "auto", torch.device("cpu"))
-    fuse_activations(model)
+    learner_kernels(model, "auto", torch.device("cpu"))
     return model.eval()
 
 

@@ -56,7 +56,7 @@ from refit.learner.distill.batch import (DistillBatch, check_teacher_student, dr
                                         logits_from_generation)
 from refit.learner.distill.config import FULL_VOCAB_LOSSES, DistillConfig
 from refit.learner.distill.evaluate import EvalSet, exact_match, make_eval_set, summary
-from refit.learner.run.activations import fuse_activations
+from refit.learner.run.activations import learner_kernels
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids, stop_ids_of
 from refit.learner.run.checkpoint import resume_latest, save_checkpoint
 from refit.learner.run.data import prompt_indices
@@ -65,7 +65,6 @@ from refit.learner.run.engines import CountingEngine, engine_for_model, pick_dev
 from refit.learner.run.lora import apply_lora
 from refit.learner.run.precision import autocast as precision_autocast, settle_precision
 from refit.learner.run.final import write_final
-from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.optim import adamw, neftune, schedule
 from refit.learner.run.loop import Job, StepHooks, check_finite, due, run_job
 from refit.learner.run.policy import response_forward
@@ -229,8 +228,7 @@ def setup(cfg: DistillConfig, resume: bool, log=print, dist: DistContext | None 
     teacher_engine = CountingEngine(engine("teacher", cfg.teacher.model_dir, cfg.teacher.engine_dir))
     student_engine = engine("student", cfg.student.model_dir, cfg.student.engine_dir, cfg.lora)
     teacher_model = load_model(cfg.teacher.model_dir, t_info, attn=LEARNER_ATTN).to(device).requires_grad_(False)
-    use_cpu_matmul(teacher_model, cfg.run.cpu_matmul, device)
-    fuse_activations(teacher_model)  # the tanh GELU as one op (refit/learner/run/activations.py)
+    learner_kernels(teacher_model, cfg.run.cpu_matmul, device)  # oneDNN linears, the fused GELU
     eval_set = make_eval_set(cfg, teacher_engine, teacher_model, held, eval_ids, seq2seq, stop_ids)
     teacher_engine.generate_calls = 0  # the eval set is drawn once; the counters are per training batch
     student = student_model(cfg, s_info, device)
@@ -262,8 +260,7 @@ def student_model(cfg: DistillConfig, info, device):
     """The student to train: the loaded model, or with ``lora.r > 0`` a LoRA adapter over it (the base frozen)."""
     student = load_model(cfg.student.model_dir, info, attn=LEARNER_ATTN).to(device)
     student = apply_lora(student, cfg.lora, cfg.run.seed) if cfg.lora.enabled else student
-    use_cpu_matmul(student, cfg.run.cpu_matmul, device)
-    fuse_activations(student)  # the tanh GELU as one op (refit/learner/run/activations.py)
+    learner_kernels(student, cfg.run.cpu_matmul, device)  # oneDNN linears, the fused GELU
     return student
 
 

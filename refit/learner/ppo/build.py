@@ -27,14 +27,13 @@ from refit.learner.ppo.rewards import NamedReward, RewardLog, load_rewards
 from refit.learner.ppo.route import UpdateRoute, choose_route, on_cuda, update_settings
 from refit.learner.ppo.experience import needs_reference
 from refit.learner.ppo.update import EntropyCoef, KLCoef
-from refit.learner.run.activations import fuse_activations
+from refit.learner.run.activations import learner_kernels
 from refit.learner.run.chat import encode_prompts, end_of_turn_ids
 from refit.learner.run.checkpoint import resume_latest
 from refit.learner.run.dataset import PromptSet
 from refit.learner.run.distributed import DistContext
 from refit.learner.run.engines import engine_folder, engine_for_model, pick_device
 from refit.learner.run.lora import apply_lora, hold_int8
-from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.policy import ValueHead, hidden_size
 from refit.learner.run.precision import settle_precision
 from refit.learner.run.sync import Contract, WeightSync, make_probe, push_checkpoint
@@ -202,8 +201,7 @@ def learner_models(cfg: PPOConfig, info: ModelInfo, device, main: bool, kl_coef:
             hold_int8(policy, Manifest.read(engine_dir(cfg, Path(cfg.run.output_dir))))
             gc.collect()
             release_freed_memory()  # the fp32 base's pages back to the system (a heap kept by an engine keeps them)
-    use_cpu_matmul(policy, cfg.run.cpu_matmul, device)
-    fuse_activations(policy)  # the tanh GELU as one op (refit/learner/run/activations.py)
+    learner_kernels(policy, cfg.run.cpu_matmul, device)  # oneDNN linears, the fused GELU
     ref = torch_reference(cfg, policy, info, device, main, kl_coef)
     critic = cfg.advantage_estimator == "gae"  # rloo / grpo: no value head in the update
     value_head = ValueHead(hidden_size(policy)).to(device).requires_grad_(critic)

@@ -12,9 +12,8 @@ from refit.core.hf_folder import LEARNER_ATTN, ModelInfo, load_model, text_confi
 from refit.learner.ppo.config import PPOConfig
 from refit.learner.ppo.overlap import split_threads
 from refit.learner.ppo.experience import needs_reference
-from refit.learner.run.activations import fuse_activations
+from refit.learner.run.activations import learner_kernels
 from refit.learner.run.lora import AdapterOff
-from refit.learner.run.matmul import use_cpu_matmul
 from refit.learner.run.precision import mixed_bf16
 from refit.learner.run.optim import adamw, schedule
 from refit.rollout.build import ensure_engine
@@ -45,8 +44,7 @@ def torch_reference(cfg: PPOConfig, policy: torch.nn.Module, info: ModelInfo, de
     if cfg.lora.enabled:
         return AdapterOff(policy)
     ref = load_model(cfg.model.model_dir, info, attn=LEARNER_ATTN).to(device).requires_grad_(False)
-    use_cpu_matmul(ref, cfg.run.cpu_matmul, device)
-    fuse_activations(ref)  # the tanh GELU as one op (refit/learner/run/activations.py)
+    learner_kernels(ref, cfg.run.cpu_matmul, device)  # oneDNN linears, the fused GELU
     return ref
 
 

@@ -89,8 +89,8 @@ def micro_batches(rollout, per: int) -> list[torch.Tensor]:
     """The update's row groups of at most ``per`` rows: the rows by response length, longest first (ties in batch
     order), so that each group, cut to its own longest row rounded up to :data:`WIDTH_STEP`
     (:meth:`RolloutBatch.trimmed`), forwards little of the padding a batch-wide width carries; each group's rows in
-    batch order. The widest group comes first, so the
-    largest forward's blocks are the ones the later forwards reuse."""
+    batch order. The widest group comes first, so the largest forward's blocks are the ones the later forwards
+    reuse."""
     order = torch.argsort(rollout.response_mask.sum(1), descending=True, stable=True)
     return [order[a:a + per].sort().values for a in range(0, len(order), per)]
 

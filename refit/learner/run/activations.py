@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import FastGELUActivation, NewGELUActivation
 
-from refit.learner.run.matmul import swap_classes
+from refit.learner.run.matmul import swap_classes, use_cpu_matmul
 
 
 def _traced() -> bool:
@@ -48,4 +48,13 @@ def fuse_activations(model: torch.nn.Module) -> int:
     return swap_classes(model, _SWAP)
 
 
-__all__ = ["FusedFastGELU", "FusedNewGELU", "fuse_activations"]
+def learner_kernels(model: torch.nn.Module, cpu_matmul: str = "auto", device: torch.device | str = "cpu") -> None:
+    """A learner model's kernels, in place: its linear layers on ``run.cpu_matmul``'s route
+    (refit.learner.run.matmul.use_cpu_matmul) and its tanh GELU fused (:func:`fuse_activations`). Every learner model
+    (policy, PyTorch reference, distillation teacher and student) takes both here, so a policy and its reference
+    compute alike (KL(0) exactly 0)."""
+    use_cpu_matmul(model, cpu_matmul, device)
+    fuse_activations(model)
+
+
+__all__ = ["FusedFastGELU", "FusedNewGELU", "fuse_activations", "learner_kernels"]
